@@ -1,0 +1,5 @@
+import sys
+
+from kvpilot.cli.main import main
+
+sys.exit(main())

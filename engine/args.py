@@ -1,0 +1,164 @@
+"""Engine and server command-line flags: the one contract the operator renders into pods.
+
+Torch-free on purpose: the operator imports this module to build the exact
+`kvpilot serve` command line a pod runs, and `kvpilot serve --help` reads it
+without loading the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+ROLES = ("both", "prefill", "decode")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Gives a byte count from '512MiB', '2GiB', '1e9'-free plain integers, or an int."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"kv_cache_memory={text!r} is not a size: write e.g. 512MiB or 2GiB")
+    number, unit = match.groups()
+    unit = (unit or "").upper().removesuffix("B")
+    return int(float(number) * _UNITS[unit])
+
+
+@dataclass
+class EngineArgs:
+    """Flags of the engine; each field is a `--kebab-case` flag of `kvpilot serve`."""
+
+    model: str = field(default="tiny-llama", metadata={
+        "help": "HF-format model directory, or a built-in tiny config "
+                "(tiny-llama, tiny-qwen3, tiny-mixtral)"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "name clients use in the `model` field (default: --model)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer dir (default: model)"})
+    load_format: str = field(default="auto", metadata={"choices": LOAD_FORMATS,
+        "help": "auto: safetensors when the model dir has them, dummy for built-in configs"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPES,
+        "help": "auto: bfloat16 on GPU, float32 on CPU"})
+    device: str = field(default="auto", metadata={"choices": DEVICES})
+    seed: int = 0
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest prompt plus output (default: the model's)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
+    kv_cache_memory: str | None = field(default=None, metadata={
+        "help": "bytes for the KV cache, e.g. 512MiB (CPU default 256MiB)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "fraction of GPU memory the engine may use (GPU only)"})
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "help": "exact number of KV blocks (overrides the memory budget)"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefix blocks"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int = field(default=8192, metadata={
+        "help": "token budget of one step (prefill chunks plus decodes)"})
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = field(default="fcfs", metadata={"choices": SCHEDULING_POLICIES})
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS,
+        "help": "auto: triton on CUDA, torch elsewhere"})
+    enforce_eager: bool = field(default=False, metadata={"help": "disable CUDA graphs"})
+    role: str = field(default="both", metadata={"choices": ROLES,
+        "help": "both: aggregated; prefill/decode: disaggregated roles"})
+    kv_transfer_port: int = field(default=0, metadata={
+        "help": "TCP port of the KV-transfer listener (0: the server port + 1000)"})
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
+                              ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
+                              ("scheduling_policy", SCHEDULING_POLICIES), ("role", ROLES)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is invalid: choose one of {', '.join(allowed)}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be at least 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} is invalid: "
+                             "must be in (0, 1]")
+        if self.kv_cache_memory is not None:
+            parse_size(self.kv_cache_memory)
+
+    @property
+    def name(self) -> str:
+        """The model name clients send."""
+        return self.served_model_name or self.model
+
+    def to_cli(self) -> list[str]:
+        """Gives the flags that reproduce these args, omitting defaults."""
+        return _to_cli(self)
+
+
+@dataclass
+class ServerArgs:
+    """Flags of the HTTP server around the engine."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue_len: int = field(default=1024, metadata={
+        "help": "waiting requests beyond which new ones get 429"})
+    drain_timeout: float = field(default=30.0, metadata={
+        "help": "seconds in-flight requests get to finish after SIGTERM"})
+    api_key: str | None = field(default=None, metadata={"help": "require this bearer token"})
+    log_level: str = "info"
+
+    def to_cli(self) -> list[str]:
+        return _to_cli(self)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _to_cli(obj: Any) -> list[str]:
+    out: list[str] = []
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        default = f.default if f.default is not MISSING else None
+        if value == default:
+            continue
+        if isinstance(value, bool):
+            out.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif value is not None:
+            out += [_flag(f.name), str(value)]
+    return out
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Adds one flag per field of `cls` (bools get --x / --no-x)."""
+    for f in fields(cls):
+        meta = dict(f.metadata)
+        default = f.default if f.default is not MISSING else None
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": meta.get("help")}
+        if isinstance(default, bool):
+            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        type_name = str(f.type)
+        if "int" in type_name and "str" not in type_name:
+            kwargs["type"] = int
+        elif "float" in type_name:
+            kwargs["type"] = float
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+        parser.add_argument(_flag(f.name), **kwargs)
+
+
+def from_namespace(cls: type, args: argparse.Namespace) -> Any:
+    """Builds `cls` from the parsed flags of `add_dataclass_args`."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

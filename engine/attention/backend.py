@@ -1,0 +1,24 @@
+"""The attention-backend interface every model layer calls."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvpilot.engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """Writes a step's new K/V into the paged cache and attends over each sequence's context."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim], causal within each sequence
+        ...

@@ -1,0 +1,27 @@
+"""Metric names the engine exports; one source for the server, router and operator.
+
+Engine metrics carry the names the ecosystem already scrapes (vLLM's), so
+existing dashboards, KEDA scalers and gateways work unchanged. kvpilot-only
+metrics use the `kvpilot_` prefix. Every engine metric carries a `model_name`
+label. (prometheus_client appends `_total` to counters when exposing them.)
+"""
+
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+NUM_PREEMPTIONS = "vllm:num_preemptions"
+PROMPT_TOKENS = "vllm:prompt_tokens"
+GENERATION_TOKENS = "vllm:generation_tokens"
+REQUEST_SUCCESS = "vllm:request_success"
+TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
+E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
+
+NUM_WAITING_PROMPT_TOKENS = "kvpilot_num_waiting_prompt_tokens"
+DRAINING = "kvpilot_draining"
+
+MODEL_NAME_LABEL = "model_name"
+FINISHED_REASON_LABEL = "finished_reason"

@@ -1,0 +1,79 @@
+"""What the engine gives back for each request: cumulative outputs per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability and its rank in the distribution (1 = most likely)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str = ""
+
+
+# token id -> Logprob, holding the sampled token and the top-k alternatives
+TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` completions of a request, cumulative so far."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.monotonic seconds) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: prompt, completions so far, and whether it ended."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """Gauges and cumulative counters the server exports as Prometheus metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_prompt_tokens: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_total_blocks: int = 0
+    num_free_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # tokens found there
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (hits excluded)
+    generation_tokens: int = 0
+    extra: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,72 @@
+"""Sampling parameters of one request, validated with messages that name the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output; names and defaults follow vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to return with each token
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    beam_width: int = 1  # offline API only; >1 runs beam search (greedy, no sampling)
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad field, its value and the fix."""
+        checks: list[tuple[bool, str, object, str]] = [
+            (self.n >= 1, "n", self.n, "must be at least 1"),
+            (self.temperature >= 0, "temperature", self.temperature, "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 or -1 disables it)"),
+            (0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty,
+             "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty,
+             "must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
+             "must be > 0"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,
+             "must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
+             "must be between 0 and 20"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             self.prompt_logprobs, "must be between 0 and 20"),
+            (self.beam_width >= 1, "beam_width", self.beam_width, "must be at least 1"),
+            (all(s for s in self.stop), "stop", self.stop, "must not contain empty strings"),
+        ]
+        for ok, name, value, fix in checks:
+            if not ok:
+                raise ValueError(f"{name}={value!r} is invalid: {name} {fix}")
