@@ -1,0 +1,115 @@
+"""Router command-line flags: the contract the operator renders into the router Deployment.
+
+Torch-free and dependency-light on purpose: the operator imports `RouterArgs` to
+build the exact `kvpilot route` command line a router pod runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpilot.engine.args import ROLES, _to_cli
+
+POLICIES = ("round-robin", "least-load", "prefix-aware")
+DISCOVERIES = ("static", "kubernetes")
+
+# Labels the router reads on EndpointSlices (copied there from the pool's Service):
+# which pool role the endpoints serve. The operator renders them on each pool Service.
+ROLE_LABEL = "kvpilot.dev/role"
+# Header a client may send to pin a request to one instance URL (debugging, tests).
+INSTANCE_HEADER = "x-kvpilot-instance"
+# Header the router adds to every response: which instance(s) served the request.
+SERVED_BY_HEADER = "x-kvpilot-served-by"
+
+
+@dataclass
+class RouterArgs:
+    """Flags of `kvpilot route`; each field is a `--kebab-case` flag."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    discovery: str = field(default="static", metadata={"choices": DISCOVERIES,
+        "help": "static: --instances; kubernetes: EndpointSlices matching --selector"})
+    instances: str | None = field(default=None, metadata={
+        "help": "comma-separated engine URLs, each optionally prefixed by its role, e.g. "
+                "http://127.0.0.1:8001,prefill=http://127.0.0.1:8002,decode=http://127.0.0.1:8003"})
+    namespace: str = field(default="default", metadata={
+        "help": "namespace of the EndpointSlices (kubernetes discovery)"})
+    selector: str | None = field(default=None, metadata={
+        "help": "label selector of the pools' EndpointSlices, e.g. kvpilot.dev/model=llama"})
+    port_name: str = field(default="http", metadata={
+        "help": "EndpointSlice port name of the engines' HTTP port"})
+    refresh_interval: float = field(default=2.0, metadata={
+        "help": "seconds between discovery refreshes and /metrics scrapes"})
+    policy: str = field(default="prefix-aware", metadata={"choices": POLICIES})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "tokenizer dir or built-in model name, so prompt block hashes equal the "
+                "engines' (default: hash the prompt's UTF-8 bytes)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (the engines')"})
+    prefix_index_max_entries: int = field(default=1_000_000, metadata={
+        "help": "hard cap on (instance, block) entries of the prefix index; LRU beyond"})
+    load_weight: float = field(default=0.5, metadata={
+        "help": "prefix-aware: how much relative load (waiting + in flight) costs"})
+    kv_usage_weight: float = field(default=0.25, metadata={
+        "help": "prefix-aware: how much KV-cache usage (0..1) costs"})
+    request_timeout: float = field(default=600.0, metadata={
+        "help": "seconds a whole request may take"})
+    connect_timeout: float = field(default=2.0, metadata={
+        "help": "seconds to connect to an engine before trying another"})
+    idle_timeout: float = field(default=60.0, metadata={
+        "help": "seconds without a byte from a streaming engine before it counts as failed"})
+    max_retries: int = field(default=2, metadata={
+        "help": "other instances tried when one fails before the first byte"})
+    eject_after_failures: int = field(default=3, metadata={
+        "help": "consecutive failures that eject an instance"})
+    eject_seconds: float = field(default=10.0, metadata={
+        "help": "how long an instance stays ejected (doubles on repeat, at most 8x)"})
+    hold_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a request waits for a ready instance (scale from zero) before 503"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require this bearer token (also read from KVPILOT_ROUTER_API_KEY)"})
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("policy", POLICIES), ("discovery", DISCOVERIES)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is invalid: choose one of {', '.join(allowed)}")
+        if self.discovery == "static" and not self.instances:
+            raise ValueError("instances=None is invalid with discovery=static: pass "
+                             "--instances http://HOST:PORT[,...] or --discovery kubernetes")
+        if self.discovery == "kubernetes" and not self.selector:
+            raise ValueError("selector=None is invalid with discovery=kubernetes: pass "
+                             "--selector LABEL=VALUE")
+        for name in ("block_size", "prefix_index_max_entries", "eject_after_failures"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be at least 1")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries={self.max_retries!r} is invalid: must be >= 0")
+        if self.instances:
+            parse_instances(self.instances)
+
+    def to_cli(self) -> list[str]:
+        """Gives the flags that reproduce these args, omitting defaults."""
+        return _to_cli(self)
+
+
+def parse_instances(text: str) -> list[tuple[str, str]]:
+    """Gives (role, url) pairs from 'URL' or 'ROLE=URL' items separated by commas."""
+    out: list[tuple[str, str]] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        role, sep, url = item.partition("=")
+        if not sep:
+            role, url = "both", item
+        if role not in ROLES:
+            raise ValueError(f"instances item {item!r} has role {role!r}: choose one of "
+                             f"{', '.join(ROLES)} (write ROLE=URL)")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"instances item {item!r} is not an http(s) URL: "
+                             "write e.g. http://127.0.0.1:8001")
+        out.append((role, url.rstrip("/")))
+    if not out:
+        raise ValueError(f"instances={text!r} names no instance: write e.g. http://127.0.0.1:8001")
+    return out
