@@ -1,0 +1,179 @@
+"""The InferenceModel kind: one served model, its pools, its router and its status."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from kvpilot.operator.api.common import (
+    AcceleratorSpec,
+    ApiModel,
+    AutoscalingSpec,
+    CommunicationSpec,
+    Condition,
+    EngineSpec,
+    ModelSource,
+    Overrides,
+    ScaleDecision,
+    TopologySpec,
+    cel,
+)
+from pydantic import ConfigDict, Field, model_validator
+
+ServingMode = Literal["aggregated", "disaggregated"]
+RoutingPolicy = Literal["round-robin", "least-load", "prefix-aware"]
+
+
+class PoolTemplate(ApiModel):
+    """What the InferenceModel asks of one of its pools (prefill or decode)."""
+
+    replicas: int = Field(default=1, ge=0)
+    """Replicas when autoscaling is off; the starting count when it is on."""
+    autoscaling: AutoscalingSpec | None = None
+    """Scale this pool on KV-cache pressure and queue depth."""
+    topology: TopologySpec | None = None
+    """Overrides spec.topology for this pool (e.g. a smaller TP for prefill)."""
+    overrides: Overrides | None = None
+    """Overrides spec.overrides for this pool's pods."""
+
+
+class RouterSpec(ApiModel):
+    """The router Deployment in front of the pools."""
+
+    replicas: int = Field(default=1, ge=0, le=64)
+    """Router replicas (stateless; 0 disables the router)."""
+    policy: RoutingPolicy = "prefix-aware"
+    """How the router picks an engine for each request."""
+
+
+def _budget_rule(path: str) -> str:
+    return (f"!has(self.gpuBudget) || !has({path}) || "
+            f"{path}.tensorParallel * {path}.pipelineParallel <= self.gpuBudget")
+
+
+INFERENCE_MODEL_RULES = [
+    cel("self.servingMode == 'aggregated' || has(self.prefill)",
+        "servingMode disaggregated needs spec.prefill: add a prefill pool template",
+        ".servingMode"),
+    cel("self.servingMode == 'disaggregated' || !has(self.prefill)",
+        "spec.prefill is only used when servingMode is disaggregated: remove it or switch mode",
+        ".prefill"),
+    cel("!has(self.accelerator.gpusPerNode) || "
+        "self.topology.tensorParallel <= self.accelerator.gpusPerNode",
+        "topology.tensorParallel must fit one node: lower it to accelerator.gpusPerNode or below",
+        ".topology.tensorParallel"),
+    cel(_budget_rule("self.topology"),
+        "one replica needs tensorParallel*pipelineParallel GPUs, more than gpuBudget: "
+        "raise gpuBudget or shrink the topology", ".gpuBudget"),
+    cel(_budget_rule("self.decode.topology"),
+        "decode.topology needs more GPUs per replica than gpuBudget: raise gpuBudget or shrink it",
+        ".gpuBudget"),
+    cel("!has(self.prefill) || " + _budget_rule("self.prefill.topology"),
+        "prefill.topology needs more GPUs per replica than gpuBudget: raise gpuBudget or shrink it",
+        ".gpuBudget"),
+]
+
+
+class InferenceModelSpec(ApiModel):
+    """Desired state of a served model."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": INFERENCE_MODEL_RULES})
+
+    model: ModelSource
+    """What to serve."""
+    engine: EngineSpec = Field(default_factory=EngineSpec, json_schema_extra={"default": {}})
+    """Engine settings shared by all pools."""
+    topology: TopologySpec = Field(default_factory=TopologySpec, json_schema_extra={"default": {}})
+    """Parallelism of each replica (pools may override)."""
+    accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec,
+                                         json_schema_extra={"default": {}})
+    """Devices the replicas run on."""
+    communication: CommunicationSpec = Field(default_factory=CommunicationSpec,
+                                             json_schema_extra={"default": {}})
+    """NCCL/RCCL settings."""
+    serving_mode: ServingMode = "aggregated"
+    """aggregated: one decode pool serves whole requests; disaggregated: prefill and decode pools."""
+    prefill: PoolTemplate | None = None
+    """Prefill pool (disaggregated only)."""
+    decode: PoolTemplate = Field(default_factory=PoolTemplate, json_schema_extra={"default": {}})
+    """Decode pool (in aggregated mode it serves both phases)."""
+    router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
+    """Router in front of the pools."""
+    gpu_budget: int | None = Field(default=None, ge=1)
+    """Most GPUs one replica of any pool may use."""
+    overrides: Overrides = Field(default_factory=Overrides, json_schema_extra={"default": {}})
+    """Pod settings applied to every pool."""
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> InferenceModelSpec:
+        rules = [r["message"] for r in INFERENCE_MODEL_RULES]
+        if self.serving_mode == "disaggregated" and self.prefill is None:
+            raise ValueError(rules[0])
+        if self.serving_mode == "aggregated" and self.prefill is not None:
+            raise ValueError(rules[1])
+        per_node = self.accelerator.gpus_per_node
+        if per_node is not None and self.topology.tensor_parallel > per_node:
+            raise ValueError(f"topology.tensorParallel={self.topology.tensor_parallel} > "
+                             f"accelerator.gpusPerNode={per_node}: {rules[2]}")
+        for topo, message in ((self.topology, rules[3]),
+                              (self.decode.topology, rules[4]),
+                              (self.prefill.topology if self.prefill else None, rules[5])):
+            if topo is None or self.gpu_budget is None:
+                continue
+            gpus = topo.tensor_parallel * topo.pipeline_parallel
+            if gpus > self.gpu_budget:
+                raise ValueError(f"{topo.tensor_parallel}*{topo.pipeline_parallel}={gpus} GPUs > "
+                                 f"gpuBudget={self.gpu_budget}: {message}")
+        return self
+
+    def pool_topology(self, role: Literal["prefill", "decode"]) -> TopologySpec:
+        """Gives the topology a pool runs with: its own override, else spec.topology."""
+        template = self.prefill if role == "prefill" else self.decode
+        return (template.topology if template and template.topology else None) or self.topology
+
+
+class PoolReplicas(ApiModel):
+    """Replica counts of one pool as the InferenceModel sees them."""
+
+    desired: int = 0
+    """Replicas asked for."""
+    ready: int = 0
+    """Replicas passing readiness."""
+
+
+class InferenceModelStatus(ApiModel):
+    """Observed state, written by the operator and the autoscaler."""
+
+    conditions: list[Condition] = Field(default_factory=list)
+    """Ready, Progressing and Degraded."""
+    observed_generation: int | None = None
+    """metadata.generation this status reflects."""
+    prefill: PoolReplicas | None = None
+    """Prefill pool replicas (disaggregated only)."""
+    decode: PoolReplicas | None = None
+    """Decode pool replicas."""
+    prefill_replicas: str | None = None
+    """Ready/desired prefill replicas as text, e.g. 1/2 (printer column)."""
+    decode_replicas: str | None = None
+    """Ready/desired decode replicas as text, e.g. 2/2 (printer column)."""
+    endpoint: str | None = None
+    """URL of the router's OpenAI API inside the cluster."""
+    kv_cache_utilization: float | None = Field(default=None, ge=0, le=1)
+    """Mean fraction of KV-cache blocks in use across decode replicas."""
+    kv_cache_percent: int | None = Field(default=None, ge=0, le=100)
+    """kvCacheUtilization as a whole percentage (printer column)."""
+    queue_depth: int | None = Field(default=None, ge=0)
+    """Waiting requests summed over all replicas."""
+    last_scale_decision: ScaleDecision | None = None
+    """The autoscaler's latest decision."""
+
+
+class InferenceModel(ApiModel):
+    """An InferenceModel object as stored by the API server."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: str = "kvpilot.dev/v1alpha1"
+    kind: Literal["InferenceModel"] = "InferenceModel"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: InferenceModelSpec
+    status: InferenceModelStatus | None = None

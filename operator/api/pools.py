@@ -1,0 +1,153 @@
+"""The PrefillPool and DecodePool kinds: a set of identical engine replicas of one role."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from kvpilot.operator.api.common import (
+    AcceleratorSpec,
+    ApiModel,
+    AutoscalingSpec,
+    CommunicationSpec,
+    Condition,
+    EngineSpec,
+    ModelSource,
+    Overrides,
+    ScaleDecision,
+    TopologySpec,
+    cel,
+)
+from kvpilot.operator.api.inference_model import InferenceModelSpec
+from pydantic import ConfigDict, Field, model_validator
+
+POOL_RULES = [
+    cel("has(self.modelRef) != has(self.model)",
+        "set exactly one of spec.modelRef (name of an InferenceModel) or spec.model (inline)"),
+    cel("!has(self.engine) || has(self.model)",
+        "spec.engine goes with an inline spec.model; with spec.modelRef the InferenceModel's "
+        "engine applies: remove spec.engine", ".engine"),
+    cel("!has(self.topology) || !has(self.accelerator) || !has(self.accelerator.gpusPerNode) || "
+        "self.topology.tensorParallel <= self.accelerator.gpusPerNode",
+        "topology.tensorParallel must fit one node: lower it to accelerator.gpusPerNode or below",
+        ".topology.tensorParallel"),
+]
+
+
+class PoolSpec(ApiModel):
+    """Fields both pool kinds share. Unset sections come from the referenced InferenceModel."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": POOL_RULES})
+
+    model_ref: str | None = Field(default=None, min_length=1, max_length=253)
+    """Name of an InferenceModel in the same namespace whose model and engine this pool serves."""
+    model: ModelSource | None = None
+    """Inline model, instead of modelRef."""
+    engine: EngineSpec | None = None
+    """Inline engine settings (only with model)."""
+    replicas: int = Field(default=1, ge=0)
+    """Engine replicas; the scale subresource and the autoscaler write it."""
+    topology: TopologySpec | None = None
+    """Parallelism of each replica (unset: the InferenceModel's, else 1/1/1)."""
+    accelerator: AcceleratorSpec | None = None
+    """Devices (unset: the InferenceModel's, else nvidia)."""
+    communication: CommunicationSpec | None = None
+    """NCCL/RCCL settings (unset: the InferenceModel's)."""
+    autoscaling: AutoscalingSpec | None = None
+    """Scale on KV-cache pressure and queue depth; absent means fixed replicas."""
+    overrides: Overrides | None = None
+    """Pod settings (unset: the InferenceModel's)."""
+
+    @model_validator(mode="after")
+    def _source(self) -> PoolSpec:
+        if (self.model_ref is None) == (self.model is None):
+            raise ValueError(f"spec.modelRef={self.model_ref!r}, spec.model "
+                             f"{'set' if self.model else 'unset'}: {POOL_RULES[0]['message']}")
+        if self.engine is not None and self.model is None:
+            raise ValueError(POOL_RULES[1]["message"])
+        if self.topology and self.accelerator and self.accelerator.gpus_per_node is not None \
+                and self.topology.tensor_parallel > self.accelerator.gpus_per_node:
+            raise ValueError(f"topology.tensorParallel={self.topology.tensor_parallel} > "
+                             f"accelerator.gpusPerNode={self.accelerator.gpus_per_node}: "
+                             f"{POOL_RULES[2]['message']}")
+        return self
+
+    def resolved(self, owner: InferenceModelSpec | None) -> PoolSpec:
+        """Gives a copy with every section filled: own value, else the owner's, else the default."""
+        if self.model_ref is not None and owner is None:
+            raise ValueError(f"spec.modelRef={self.model_ref!r} names no InferenceModel in this "
+                             "namespace: create it or set spec.model inline")
+
+        def pick(own: Any, inherited: Any, default: Any) -> Any:
+            return own if own is not None else (inherited if inherited is not None else default)
+
+        role = "prefill" if getattr(self, "role", None) == "prefill" else "decode"
+        return self.model_copy(update={
+            "model": pick(self.model, owner and owner.model, None),
+            "engine": pick(self.engine, owner and owner.engine, EngineSpec()),
+            "topology": pick(self.topology, owner and owner.pool_topology(role), TopologySpec()),
+            "accelerator": pick(self.accelerator, owner and owner.accelerator, AcceleratorSpec()),
+            "communication": pick(self.communication, owner and owner.communication,
+                                  CommunicationSpec()),
+            "overrides": pick(self.overrides, owner and owner.overrides, Overrides()),
+        })
+
+
+class PrefillPoolSpec(PoolSpec):
+    """Desired state of a PrefillPool."""
+
+    role: Literal["prefill"] = "prefill"
+    """Engine role: prefill computes prompt KV and hands it to a decode pool."""
+
+
+class DecodePoolSpec(PoolSpec):
+    """Desired state of a DecodePool."""
+
+    role: Literal["both", "decode"] = "both"
+    """Engine role: both serves whole requests (aggregated); decode takes KV from prefill."""
+
+
+class PoolStatus(ApiModel):
+    """Observed state of a pool."""
+
+    conditions: list[Condition] = Field(default_factory=list)
+    """Ready, Progressing and Degraded."""
+    observed_generation: int | None = None
+    """metadata.generation this status reflects."""
+    replicas: int = Field(default=0, ge=0)
+    """Replicas that exist (scale subresource)."""
+    ready_replicas: int = Field(default=0, ge=0)
+    """Replicas passing readiness."""
+    selector: str | None = None
+    """Label selector of the pool's pods, as text (scale subresource, for HPA/KEDA)."""
+    kv_cache_utilization: float | None = Field(default=None, ge=0, le=1)
+    """Mean fraction of KV-cache blocks in use."""
+    kv_cache_percent: int | None = Field(default=None, ge=0, le=100)
+    """kvCacheUtilization as a whole percentage (printer column)."""
+    queue_depth: int | None = Field(default=None, ge=0)
+    """Waiting requests summed over replicas."""
+    last_scale_decision: ScaleDecision | None = None
+    """The autoscaler's latest decision."""
+
+
+class PrefillPool(ApiModel):
+    """A PrefillPool object as stored by the API server."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: str = "kvpilot.dev/v1alpha1"
+    kind: Literal["PrefillPool"] = "PrefillPool"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: PrefillPoolSpec
+    status: PoolStatus | None = None
+
+
+class DecodePool(ApiModel):
+    """A DecodePool object as stored by the API server."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: str = "kvpilot.dev/v1alpha1"
+    kind: Literal["DecodePool"] = "DecodePool"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: DecodePoolSpec
+    status: PoolStatus | None = None
