@@ -25,3 +25,16 @@ DRAINING = "kvpilot_draining"
 
 MODEL_NAME_LABEL = "model_name"
 FINISHED_REASON_LABEL = "finished_reason"
+
+# The router's own metrics (`kvpilot route`); the autoscaler reads the pending
+# gauge to scale a pool up from zero replicas.
+ROUTER_REQUESTS = "kvpilot_router_requests"
+ROUTER_RETRIES = "kvpilot_router_retries"
+ROUTER_EJECTIONS = "kvpilot_router_ejections"
+ROUTER_PREFIX_HIT_BLOCKS = "kvpilot_router_prefix_hit_blocks"
+ROUTER_PROMPT_BLOCKS = "kvpilot_router_prompt_blocks"
+ROUTER_IN_FLIGHT = "kvpilot_router_in_flight_requests"
+ROUTER_PENDING_REQUESTS = "kvpilot_router_pending_requests"
+ROUTER_INSTANCES = "kvpilot_router_instances"
+ROUTER_PREFIX_INDEX_ENTRIES = "kvpilot_router_prefix_index_entries"
+ROUTER_TIME_TO_FIRST_BYTE = "kvpilot_router_time_to_first_byte_seconds"

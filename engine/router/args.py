@@ -113,3 +113,6 @@ def parse_instances(text: str) -> list[tuple[str, str]]:
     if not out:
         raise ValueError(f"instances={text!r} names no instance: write e.g. http://127.0.0.1:8001")
     return out
+
+# Request headers the router passes on to engines (the client's auth stays at the router).
+PASSED_HEADERS = ("content-type", "x-request-id")

@@ -1,0 +1,110 @@
+"""The instances the router knows: roles, scraped load, in-flight counts and health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from kvpilot.engine import metric_names as names
+from kvpilot.engine.router.discovery import Discovery
+from kvpilot.engine.router.health import Health
+from kvpilot.engine.router.policy import InstanceView
+from kvpilot.engine.router.prefix_index import PrefixIndex
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger("kvpilot.router")
+
+
+@dataclass
+class Instance:
+    """One engine endpoint and what the router knows about it."""
+
+    url: str
+    role: str  # both | prefill | decode
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    in_flight: int = 0
+    health: Health = field(default_factory=Health)
+
+    def view(self) -> InstanceView:
+        return InstanceView(self.url, self.waiting, self.in_flight, self.kv_usage)
+
+
+def parse_load(text: str) -> tuple[float, float, float]:
+    """Gives (waiting, running, kv_usage) summed over models from Prometheus text."""
+    wanted = {names.NUM_REQUESTS_WAITING: 0.0, names.NUM_REQUESTS_RUNNING: 0.0,
+              names.KV_CACHE_USAGE_PERC: 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name in wanted:
+            wanted[family.name] += sum(sample.value for sample in family.samples)
+    return (wanted[names.NUM_REQUESTS_WAITING], wanted[names.NUM_REQUESTS_RUNNING],
+            wanted[names.KV_CACHE_USAGE_PERC])
+
+
+class Fleet:
+    """Instances by URL, refreshed from discovery and scraped for load."""
+
+    def __init__(self, discovery: Discovery, index: PrefixIndex, *, eject_after: int,
+                 eject_seconds: float) -> None:
+        self.discovery = discovery
+        self.index = index
+        self.eject_after, self.eject_seconds = eject_after, eject_seconds
+        self.instances: dict[str, Instance] = {}
+        self.changed = asyncio.Event()  # set whenever instances appear or come back
+
+    def update(self, pairs: list[tuple[str, str]]) -> None:
+        """Adds new instances and drops (and forgets the cache of) vanished ones."""
+        wanted = {url: role for role, url in pairs}
+        for url in list(self.instances):
+            if url not in wanted or self.instances[url].role != wanted[url]:
+                del self.instances[url]
+                self.index.remove_instance(url)
+        for url, role in wanted.items():
+            if url not in self.instances:
+                self.instances[url] = Instance(url, role)
+                self.changed.set()
+
+    def available(self, roles: tuple[str, ...], now: float | None = None) -> list[Instance]:
+        """Gives the instances of these roles that are not ejected."""
+        now = time.monotonic() if now is None else now
+        return [i for i in self.instances.values()
+                if i.role in roles and i.health.available(now)]
+
+    def succeeded(self, instance: Instance) -> None:
+        instance.health.record_success()
+
+    def failed(self, instance: Instance, reason: str) -> bool:
+        """Counts a failure of `instance`; gives True when it got ejected."""
+        ejected = instance.health.record_failure(time.monotonic(), self.eject_after,
+                                                 self.eject_seconds)
+        if ejected:
+            log.warning("ejecting %s for %.0fs after %d failures (last: %s)", instance.url,
+                        instance.health.ejected_until - time.monotonic(),
+                        self.eject_after, reason)
+        return ejected
+
+    async def refresh(self, client: httpx.AsyncClient) -> None:
+        """Re-reads discovery, then scrapes every instance's /metrics concurrently."""
+        try:
+            self.update(await self.discovery.list())
+        except (httpx.HTTPError, OSError, ValueError) as exc:
+            log.warning("discovery failed, keeping the last instance list: %s", exc)
+        await asyncio.gather(*(self._scrape(client, i) for i in list(self.instances.values())))
+
+    async def _scrape(self, client: httpx.AsyncClient, instance: Instance) -> None:
+        was_available = instance.health.available(time.monotonic())
+        try:
+            response = await client.get(f"{instance.url}/metrics")
+            response.raise_for_status()
+            instance.waiting, instance.running, instance.kv_usage = parse_load(response.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            # Only failures while in rotation count: an ejected instance keeps its backoff.
+            if was_available:
+                self.failed(instance, f"/metrics: {exc!r}")
+            return
+        if not was_available and instance.health.available(time.monotonic()):
+            self.changed.set()

@@ -1,0 +1,66 @@
+"""Routing decisions as pure functions of what the router knows about each instance.
+
+`round-robin` rotates; `least-load` takes the instance with the fewest waiting
+plus in-flight requests (then the lowest KV usage); `prefix-aware` scores each
+instance by the fraction of the prompt's blocks it probably holds minus a load
+cost and a KV-usage cost, so a request goes where its prefix is cached unless
+that instance is clearly busier than the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """One instance's load as the router sees it when deciding."""
+
+    url: str
+    waiting: float = 0.0  # scraped vllm:num_requests_waiting
+    in_flight: int = 0  # requests the router has open on it right now
+    kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc, 0..1
+
+    @property
+    def load(self) -> float:
+        return self.waiting + self.in_flight
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Costs the prefix-aware score subtracts from the hit fraction."""
+
+    load: float = 0.5
+    kv_usage: float = 0.25
+
+
+def score(view: InstanceView, hit_blocks: int, num_blocks: int, max_load: float,
+          weights: Weights) -> float:
+    """Gives the prefix-aware score: hit fraction minus relative load and KV-usage costs."""
+    hit = hit_blocks / num_blocks if num_blocks else 0.0
+    relative_load = view.load / (max_load + 1.0)
+    return hit - weights.load * relative_load - weights.kv_usage * view.kv_usage
+
+
+def choose(policy: str, views: Sequence[InstanceView], *, counter: int = 0,
+           hits: Mapping[str, int] | None = None, num_blocks: int = 0,
+           weights: Weights = Weights()) -> InstanceView:
+    """Gives the instance `policy` picks; `counter` rotates round-robin and breaks ties."""
+    if not views:
+        raise ValueError("no instance to choose from")
+    n = len(views)
+    # Rotating the candidate order by `counter` makes ties fall on different
+    # instances in turn instead of always the first.
+    rotated = [views[(counter + i) % n] for i in range(n)]
+    if policy == "round-robin":
+        return rotated[0]
+    if policy == "least-load":
+        return min(rotated, key=lambda v: (v.load, v.kv_usage))
+    if policy == "prefix-aware":
+        hits = hits or {}
+        max_load = max(v.load for v in views)
+        return max(rotated, key=lambda v: score(v, hits.get(v.url, 0), num_blocks, max_load,
+                                                 weights))
+    raise ValueError(f"policy={policy!r} is invalid: choose round-robin, least-load or "
+                     "prefix-aware")

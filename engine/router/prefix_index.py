@@ -1,0 +1,67 @@
+"""Which KV blocks each instance probably holds: an LRU map with a hard entry cap.
+
+Keys are (instance, block hash) pairs. Block hashes are chained (each covers its
+parent), so an instance holding block i of a prompt holds the prompt's first
+i + 1 blocks; a lookup walks the prompt's hashes from the start and stops at the
+first miss. The index is fed by the router's own decisions (a request routed to
+an instance will leave its prompt blocks cached there) and refined by KV events
+the engines publish (blocks stored and evicted).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+# What one entry costs in CPython (OrderedDict node + key tuple + two ints),
+# measured with tracemalloc in tests/router/test_prefix_index.py.
+ENTRY_BYTES = 200
+
+
+class PrefixIndex:
+    """LRU set of (instance, block hash) pairs holding at most `max_entries`."""
+
+    def __init__(self, max_entries: int) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries={max_entries!r} is invalid: must be at least 1")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def insert(self, instance: str, block_hashes: Iterable[int]) -> None:
+        """Records that `instance` holds these blocks (most recently used)."""
+        entries = self._entries
+        for block_hash in block_hashes:
+            key = (instance, block_hash)
+            if key in entries:
+                entries.move_to_end(key)
+            else:
+                entries[key] = None
+                if len(entries) > self.max_entries:
+                    entries.popitem(last=False)
+                    self.evictions += 1
+
+    def remove(self, instance: str, block_hashes: Iterable[int]) -> None:
+        """Forgets blocks the instance evicted (from its KV events)."""
+        for block_hash in block_hashes:
+            self._entries.pop((instance, block_hash), None)
+
+    def remove_instance(self, instance: str) -> None:
+        """Forgets everything about an instance that left (or cleared its cache)."""
+        for key in [key for key in self._entries if key[0] == instance]:
+            del self._entries[key]
+
+    def match(self, instance: str, block_hashes: Sequence[int]) -> int:
+        """Gives how many leading blocks of the prompt the instance holds (and touches them)."""
+        entries = self._entries
+        matched = 0
+        for block_hash in block_hashes:
+            key = (instance, block_hash)
+            if key not in entries:
+                break
+            entries.move_to_end(key)
+            matched += 1
+        return matched
