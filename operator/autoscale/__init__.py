@@ -1,0 +1,1 @@
+"""Autoscaling of pools: pure policy and GPU budget, metrics scraping, kopf timers, simulator."""

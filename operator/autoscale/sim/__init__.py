@@ -1,0 +1,1 @@
+"""Discrete-event fleet simulator that runs the real autoscaling policy."""
