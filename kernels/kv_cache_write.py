@@ -1,0 +1,65 @@
+"""KV-cache write: scatter a step's new K/V rows into the paged cache through a slot mapping.
+
+``slot_mapping[t] = block * block_size + offset`` names where token ``t``'s K
+and V go in a cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
+``-1`` means "do not write" (padding rows, or tokens whose KV is already
+cached). One program copies one token's K and V rows (all KV heads).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_cache_write_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_vt, stride_kv, stride_slot,
+    ROW: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < ROW
+    k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
+    dst = cache_ptr + slot * stride_slot + offs
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def kv_cache_write(
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> None:
+    """Writes each token's K/V into its slot of the cache in place; gives nothing back."""
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
+    # a token's KV heads must be one dense row so that one program copies them at once
+    assert k.stride(1) == k.shape[2] and k.stride(2) == 1, "k rows must be dense"
+    assert v.stride(1) == v.shape[2] and v.stride(2) == 1, "v rows must be dense"
+    row = k.shape[1] * k.shape[2]
+    _kv_cache_write_kernel[(num_tokens,)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(0), v.stride(0), kv_cache.stride(0), kv_cache.stride(2),
+        ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4,
+    )
+
+
+def kv_cache_write_ref(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> None:
+    """Does the same write with torch indexing (in place)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(kv_cache.dtype)
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(kv_cache.dtype)

@@ -1,0 +1,179 @@
+"""Paged decode attention: split-K flash-decoding over a paged KV cache, GQA-grouped.
+
+One query token per sequence attends to that sequence's ``seq_len`` cached
+tokens. The cache of one layer is ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]``; token ``p`` of sequence ``b`` sits in block ``block_tables[b, p //
+block_size]`` at offset ``p % block_size``.
+
+Stage 1 runs one program per (sequence, KV head, split): it loads each K/V tile
+once and scores it against *all* query heads of that KV head's group at once
+(a ``[BLOCK_H, BLOCK_N]`` dot), so GQA never re-reads the cache. Each split
+covers ``ceil(seq_len / num_splits)`` tokens, computed on the device from
+``seq_len``: the launch shape depends on nothing but the batch size, which is
+what lets CUDA graphs replay it at any context length. Stage 2 merges the
+splits' partial outputs through their log-sum-exps.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    scale,
+    stride_qt, stride_qh,
+    stride_kv, stride_slot,
+    stride_bt,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # split length rounded up to whole tiles so that tiles never straddle splits
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    head_mask = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=head_mask[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    k_base = cache_ptr + kv_head * HEAD_DIM
+    v_base = k_base + stride_kv
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + offs_n
+        valid = pos < end
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE,
+                        mask=valid, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = slot[:, None] * stride_slot + offs_d[None, :]
+        k = tl.load(k_base + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(v_base + kv_off, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # an empty split (short sequence, or a padded row with seq_len 0) reports
+    # lse = -inf, which gives it weight zero in the merge
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    row = (seq * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split
+    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_mask[:, None])
+    tl.store(mid_lse_ptr + row, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row0 = (seq * NUM_HEADS + head) * NUM_SPLITS
+    lse = tl.load(mid_lse_ptr + row0 + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    o = tl.load(mid_o_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=(offs_s < NUM_SPLITS)[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty))
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                       num_sms: int = 132) -> int:
+    """Gives how many splits fill the GPU: ~4 programs per SM, no split under 256 tokens."""
+    want = triton.cdiv(4 * num_sms, max(1, num_seqs * num_kv_heads))
+    return max(1, min(want, triton.cdiv(max_seq_len, 256), 64))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, num_heads, head_dim], one query token per sequence
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    num_splits: int = 4,
+    out: torch.Tensor | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Gives the attention output [B, num_heads, head_dim] of each sequence's one query token."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    # slot addressing (block * block_size + offset) * stride needs the dense layout
+    assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    mid_o = torch.empty(num_seqs, num_heads, num_splits, head_dim,
+                        dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, kv_cache, block_tables, seq_lens, mid_o, mid_lse,
+        scale,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(2),
+        block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+    )
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Gives the same output computed in float32 with plain torch, one sequence at a time."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.zeros(num_seqs, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    for b in range(num_seqs):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
+        k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots].float()  # [n, kvh, d]
+        v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots].float()
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
+        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+    return out.to(q.dtype)

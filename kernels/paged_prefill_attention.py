@@ -1,0 +1,171 @@
+"""Paged prefill (extend) attention: a variable-length batch of new tokens, causal.
+
+The batch is the flat layout of ``engine/attention/metadata.py``: sequence ``b``
+owns query rows ``query_start_loc[b]:query_start_loc[b+1]``, which are its last
+``query_len`` positions; its first ``seq_len - query_len`` tokens (the cached
+prefix) already sit in the paged cache.
+
+One program takes ``BLOCK_M`` query rows of one head of one sequence and runs
+the flash-attention loop twice: first over the cached prefix, gathered from
+the paged cache (every query row sees all of it), then over the new tokens'
+own K/V, read contiguously from the step's ``k``/``v`` (the causal part: full
+tiles left of the diagonal unmasked, the diagonal tile masked). Reading new
+K/V from the step's tensors rather than the cache keeps the common no-prefix
+case on dense, coalesced loads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile(acc, m_i, l_i, q, k, v, qk_scale, mask):
+    """Gives (acc, m_i, l_i) after one online-softmax step over a K/V tile (base-2 exps)."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    out_ptr, qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+    stride_kv, stride_slot, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    head = tl.program_id(0)
+    # the longest (most masked-in) tiles first: better tail balance for causal work
+    start_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if start_m * BLOCK_M >= q_len:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq) - q_len
+    kv_head = head // GROUP
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m < q_len
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh
+                + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # 1) the cached prefix, gathered block by block from the paged cache
+    k_base = cache_ptr + kv_head * HEAD_DIM
+    for n0 in range(0, ctx_len, BLOCK_N):
+        pos = n0 + offs_n
+        valid = pos < ctx_len
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE,
+                        mask=valid, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = slot[:, None] * stride_slot + offs_d[None, :]
+        k = tl.load(k_base + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(k_base + stride_kv + kv_off, mask=valid[:, None], other=0.0)
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :])
+
+    # 2) the new tokens: tiles fully left of the diagonal need no mask
+    k_new = k_ptr + q_start * stride_kt + kv_head * stride_kh
+    v_new = v_ptr + q_start * stride_kt + kv_head * stride_kh
+    for n0 in range(0, start_m * BLOCK_M, BLOCK_N):
+        off = (n0 + offs_n)[:, None] * stride_kt + offs_d[None, :]
+        k = tl.load(k_new + off)
+        v = tl.load(v_new + off)
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, qk_scale, True)
+    diag_end = tl.minimum((start_m + 1) * BLOCK_M, q_len)
+    for n0 in range(start_m * BLOCK_M, diag_end, BLOCK_N):
+        cols = n0 + offs_n
+        col_ok = cols < q_len
+        off = cols[:, None] * stride_kt + offs_d[None, :]
+        k = tl.load(k_new + off, mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_new + off, mask=col_ok[:, None], other=0.0)
+        mask = col_ok[None, :] & (cols[None, :] <= offs_m[:, None])
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, qk_scale, mask)
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
+             + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim], the step's new keys
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    block_m: int = 128,
+    block_n: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """Gives the causal attention output [T, num_heads, head_dim] of every new token."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
+    assert k.stride(2) == 1 and v.stride() == k.stride(), "k and v must share a dense layout"
+    # the diagonal split needs whole K tiles per query tile
+    assert block_m % block_n == 0, f"block_m={block_m} must be a multiple of block_n={block_n}"
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    grid = (num_heads, triton.cdiv(max_query_len, block_m), num_seqs)
+    _prefill_kernel[grid](
+        q, k, v, kv_cache, block_tables, query_start_loc, seq_lens, out, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(2), block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Gives the same output in float32 with plain torch: prefix from the cache, then new K/V."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    flat_k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)
+    flat_v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)
+    for b in range(seq_lens.shape[0]):
+        q0, q1 = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        q_len, ctx = q1 - q0, int(seq_lens[b]) - (q1 - q0)
+        if q_len == 0:
+            continue
+        pos = torch.arange(ctx, device=q.device)
+        slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
+        keys = torch.cat([flat_k[slots], k[q0:q1]]).float().repeat_interleave(group, dim=1)
+        vals = torch.cat([flat_v[slots], v[q0:q1]]).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,nhd->hqn", q[q0:q1].float(), keys) * scale
+        causal = torch.arange(ctx + q_len, device=q.device)[None, :] <= (
+            ctx + torch.arange(q_len, device=q.device))[:, None]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out[q0:q1] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), vals)
+    return out.to(q.dtype)
