@@ -1,0 +1,1 @@
+"""Pure planning: replica topology, accelerator placement and NCCL/RCCL environment."""
