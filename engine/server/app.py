@@ -1,0 +1,118 @@
+"""The FastAPI application: OpenAI routes, health and readiness probes, and /metrics.
+
+Handlers are thin: they validate, admit through the drain gate, and hand the
+work to `completions` / `chat`, which talk to the engine thread only through
+`AsyncEngine`.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from kvpilot.engine.server.async_engine import AsyncEngine
+from kvpilot.engine.server.chat import create_chat_completion
+from kvpilot.engine.server.completions import create_completion
+from kvpilot.engine.server.drain import Gate
+from kvpilot.engine.server.errors import OpenAIError, install_error_handlers
+from kvpilot.engine.server.metrics import ServerMetrics
+from kvpilot.engine.server.params import Limits
+from kvpilot.engine.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from kvpilot.engine.server.serving import ServingContext
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in ((400, "invalid request (param names the field)"),
+                         (401, "missing or wrong API key"), (404, "unknown model"),
+                         (429, "waiting queue full; see Retry-After"),
+                         (503, "draining or engine failed"))}
+
+
+def build_app(engine: Any, model_name: str, max_queue_len: int = 1024,
+              api_key: str | None = None) -> FastAPI:
+    """Gives the app serving `engine` (an LLMEngine) under `model_name`; it owns the engine thread."""
+    metrics = ServerMetrics(model_name)
+    async_engine = AsyncEngine(engine, metrics)
+    gate = Gate(max_queue_len, lambda: async_engine.stats.num_waiting + async_engine.num_pending,
+                on_drain=metrics.set_draining)
+    limits = Limits(max_model_len=engine.model_config.max_model_len,
+                    vocab_size=engine.model_config.vocab_size)
+    ctx = ServingContext(async_engine, engine.tokenizer, model_name, limits, gate)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="kvpilot engine", version="0.1.0", lifespan=lifespan)
+    app.state.ctx = ctx
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                              code="invalid_api_key")
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise OpenAIError(404, f"model={name!r} does not exist: this server serves "
+                                   f"{model_name!r}", param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the process and its engine thread are alive."""
+        if async_engine.dead:
+            return JSONResponse({"status": "engine failed"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """200 when the model is loaded and the server is not draining; 503 otherwise."""
+        if gate.draining or async_engine.dead:
+            reason = "draining" if gate.draining else "engine failed"
+            return JSONResponse({"status": reason}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(check_api_key)],
+             responses=ERRORS)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, root=engine.engine_args.model,
+                                         max_model_len=limits.max_model_len)])
+
+    @app.post("/v1/completions", response_model=None, dependencies=[Depends(check_api_key)],
+              responses={200: {"model": CompletionResponse}, **ERRORS})
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        check_model(body.model)
+        return await create_completion(body, raw, ctx)
+
+    @app.post("/v1/chat/completions", response_model=None,
+              dependencies=[Depends(check_api_key)],
+              responses={200: {"model": ChatCompletionResponse}, **ERRORS})
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        check_model(body.model)
+        return await create_chat_completion(body, raw, ctx)
+
+    return app

@@ -1,0 +1,112 @@
+"""`kvpilot serve`: load the engine, serve the OpenAI API with uvicorn, drain on SIGTERM.
+
+uvicorn's own signal handling would stop accepting and then cut open streams
+after its graceful timeout; we take SIGTERM/SIGINT ourselves: the first one
+starts a drain (`/ready` 503, new requests refused, in-flight ones finish
+within `--drain-timeout`), then uvicorn is asked to exit and the process
+returns 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+from kvpilot.engine.args import EngineArgs, ServerArgs, add_dataclass_args, from_namespace
+
+logger = logging.getLogger("kvpilot.serve")
+
+# Printed once the socket is bound; tests and `kvpilot up` read the port from it.
+READY_LINE = "kvpilot serve: listening on http://{host}:{port}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine")
+    add_dataclass_args(engine, EngineArgs)  # type: ignore[arg-type]
+    server = parser.add_argument_group("server")
+    add_dataclass_args(server, ServerArgs)  # type: ignore[arg-type]
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Gives a listening socket on (host, port); port 0 picks a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def make_server(app: Any, server_args: ServerArgs) -> Any:
+    """Gives a uvicorn server whose SIGTERM/SIGINT start a drain instead of a hard stop."""
+    import asyncio
+    import contextlib
+    import threading
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        drain_task: asyncio.Task[None] | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                yield  # signals reach only the main thread; in-process tests drain by hand
+                return
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.on_signal, sig)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+
+        def on_signal(self, sig: int) -> None:
+            if self.drain_task is not None:
+                logger.warning("second signal %s: exiting without waiting", sig)
+                self.should_exit = self.force_exit = True
+                return
+            logger.info("signal %s: draining for up to %.1fs", sig, server_args.drain_timeout)
+            self.drain_task = asyncio.ensure_future(self.drain_then_exit())
+
+        async def drain_then_exit(self) -> None:
+            gate = app.state.ctx.gate
+            if not await gate.drain(server_args.drain_timeout):
+                logger.warning("drain timed out with %d generations in flight: uvicorn "
+                               "cancels them at shutdown, which aborts their requests",
+                               gate.in_flight)
+            self.should_exit = True
+
+    config = uvicorn.Config(app, log_level=server_args.log_level, timeout_graceful_shutdown=5,
+                            access_log=server_args.log_level == "debug")
+    return DrainingServer(config)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.server.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine_args = from_namespace(EngineArgs, args)
+        server_args = from_namespace(ServerArgs, args)
+    except ValueError as exc:
+        print(f"kvpilot serve: {exc}", file=sys.stderr)
+        return 2
+    engine = LLMEngine.from_engine_args(engine_args)
+    app = build_app(engine, engine_args.name, max_queue_len=server_args.max_queue_len,
+                    api_key=server_args.api_key)
+    sock = bind(server_args.host, server_args.port)
+    host, port = sock.getsockname()[:2]
+    print(READY_LINE.format(host=host, port=port), file=sys.stderr, flush=True)
+    asyncio.run(make_server(app, server_args).serve(sockets=[sock]))
+    return 0

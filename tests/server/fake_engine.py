@@ -1,0 +1,103 @@
+"""A tiny LLMEngine stand-in with controlled timing (each step sleeps `step_delay`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvpilot.engine.args import EngineArgs
+from kvpilot.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from kvpilot.engine.sampling_params import SamplingParams
+
+
+class ByteTokenizer:
+    """Bytes are tokens; 256 is end-of-sequence."""
+
+    eos_token_id = 256
+    vocab_size = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+@dataclass
+class ModelConfig:
+    max_model_len: int = 128
+    vocab_size: int = 257
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    outs: list[list[int]] = field(default_factory=list)
+
+
+class FakeEngine:
+    """Generates 'a', 'b', 'c', ... one token per step per completion."""
+
+    def __init__(self, step_delay: float = 0.0, num_blocks: int = 64) -> None:
+        self.tokenizer = ByteTokenizer()
+        self.model_config = ModelConfig()
+        self.engine_args = EngineArgs(model="fake")
+        self.step_delay = step_delay
+        self.num_blocks = num_blocks
+        self.reqs: dict[str, _Req] = {}
+        self.generated = 0
+        self.prompt_tokens = 0
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if len(ids) + (params.max_tokens or 0) > self.model_config.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens} is invalid: too long")
+        self.reqs[request_id] = _Req(request_id, ids, params,
+                                     RequestMetrics(arrival_time or time.monotonic()),
+                                     [[] for _ in range(params.n)])
+
+    def abort_request(self, ids):
+        for rid in ids:
+            self.reqs.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(self.step_delay)
+        now = time.monotonic()
+        outputs = []
+        for req in list(self.reqs.values()):
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                self.prompt_tokens += len(req.prompt)
+            for toks in req.outs:
+                toks.append(97 + len(toks) % 26)
+                self.generated += 1
+            req.metrics.first_token_time = req.metrics.first_token_time or now
+            req.metrics.last_token_time = now
+            done = len(req.outs[0]) >= (req.params.max_tokens or 16)
+            if done:
+                req.metrics.finished_time = now
+                del self.reqs[req.rid]
+            outputs.append(RequestOutput(
+                req.rid, None, req.prompt,
+                [CompletionOutput(i, self.tokenizer.decode(t), list(t),
+                                  finish_reason="length" if done else None)
+                 for i, t in enumerate(req.outs)], done, metrics=req.metrics))
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        used = min(self.num_blocks, len(self.reqs))
+        return EngineStats(num_running=len(self.reqs), kv_cache_usage=used / self.num_blocks,
+                           num_total_blocks=self.num_blocks,
+                           num_free_blocks=self.num_blocks - used,
+                           prompt_tokens=self.prompt_tokens, generation_tokens=self.generated)
