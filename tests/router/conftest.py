@@ -1,0 +1,52 @@
+"""Fixtures of the router tests: fake engines and a router, each a uvicorn server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import uvicorn
+from kvpilot.engine.router.app import build_app
+from kvpilot.engine.router.args import RouterArgs
+from router_fake_engine import FakeEngine
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
+    """Runs `app` on a free 127.0.0.1 port; gives its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        sock.close()
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Callable[..., Any]]:
+    """Gives `start(engines, **router_args) -> (router_url, {name: engine_url})`."""
+    stack = contextlib.AsyncExitStack()
+
+    async def start(engines: list[FakeEngine], **router_kwargs: Any) -> tuple[str, dict[str, str]]:
+        urls = {e.name: await stack.enter_async_context(serving(e.app())) for e in engines}
+        spec = ",".join(f"{e.role}={urls[e.name]}" for e in engines)
+        router_kwargs.setdefault("refresh_interval", 0.1)
+        args = RouterArgs(instances=spec, **router_kwargs)
+        router_url = await stack.enter_async_context(serving(build_app(args)))
+        return router_url, urls
+
+    async with stack:
+        yield start

@@ -1,0 +1,86 @@
+"""A scriptable stand-in for `kvpilot serve`: OpenAI endpoints, /metrics and the KV handoff.
+
+Runs in-process (`FakeEngine.app`) or as its own process
+(`python router_fake_engine.py PORT NAME [STREAM_DELAY]`) so a test can SIGKILL it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+
+@dataclass
+class FakeEngine:
+    """What the fake engine answers, and what it was asked."""
+
+    name: str
+    mode: str = "ok"  # ok | fail500 | busy429 | die_after_first | bad_request
+    role: str = "both"
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    chunks: int = 3
+    stream_delay: float = 0.0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        async def generate(request: Request) -> Response:
+            body = await request.json()
+            self.bodies.append(body)
+            if self.mode == "fail500":
+                return JSONResponse({"error": {"message": "boom"}}, 500)
+            if self.mode == "busy429":
+                return JSONResponse({"error": {"message": "queue full"}}, 429)
+            if self.mode == "bad_request":
+                return JSONResponse({"error": {"message": "max_tokens=-1 is invalid"}}, 400)
+            params = body.get("kv_transfer_params") or {}
+            if params.get("do_remote_decode"):
+                handoff = {"do_remote_prefill": True, "remote_host": "127.0.0.1",
+                           "remote_port": 1, "lease_id": f"lease-{self.name}",
+                           "block_hashes": [1, 2, 3], "lease_seconds": 30}
+                return JSONResponse({"choices": [{"text": "x"}], "kv_transfer_params": handoff})
+            if not body.get("stream"):
+                return JSONResponse({"choices": [{"index": 0, "text": self.name}]})
+            return StreamingResponse(self._stream(), media_type="text/event-stream")
+
+        app.add_api_route("/v1/completions", generate, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            text = (f'vllm:num_requests_waiting{{model_name="tiny"}} {self.waiting}\n'
+                    f'vllm:kv_cache_usage_perc{{model_name="tiny"}} {self.kv_usage}\n'
+                    f'vllm:num_requests_running{{model_name="tiny"}} 0.0\n')
+            return Response(text, media_type="text/plain")
+
+        return app
+
+    async def _stream(self):
+        for i in range(self.chunks):
+            chunk = {"choices": [{"index": 0, "text": f"{self.name}:{i}"}]}
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            if self.mode == "die_after_first":
+                raise RuntimeError("engine died mid-stream")
+            await asyncio.sleep(self.stream_delay)
+        yield b"data: [DONE]\n\n"
+
+
+if __name__ == "__main__":
+    import uvicorn
+
+    port, name = int(sys.argv[1]), sys.argv[2]
+    delay = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    engine = FakeEngine(name, chunks=10_000, stream_delay=delay)
+    uvicorn.run(engine.app(), host="127.0.0.1", port=port, log_level="warning")

@@ -1,0 +1,172 @@
+"""The router end to end against fake engines: spreading, retries, ejection, stream errors,
+auth, prefix affinity, holding for capacity and the disaggregated handoff."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from kvpilot.engine.router.args import INSTANCE_HEADER, SERVED_BY_HEADER
+from router_fake_engine import FakeEngine
+
+COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+
+
+def served_by(response: httpx.Response, urls: dict[str, str]) -> str:
+    """Gives the fake engine's name that served the response (last hop)."""
+    by_url = {url: name for name, url in urls.items()}
+    return by_url[response.headers[SERVED_BY_HEADER].split(",")[-1]]
+
+
+async def test_round_robin_spreads_over_all_instances(fleet):
+    router, urls = await fleet([FakeEngine("a"), FakeEngine("b"), FakeEngine("c")],
+                               policy="round-robin")
+    async with httpx.AsyncClient(base_url=router) as client:
+        names = [served_by(await client.post("/v1/completions", json=COMPLETION), urls)
+                 for _ in range(6)]
+    assert sorted(names) == ["a", "a", "b", "b", "c", "c"]
+
+
+async def test_least_load_avoids_the_instance_with_a_queue(fleet):
+    router, urls = await fleet([FakeEngine("idle"), FakeEngine("queued", waiting=5)],
+                               policy="least-load", refresh_interval=0.05)
+    async with httpx.AsyncClient(base_url=router) as client:
+        await client.get("/ready")
+        await asyncio.sleep(0.3)  # let the scrape see the queue
+        names = {served_by(await client.post("/v1/completions", json=COMPLETION), urls)
+                 for _ in range(4)}
+    assert names == {"idle"}
+
+
+@pytest.mark.parametrize(("mode", "outcome_retried"), [("fail500", True), ("busy429", True)])
+async def test_failure_before_first_byte_is_retried_elsewhere(fleet, mode, outcome_retried):
+    router, urls = await fleet([FakeEngine("bad", mode=mode), FakeEngine("good")],
+                               policy="round-robin")
+    async with httpx.AsyncClient(base_url=router) as client:
+        for stream in (False, True):
+            for _ in range(2):  # round-robin starts on each instance once
+                response = await client.post("/v1/completions",
+                                             json={**COMPLETION, "stream": stream})
+                assert response.status_code == 200
+                assert served_by(response, urls) == "good"
+        metrics = (await client.get("/metrics")).text
+    assert ("kvpilot_router_retries_total" in metrics) is outcome_retried
+
+
+async def test_client_error_is_passed_through_not_retried(fleet):
+    bad = FakeEngine("bad", mode="bad_request")
+    router, _ = await fleet([bad, FakeEngine("other", mode="bad_request")], policy="round-robin")
+    async with httpx.AsyncClient(base_url=router) as client:
+        response = await client.post("/v1/completions", json=COMPLETION)
+    assert response.status_code == 400
+    assert "max_tokens" in response.json()["error"]["message"]
+
+
+async def test_repeated_failures_eject_the_instance(fleet):
+    bad = FakeEngine("bad", mode="fail500")
+    router, urls = await fleet([bad, FakeEngine("good")], policy="round-robin",
+                               eject_after_failures=2, eject_seconds=60)
+    async with httpx.AsyncClient(base_url=router) as client:
+        for _ in range(6):
+            assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert len(bad.bodies) == 2  # after two failures nobody sends it anything
+    assert f'kvpilot_router_ejections_total{{instance="{urls["bad"]}"}} 1.0' in metrics
+
+
+async def test_all_instances_failing_gives_502(fleet):
+    router, _ = await fleet([FakeEngine("a", mode="fail500"), FakeEngine("b", mode="fail500")],
+                            max_retries=1)
+    async with httpx.AsyncClient(base_url=router) as client:
+        response = await client.post("/v1/completions", json=COMPLETION)
+    assert response.status_code == 502
+    assert "all attempts failed" in response.json()["error"]["message"]
+
+
+async def test_stream_cut_after_first_byte_ends_with_an_error_event(fleet):
+    router, _ = await fleet([FakeEngine("dying", mode="die_after_first")])
+    async with httpx.AsyncClient(base_url=router) as client:
+        response = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+    assert json.loads(events[0])["choices"][0]["text"] == "dying:0"
+    assert json.loads(events[-1])["error"]["code"] == 502
+
+
+@pytest.mark.parametrize(("header", "status"), [
+    (None, 401), ("Bearer wrong", 401), ("secret", 401), ("Bearer secret", 200)])
+async def test_api_key(fleet, header, status):
+    router, _ = await fleet([FakeEngine("a")], api_key="secret")
+    headers = {"Authorization": header} if header else {}
+    async with httpx.AsyncClient(base_url=router) as client:
+        response = await client.post("/v1/completions", json=COMPLETION, headers=headers)
+        assert response.status_code == status
+        assert (await client.get("/health")).status_code == 200  # probes need no key
+
+
+async def test_prefix_aware_keeps_a_shared_prefix_on_one_instance(fleet):
+    router, urls = await fleet([FakeEngine(n) for n in "abcd"], policy="prefix-aware")
+    systems = [f"system prompt number {i} " * 40 for i in range(4)]
+    async with httpx.AsyncClient(base_url=router) as client:
+        chosen: dict[int, set[str]] = {i: set() for i in range(4)}
+        for turn in range(3):
+            for i, system in enumerate(systems):
+                body = {**COMPLETION, "prompt": system + f"user turn {turn}"}
+                chosen[i].add(served_by(await client.post("/v1/completions", json=body), urls))
+    assert all(len(names) == 1 for names in chosen.values()), chosen
+    assert len(set().union(*chosen.values())) == 4  # new prefixes spread by load
+
+
+async def test_pinned_instance_header(fleet):
+    router, urls = await fleet([FakeEngine("a"), FakeEngine("b")], policy="round-robin")
+    async with httpx.AsyncClient(base_url=router) as client:
+        names = {served_by(await client.post("/v1/completions", json=COMPLETION,
+                                             headers={INSTANCE_HEADER: urls["b"]}), urls)
+                 for _ in range(3)}
+    assert names == {"b"}
+
+
+async def test_no_instance_holds_then_503(fleet):
+    router, _ = await fleet([FakeEngine("p", role="prefill")], hold_timeout=0.3)
+    async with httpx.AsyncClient(base_url=router) as client:
+        response = await client.post("/v1/completions", json=COMPLETION)
+        ready = await client.get("/ready")
+    assert response.status_code == 503
+    assert "hold_timeout=0.3" in response.json()["error"]["message"]
+    assert ready.status_code == 503
+
+
+async def test_disaggregated_handoff_reaches_decode(fleet):
+    prefill, decode = FakeEngine("p", role="prefill"), FakeEngine("d", role="decode")
+    router, urls = await fleet([prefill, decode])
+    async with httpx.AsyncClient(base_url=router) as client:
+        response = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
+    assert response.status_code == 200
+    assert response.headers[SERVED_BY_HEADER] == f"{urls['p']},{urls['d']}"
+    assert prefill.bodies[0]["max_tokens"] == 1 and prefill.bodies[0]["stream"] is False
+    assert prefill.bodies[0]["kv_transfer_params"] == {"do_remote_decode": True}
+    sent = decode.bodies[0]
+    assert sent["kv_transfer_params"]["lease_id"] == "lease-p"
+    assert sent["stream"] is True and sent["max_tokens"] == 4
+
+
+async def test_failed_prefill_falls_back_to_local_prefill_on_decode(fleet):
+    decode = FakeEngine("d", role="decode")
+    router, _ = await fleet([FakeEngine("p", role="prefill", mode="fail500"), decode],
+                            max_retries=0)
+    async with httpx.AsyncClient(base_url=router) as client:
+        response = await client.post("/v1/completions", json=COMPLETION)
+        metrics = (await client.get("/metrics")).text
+    assert response.status_code == 200
+    assert "kv_transfer_params" not in decode.bodies[0]
+    assert 'outcome="prefill_fallback"' in metrics
+
+
+async def test_kv_events_refine_the_index(fleet):
+    router, urls = await fleet([FakeEngine("a")])
+    async with httpx.AsyncClient(base_url=router) as client:
+        stored = await client.post("/kv_events", json={"instance": urls["a"], "stored": [1, 2]})
+        removed = await client.post("/kv_events", json={"instance": urls["a"], "removed": [2]})
+        unknown = await client.post("/kv_events", json={"instance": "http://x:1", "stored": [5]})
+    assert [r.json()["entries"] for r in (stored, removed, unknown)] == [2, 1, 1]
