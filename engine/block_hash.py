@@ -1,0 +1,34 @@
+"""Content hashes of KV-cache blocks, chained over the prefix; torch-free.
+
+The router (prefix affinity) and the KV transfer (block import) compute the same
+hashes as the engine's prefix cache, so the function must be deterministic across
+processes and machines: blake2b over fixed-width little-endian bytes, never
+Python's salted ``hash``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+_NO_PARENT = b"\xff" * 8
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Gives the 64-bit hash of one block given its parent block's hash and its token ids."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(_NO_PARENT if parent_hash is None else parent_hash.to_bytes(8, "little"))
+    digest.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
+    return int.from_bytes(digest.digest(), "little")
+
+
+def hash_prompt_blocks(
+    token_ids: Sequence[int], block_size: int, parent_hash: int | None = None
+) -> list[int]:
+    """Gives the chained hashes of the full blocks of `token_ids` (a trailing partial block has none)."""
+    hashes: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent_hash = hash_block_tokens(parent_hash, token_ids[start:start + block_size])
+        hashes.append(parent_hash)
+    return hashes

@@ -1,0 +1,169 @@
+"""Iteration-level scheduling: which sequences compute how many tokens in the next step.
+
+Each step spends a token budget (`max_num_batched_tokens`) on running sequences
+first — decodes, then continuing prefill chunks — and then admits waiting ones.
+When the KV cache runs out, the least important running sequence (lowest
+priority, then newest arrival) is preempted by recompute: its blocks are freed
+and it waits again with its generated tokens kept.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    """The scheduling knobs of EngineArgs."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    max_model_len: int = 2048
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: sequences with their new-token counts (decodes first), and block copies."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Keeps the waiting and running sequences and plans each step."""
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: list[Sequence] = []  # sorted by _key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def _key(self, seq: Sequence) -> tuple[int, float, int]:
+        """Gives the importance order: smaller is more important."""
+        priority = seq.request.priority if self.config.policy == "priority" else 0
+        return (priority, seq.request.arrival_time, seq.seq_id)
+
+    def never_fits(self, request: Request) -> str | None:
+        """Gives why `request` can never be scheduled, or None when it can."""
+        params, cfg = request.params, self.config
+        max_tokens = params.max_tokens or max(cfg.max_model_len - request.num_prompt_tokens, 1)
+        total = request.num_prompt_tokens + max_tokens
+        if total > cfg.max_model_len:
+            return (f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                    f"{total} exceeds max_model_len={cfg.max_model_len}: shorten the prompt or "
+                    "lower max_tokens")
+        need = self.kv.num_blocks_needed(total)
+        if need > self.kv.num_blocks:
+            return (f"the request needs {need} KV blocks ({total} tokens) but the cache has only "
+                    f"{self.kv.num_blocks}: raise kv_cache_memory / num_kv_blocks or lower "
+                    "max_tokens")
+        if not cfg.enable_chunked_prefill and request.num_prompt_tokens > cfg.max_num_batched_tokens:
+            return (f"prompt ({request.num_prompt_tokens} tokens) exceeds max_num_batched_tokens="
+                    f"{cfg.max_num_batched_tokens} with chunked prefill off: enable chunked "
+                    "prefill or raise max_num_batched_tokens")
+        return None
+
+    def add(self, seq: Sequence) -> None:
+        """Queues `seq` as waiting (new, preempted or forked from a waiting parent)."""
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Adds a forked sequence whose parent is running; its blocks are already shared."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Takes `seq` out of the queues and frees its blocks (finish or abort)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plans the next step under the token budget, preempting when blocks run out."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        planned: dict[int, tuple[Sequence, int, list[tuple[int, int]]]] = {}
+        out = SchedulerOutput()
+        order = sorted(self.running, key=lambda s: (not s.is_decode, self._key(s)))
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.num_pending_tokens == 0:
+                continue  # preempted above, or a beam waiting for its siblings
+            num_new = seq.num_pending_tokens
+            if not cfg.enable_chunked_prefill and num_new > budget:
+                continue
+            num_new = min(num_new, budget)
+            copies = self.kv.allocate_slots(seq, num_new)
+            while copies is None:
+                victim = max(self.running, key=self._key)
+                if victim.seq_id in planned:
+                    budget += planned.pop(victim.seq_id)[1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                copies = self.kv.allocate_slots(seq, num_new)
+            if copies is None:
+                continue
+            planned[seq.seq_id] = (seq, num_new, copies)
+            budget -= num_new
+        self._admit_waiting(budget, planned)
+        for seq, num_new, copies in planned.values():
+            out.scheduled.append((seq, num_new))
+            out.block_copies.extend(copies)
+        # decodes first: the attention metadata's layout contract
+        out.scheduled.sort(key=lambda item: item[1] != 1)
+        return out
+
+    def _admit_waiting(self, budget: int, planned: dict) -> None:
+        cfg = self.config
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.kv.get_computed_blocks(seq)
+            num_new = seq.num_tokens - len(hits) * self.kv.block_size
+            if not cfg.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            copies = self.kv.allocate_slots(seq, num_new, hits)
+            if copies is None:
+                break
+            self.kv.record_prefix_lookup(seq, len(hits) * self.kv.block_size)
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.num_cached_tokens = len(hits) * self.kv.block_size
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            planned[seq.seq_id] = (seq, num_new, copies)
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)

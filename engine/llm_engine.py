@@ -1,0 +1,276 @@
+"""The engine loop: add requests, step (schedule -> run -> sample -> detokenise), read outputs.
+
+Not thread-safe: one thread (the server's engine loop, or the offline LLM)
+drives it. Each `step()` returns the cumulative output of every request that got
+new tokens or finished in that step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+from kvpilot.engine.args import EngineArgs
+from kvpilot.engine.core.beam_search import apply_selection, select_beams
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.output_processor import OutputProcessor
+from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
+from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig
+from kvpilot.engine.detokenizer import init_offsets
+from kvpilot.engine.model_runner import BatchEntry, ModelRunner, resolve_device
+from kvpilot.engine.outputs import EngineStats, RequestOutput
+from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from kvpilot.engine.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """A paged-KV engine over one model: continuous batching, prefix caching, preemption."""
+
+    def __init__(self, engine_args: EngineArgs, model_config, tokenizer, runner: ModelRunner
+                 ) -> None:
+        self.engine_args = engine_args
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.kv = KVCacheManager(runner.num_blocks, engine_args.block_size,
+                                 engine_args.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=engine_args.max_num_seqs,
+            max_num_batched_tokens=engine_args.max_num_batched_tokens,
+            enable_chunked_prefill=engine_args.enable_chunked_prefill,
+            policy=engine_args.scheduling_policy,
+            max_model_len=model_config.max_model_len), self.kv)
+        self.sampler = Sampler()
+        self.outputs = OutputProcessor(tokenizer, model_config.eos_token_ids,
+                                       model_config.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []  # aborted / rejected, returned by the next step
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        """Gives an engine with the model, tokenizer and KV cache that `args` describe."""
+        from kvpilot.engine.models.config import ModelConfig
+        from kvpilot.engine.tokenizer import load_tokenizer
+
+        device = resolve_device(args.device)
+        torch.manual_seed(args.seed)
+        model_config = ModelConfig.from_engine_args(args, device)
+        tokenizer = load_tokenizer(args.tokenizer or args.model)
+        return cls(args, model_config, tokenizer, ModelRunner(args, model_config, device))
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queues a request; raises ValueError naming the field when it is invalid."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r} is already running: use a unique id")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, list(self.tokenizer.encode(prompt))
+        else:
+            text, token_ids = None, list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: send at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}): got "
+                             f"{[t for t in token_ids if not 0 <= t < vocab][:5]}")
+        request = Request(request_id, text, token_ids, params,
+                          time.monotonic() if arrival_time is None else arrival_time, priority)
+        reason = self.scheduler.never_fits(request)
+        if reason is not None and "max_model_len" in reason:
+            raise ValueError(reason)
+        seq = request.seqs[0]
+        init_offsets(seq)
+        self._seed(seq)
+        if reason is not None:
+            # fits the model but not this KV pool: finish at once rather than stall the queue
+            request.error = reason
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+            request.metrics.finished_time = time.monotonic()
+            self._pending.append(self.outputs.build(request))
+            return
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        """Stops requests, frees their blocks; each gets a final output with reason "abort"."""
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            for seq in request.live_seqs():
+                self.scheduler.remove(seq)
+                seq.finish_reason = "abort"
+            request.metrics.finished_time = time.monotonic()
+            self._pending.append(self.outputs.build(request))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    def _seed(self, seq: Sequence) -> None:
+        seed = seq.request.params.seed
+        if seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed + seq.index)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; gives the outputs of requests that progressed or ended."""
+        results, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return results
+        now = time.monotonic()
+        entries: list[BatchEntry] = []
+        for seq, num_new in plan.scheduled:
+            metrics = seq.request.metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            start = seq.num_computed_tokens
+            samples = start + num_new == seq.num_tokens
+            lps = seq.request.prompt_logprobs
+            want_prompt_lp = lps is not None and len(lps) < seq.num_prompt_tokens
+            mode = "all" if want_prompt_lp else ("last" if samples else "none")
+            entries.append(BatchEntry(seq.token_ids[start:start + num_new], start,
+                                      self.kv.block_ids(seq), mode))
+            self.prompt_tokens += max(min(start + num_new, seq.num_prompt_tokens) - start, 0)
+        logits = self.runner.execute(entries, plan.block_copies)
+        to_sample: list[tuple[Sequence, int]] = []
+        row = 0
+        for (seq, num_new), entry in zip(plan.scheduled, entries, strict=True):
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(seq)
+            if entry.logits == "all":
+                self._record_prompt_logprobs(seq, start, logits[row:row + num_new])
+                row += num_new
+            elif entry.logits == "last":
+                row += 1
+            if seq.num_pending_tokens == 0:
+                to_sample.extend(self._branches(seq, row - 1))
+        touched = self._sample(to_sample, logits)
+        finished_time = time.monotonic()
+        for request in touched:
+            if request.finished:
+                request.metrics.finished_time = finished_time
+                self.requests.pop(request.request_id, None)
+            if request.finished or not request.is_beam_search:
+                results.append(self.outputs.build(request))
+        return results
+
+    def _branches(self, seq: Sequence, row: int) -> list[tuple[Sequence, int]]:
+        """Gives the sequences sampling from logits row `row`: forks n > 1 on the first one."""
+        request = seq.request
+        if request.forked or request.params.n == 1 or request.is_beam_search:
+            return [(seq, row)]
+        request.forked = True
+        out = [(seq, row)]
+        for index in range(1, request.params.n):
+            child = self._fork(seq)
+            child.index = index
+            self._seed(child)
+            out.append((child, row))
+        return out
+
+    def _fork(self, parent: Sequence) -> Sequence:
+        child = parent.fork()
+        self.kv.fork(parent, child)
+        if parent.status is SequenceStatus.RUNNING:
+            self.scheduler.add_running(child)
+        else:
+            self.scheduler.add(child)
+        return child
+
+    def _sample(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor
+                ) -> list[Request]:
+        if not to_sample:
+            return []
+        eos = self.model_config.eos_token_ids
+        rows = []
+        for seq, _ in to_sample:
+            params = seq.request.params
+            banned = None
+            if seq.num_output_tokens < params.min_tokens:
+                banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos))
+            num_lp = 2 * params.beam_width if params.beam_width > 1 else (params.logprobs or 0)
+            rows.append(SamplingRow(params, seq.request.prompt_token_ids, seq.output_token_ids,
+                                    seq.generator, banned, num_lp))
+        index = torch.tensor([r for _, r in to_sample], device=logits.device)
+        out = self.sampler(logits.index_select(0, index), rows)
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for i, (seq, _) in enumerate(to_sample):
+            request = seq.request
+            touched[request.request_id] = request
+            if request.is_beam_search:
+                seq.beam_candidates = list(zip(out.top_logprobs[i], out.top_ids[i], strict=True))
+                continue
+            lp, lp_map = None, None
+            if out.logprobs is not None and request.params.logprobs is not None:
+                lp = out.logprobs[i]
+                k = request.params.logprobs
+                lp_map = self.outputs.token_logprobs(out.token_ids[i], lp, out.ranks[i],
+                                                     out.top_ids[i][:k], out.top_logprobs[i][:k])
+            self._append(seq, out.token_ids[i], lp, lp_map, now)
+        for request in touched.values():
+            if request.is_beam_search:
+                chosen = select_beams(request)
+                if chosen is not None:
+                    apply_selection(request, chosen, self._fork, self._drop_beam,
+                                    lambda s, t, lp: self._append(s, t, lp, None, now))
+        return list(touched.values())
+
+    def _append(self, seq: Sequence, token: int, lp: float | None, lp_map, now: float) -> None:
+        metrics = seq.request.metrics
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time = now
+        self.generation_tokens += 1
+        self.outputs.append_token(seq, token, lp_map, lp)
+        if seq.finish_reason is not None:
+            self.scheduler.remove(seq)
+
+    def _drop_beam(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        seq.request.seqs.remove(seq)
+
+    def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        request = seq.request
+        lps = request.prompt_logprobs
+        # row j predicts prompt position start + j + 1; rows already recorded are skipped
+        first = max(len(lps) - 1 - start, 0)
+        last = min(logits.shape[0], seq.num_prompt_tokens - 1 - start)
+        if first >= last:
+            return
+        targets = request.prompt_token_ids[start + first + 1:start + last + 1]
+        k = request.params.prompt_logprobs
+        computed = prompt_logprobs(logits[first:last], targets, k)
+        for token, (lp, rank, ids, top) in zip(targets, computed, strict=True):
+            lps.append(self.outputs.token_logprobs(token, lp, rank, ids, top))
+
+    # ---- stats and seams ------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        """Gives the gauges and counters the server exports."""
+        running = {s.request.request_id for s in self.scheduler.running}
+        waiting = [r for r in self.requests.values() if r.request_id not in running]
+        return EngineStats(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            num_waiting_prompt_tokens=sum(r.num_prompt_tokens for r in waiting),
+            kv_cache_usage=self.kv.usage,
+            num_total_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.pool.num_free_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )
+
+    def request_blocks(self, request_id: str) -> tuple[list[int], list[int]]:
+        """Gives (block ids, full-block hashes) of a request's first sequence (KV export seam)."""
+        seq = self.requests[request_id].seqs[0]
+        return self.kv.block_ids(seq), list(seq.block_hashes)

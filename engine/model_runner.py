@@ -1,0 +1,185 @@
+"""Runs the model on one scheduled step: owns the paged KV cache, builds the flat batch.
+
+The batch is the layout of `engine/attention/metadata.py`: the step's new tokens
+laid end to end, decodes first, with block tables and a slot mapping built in
+numpy (no per-token Python loops). Only the rows that sample (or that need
+prompt logprobs) go through the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from kvpilot.engine.args import EngineArgs, parse_size
+from kvpilot.engine.attention.metadata import AttentionMetadata
+
+CPU_KV_CACHE_DEFAULT = "256MiB"
+
+
+@dataclass
+class BatchEntry:
+    """One sequence's part of a step: its new tokens from `start_pos`, its blocks, which logits."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    logits: str = "last"  # "none" | "last" | "all" (prompt logprobs)
+
+
+def select_attention_backend(args: EngineArgs, device: torch.device):
+    """Gives the attention backend for `--attention-backend` on `device` (the kernels' seam)."""
+    name = args.attention_backend
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        try:
+            from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
+        except ImportError as exc:
+            if args.attention_backend == "triton":
+                raise ValueError(f"attention_backend='triton' is unavailable ({exc}): "
+                                 "use --attention-backend torch") from exc
+        else:
+            if device.type != "cuda":
+                raise ValueError("attention_backend='triton' needs a CUDA device: "
+                                 "use --attention-backend torch on CPU")
+            return TritonAttentionBackend()
+    from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+    return TorchAttentionBackend()
+
+
+def resolve_device(name: str) -> torch.device:
+    """Gives the torch device for `--device` (auto: CUDA when present)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is visible: use --device cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    """Holds the model and its KV cache; executes steps and block copies."""
+
+    def __init__(self, args: EngineArgs, model_config, device: torch.device) -> None:
+        from kvpilot.engine.models.loader import load_model
+
+        self.args = args
+        self.config = model_config
+        self.device = device
+        self.block_size = args.block_size
+        self.model = load_model(model_config, args.load_format, device)
+        self.model.attn_backend = select_attention_backend(args, device)
+        self.num_blocks = self._num_kv_blocks()
+        shape = (2, self.num_blocks, self.block_size, model_config.num_kv_heads,
+                 model_config.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=model_config.dtype, device=device)
+                          for _ in range(model_config.num_layers)]
+
+    @property
+    def bytes_per_block(self) -> int:
+        cfg = self.config
+        elem = torch.tensor([], dtype=cfg.dtype).element_size()
+        return 2 * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem * cfg.num_layers
+
+    def _num_kv_blocks(self) -> int:
+        """Gives the KV block count: exact flag, memory budget, or what the GPU has left."""
+        args = self.args
+        if args.num_kv_blocks is not None:
+            return args.num_kv_blocks
+        if args.kv_cache_memory is not None or self.device.type != "cuda":
+            budget = parse_size(args.kv_cache_memory or CPU_KV_CACHE_DEFAULT)
+            return max(budget // self.bytes_per_block, 1)
+        return self._profile_gpu_blocks()
+
+    def _profile_gpu_blocks(self) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.args.max_num_batched_tokens, self.config.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        cfg = self.config
+        scratch = [torch.zeros((2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim),
+                               dtype=cfg.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        entry = BatchEntry([0] * num_tokens, 0, list(range(num_blocks)))
+        self._run([entry], scratch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free_bytes = int(total * self.args.gpu_memory_utilization) - peak
+        if free_bytes < self.bytes_per_block:
+            raise ValueError(f"gpu_memory_utilization={self.args.gpu_memory_utilization} leaves no "
+                             "room for the KV cache after the model: raise it or lower "
+                             "max_num_batched_tokens")
+        return free_bytes // self.bytes_per_block
+
+    def build_batch(self, entries: list[BatchEntry]
+                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Gives input ids, positions, attention metadata and the logits rows of `entries`."""
+        bs = self.block_size
+        query_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64,
+                                 count=len(entries))
+        starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=len(entries))
+        seq_lens = starts + query_lens
+        qsl = np.zeros(len(entries) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        total = int(qsl[-1])
+        seq_of_token = np.repeat(np.arange(len(entries)), query_lens)
+        positions = np.arange(total, dtype=np.int64) - qsl[:-1][seq_of_token] + starts[seq_of_token]
+        max_blocks = max(len(e.block_ids) for e in entries)
+        tables = np.full((len(entries), max_blocks), -1, dtype=np.int64)
+        for i, e in enumerate(entries):
+            tables[i, :len(e.block_ids)] = e.block_ids
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        input_ids = [t for e in entries for t in e.token_ids]
+        logits_rows: list[int] = []
+        for i, e in enumerate(entries):
+            if e.logits == "last":
+                logits_rows.append(int(qsl[i + 1]) - 1)
+            elif e.logits == "all":
+                logits_rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
+        dev = self.device
+        num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else len(entries)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_decode_tokens=num_decodes,
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long).to(dev)
+        return ids, torch.from_numpy(positions).to(dev), meta, logits_rows
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copies whole blocks src -> dst on every layer (copy-on-write before a step writes)."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Gives the hidden states of one flat batch (the method CUDA graphs may wrap)."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    @torch.inference_mode()
+    def _run(self, entries: list[BatchEntry], kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        input_ids, positions, meta, rows = self.build_batch(entries)
+        hidden = self.forward(input_ids, positions, meta, kv_caches)
+        if not rows:
+            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+        index = torch.tensor(rows, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, index))
+
+    def execute(self, entries: list[BatchEntry], copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Runs one step; gives float32 logits for the rows `entries` ask for, in entry order."""
+        with torch.inference_mode():
+            self.copy_blocks(copies)
+        return self._run(entries, self.kv_caches)
