@@ -1,0 +1,1 @@
+"""`kvpilot bench serve`: a torch-free load generator for OpenAI-compatible servers."""

@@ -1,0 +1,120 @@
+"""Sends a dataset to an OpenAI-compatible server on a schedule and times every token.
+
+Requests stream `/v1/completions` with `stream_options.include_usage`, so
+token counts come from the server's own tokenizer. Send times follow a gamma
+process (burstiness 1 = Poisson) at `request_rate`, or all at once when the
+rate is infinite; `max_concurrency` caps requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+from kvpilot.engine.loadgen.datasets import SampleRequest
+from kvpilot.engine.loadgen.report import RequestResult
+
+
+@dataclass
+class BenchConfig:
+    """Where and how to send the load."""
+
+    base_url: str
+    model: str
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    ignore_eos: bool = False
+    api_key: str | None = None
+    timeout: float = 600.0
+    seed: int = 0
+
+
+def send_offsets(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Gives each request's send time (seconds after the start): gamma-distributed gaps.
+
+    The gaps have mean 1/rate; burstiness is the gamma shape (1 = Poisson, lower =
+    burstier, higher = more even), as `vllm bench serve` draws them.
+    """
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError(f"request_rate={rate}, burstiness={burstiness} are invalid: "
+                         "both must be > 0 (use inf for no pacing)")
+    if math.isinf(rate):
+        return [0.0] * num
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in range(num):
+        offsets.append(t)
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return offsets
+
+
+def _payload(cfg: BenchConfig, sample: SampleRequest) -> dict[str, object]:
+    return {"model": cfg.model, "prompt": sample.prompt, "max_tokens": sample.output_len,
+            "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": cfg.ignore_eos}
+
+
+async def send_one(client: httpx.AsyncClient, cfg: BenchConfig,
+                   sample: SampleRequest) -> RequestResult:
+    """Gives the timings of one streamed completion (or why it failed)."""
+    result = RequestResult(success=False)
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", "/v1/completions", json=_payload(cfg, sample)) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                result.error = f"HTTP {resp.status_code}: {body[:200]}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"].get("message", chunk["error"]))
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+        result.latency = time.perf_counter() - start
+        result.success = True
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_benchmark(cfg: BenchConfig, samples: list[SampleRequest]
+                        ) -> tuple[list[RequestResult], float]:
+    """Gives every request's result and the benchmark's wall-clock duration in seconds."""
+    offsets = send_offsets(len(samples), cfg.request_rate, cfg.burstiness, cfg.seed)
+    limit = asyncio.Semaphore(cfg.max_concurrency or len(samples) or 1)
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    connections = httpx.Limits(max_connections=cfg.max_concurrency or len(samples) or 1)
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, limits=connections,
+                                 timeout=httpx.Timeout(cfg.timeout, connect=10.0)) as client:
+        start = time.perf_counter()
+
+        async def one(offset: float, sample: SampleRequest) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            async with limit:
+                return await send_one(client, cfg, sample)
+
+        results = await asyncio.gather(*(one(o, s) for o, s in zip(offsets, samples,
+                                                                     strict=True)))
+        return list(results), time.perf_counter() - start
