@@ -1,0 +1,130 @@
+"""CEL rules of the committed CRDs accept the valid fixtures and reject the invalid ones,
+and the pydantic models (what `kvpilot up` and the operator use) agree on every case."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from crd_eval import api_server_errors, cel_sites, load_crds, openapi
+from kvpilot.operator.api import DecodePool, InferenceModel, PrefillPool
+from pydantic import ValidationError
+
+MODEL = {"name": "llama", "source": "hf://meta-llama/Llama-3.1-8B"}
+PYDANTIC = {"InferenceModel": InferenceModel, "PrefillPool": PrefillPool, "DecodePool": DecodePool}
+
+
+def im(**spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel",
+            "metadata": {"name": "m"}, "spec": {"model": MODEL, **spec}}
+
+
+def pool(kind: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "kvpilot.dev/v1alpha1", "kind": kind, "metadata": {"name": "p"},
+            "spec": spec}
+
+
+AMD = {"vendor": "amd", "model": "MI300X"}
+
+# (case id, object, expected message fragment or None when the object is accepted)
+CASES: list[tuple[str, dict[str, Any], str | None]] = [
+    ("minimal", im(), None),
+    ("cpu-aggregated", im(accelerator={"vendor": "cpu"}, decode={"replicas": 1}), None),
+    ("disaggregated", im(servingMode="disaggregated", prefill={"replicas": 1}), None),
+    ("disaggregated-no-prefill", im(servingMode="disaggregated"),
+     "servingMode disaggregated needs spec.prefill"),
+    ("aggregated-with-prefill", im(prefill={"replicas": 1}),
+     "spec.prefill is only used when servingMode is disaggregated"),
+    ("amd-cpx-nps4", im(accelerator={**AMD, "computePartition": "CPX", "memoryPartition": "NPS4",
+                                     "resourceNaming": "mixed"}), None),
+    ("amd-qpx-nps1", im(accelerator={**AMD, "computePartition": "QPX", "memoryPartition": "NPS1"}),
+     None),
+    ("amd-qpx-nps4", im(accelerator={**AMD, "computePartition": "QPX", "memoryPartition": "NPS4"}),
+     "memoryPartition NPS4 needs computePartition CPX"),
+    ("amd-spx-nps4", im(accelerator={**AMD, "computePartition": "SPX", "memoryPartition": "NPS4"}),
+     "memoryPartition NPS4 needs computePartition CPX"),
+    ("amd-nps4-alone", im(accelerator={**AMD, "memoryPartition": "NPS4"}),
+     "memoryPartition NPS4 needs computePartition CPX"),
+    ("nvidia-partition", im(accelerator={"vendor": "nvidia", "computePartition": "CPX"}),
+     "computePartition is an AMD setting"),
+    ("cpu-memory-partition", im(accelerator={"vendor": "cpu", "memoryPartition": "NPS1"}),
+     "memoryPartition is an AMD setting"),
+    ("mixed-without-partition", im(accelerator={**AMD, "resourceNaming": "mixed"}),
+     "resourceNaming mixed names resources after the partition"),
+    ("tp-fits-node", im(topology={"tensorParallel": 8}, accelerator={"gpusPerNode": 8}), None),
+    ("tp-exceeds-node", im(topology={"tensorParallel": 16}, accelerator={"gpusPerNode": 8}),
+     "topology.tensorParallel must fit one node"),
+    ("budget-ok", im(topology={"tensorParallel": 4, "pipelineParallel": 2}, gpuBudget=8), None),
+    ("budget-exceeded", im(topology={"tensorParallel": 4, "pipelineParallel": 4}, gpuBudget=8),
+     "one replica needs tensorParallel*pipelineParallel GPUs, more than gpuBudget"),
+    ("decode-override-over-budget",
+     im(gpuBudget=4, decode={"topology": {"tensorParallel": 8}}),
+     "decode.topology needs more GPUs per replica than gpuBudget"),
+    ("prefill-override-over-budget",
+     im(gpuBudget=2, servingMode="disaggregated",
+        prefill={"topology": {"tensorParallel": 2, "pipelineParallel": 2}}),
+     "prefill.topology needs more GPUs per replica than gpuBudget"),
+    ("autoscaling-ok", im(decode={"autoscaling": {"minReplicas": 1, "maxReplicas": 3}}), None),
+    ("autoscaling-min-over-max", im(decode={"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}),
+     "minReplicas must be at most maxReplicas"),
+    ("pool-autoscaling-min-over-max",
+     pool("DecodePool", modelRef="m", autoscaling={"minReplicas": 3, "maxReplicas": 1}),
+     "minReplicas must be at most maxReplicas"),
+    ("decode-pool-ref", pool("DecodePool", modelRef="m", replicas=2), None),
+    ("decode-pool-inline", pool("DecodePool", model=MODEL, engine={"maxNumSeqs": 8}), None),
+    ("prefill-pool-ref", pool("PrefillPool", modelRef="m"), None),
+    ("pool-both-sources", pool("DecodePool", modelRef="m", model=MODEL),
+     "set exactly one of spec.modelRef"),
+    ("pool-no-source", pool("PrefillPool", replicas=1), "set exactly one of spec.modelRef"),
+    ("pool-engine-with-ref", pool("DecodePool", modelRef="m", engine={"blockSize": 32}),
+     "spec.engine goes with an inline spec.model"),
+    ("pool-tp-exceeds-node",
+     pool("DecodePool", modelRef="m", topology={"tensorParallel": 16},
+          accelerator={"gpusPerNode": 8}), "topology.tensorParallel must fit one node"),
+]
+
+
+@pytest.fixture(scope="module")
+def crds() -> dict[str, dict[str, Any]]:
+    return load_crds()
+
+
+@pytest.mark.parametrize(("obj", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_api_server_verdict(crds: dict[str, Any], obj: dict[str, Any], expected: str | None):
+    errors = api_server_errors(crds[obj["kind"]], obj)
+    if expected is None:
+        assert errors == []
+    else:
+        assert len(errors) == 1 and expected in errors[0], errors
+
+
+@pytest.mark.parametrize(("obj", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_pydantic_agrees_with_cel(obj: dict[str, Any], expected: str | None):
+    model = PYDANTIC[obj["kind"]]
+    if expected is None:
+        model.model_validate(obj)
+        return
+    with pytest.raises(ValidationError) as err:
+        model.model_validate(obj)
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(("obj", "expected"), [
+    (im(topology={"tensorParallel": 0}), "spec.topology.tensorParallel: 0 is less than"),
+    (im(servingMode="split"), "spec.servingMode: 'split' is not one of"),
+    (im(model={"name": "x", "source": "s3://bucket/x"}), "spec.model.source: 's3://bucket/x' does"),
+    (im(router={"policy": "random"}), "spec.router.policy: 'random' is not one of"),
+    (im(engine={"gpuMemoryUtilization": 0}), "spec.engine.gpuMemoryUtilization: 0 is less than"),
+])
+def test_schema_rejects_field_values(crds: dict[str, Any], obj: dict[str, Any], expected: str):
+    errors = api_server_errors(crds[obj["kind"]], obj)
+    assert any(e.startswith(expected) for e in errors), errors
+
+
+def test_every_rule_is_exercised(crds: dict[str, Any]):
+    """Each CEL message appears as the expected rejection of at least one case."""
+    expected = {c[2] for c in CASES if c[2]}
+    for crd in crds.values():
+        for _, rules in cel_sites(openapi(crd)):
+            for rule in rules:
+                assert any(e in rule["message"] for e in expected), rule["message"]
