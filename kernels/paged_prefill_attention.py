@@ -40,7 +40,7 @@ def _tile(acc, m_i, l_i, q, k, v, qk_scale, mask):
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr, qk_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kv, stride_slot, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -82,19 +82,20 @@ def _prefill_kernel(
 
     # 2) the new tokens: tiles fully left of the diagonal need no mask
     k_new = k_ptr + q_start * stride_kt + kv_head * stride_kh
-    v_new = v_ptr + q_start * stride_kt + kv_head * stride_kh
+    v_new = v_ptr + q_start * stride_vt + kv_head * stride_vh
     for n0 in range(0, start_m * BLOCK_M, BLOCK_N):
-        off = (n0 + offs_n)[:, None] * stride_kt + offs_d[None, :]
-        k = tl.load(k_new + off)
-        v = tl.load(v_new + off)
+        rows = (n0 + offs_n)[:, None]
+        k = tl.load(k_new + rows * stride_kt + offs_d[None, :])
+        v = tl.load(v_new + rows * stride_vt + offs_d[None, :])
         acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, qk_scale, True)
     diag_end = tl.minimum((start_m + 1) * BLOCK_M, q_len)
     for n0 in range(start_m * BLOCK_M, diag_end, BLOCK_N):
         cols = n0 + offs_n
         col_ok = cols < q_len
-        off = cols[:, None] * stride_kt + offs_d[None, :]
-        k = tl.load(k_new + off, mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_new + off, mask=col_ok[:, None], other=0.0)
+        k = tl.load(k_new + cols[:, None] * stride_kt + offs_d[None, :], mask=col_ok[:, None],
+                    other=0.0)
+        v = tl.load(v_new + cols[:, None] * stride_vt + offs_d[None, :], mask=col_ok[:, None],
+                    other=0.0)
         mask = col_ok[None, :] & (cols[None, :] <= offs_m[:, None])
         acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, qk_scale, mask)
 
@@ -123,7 +124,7 @@ def paged_prefill_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
-    assert k.stride(2) == 1 and v.stride() == k.stride(), "k and v must share a dense layout"
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1, "head_dim must be dense in q, k, v"
     # the diagonal split needs whole K tiles per query tile
     assert block_m % block_n == 0, f"block_m={block_m} must be a multiple of block_n={block_n}"
     if out is None:
@@ -134,7 +135,8 @@ def paged_prefill_attention(
     grid = (num_heads, triton.cdiv(max_query_len, block_m), num_seqs)
     _prefill_kernel[grid](
         q, k, v, kv_cache, block_tables, query_start_loc, seq_lens, out, scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,

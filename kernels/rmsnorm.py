@@ -1,9 +1,11 @@
 """Fused residual-add + RMSNorm: one pass over each row instead of three.
 
-``y = (x + residual) / sqrt(mean((x + residual)^2) + eps) * weight``; the sum
-``x + residual`` is also returned, because the next layer adds to it (the
-pre-norm transformer's residual stream). Without a residual it is plain
-RMSNorm. Statistics are taken in float32 whatever the input dtype.
+``h = x + residual``, ``y = weight * (h / sqrt(mean(h^2) + eps))``; ``h`` is also
+returned, because the next layer adds to it (the pre-norm transformer's
+residual stream). Without a residual it is plain RMSNorm. Rounding follows
+Hugging Face's unfused modules step for step (the sum rounded to the input
+dtype, statistics in float32, the normalised row rounded before the weight
+multiplies it), so swapping this kernel in leaves a model's output bit-equal.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ def _rmsnorm_kernel(
     mask = offs < n_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        x += tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         # the residual stream keeps the input dtype, as the unfused model would
-        tl.store(residual_out_ptr + row * stride_ro + offs,
-                 x.to(residual_out_ptr.dtype.element_ty), mask=mask)
+        h = (x + r).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + offs, h, mask=mask)
+        x = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (x * rstd * w).to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty),
              mask=mask)
 
 
@@ -62,7 +66,8 @@ def rms_norm(
 def rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Gives the same result with plain torch ops in float32."""
-    h = x.float() if residual is None else x.float() + residual.float()
-    out = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-    return out if residual is None else (out, h.to(x.dtype))
+    """Gives the same result the way Hugging Face's modules compute it."""
+    h = x if residual is None else x + residual
+    h32 = h.float()
+    out = weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return out if residual is None else (out, h)

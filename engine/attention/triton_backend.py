@@ -1,0 +1,49 @@
+"""The Triton attention backend: paged KV write, then decode and prefill kernels.
+
+The flat batch puts decode rows (query_len 1) first (`num_decode_tokens` of
+them): those go through the split-K decode kernel, which reads each KV block
+once per KV head for the whole GQA group; the rest of the batch goes through
+the prefill kernel, which attends to each sequence's cached prefix and its new
+tokens. Every launch shape is a function of host-side sizes only (no device
+syncs), so one decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.kernels.kv_cache_write import kv_cache_write
+from kvpilot.kernels.paged_decode_attention import default_num_splits, paged_decode_attention
+from kvpilot.kernels.paged_prefill_attention import paged_prefill_attention
+
+
+class TritonAttentionBackend:
+    """Implements `AttentionBackend` with the kernels of `kvpilot.kernels` (CUDA only)."""
+
+    def __init__(self, num_sms: int | None = None) -> None:
+        if num_sms is None and torch.cuda.is_available():
+            num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.num_sms = num_sms or 132
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Gives the attention output [T, num_heads, head_dim] after caching this step's k, v."""
+        kv_cache_write(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_tokens = q.shape[0]
+        # a batch of only single-token queries is all decode even if the runner did not say so
+        num_decodes = num_tokens if meta.max_query_len == 1 else meta.num_decode_tokens
+        if num_decodes:
+            splits = default_num_splits(num_decodes, kv_cache.shape[3], meta.max_seq_len,
+                                        self.num_sms)
+            paged_decode_attention(q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
+                                   meta.seq_lens[:num_decodes], scale, num_splits=splits,
+                                   out=out[:num_decodes])
+        if num_decodes < num_tokens:
+            # query_start_loc holds absolute row offsets, so the prefill kernel takes the
+            # remaining sequences' slice and indexes the full q/k/v/out
+            paged_prefill_attention(q, k, v, kv_cache, meta.block_tables[num_decodes:],
+                                    meta.query_start_loc[num_decodes:],
+                                    meta.seq_lens[num_decodes:], meta.max_query_len, scale,
+                                    out=out)
+        return out
