@@ -1,0 +1,1 @@
+"""Attention backends: the paged-KV layout contract and its implementations."""

@@ -1,0 +1,181 @@
+"""The dense decoder family: Llama 2/3, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
+
+One flat batch of T tokens goes through every layer; attention reads and writes
+the paged KV cache through `model.attn_backend`, which the model runner may swap
+(torch reference on CPU, Triton on GPU).
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+import torch
+from kvpilot.engine.attention.backend import AttentionBackend
+from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.models.config import ModelConfig
+from kvpilot.engine.models.layers import MergedLinear, RMSNorm, silu_and_mul
+from kvpilot.engine.models.rope import RotaryEmbedding
+from torch import nn
+
+# checkpoint tensor name -> (parameter name, index into that parameter)
+WeightLayout: TypeAlias = dict[str, tuple[str, tuple]]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size],
+                                     bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = RotaryEmbedding(self.head_dim, config.max_model_len, config.rope_theta,
+                                      config.rope_scaling)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """Gives the attention output [T, hidden] for hidden states `x` [T, hidden]."""
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); `mlp` may be an MoE block."""
+
+    def __init__(self, config: ModelConfig, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the decoder layers and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, make_mlp) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, make_mlp(config)) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, meta, backend)
+        return self.norm(x)
+
+
+def dense_mlp(config: ModelConfig) -> MLP:
+    """Gives the dense SwiGLU MLP of one layer."""
+    return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM; also serves Mistral, Qwen2 and Qwen3 through config flags."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None,
+                 make_mlp=dense_mlp) -> None:
+        super().__init__()
+        if attn_backend is None:
+            from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+            attn_backend = TorchAttentionBackend()
+        self.config = config
+        self.attn_backend = attn_backend
+        self.model = DecoderModel(config, make_mlp)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Gives the final hidden states [T, hidden] of the flat batch `input_ids` [T]."""
+        return self.model(input_ids, positions, kv_caches, meta, self.attn_backend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Gives float32 logits [N, vocab] for the hidden states [N, hidden] to sample from."""
+        return self.lm_head(hidden).float()
+
+    def weight_layout(self) -> WeightLayout:
+        """Gives where every tensor of an HF checkpoint lands in this model's parameters."""
+        layout: WeightLayout = {
+            "model.embed_tokens.weight": ("model.embed_tokens.weight", ()),
+            "model.norm.weight": ("model.norm.weight", ()),
+        }
+        if not self.config.tie_word_embeddings:
+            layout["lm_head.weight"] = ("lm_head.weight", ())
+        for i, layer in enumerate(self.model.layers):
+            prefix = f"model.layers.{i}"
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                layout[f"{prefix}.{norm}.weight"] = (f"{prefix}.{norm}.weight", ())
+            layout |= _attention_layout(f"{prefix}.self_attn", layer.self_attn)
+            layout |= self.mlp_layout(prefix, layer.mlp)
+        return layout
+
+    def mlp_layout(self, prefix: str, mlp: MLP) -> WeightLayout:
+        """Gives the checkpoint layout of one layer's dense MLP."""
+        layout = _merged_layout(f"{prefix}.mlp", "gate_up_proj", mlp.gate_up_proj,
+                                ["gate_proj", "up_proj"])
+        layout |= _plain_layout(f"{prefix}.mlp.down_proj", mlp.down_proj)
+        return layout
+
+
+def _attention_layout(prefix: str, attn: Attention) -> WeightLayout:
+    layout = _merged_layout(prefix, "qkv_proj", attn.qkv_proj, ["q_proj", "k_proj", "v_proj"])
+    layout |= _plain_layout(f"{prefix}.o_proj", attn.o_proj)
+    for norm in ("q_norm", "k_norm"):
+        if getattr(attn, norm) is not None:
+            layout[f"{prefix}.{norm}.weight"] = (f"{prefix}.{norm}.weight", ())
+    return layout
+
+
+def _merged_layout(prefix: str, merged_name: str, merged: MergedLinear,
+                   parts: list[str]) -> WeightLayout:
+    layout: WeightLayout = {}
+    for index, part in enumerate(parts):
+        rows = (merged.shard_rows(index),)
+        layout[f"{prefix}.{part}.weight"] = (f"{prefix}.{merged_name}.weight", rows)
+        if merged.bias is not None:
+            layout[f"{prefix}.{part}.bias"] = (f"{prefix}.{merged_name}.bias", rows)
+    return layout
+
+
+def _plain_layout(prefix: str, linear: nn.Linear) -> WeightLayout:
+    layout = {f"{prefix}.weight": (f"{prefix}.weight", ())}
+    if linear.bias is not None:
+        layout[f"{prefix}.bias"] = (f"{prefix}.bias", ())
+    return layout

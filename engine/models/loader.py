@@ -1,0 +1,117 @@
+"""Builds a model for its config and fills its weights from safetensors or at random."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from kvpilot.engine.models.config import ModelConfig
+from kvpilot.engine.models.registry import model_class
+from safetensors import safe_open
+from torch import nn
+
+DUMMY_STD = 0.02
+# Checkpoint tensors that carry no weights the model needs.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(config: ModelConfig, load_format: str, device: torch.device | str,
+               seed: int = 0) -> nn.Module:
+    """Gives the model for `config` on `device`, in eval mode, weights loaded per
+    `load_format` (auto, safetensors or dummy)."""
+    fmt = resolve_load_format(config, load_format)
+    with _default_dtype(config.dtype), torch.device(device):
+        model = model_class(config.architecture)(config)
+    if fmt == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_safetensors(model, Path(config.model_path))
+    return model.eval().requires_grad_(False)
+
+
+def resolve_load_format(config: ModelConfig, load_format: str) -> str:
+    """Gives `safetensors` or `dummy`: auto means safetensors when the model dir has them."""
+    has_files = bool(config.model_path) and any(Path(config.model_path).glob("*.safetensors"))
+    if load_format == "dummy" or (load_format == "auto" and not has_files):
+        return "dummy"
+    if load_format in ("auto", "safetensors"):
+        if not has_files:
+            raise ValueError(
+                f"load_format={load_format!r} but model={config.model_path or config.name!r} "
+                "has no *.safetensors files: point --model at a directory with them, or pass "
+                "--load-format dummy")
+        return "safetensors"
+    raise ValueError(f"load_format={load_format!r} is invalid: choose auto, safetensors or dummy")
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Fills every weight with N(0, 0.02) from a seeded CPU generator (same on any device);
+    norm weights get ones, as in a freshly initialised HF model."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+            continue
+        values = torch.randn(param.shape, generator=generator) * DUMMY_STD
+        param.data.copy_(values.to(param.dtype))
+
+
+def load_safetensors(model: nn.Module, path: Path) -> None:
+    """Copies every checkpoint tensor into its place; raises naming any unexpected,
+    mis-shaped or missing tensor."""
+    layout = model.weight_layout()
+    params = dict(model.named_parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    seen: set[str] = set()
+    for name, tensor in _checkpoint_tensors(path):
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        if name not in layout:
+            raise ValueError(
+                f"checkpoint {path} has tensor {name!r} that {model.config.architecture} does "
+                "not use: is config.json's `architectures` right for these weights?")
+        param_name, index = layout[name]
+        target = params[param_name].data[index]
+        if target.shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)} but config.json "
+                f"implies {tuple(target.shape)}: the config and the weights disagree")
+        target.copy_(tensor)
+        seen.add(name)
+    missing = [name for name in layout if name not in seen]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint {path} lacks tensor(s) the model needs: {shown}")
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """Gives the safetensors files of a model dir: the index's shards, or every file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / shard for shard in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model dir {path} has no *.safetensors files")
+    return files
+
+
+def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Builds parameters directly in the model dtype, so no full-size float32 copy exists."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,65 @@
+"""Rotary position embeddings, neox style (rotate halves), with Llama 3 and linear scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def inverse_frequencies(head_dim: int, theta: float,
+                        scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Gives the float32 inverse frequencies [head_dim // 2] that HF computes for this rope."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3(inv_freq, scaling)
+    raise ValueError(
+        f"rope_scaling.rope_type={rope_type!r} in config.json is not supported: kvpilot "
+        "implements default, linear and llama3")
+
+
+def _llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent stretch: long wavelengths slowed by `factor`, short
+    ones kept, the band between blended smoothly."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by their token positions, using a cos/sin table built once."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # float32 on purpose: the table stays exact whatever dtype the model runs in.
+        self.register_buffer("cos", freqs.cos().to(torch.float32), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(torch.float32), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gives q [T, heads, d] and k [T, kv_heads, d] rotated by `positions` [T]."""
+        cos = self.cos[positions].float().unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].float().unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
