@@ -1,0 +1,66 @@
+"""The `kvpilot operator` subcommand: run the kopf operator (kopf is imported only in `run`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvpilot.operator.render.meta import RenderConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the operator's flags."""
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
+                       help="watch this namespace (repeatable; glob patterns allowed)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true",
+                       help="watch every namespace (the default when no --namespace is given)")
+    parser.add_argument("--liveness", type=int, default=None, metavar="PORT",
+                        help="serve kopf's liveness probe on http://0.0.0.0:PORT/healthz")
+    parser.add_argument("--peering", default=None, metavar="NAME",
+                        help="coordinate with other operator replicas through this "
+                             "KopfPeering object (default: standalone)")
+    parser.add_argument("--standalone", action="store_true",
+                        help="ignore peering even when --peering is set")
+    parser.add_argument("--dev", action="store_true",
+                        help="short watch timeouts and debug logs, for local clusters and tests")
+    defaults = RenderConfig()
+    parser.add_argument("--engine-image", default=defaults.engine_image,
+                        help="engine image when a spec's overrides.image is unset")
+    parser.add_argument("--router-image", default=defaults.router_image,
+                        help="image of the router pods")
+    parser.add_argument("--leader-worker-set", action="store_true",
+                        help="render multi-node replicas as LeaderWorkerSets (LWS CRD installed)")
+    parser.add_argument("--drain-timeout", type=int, default=defaults.drain_timeout_seconds,
+                        metavar="SECONDS", help="seconds engines get to drain after SIGTERM")
+
+
+def render_config(args: argparse.Namespace) -> RenderConfig:
+    """Gives the render settings the flags ask for."""
+    return RenderConfig(engine_image=args.engine_image, router_image=args.router_image,
+                        leader_worker_set=args.leader_worker_set,
+                        drain_timeout_seconds=args.drain_timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the operator until SIGINT/SIGTERM; gives the exit code."""
+    import asyncio
+
+    import kopf
+    from kvpilot.operator.handlers import register
+    from kvpilot.operator.handlers.lifecycle import operator_settings
+
+    logging.basicConfig(level=logging.DEBUG if args.dev else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    register()
+    namespaces = list(args.namespace)
+    asyncio.run(kopf.operator(
+        settings=operator_settings(fast=args.dev),
+        memo=kopf.Memo(render=render_config(args)),
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        standalone=args.standalone or args.peering is None,
+        peering_name=args.peering,
+        liveness_endpoint=f"http://0.0.0.0:{args.liveness}/healthz" if args.liveness else None,
+    ))
+    return 0

@@ -1,0 +1,82 @@
+"""InferenceModel handlers: render and apply its pools, router and ConfigMap; write its status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.handlers.children import apply_all, prune
+from kvpilot.operator.handlers.kube import Kube
+from kvpilot.operator.render.children import pool_name, pool_specs, render_children
+from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL
+from kvpilot.operator.render.router import endpoint_url
+from kvpilot.operator.status import (
+    PoolCounts,
+    describe_error,
+    invalid_spec_conditions,
+    merge_conditions,
+    model_status,
+    now_rfc3339,
+)
+
+GROUP, VERSION = GROUP_VERSION.split("/")
+OWNED_KINDS = [
+    (GROUP_VERSION, "PrefillPool"), (GROUP_VERSION, "DecodePool"), ("v1", "ConfigMap"),
+    ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+]
+
+
+async def pool_counts(kube: Kube, model: str, namespace: str,
+                      spec: InferenceModelSpec) -> dict[str, PoolCounts]:
+    """Gives desired/ready replicas of each of the model's pools, keyed 'prefill'/'decode'."""
+    counts: dict[str, PoolCounts] = {}
+    for kind, pool in pool_specs(spec, model):
+        role = "prefill" if kind == "PrefillPool" else "decode"
+        current = await kube.get(GROUP_VERSION, kind, namespace, pool_name(model, role))
+        if current is None:
+            counts[role] = PoolCounts(pool.replicas, 0)
+            continue
+        status = current.get("status") or {}
+        counts[role] = PoolCounts(current.get("spec", {}).get("replicas", pool.replicas),
+                                  int(status.get("readyReplicas", 0)))
+    return counts
+
+
+@kopf.on.resume(GROUP, VERSION, "inferencemodels")
+@kopf.on.create(GROUP, VERSION, "inferencemodels")
+@kopf.on.update(GROUP, VERSION, "inferencemodels")
+async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
+                          status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
+                          reason: str, **_: Any) -> None:
+    """Brings an InferenceModel's children to its spec and writes its status."""
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+    now = now_rfc3339()
+    im = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta)}
+    try:
+        parsed = InferenceModelSpec.model_validate(dict(spec))
+        children = render_children(im, parsed, memo.render)
+    except ValueError as exc:
+        # Retrying cannot fix a spec: say why in the status and wait for the next edit.
+        message = describe_error(exc)
+        patch.status["conditions"] = merge_conditions(
+            status.get("conditions"), invalid_spec_conditions("InvalidSpec", message,
+                                                              generation, now))
+        patch.status["observedGeneration"] = generation
+        kopf.warn(body, reason="InvalidSpec", message=message)
+        return
+    kube: Kube = memo.kube
+    autoscaled = {pool_name(name, "prefill" if kind == "PrefillPool" else "decode"):
+                  [("spec", "replicas")]
+                  for kind, pool in pool_specs(parsed, name) if pool.autoscaling is not None}
+    changes, _ = await apply_all(kube, children, keep=autoscaled)
+    if reason != "create":  # a new object has nothing stale to remove
+        changes += await prune(kube, OWNED_KINDS, namespace, {MODEL_LABEL: name}, meta["uid"],
+                               children)
+    if changes:
+        kopf.info(body, reason="Reconciled", message="; ".join(changes)[:1000])
+    counts = await pool_counts(kube, name, namespace, parsed)
+    endpoint = endpoint_url(name, namespace) if parsed.router.replicas > 0 else None
+    patch.status.update(model_status(counts, endpoint, generation, status.get("conditions"), now))
+    patch.status["observedGeneration"] = generation

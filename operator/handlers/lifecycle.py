@@ -1,0 +1,64 @@
+"""Operator start-up and shut-down: login, the shared API client, and kopf settings."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from kvpilot.operator.handlers.kube import Kube
+from kvpilot.operator.render.meta import RenderConfig
+
+ANNOTATION_PREFIX = "kvpilot.dev"
+
+
+def connection(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
+    """Gives the in-cluster service account's connection, else the kubeconfig's."""
+    info = kopf.login_with_service_account(settings=settings) or \
+        kopf.login_with_kubeconfig(settings=settings)
+    if info is None:
+        raise kopf.LoginError("no service account and no kubeconfig: run in a pod, or set "
+                              "KUBECONFIG to a kubeconfig file")
+    return info
+
+
+@kopf.on.login()
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    """Gives kopf the same credentials the handlers' client uses."""
+    return connection(settings)
+
+
+@kopf.on.startup()
+async def open_client(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Puts the API client and the render settings into the operator memo."""
+    memo.kube = Kube.from_connection(connection(settings))
+    if getattr(memo, "render", None) is None:
+        memo.render = RenderConfig()
+
+
+@kopf.on.cleanup()
+async def close_client(memo: kopf.Memo, **_: Any) -> None:
+    """Closes the API client."""
+    kube = getattr(memo, "kube", None)
+    if kube is not None:
+        await kube.close()
+
+
+def operator_settings(fast: bool = False) -> kopf.OperatorSettings:
+    """Gives kopf settings: state in annotations (status stays ours), few events, optional fast waits."""
+    settings = kopf.OperatorSettings()
+    # kopf's bookkeeping goes to annotations so `.status` holds only kvpilot's fields.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
+    # Handlers post their own decision events; kopf's per-handler log lines stay in the log.
+    settings.posting.level = logging.WARNING
+    settings.networking.request_timeout = 30
+    if fast:
+        settings.watching.connect_timeout = 5
+        settings.watching.server_timeout = 30
+        settings.watching.reconnect_backoff = 0.2
+        settings.batching.batch_window = 0.05
+        settings.batching.idle_timeout = 5
+    return settings

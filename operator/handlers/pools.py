@@ -1,0 +1,95 @@
+"""PrefillPool and DecodePool handlers: render and apply workloads, Services and PDB; write status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.api.pools import DecodePoolSpec, PoolSpec, PrefillPoolSpec
+from kvpilot.operator.handlers.children import apply_all, owned_by, prune
+from kvpilot.operator.handlers.kube import Kube
+from kvpilot.operator.render.meta import GROUP_VERSION, POOL_LABEL, RenderConfig
+from kvpilot.operator.render.pool import pool_selector, render_pool
+from kvpilot.operator.render.workloads import LWS_API_VERSION
+from kvpilot.operator.status import (
+    describe_error,
+    invalid_spec_conditions,
+    merge_conditions,
+    now_rfc3339,
+    pool_status,
+    workload_ready,
+)
+
+GROUP, VERSION = GROUP_VERSION.split("/")
+SPEC_TYPES: dict[str, type[PoolSpec]] = {"PrefillPool": PrefillPoolSpec,
+                                         "DecodePool": DecodePoolSpec}
+
+
+def workload_kinds(config: RenderConfig) -> list[tuple[str, str]]:
+    """Gives the (apiVersion, kind) of the workloads a pool may own under `config`."""
+    kinds = [("apps/v1", "Deployment"), ("apps/v1", "StatefulSet")]
+    if config.leader_worker_set:
+        kinds.append((LWS_API_VERSION, "LeaderWorkerSet"))
+    return kinds
+
+
+async def resolve(kube: Kube, namespace: str, spec: PoolSpec) -> PoolSpec:
+    """Gives the pool spec with unset sections filled from its InferenceModel."""
+    owner = None
+    if spec.model_ref is not None:
+        im = await kube.get(GROUP_VERSION, "InferenceModel", namespace, spec.model_ref)
+        owner = InferenceModelSpec.model_validate(im["spec"]) if im else None
+    return spec.resolved(owner)
+
+
+async def ready_replicas(kube: Kube, pool: dict[str, Any], config: RenderConfig) -> int:
+    """Gives the pool's ready replicas from the workloads it owns."""
+    meta = pool["metadata"]
+    workloads = []
+    for api_version, kind in workload_kinds(config):
+        items = await kube.list(api_version, kind, meta["namespace"], {POOL_LABEL: meta["name"]})
+        workloads += [w for w in items if owned_by(w, meta["uid"])]
+    return workload_ready(workloads)
+
+
+@kopf.on.resume(GROUP, VERSION, "prefillpools")
+@kopf.on.create(GROUP, VERSION, "prefillpools")
+@kopf.on.update(GROUP, VERSION, "prefillpools")
+@kopf.on.resume(GROUP, VERSION, "decodepools")
+@kopf.on.create(GROUP, VERSION, "decodepools")
+@kopf.on.update(GROUP, VERSION, "decodepools")
+async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status,
+                         patch: kopf.Patch, memo: kopf.Memo, reason: str, **_: Any) -> None:
+    """Brings a pool's workloads, Services and PDB to its spec and writes its status."""
+    namespace, generation = meta["namespace"], meta.get("generation")
+    kube: Kube = memo.kube
+    config: RenderConfig = memo.render
+    now = now_rfc3339()
+    pool = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta),
+            "spec": dict(spec)}
+    try:
+        parsed = SPEC_TYPES[body["kind"]].model_validate(dict(spec))
+        resolved = await resolve(kube, namespace, parsed)
+        objects = render_pool(pool, resolved, config)
+    except ValueError as exc:
+        message = describe_error(exc)
+        patch.status["conditions"] = merge_conditions(
+            status.get("conditions"), invalid_spec_conditions("InvalidSpec", message,
+                                                              generation, now))
+        patch.status["observedGeneration"] = generation
+        kopf.warn(body, reason="InvalidSpec", message=message)
+        return
+    changes, current = await apply_all(kube, objects)
+    if reason != "create":  # scale-down of multi-node groups, or a single/multi-node switch
+        kinds = [*workload_kinds(config), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
+        changes += await prune(kube, kinds, namespace, {POOL_LABEL: meta["name"]}, meta["uid"],
+                               objects)
+    if changes:
+        kopf.info(body, reason="Reconciled", message="; ".join(changes)[:1000])
+    role = getattr(parsed, "role", "both")
+    workloads = {kind for _, kind in workload_kinds(config)}
+    ready = workload_ready([o for o in current if o.get("kind") in workloads])
+    patch.status.update(pool_status(parsed.replicas, ready, pool_selector(pool, role),
+                                    generation, status.get("conditions"), now))
+    patch.status["observedGeneration"] = generation

@@ -1,0 +1,89 @@
+"""Roll ready counts up: workload -> pool status, pool -> InferenceModel status.
+
+These are event handlers (no kopf state): every change of a child re-derives
+the parent's counts and conditions from what the API server holds now, and
+patches the parent's status only when it would change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.handlers.inference_model import pool_counts
+from kvpilot.operator.handlers.kube import Kube, differs
+from kvpilot.operator.handlers.pools import ready_replicas
+from kvpilot.operator.render.meta import GROUP_VERSION, MANAGED_BY
+from kvpilot.operator.render.pool import pool_selector
+from kvpilot.operator.render.router import endpoint_url
+from kvpilot.operator.status import DEGRADED, is_true, model_status, now_rfc3339, pool_status
+
+GROUP, VERSION = GROUP_VERSION.split("/")
+MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY["app.kubernetes.io/managed-by"]}
+POOL_KINDS = ("PrefillPool", "DecodePool")
+
+
+def controller_of(body: kopf.Body, kinds: tuple[str, ...]) -> dict[str, Any] | None:
+    """Gives the owner reference of `body` whose kind is one of `kinds`, if any."""
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("kind") in kinds and ref.get("apiVersion") == GROUP_VERSION:
+            return dict(ref)
+    return None
+
+
+async def _patch_status_if_changed(kube: Kube, obj: dict[str, Any],
+                                   status: dict[str, Any]) -> None:
+    if differs(obj.get("status") or {}, status):
+        meta = obj["metadata"]
+        await kube.patch(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"],
+                         {"status": status}, subresource="status")
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+@kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED)
+async def workload_changed(body: kopf.Body, type: str | None, memo: kopf.Memo,
+                           **_: Any) -> None:
+    """Recounts the owning pool's ready replicas when one of its workloads changes."""
+    ref = controller_of(body, POOL_KINDS)
+    if ref is None or type is None:  # router Deployments, and the initial listing
+        return
+    kube: Kube = memo.kube
+    namespace = body["metadata"]["namespace"]
+    pool = await kube.get(GROUP_VERSION, ref["kind"], namespace, ref["name"])
+    if pool is None or pool["metadata"]["uid"] != ref["uid"]:
+        return
+    status = pool.get("status") or {}
+    if is_true(status.get("conditions"), DEGRADED) or "observedGeneration" not in status:
+        return  # the pool handler owns the status until the spec is valid and handled
+    ready = await ready_replicas(kube, pool, memo.render)
+    role = pool["spec"].get("role", "prefill" if ref["kind"] == "PrefillPool" else "both")
+    new = pool_status(pool["spec"].get("replicas", 1), ready, pool_selector(pool, role),
+                      status.get("observedGeneration"), status.get("conditions"), now_rfc3339())
+    await _patch_status_if_changed(kube, pool, new)
+
+
+@kopf.on.event(GROUP, VERSION, "prefillpools")
+@kopf.on.event(GROUP, VERSION, "decodepools")
+async def pool_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Recounts the owning InferenceModel's pools when one of them changes."""
+    ref = controller_of(body, ("InferenceModel",))
+    if ref is None:
+        return
+    kube: Kube = memo.kube
+    namespace = body["metadata"]["namespace"]
+    im = await kube.get(GROUP_VERSION, "InferenceModel", namespace, ref["name"])
+    if im is None or im["metadata"]["uid"] != ref["uid"]:
+        return
+    status = im.get("status") or {}
+    if is_true(status.get("conditions"), DEGRADED) or "observedGeneration" not in status:
+        return
+    try:
+        spec = InferenceModelSpec.model_validate(im["spec"])
+    except ValueError:
+        return
+    counts = await pool_counts(kube, ref["name"], namespace, spec)
+    endpoint = endpoint_url(ref["name"], namespace) if spec.router.replicas > 0 else None
+    new = model_status(counts, endpoint, status.get("observedGeneration"),
+                       status.get("conditions"), now_rfc3339())
+    await _patch_status_if_changed(kube, im, new)

@@ -1,0 +1,50 @@
+"""Everything one PrefillPool or DecodePool owns: workloads, Services and the PodDisruptionBudget."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from kvpilot.operator.api.pools import PoolSpec
+from kvpilot.operator.render.meta import RenderConfig, pool_labels
+from kvpilot.operator.render.pdb import pool_pdb
+from kvpilot.operator.render.placement import plan_placement
+from kvpilot.operator.render.services import pool_service, rendezvous_service
+from kvpilot.operator.render.workloads import pool_workloads
+
+SPEC_HASH_ANNOTATION = "kvpilot.dev/spec-hash"
+
+
+def pool_model_name(pool: dict[str, Any]) -> str:
+    """Gives the model label value of a pool: its InferenceModel's name, else its own."""
+    return pool.get("spec", {}).get("modelRef") or pool["metadata"]["name"]
+
+
+def spec_hash(spec: PoolSpec) -> str:
+    """Gives a short digest of a resolved spec; pods carry it so any change rolls them."""
+    text = json.dumps(spec.to_json(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def render_pool(pool: dict[str, Any], spec: PoolSpec, config: RenderConfig) -> list[dict[str, Any]]:
+    """Gives the objects a pool owns for its resolved spec; raises ValueError if it cannot plan."""
+    name, namespace = pool["metadata"]["name"], pool["metadata"]["namespace"]
+    role = getattr(spec, "role", "both")
+    placement = plan_placement(spec)
+    labels = pool_labels(pool_model_name(pool), name, role)
+    multi_node = placement.nodes_per_replica > 1
+    objects = pool_workloads(name, namespace, spec, role, placement, labels, pool, config,
+                             annotations={SPEC_HASH_ANNOTATION: spec_hash(spec)})
+    objects.append(pool_service(name, namespace, labels, pool, multi_node,
+                                config.leader_worker_set))
+    if multi_node and not config.leader_worker_set:
+        objects.append(rendezvous_service(name, namespace, labels, pool))
+    objects.append(pool_pdb(name, namespace, labels, pool))
+    return objects
+
+
+def pool_selector(pool: dict[str, Any], role: str) -> str:
+    """Gives the pool's pod label selector as text (the scale subresource's status.selector)."""
+    labels = pool_labels(pool_model_name(pool), pool["metadata"]["name"], role)
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))

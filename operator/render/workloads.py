@@ -1,0 +1,124 @@
+"""A pool's workloads: one Deployment when a replica fits a node, else a leader/worker group per replica.
+
+Multi-node groups are StatefulSets (one per replica, `<pool>-g<i>`, pods
+`<pool>-g<i>-<rank>`) sharing the pool's headless Service, so rank 0 has a
+stable DNS name the others rendezvous with. When the LeaderWorkerSet CRD is
+installed (`RenderConfig.leader_worker_set`) one LeaderWorkerSet replaces them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpilot.operator.api.pools import PoolSpec
+from kvpilot.operator.render.meta import (
+    POD_INDEX_LABEL,
+    RENDEZVOUS_PORT,
+    REPLICA_LABEL,
+    RenderConfig,
+    child_name,
+    object_meta,
+)
+from kvpilot.operator.render.placement import Placement
+from kvpilot.operator.render.pods import pod_template
+from kvpilot.operator.render.services import LWS_WORKER_INDEX_LABEL, rendezvous_service_name
+
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+
+
+def group_name(pool: str, replica: int) -> str:
+    """Gives the StatefulSet name of one multi-node replica."""
+    return child_name(pool, f"g{replica}")
+
+
+def pool_workloads(pool: str, namespace: str, spec: PoolSpec, role: str, placement: Placement,
+                   labels: dict[str, str], owner: dict[str, Any], config: RenderConfig,
+                   annotations: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Gives the Deployment, the StatefulSets, or the LeaderWorkerSet that run a pool's replicas."""
+    if placement.nodes_per_replica == 1:
+        template = pod_template(spec, role, placement, labels, config, annotations=annotations)
+        return [_deployment(pool, namespace, spec.replicas, labels, owner, template)]
+    if config.leader_worker_set:
+        return [_leader_worker_set(pool, namespace, spec, role, placement, labels, owner, config,
+                                   annotations)]
+    return [_group(pool, namespace, i, spec, role, placement, labels, owner, config, annotations)
+            for i in range(spec.replicas)]
+
+
+def _deployment(name: str, namespace: str, replicas: int, labels: dict[str, str],
+                owner: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": object_meta(name, namespace, labels, owner),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": dict(labels)},
+            # Never drop below the desired count during a rollout; a new pod must be
+            # ready (weights loaded) before an old one drains.
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": template,
+        },
+    }
+
+
+def _rendezvous_env(world_size: int, nodes: int, master_addr: str,
+                    rank_label: str) -> list[dict[str, Any]]:
+    return [
+        {"name": "MASTER_ADDR", "value": master_addr},
+        {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
+        {"name": "WORLD_SIZE", "value": str(world_size)},
+        {"name": "NNODES", "value": str(nodes)},
+        {"name": "NODE_RANK", "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.labels['{rank_label}']"}}},
+    ]
+
+
+def _group(pool: str, namespace: str, replica: int, spec: PoolSpec, role: str,
+           placement: Placement, labels: dict[str, str], owner: dict[str, Any],
+           config: RenderConfig, annotations: dict[str, str] | None) -> dict[str, Any]:
+    name = group_name(pool, replica)
+    service = rendezvous_service_name(pool)
+    nodes = placement.nodes_per_replica
+    env = _rendezvous_env(nodes * placement.gpus_per_pod, nodes,
+                          f"{name}-0.{service}.{namespace}.svc", POD_INDEX_LABEL)
+    group_labels = {**labels, REPLICA_LABEL: str(replica)}
+    template = pod_template(spec, role, placement, group_labels, config, extra_env=env,
+                            annotations=annotations)
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": object_meta(name, namespace, group_labels, owner),
+        "spec": {
+            "replicas": nodes,
+            "serviceName": service,
+            # All ranks start together: the collective init waits for every one of them.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": group_labels},
+            "template": template,
+        },
+    }
+
+
+def _leader_worker_set(pool: str, namespace: str, spec: PoolSpec, role: str,
+                       placement: Placement, labels: dict[str, str], owner: dict[str, Any],
+                       config: RenderConfig, annotations: dict[str, str] | None) -> dict[str, Any]:
+    nodes = placement.nodes_per_replica
+    # LWS injects LWS_LEADER_ADDRESS into every container of the group.
+    env = _rendezvous_env(nodes * placement.gpus_per_pod, nodes, "$(LWS_LEADER_ADDRESS)",
+                          LWS_WORKER_INDEX_LABEL)
+    template = pod_template(spec, role, placement, labels, config, extra_env=env,
+                            annotations=annotations)
+    return {
+        "apiVersion": LWS_API_VERSION, "kind": "LeaderWorkerSet",
+        "metadata": object_meta(pool, namespace, labels, owner),
+        "spec": {
+            "replicas": spec.replicas,
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": nodes,
+                # A lost rank breaks the collective: restart the whole group together.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "workerTemplate": template,
+            },
+        },
+    }

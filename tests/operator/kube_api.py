@@ -1,0 +1,153 @@
+"""A kmock Kubernetes emulator grown just far enough for an operator to run against it.
+
+kmock's `KubernetesEmulator` stores objects as plain JSON and merges patches.
+The operator also needs what a real API server adds: `metadata.uid`,
+`generation` (bumped only when `spec` changes), `resourceVersion`,
+`creationTimestamp`, a `status` subresource that ignores everything but
+`status`, and cascading deletion through owner references. This module adds
+those and nothing else; see docs/parts/operator-reconcile.md for what it still
+does not prove (admission, schema defaulting and validation, real controllers).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import itertools
+import uuid
+from typing import Any
+
+import attrs
+import kmock
+from kmock._internal import dicts, enums
+
+CORE_RESOURCES: dict[str, dict[str, Any]] = {
+    "v1/namespaces": {"kind": "Namespace", "namespaced": False},
+    "v1/configmaps": {"kind": "ConfigMap", "namespaced": True},
+    "v1/services": {"kind": "Service", "namespaced": True},
+    "v1/events": {"kind": "Event", "namespaced": True},
+    "v1/pods": {"kind": "Pod", "namespaced": True, "subresources": {"status"}},
+    "apps/v1/deployments": {"kind": "Deployment", "namespaced": True,
+                            "subresources": {"status", "scale"}},
+    "apps/v1/statefulsets": {"kind": "StatefulSet", "namespaced": True,
+                             "subresources": {"status", "scale"}},
+    "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True,
+                                       "subresources": {"status"}},
+    "apiextensions.k8s.io/v1/customresourcedefinitions": {
+        "kind": "CustomResourceDefinition", "namespaced": False, "subresources": {"status"}},
+}
+VERBS = {"create", "delete", "get", "list", "patch", "update", "watch"}
+
+
+@attrs.define(kw_only=True)
+class ApiServer(kmock.KubernetesEmulator):
+    """Gives a kmock emulator with API-server metadata, status subresources and cascading GC."""
+
+    _versions: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _with_status: set[Any] = attrs.field(factory=set, init=False)
+
+    def add_resource(self, key: str, kind: str, namespaced: bool = True,
+                     subresources: set[str] | frozenset[str] = frozenset(),
+                     shortnames: set[str] | frozenset[str] = frozenset(),
+                     categories: set[str] | frozenset[str] = frozenset()) -> None:
+        """Registers one resource for discovery, listing and watching."""
+        self.resources[key] = kmock.ResourceInfo(
+            kind=kind, namespaced=namespaced, singular=kind.lower(), verbs=set(VERBS),
+            subresources=set(subresources), shortnames=set(shortnames),
+            categories=set(categories))
+        if "status" in subresources:
+            self._with_status.add(kmock.resource(key))
+
+    def add_core_resources(self) -> None:
+        """Registers the built-in resources the operator reads and writes."""
+        for key, info in CORE_RESOURCES.items():
+            self.add_resource(key, **info)
+
+    def add_crd(self, crd: dict[str, Any]) -> None:
+        """Registers a CustomResourceDefinition: its resource and the CRD object itself."""
+        spec = crd["spec"]
+        names = spec["names"]
+        for version in spec["versions"]:
+            self.add_resource(
+                f"{spec['group']}/{version['name']}/{names['plural']}", kind=names["kind"],
+                namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                subresources=set(version.get("subresources", {})),
+                shortnames=set(names.get("shortNames", [])),
+                categories=set(names.get("categories", [])))
+        crds = kmock.resource("apiextensions.k8s.io/v1/customresourcedefinitions")
+        self.objects[crds, None, crd["metadata"]["name"]] = self._stamp(copy.deepcopy(crd))
+
+    def live(self, key: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Gives the current (not deleted) objects of one resource."""
+        resource = kmock.resource(key)
+        return [obj.raw for (res, ns, _), obj in self.objects.items()
+                if res == resource and not obj.deleted
+                and (namespace is None or ns == namespace)]
+
+    def get(self, key: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """Gives one current object, or None."""
+        object_key = (kmock.resource(key), namespace, name)
+        if object_key not in self.objects or self.objects[object_key].deleted:
+            return None
+        return self.objects[object_key].raw
+
+    def _stamp(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj.setdefault("metadata", {})
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("generation", 1)
+        meta.setdefault("creationTimestamp",
+                        datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        meta["resourceVersion"] = str(next(self._versions))
+        return obj
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        # The request is frozen but its parsed body is a dict: amend it in place, before
+        # the base class stores it, the way an API server's registry would.
+        if request.resource is not None and isinstance(request.data, dict):
+            if request.action == enums.action.CREATE:
+                if request.namespace:
+                    request.data.setdefault("metadata", {})["namespace"] = request.namespace
+                request.data.pop("status", None) if request.resource in self._with_status else None
+                self._stamp(request.data)
+            elif request.action == enums.action.UPDATE and request.name is not None:
+                self._amend_patch(request)
+        response = await super()._handle(request)
+        if request.action == enums.action.DELETE and request.name is not None:
+            await self._collect_garbage()
+        return response
+
+    def _amend_patch(self, request: kmock.Request) -> None:
+        patch: dict[str, Any] = request.data
+        if request.resource in self._with_status:
+            if request.subresource == "status":
+                kept = {"status": patch.get("status")} if "status" in patch else {}
+                patch.clear()
+                patch.update(kept)
+            else:
+                patch.pop("status", None)
+        key = (request.resource, request.namespace, request.name)
+        if key in self.objects and not self.objects[key].deleted and "spec" in patch:
+            current = self.objects[key].raw
+            merged = dicts.merge_patch_dict(current, patch)
+            if merged.get("spec") != current.get("spec"):
+                generation = current.get("metadata", {}).get("generation", 1) + 1
+                patch.setdefault("metadata", {})["generation"] = generation
+        patch.setdefault("metadata", {})["resourceVersion"] = str(next(self._versions))
+
+    async def _collect_garbage(self) -> None:
+        # Deleting an owner deletes its dependents (background cascading deletion).
+        while True:
+            live_uids = {obj.raw.get("metadata", {}).get("uid")
+                         for obj in self.objects.values() if not obj.deleted}
+            orphans = [
+                (key, obj) for key, obj in self.objects.items() if not obj.deleted
+                and any(ref.get("uid") not in live_uids
+                        for ref in obj.raw.get("metadata", {}).get("ownerReferences", []))
+            ]
+            if not orphans:
+                return
+            async with self._lock:
+                for (resource, _, _), obj in orphans:
+                    raw = obj.raw
+                    obj.delete()
+                    await self._buses[resource].put({"type": "DELETED", "object": raw})
