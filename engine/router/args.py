@@ -47,7 +47,8 @@ class RouterArgs:
                 "engines' (default: hash the prompt's UTF-8 bytes)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (the engines')"})
     prefix_index_max_entries: int = field(default=1_000_000, metadata={
-        "help": "hard cap on (instance, block) entries of the prefix index; LRU beyond"})
+        "help": "hard cap on (instance, block) entries of the prefix index (about 256 bytes "
+                "each); least recently used entries go first"})
     load_weight: float = field(default=0.5, metadata={
         "help": "prefix-aware: how much relative load (waiting + in flight) costs"})
     kv_usage_weight: float = field(default=0.25, metadata={

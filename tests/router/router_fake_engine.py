@@ -7,11 +7,15 @@ Runs in-process (`FakeEngine.app`) or as its own process
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -77,9 +81,27 @@ class FakeEngine:
         yield b"data: [DONE]\n\n"
 
 
-if __name__ == "__main__":
-    import uvicorn
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
+    """Runs `app` on a free 127.0.0.1 port; gives its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        sock.close()
 
+
+if __name__ == "__main__":
     port, name = int(sys.argv[1]), sys.argv[2]
     delay = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
     engine = FakeEngine(name, chunks=10_000, stream_delay=delay)

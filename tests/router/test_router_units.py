@@ -1,0 +1,115 @@
+"""Health records, discovery parsing, load scraping, flags and the torch-free import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from kvpilot.engine.router.args import RouterArgs, parse_instances
+from kvpilot.engine.router.discovery import endpoints_from_slices
+from kvpilot.engine.router.fleet import parse_load
+from kvpilot.engine.router.health import Health
+
+
+@pytest.mark.parametrize(("events", "eject_after", "ejected_at", "available_at_end"), [
+    # events: (time, ok?) ; ejected_at: times at which a failure ejected it
+    ([(0, False), (1, False)], 3, [], True),
+    ([(0, False), (1, False), (2, False)], 3, [2], False),
+    ([(0, False), (1, False), (2, True), (3, False)], 3, [], True),  # success resets
+    ([(0, False)], 1, [0], False),
+    # back after 10 s, on probation: one more failure ejects again, for 20 s
+    ([(0, False), (11, False)], 1, [0, 11], False),
+    ([(0, False), (11, False), (32, True), (33, False)], 1, [0, 11, 33], False),
+])
+def test_health_ejection_table(events, eject_after, ejected_at, available_at_end):
+    health, ejections = Health(), []
+    for now, ok in events:
+        if ok:
+            health.record_success()
+        elif health.record_failure(now, eject_after, eject_seconds=10):
+            ejections.append(now)
+    assert ejections == ejected_at
+    assert health.available(events[-1][0]) is available_at_end
+
+
+def test_ejection_backoff_doubles_up_to_eight_times():
+    health, until = Health(), []
+    now = 0.0
+    for _ in range(5):
+        assert health.record_failure(now, 1, 10)
+        until.append(health.ejected_until - now)
+        now = health.ejected_until
+    assert until == [10, 20, 40, 80, 80]
+
+
+def slice_(role, port_name, port, endpoints):
+    labels = {"kvpilot.dev/role": role} if role else {}
+    return {"metadata": {"labels": labels}, "ports": [{"name": port_name, "port": port}],
+            "endpoints": endpoints}
+
+
+@pytest.mark.parametrize(("items", "expected"), [
+    ([slice_("prefill", "http", 8000, [{"addresses": ["10.0.0.1"],
+                                        "conditions": {"ready": True}}])],
+     [("prefill", "http://10.0.0.1:8000")]),
+    ([slice_(None, "http", 8000, [{"addresses": ["10.0.0.2"]}])],  # no role, ready unknown
+     [("both", "http://10.0.0.2:8000")]),
+    ([slice_("decode", "http", 8000, [{"addresses": ["10.0.0.3"],
+                                       "conditions": {"ready": False}}])], []),
+    ([slice_("decode", "metrics", 9000, [{"addresses": ["10.0.0.4"]}])], []),  # wrong port
+    ([slice_("decode", "http", 8000, [{"addresses": ["fd00::1"]}])],
+     [("decode", "http://[fd00::1]:8000")]),
+])
+def test_endpoints_from_slices(items, expected):
+    assert endpoints_from_slices({"items": items}, "http") == expected
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("http://a:1", [("both", "http://a:1")]),
+    ("http://a:1/, prefill=http://b:2,decode=https://c:3", [
+        ("both", "http://a:1"), ("prefill", "http://b:2"), ("decode", "https://c:3")]),
+])
+def test_parse_instances(text, expected):
+    assert parse_instances(text) == expected
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"instances": "warmup=http://a:1"}, "role 'warmup'"),
+    ({"instances": "a:1"}, "not an http"),
+    ({"instances": ","}, "names no instance"),
+    ({}, "instances=None is invalid"),
+    ({"discovery": "kubernetes"}, "selector=None is invalid"),
+    ({"instances": "http://a:1", "policy": "random"}, "policy='random' is invalid"),
+    ({"instances": "http://a:1", "max_retries": -1}, "max_retries=-1 is invalid"),
+    ({"instances": "http://a:1", "block_size": 0}, "block_size=0 is invalid"),
+])
+def test_router_args_errors_name_the_field(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        RouterArgs(**kwargs)
+
+
+def test_router_args_round_trip_through_the_cli():
+    from kvpilot.cli.main import build_parser
+    args = RouterArgs(instances="http://a:1", policy="least-load", port=9000, api_key="k")
+    parsed = build_parser("route").parse_args(["route", *args.to_cli()])
+    from kvpilot.engine.args import from_namespace
+    assert from_namespace(RouterArgs, parsed) == args
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('vllm:num_requests_waiting{model_name="m"} 3.0\n'
+     'vllm:num_requests_running{model_name="m"} 2.0\n'
+     'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n', (3.0, 2.0, 0.5)),
+    ('vllm:num_requests_waiting{model_name="a"} 1\nvllm:num_requests_waiting{model_name="b"} 2\n',
+     (3.0, 0.0, 0.0)),
+    ("# HELP other x\nother 5\n", (0.0, 0.0, 0.0)),
+])
+def test_parse_load(text, expected):
+    assert parse_load(text) == expected
+
+
+def test_router_import_leaves_torch_out():
+    code = ("import sys; import kvpilot.engine.router.app, kvpilot.engine.router.cli; "
+            "assert 'torch' not in sys.modules, 'router imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True)
