@@ -75,7 +75,8 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, limits: Limits) 
     except Exception as exc:  # a template may raise on role orders it does not allow
         raise bad_request(f"messages cannot be rendered by the chat template: {exc}",
                           "messages") from exc
-    ids = tokenizer.encode(text)
+    # The template writes any BOS itself; adding special tokens again would double it.
+    ids = tokenizer.encode(text, add_special_tokens=False)
     check_prompt(ids, limits, "messages")
     return ids
 

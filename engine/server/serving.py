@@ -180,9 +180,17 @@ def usage_of(finals: list[RequestOutput | None], prompt_lens: list[int]) -> Usag
 
 
 def check_error(output: RequestOutput) -> None:
-    """Raises a 500 when the engine ended the request with an error."""
-    if output.error:
-        raise OpenAIError(500, f"the engine failed this request: {output.error}")
+    """Raises when the engine ended the request with an error.
+
+    An error before any token is the engine refusing the request (for example it
+    needs more KV blocks than the cache has): a 400. After tokens it is a 500.
+    """
+    if not output.error and not any(c.finish_reason == "error" for c in output.outputs):
+        return
+    message = output.error or "the engine ended the request with an error"
+    if any(c.token_ids for c in output.outputs):
+        raise OpenAIError(500, f"the engine failed this request: {message}")
+    raise OpenAIError(400, f"the engine refused this request: {message}")
 
 
 def token_text(tokenizer: Any, token_id: int, entry: TokenLogprobs | None) -> str:

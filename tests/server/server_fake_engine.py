@@ -16,7 +16,7 @@ class ByteTokenizer:
     eos_token_id = 256
     vocab_size = 257
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
     def decode(self, ids: list[int]) -> str:

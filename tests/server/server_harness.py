@@ -1,0 +1,87 @@
+"""Harness of the server tests: a real tiny-llama engine served by uvicorn on a free port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from kvpilot.engine.args import EngineArgs
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "tiny-llama"
+# Small enough for fast CPU steps, long enough for the drain and length tests.
+TINY_ENGINE = {"model": MODEL, "max_model_len": 512, "max_num_seqs": 16, "num_kv_blocks": 128,
+               "device": "cpu"}
+
+
+def tiny_engine(**overrides: Any) -> Any:
+    """Gives a real LLMEngine on the built-in tiny-llama model (CPU, dummy weights)."""
+    from kvpilot.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(**{**TINY_ENGINE, **overrides}))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    """A server running in a background thread of the test process."""
+
+    base_url: str
+    app: Any
+    server: uvicorn.Server
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Gives {(sample name, sorted labels): value} scraped from /metrics."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Gives one sample's value (labels beyond model_name must be given)."""
+        key = (name, tuple(sorted({"model_name": MODEL, **labels}.items())))
+        return self.metrics().get(key, 0.0)
+
+
+@contextmanager
+def serve_in_thread(app: Any) -> Iterator[RunningServer]:
+    """Runs `app` with uvicorn on 127.0.0.1:<free port> until the block exits."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", app, server)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    """Gives whether `predicate()` became true within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

@@ -1,0 +1,116 @@
+"""Bad requests get OpenAI error objects: 400 naming the field, 404 model, 401 key, 429 queue."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvpilot.engine.server.app import build_app
+from kvpilot.engine.server.errors import validation_message
+from server_harness import MODEL, RunningServer, serve_in_thread, tiny_engine
+
+OK_COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+# (route, fields changed from a valid body, expected status, expected param)
+CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
+    ("/v1/completions", {"max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 600}, 400, "max_tokens"),
+    ("/v1/completions", {"temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"top_k": -5}, 400, "top_k"),
+    ("/v1/completions", {"min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"n": 0}, 400, "n"),
+    ("/v1/completions", {"n": "two"}, 400, "n"),
+    ("/v1/completions", {"logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"stop": 5}, 400, "stop"),
+    ("/v1/completions", {"seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {"stream": "yes please"}, 400, "stream"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**6]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "word " * 600}, 400, "prompt"),
+    ("/v1/completions", {"prompt": None}, 400, "prompt"),
+    ("/v1/completions", {"echo": True}, 400, "echo"),
+    ("/v1/completions", {"suffix": "tail"}, 400, "suffix"),
+    ("/v1/completions", {"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    ("/v1/completions", {"min_tokens": 5}, 400, "min_tokens"),
+    ("/v1/completions", {"model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"model": None}, 400, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages.0.role"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"max_tokens": 10_000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": "other"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("route", "change", "status", "param"), CASES,
+                         ids=[f"{r.rsplit('/', 1)[-1]}-{next(iter(c))}-{s}"
+                              for r, c, s, _ in CASES])
+def test_bad_request_names_the_field(server: RunningServer, route: str, change: dict[str, Any],
+                                     status: int, param: str | None) -> None:
+    body = {**(OK_COMPLETION if route == "/v1/completions" else OK_CHAT), **change}
+    resp = httpx.post(f"{server.base_url}{route}", json=body, timeout=30)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert error["message"]
+
+
+@pytest.mark.parametrize(("body", "status"), [(b"{not json", 400), (b"[1, 2]", 400),
+                                              (b"", 400)])
+def test_malformed_body_is_a_400_error_object(server: RunningServer, body: bytes,
+                                              status: int) -> None:
+    resp = httpx.post(f"{server.base_url}/v1/completions", content=body,
+                      headers={"content-type": "application/json"}, timeout=30)
+    assert resp.status_code == status
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_route_is_a_404_error_object(server: RunningServer) -> None:
+    resp = httpx.get(f"{server.base_url}/v1/nope", timeout=10)
+    assert resp.status_code == 404
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_api_key_and_queue_limit() -> None:
+    # max_queue_len=0: any request would wait, so every generation gets 429.
+    app = build_app(tiny_engine(), MODEL, max_queue_len=0, api_key="sesame")
+    with serve_in_thread(app) as running:
+        url = f"{running.base_url}/v1/completions"
+        missing = httpx.post(url, json=OK_COMPLETION, timeout=10)
+        assert missing.status_code == 401
+        assert missing.json()["error"]["code"] == "invalid_api_key"
+        wrong = httpx.post(url, json=OK_COMPLETION, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        full = httpx.post(url, json=OK_COMPLETION, headers={"Authorization": "Bearer sesame"})
+        assert full.status_code == 429
+        assert full.headers["Retry-After"] == "1"
+        assert full.json()["error"]["type"] == "rate_limit_error"
+        assert httpx.get(f"{running.base_url}/health").status_code == 200  # probes need no key
+
+
+@settings(max_examples=50, deadline=None)
+@given(loc=st.lists(st.one_of(st.sampled_from(["max_tokens", "messages", "role"]),
+                              st.integers(0, 5)), min_size=1, max_size=4),
+       value=st.one_of(st.none(), st.integers(), st.text(max_size=200)))
+def test_validation_message_names_the_location(loc: list[Any], value: Any) -> None:
+    message, param = validation_message(
+        [{"type": "int_parsing", "loc": ("body", *loc), "msg": "bad", "input": value}])
+    assert param == ".".join(str(p) for p in loc)
+    assert message.startswith(f"{param}=") and len(message) < 200
