@@ -24,12 +24,12 @@ import triton.language as tl
 @triton.jit
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
-    scale,
+    scale, num_splits,
     stride_qt, stride_qh,
     stride_kv, stride_slot,
     stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -37,7 +37,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # split length rounded up to whole tiles so that tiles never straddle splits
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -77,7 +77,7 @@ def _decode_split_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    row = (seq * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split
+    row = (seq * NUM_KV_HEADS * GROUP + heads) * num_splits + split
     tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_mask[:, None])
     tl.store(mid_lse_ptr + row, lse, mask=head_mask)
 
@@ -120,7 +120,7 @@ def paged_decode_attention(
     scale: float,
     num_splits: int = 4,
     out: torch.Tensor | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -128,6 +128,8 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
+    # two K/V stages of 64 x 256 tokens are 128 KB: halve the tile at head_dim 256
+    block_n = block_n or (64 if head_dim <= 128 else 32)
     # slot addressing (block * block_size + offset) * stride needs the dense layout
     assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
     if out is None:
@@ -139,12 +141,12 @@ def paged_decode_attention(
     mid_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, mid_o, mid_lse,
-        scale,
+        scale, num_splits,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(2),
         block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages,
     )

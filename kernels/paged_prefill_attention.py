@@ -104,6 +104,15 @@ def _prefill_kernel(
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
+def default_tiles(head_dim: int) -> tuple[int, int, int, int]:
+    """Gives (block_m, block_n, num_warps, num_stages) that fit shared memory at this head_dim."""
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 4, 2  # head_dim 256: a 128-row Q tile plus 3 K/V stages overflow 228 KB
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k: torch.Tensor,  # [T, num_kv_heads, head_dim], the step's new keys
@@ -115,13 +124,16 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
-    block_m: int = 128,
-    block_n: int = 64,
-    num_warps: int = 8,
-    num_stages: int = 3,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Gives the causal attention output [T, num_heads, head_dim] of every new token."""
     num_heads, head_dim = q.shape[1], q.shape[2]
+    tiles = default_tiles(head_dim)
+    block_m, block_n = block_m or tiles[0], block_n or tiles[1]
+    num_warps, num_stages = num_warps or tiles[2], num_stages or tiles[3]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1, "head_dim must be dense in q, k, v"
