@@ -12,6 +12,7 @@ Also imported by tests/chart (by path), so it keeps a unique module name.
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CRD_DIR = ROOT / "crds"
 
 
+@functools.cache
 def load_crds(directory: Path = CRD_DIR) -> dict[str, dict[str, Any]]:
-    """Gives the CRDs in `directory` keyed by kind."""
+    """Gives the CRDs in `directory` keyed by kind (read once; do not mutate)."""
     crds = {}
     for path in sorted(directory.glob("*.yaml")):
         crd = yaml.safe_load(path.read_text())
@@ -100,18 +102,25 @@ def cel_errors(schema: dict[str, Any], obj: Any) -> list[str]:
     """Gives 'path: message' for each CEL rule that rejects the (defaulted) object."""
     import celpy
 
-    env = celpy.Environment()
     errors = []
     for path, rules in cel_sites(schema):
         for value in values_at(obj, path):
             for rule in rules:
                 if "oldSelf" in rule["rule"]:
                     continue
-                program = env.program(env.compile(rule["rule"]))
+                program = _program(rule["rule"])
                 result = program.evaluate({"self": celpy.json_to_cel(value)})
                 if not (isinstance(result, celpy.celtypes.BoolType) and bool(result)):
                     errors.append(f"{'.'.join(path)}: {rule['message']}")
     return errors
+
+
+@functools.cache
+def _program(rule: str) -> Any:
+    import celpy
+
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
 
 
 def api_server_errors(crd: dict[str, Any], obj: dict[str, Any]) -> list[str]:
