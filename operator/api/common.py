@@ -206,6 +206,10 @@ class AutoscalingTargets(ApiModel):
     """Fraction of KV-cache blocks in use (vllm:kv_cache_usage_perc)."""
     queue_depth_per_replica: float = Field(default=4.0, gt=0)
     """Waiting requests per replica (vllm:num_requests_waiting)."""
+    waiting_prompt_tokens_per_replica: float | None = Field(default=None, gt=0)
+    """Prompt tokens waiting per replica (unset: the autoscaler's role default, 16384)."""
+    running_requests_per_replica: float | None = Field(default=None, gt=0)
+    """Running requests per replica (unset: the autoscaler's role default, 96)."""
     ttft_seconds: float | None = Field(default=None, gt=0)
     """Optional p90 time-to-first-token SLO in seconds."""
     itl_seconds: float | None = Field(default=None, gt=0)
@@ -232,6 +236,10 @@ class AutoscalingSpec(ApiModel):
     """Levels to steer towards."""
     interval_seconds: int = Field(default=15, ge=1, le=600)
     """How often pod metrics are scraped and a decision is made."""
+    tolerance: float = Field(default=0.1, ge=0, lt=1)
+    """No change while observed/target stays within 1 +- tolerance."""
+    max_metrics_age_seconds: int | None = Field(default=None, ge=1)
+    """Older samples count as missing (unset: 4 x intervalSeconds)."""
     scale_up: ScalingRules = Field(default_factory=ScalingRules, json_schema_extra={"default": {}})
     """Rules for adding replicas (default: immediately, 4 per minute)."""
     scale_down: ScalingRules = Field(
