@@ -85,9 +85,12 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
     k = kv_cache[0, blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
     v = kv_cache[1, blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
     lens = torch.tensor(seq_lens, device=q.device)
-    mask = torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None]
+    mask = (torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None])[:, None, :, None]
+    # Padding slots hold whatever the cache had (even NaN); a masked score times a NaN
+    # value would still be NaN, so zero them.
+    k, v = k.masked_fill(~mask, 0), v.masked_fill(~mask, 0)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+        q.unsqueeze(2), k, v, attn_mask=mask.transpose(2, 3), scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 
