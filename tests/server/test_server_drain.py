@@ -1,0 +1,95 @@
+"""SIGTERM during 8 in-flight streams: all finish, new requests are refused, the process exits 0."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from server_harness import MODEL, TINY_ENGINE, wait_for
+
+NUM_STREAMS = 8
+MAX_TOKENS = 64
+
+
+def start_server(log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Gives a `kvpilot serve` subprocess on a free port and its base URL."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_ENGINE.items()]
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvpilot.cli", "serve", *flags,
+                                 "--port", "0", "--drain-timeout", "60"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        found = re.search(r"listening on (http://\S+)", log.read_text(errors="replace"))
+        if found:
+            base = found.group(1)
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    return proc, base
+            except httpx.TransportError:
+                pass
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"server did not become ready:\n{log.read_text()}")
+
+
+def stream_one(base: str, started: threading.Barrier, results: list[dict], i: int) -> None:
+    body = {"model": MODEL, "prompt": f"stream number {i}", "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    text, finish, usage, done = "", None, None, False
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as resp:
+        first = True
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+            usage = chunk.get("usage") or usage
+            if first:
+                first = False
+                started.wait(timeout=60)
+    results[i] = {"status": resp.status_code, "finish": finish, "usage": usage, "done": done}
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_zero(tmp_path: Path) -> None:
+    proc, base = start_server(tmp_path / "serve.log")
+    try:
+        started = threading.Barrier(NUM_STREAMS + 1)
+        results: list[dict] = [{} for _ in range(NUM_STREAMS)]
+        threads = [threading.Thread(target=stream_one, args=(base, started, results, i))
+                   for i in range(NUM_STREAMS)]
+        for t in threads:
+            t.start()
+        started.wait(timeout=60)  # every stream has its first chunk
+        proc.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: httpx.get(f"{base}/ready", timeout=5).status_code == 503)
+        refused = httpx.post(f"{base}/v1/completions", timeout=10,
+                             json={"model": MODEL, "prompt": "late", "max_tokens": 2})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "draining"
+        metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        assert f'kvpilot_draining{{model_name="{MODEL}"}} 1.0' in metrics
+        for t in threads:
+            t.join(timeout=120)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for result in results:
+        assert result["status"] == 200
+        assert result["done"] and result["finish"] == "length"
+        assert result["usage"]["completion_tokens"] == MAX_TOKENS
+
