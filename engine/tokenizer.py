@@ -27,7 +27,7 @@ class Tokenizer:
         self.bos_token_id = self._id(self.bos_token)
         self.eos_token_id = self._id(self.eos_token)
         self.all_special_ids = sorted(
-            {t.id for t in _added_tokens(tokenizer) if t.special}
+            {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
             | {i for i in (self.bos_token_id, self.eos_token_id) if i is not None})
         self._add_bos = bool(config.get("add_bos_token")) and self.bos_token_id is not None
 
@@ -92,10 +92,6 @@ def _token_text(token: str | dict[str, Any] | None) -> str | None:
     if isinstance(token, dict):
         return token.get("content")
     return token
-
-
-def _added_tokens(tokenizer: HFTokenizer) -> list[Any]:
-    return list(tokenizer.get_added_tokens_decoder().values())
 
 
 def _chat_template(config: dict[str, Any]) -> str | None:
