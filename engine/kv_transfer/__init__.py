@@ -1,0 +1,1 @@
+"""KV-cache block transfer between a prefill engine and a decode engine."""

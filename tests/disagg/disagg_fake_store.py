@@ -1,0 +1,71 @@
+"""A BlockStore over plain dicts: blocks by hash, pin counts, a capacity."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from kvpilot.engine.block_hash import hash_prompt_blocks
+
+BLOCK_SIZE = 4
+
+
+def block_data(block_hash: int, size: int) -> bytes:
+    """Gives deterministic block contents derived from the hash."""
+    return (block_hash.to_bytes(8, "little") * (size // 8 + 1))[:size]
+
+
+class FakeStore:
+    """Cached blocks by hash (their data), pins by hash, at most `capacity` blocks."""
+
+    def __init__(self, block_bytes: int = 64, capacity: int = 1000) -> None:
+        self.lock = threading.RLock()
+        self.block_bytes = block_bytes
+        self.capacity = capacity
+        self.blocks: dict[int, bytes] = {}
+        self.pins: dict[int, int] = {}
+
+    def compute(self, token_ids: Sequence[int]) -> list[int]:
+        """Plays a prefill: caches the prompt's full blocks; gives their hashes."""
+        hashes = hash_prompt_blocks(list(token_ids), BLOCK_SIZE)
+        for h in hashes:
+            self.blocks[h] = block_data(h, self.block_bytes)
+        return hashes
+
+    @property
+    def pinned(self) -> int:
+        return sum(self.pins.values())
+
+    def pin(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        hashes = []
+        for h in hash_prompt_blocks(list(token_ids), BLOCK_SIZE):
+            if h not in self.blocks:
+                break
+            hashes.append(h)
+            self.pins[h] = self.pins.get(h, 0) + 1
+        return hashes, list(hashes)
+
+    def unpin(self, handle: list[int]) -> None:
+        for h in handle:
+            self.pins[h] -= 1
+            assert self.pins[h] >= 0
+            if not self.pins[h]:
+                del self.pins[h]
+
+    def read(self, handle: list[int], hashes: Sequence[int]) -> list[bytes]:
+        assert set(hashes) <= set(handle), "read of an unpinned block"
+        return [self.blocks[h] for h in hashes]
+
+    def num_cached_prefix(self, hashes: Sequence[int]) -> int:
+        count = 0
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            count += 1
+        return count
+
+    def import_blocks(self, blocks, prefix_hashes=()) -> int:
+        room = self.capacity - len(self.blocks)
+        new = [(h, bytes(d)) for h, d in blocks if h not in self.blocks][:max(room, 0)]
+        self.blocks.update(new)
+        return len(new)
