@@ -107,11 +107,12 @@ def decode_block(payload: bytes) -> tuple[int, memoryview]:
     return block_hash, data
 
 
-def kv_address(engine_url: str, kv_port: int = 0) -> tuple[str, int]:
-    """Gives the (host, port) of an engine's KV agent: its HTTP port + 1000 unless given."""
+def kv_address(engine_url: str, kv_port: int = 0, offset: int = 1000) -> tuple[str, int]:
+    """Gives the (host, port) of an engine's KV agent: `kv_port`, else its HTTP port + offset
+    (the engine's `--kv-transfer-port 0` default)."""
     rest = engine_url.split("://", 1)[-1].split("/", 1)[0]
     host, _, port = rest.rpartition(":")
-    return host.strip("[]"), kv_port or int(port) + 1000
+    return host.strip("[]"), kv_port or int(port) + offset
 
 
 async def request_pull(decode_agent: tuple[str, int], remote: tuple[str, int], lease_id: str,

@@ -15,8 +15,9 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from kvpilot.engine.kv_transfer.protocol import ProtocolError, kv_address, request_pull
 from kvpilot.engine.router.args import INSTANCE_HEADER, PASSED_HEADERS, RouterArgs
-from kvpilot.engine.router.disagg import decode_body, run_prefill
+from kvpilot.engine.router.disagg import disaggregatable, run_prefill
 from kvpilot.engine.router.discovery import Discovery, make_discovery
 from kvpilot.engine.router.fleet import Fleet, Instance
 from kvpilot.engine.router.metrics import RouterMetrics
@@ -99,25 +100,52 @@ class Router:
                      pinned: str | None) -> Response:
         """Gives the response to one OpenAI request (aggregated or disaggregated)."""
         hashes = self.hasher.hashes(body)
-        if not self.disaggregated:
+        if not self.disaggregated or not disaggregatable(body):
+            roles = ("decode",) if self.disaggregated else ("both",)
+
             async def pick_both(tried: set[str]) -> Instance:
-                return await self.pick(("both",), hashes, tried, pinned)
+                return await self.pick(roles, hashes, tried, pinned)
             return await self.forwarder.send(pick_both, path, body, headers)
 
         async def pick_prefill(tried: set[str]) -> Instance:
             return await self.pick(("prefill",), hashes, tried)
 
+        prefill, lease_id = await run_prefill(self.client, pick_prefill, path, body, headers,
+                                              self.args.max_retries + 1, self._prefill_result)
+        decode = await self._pick_or_none(("decode",), hashes, pinned)
+        if prefill is None or lease_id is None:
+            self.metrics.requests.labels(prefill.url if prefill else "", "prefill_fallback").inc()
+            log.warning("no prefill succeeded: the decode instance prefills locally")
+        elif decode is not None:
+            await self._transfer(prefill, decode, lease_id)
+
         async def pick_decode(tried: set[str]) -> Instance:
+            if decode is not None and not tried:
+                return decode
             return await self.pick(("decode",), hashes, tried, pinned)
 
-        prefill, params = await run_prefill(self.client, pick_prefill, path, body, headers,
-                                            self.args.max_retries + 1, self._prefill_result)
-        if params is None:
-            self.metrics.requests.labels(prefill.url if prefill else "", "prefill_fallback").inc()
-            log.warning("prefill gave no KV handoff (instance %s): decode prefills locally",
-                        prefill.url if prefill else None)
-        return await self.forwarder.send(pick_decode, path, decode_body(body, params), headers,
+        return await self.forwarder.send(pick_decode, path, body, headers,
                                          served_by=prefill.url if prefill else "")
+
+    async def _pick_or_none(self, roles: tuple[str, ...], hashes: list[int],
+                            pinned: str | None) -> Instance | None:
+        try:
+            return await self.pick(roles, hashes, set(), pinned)
+        except NoInstance:
+            return None
+
+    async def _transfer(self, prefill: Instance, decode: Instance, lease_id: str) -> None:
+        """Has the decode instance pull the lease; a failure only costs a local prefill."""
+        offset = self.args.kv_port_offset
+        try:
+            done = await request_pull(kv_address(decode.url, 0, offset),
+                                      kv_address(prefill.url, 0, offset), lease_id,
+                                      self.args.transfer_timeout)
+            self.metrics.transferred_blocks.inc(done.get("imported", 0))
+        except (OSError, ProtocolError, TimeoutError) as exc:
+            self.metrics.requests.labels(decode.url, "transfer_fallback").inc()
+            log.warning("KV transfer %s -> %s failed, decode prefills locally: %r",
+                        prefill.url, decode.url, exc)
 
     async def refresh_forever(self) -> None:
         """Refreshes discovery and load every refresh_interval seconds."""

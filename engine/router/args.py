@@ -67,6 +67,12 @@ class RouterArgs:
         "help": "how long an instance stays ejected (doubles on repeat, at most 8x)"})
     hold_timeout: float = field(default=30.0, metadata={
         "help": "seconds a request waits for a ready instance (scale from zero) before 503"})
+    kv_port_offset: int = field(default=1000, metadata={
+        "help": "disaggregated: an engine's KV agent listens on its HTTP port plus this "
+                "(the engines' --kv-transfer-port 0 default)"})
+    transfer_timeout: float = field(default=10.0, metadata={
+        "help": "disaggregated: seconds a KV pull may take before the decode side prefills "
+                "locally"})
     api_key: str | None = field(default=None, metadata={
         "help": "require this bearer token (also read from KVPILOT_ROUTER_API_KEY)"})
     log_level: str = "info"

@@ -1,24 +1,23 @@
 """Disaggregated serving: a prefill instance computes the prompt's KV, a decode instance
 pulls it and streams the answer.
 
-The handoff rides in the OpenAI body as `kv_transfer_params` (vLLM's field name):
+1. router -> prefill (HTTP): the request with `max_tokens: 1`, `stream: false`.
+   The prefill engine runs the prompt and, when it finishes, pins the prompt's
+   KV blocks under a lease named by the response's `id` (engine/roles.py).
+2. router -> decode's KV agent (TCP, kv_transfer/protocol.py): PULL that lease
+   from the prefill's agent. The decode agent fetches only the blocks its
+   prefix cache lacks, imports them, and releases the lease.
+3. router -> decode (HTTP): the original request. Its prompt now hits the
+   decode engine's prefix cache; only the last partial block is computed, and
+   the answer streams back through the router.
 
-1. router -> prefill: the request with `max_tokens: 1`, `stream: false` and
-   `kv_transfer_params: {"do_remote_decode": true}`. The prefill engine runs the
-   prompt, keeps its KV blocks under a lease and answers with
-   `kv_transfer_params: {"do_remote_prefill": true, "remote_host", "remote_port",
-   "lease_id", "block_hashes", "lease_seconds"}`.
-2. router -> decode: the original request plus those params. The decode engine
-   pulls the blocks it does not already hold (by hash), releases the lease, and
-   generates; its stream goes back to the client.
-
-A prefill that fails on every tried instance, or answers without params, is not
-fatal: the decode instance then prefills locally (counted as `prefill_fallback`).
+Nothing here is fatal to the request: a prefill that fails on every tried
+instance, or a transfer that fails, leaves the decode instance to prefill
+locally (counted as `prefill_fallback` / `transfer_fallback`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,32 +28,27 @@ from kvpilot.engine.router.proxy import RETRY_STATUSES, NoInstance
 
 log = logging.getLogger("kvpilot.router")
 
-KV_TRANSFER_PARAMS = "kv_transfer_params"
-
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """Gives the body sent to the prefill instance: one token, no stream, remote decode."""
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    out.update({"max_tokens": 1, "stream": False, "n": 1,
-                KV_TRANSFER_PARAMS: {"do_remote_decode": True}})
+    """Gives the body sent to the prefill instance: one token, one choice, no stream."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
+    out.update({"max_tokens": 1, "stream": False, "n": 1})
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     return out
 
 
-def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
-    """Gives the body sent to the decode instance (the original one plus the handoff)."""
-    out = dict(body)
-    if params:
-        out[KV_TRANSFER_PARAMS] = params
-    return out
+def disaggregatable(body: dict[str, Any]) -> bool:
+    """Whether one prefill can serve the body (a single prompt; batches prefill locally)."""
+    prompt = body.get("prompt")
+    return not (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int))
 
 
 async def run_prefill(client: httpx.AsyncClient, pick: Callable[[set[str]], Awaitable[Instance]],
                       path: str, body: dict[str, Any], headers: dict[str, str],
                       attempts: int, on_result: Callable[[Instance, bool], None],
-                      ) -> tuple[Instance | None, dict[str, Any] | None]:
-    """Gives (prefill instance, handoff params); (None, None) when every attempt failed."""
+                      ) -> tuple[Instance | None, str | None]:
+    """Gives (prefill instance, lease id); the id is None when no prefill succeeded."""
     tried: set[str] = set()
     request = prefill_body(body)
     for _ in range(attempts):
@@ -70,15 +64,14 @@ async def run_prefill(client: httpx.AsyncClient, pick: Callable[[set[str]], Awai
             on_result(instance, False)
             continue
         if response.status_code in RETRY_STATUSES:
-            on_result(instance, response.status_code == 429)
+            on_result(instance, response.status_code == 429)  # busy is not broken
             continue
         on_result(instance, True)
         if response.status_code >= 400:
-            # The request itself is bad: the decode instance will say so to the client.
-            return instance, None
+            return instance, None  # a bad request: the decode instance tells the client
         try:
-            params = response.json().get(KV_TRANSFER_PARAMS)
-        except (json.JSONDecodeError, AttributeError):
-            params = None
-        return instance, params if isinstance(params, dict) else None
+            lease_id = response.json().get("id")
+        except ValueError:
+            lease_id = None
+        return instance, lease_id if isinstance(lease_id, str) else None
     return None, None

@@ -23,6 +23,8 @@ class RouterMetrics:
                                          registry=r)
         self.prompt_blocks = Counter(names.ROUTER_PROMPT_BLOCKS, "prompt blocks routed",
                                      registry=r)
+        self.transferred_blocks = Counter(names.ROUTER_TRANSFERRED_BLOCKS, "KV blocks decode "
+                                          "instances pulled from prefill instances", registry=r)
         self.in_flight = Gauge(names.ROUTER_IN_FLIGHT, "requests open on each instance",
                                ["instance"], registry=r)
         self.pending = Gauge(names.ROUTER_PENDING_REQUESTS, "requests held waiting for a ready "

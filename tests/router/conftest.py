@@ -14,11 +14,13 @@ from router_fake_engine import FakeEngine, serving
 
 @pytest.fixture
 async def fleet() -> AsyncIterator[Callable[..., Any]]:
-    """Gives `start(engines, **router_args) -> (router_url, {name: engine_url})`."""
+    """Gives `start(engines, late=None, **router_args) -> (router_url, {name: engine_url})`."""
     stack = contextlib.AsyncExitStack()
 
-    async def start(engines: list[FakeEngine], **router_kwargs: Any) -> tuple[str, dict[str, str]]:
+    async def start(engines: list[FakeEngine], late: Callable[[dict[str, str]], dict] | None = None,
+                    **router_kwargs: Any) -> tuple[str, dict[str, str]]:
         urls = {e.name: await stack.enter_async_context(serving(e.app())) for e in engines}
+        router_kwargs.update(late(urls) if late else {})  # args that depend on the ports
         spec = ",".join(f"{e.role}={urls[e.name]}" for e in engines)
         router_kwargs.setdefault("refresh_interval", 0.1)
         args = RouterArgs(instances=spec, **router_kwargs)

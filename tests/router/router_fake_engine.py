@@ -45,14 +45,9 @@ class FakeEngine:
                 return JSONResponse({"error": {"message": "queue full"}}, 429)
             if self.mode == "bad_request":
                 return JSONResponse({"error": {"message": "max_tokens=-1 is invalid"}}, 400)
-            params = body.get("kv_transfer_params") or {}
-            if params.get("do_remote_decode"):
-                handoff = {"do_remote_prefill": True, "remote_host": "127.0.0.1",
-                           "remote_port": 1, "lease_id": f"lease-{self.name}",
-                           "block_hashes": [1, 2, 3], "lease_seconds": 30}
-                return JSONResponse({"choices": [{"text": "x"}], "kv_transfer_params": handoff})
             if not body.get("stream"):
-                return JSONResponse({"choices": [{"index": 0, "text": self.name}]})
+                return JSONResponse({"id": f"cmpl-{self.name}-{len(self.bodies)}",
+                                     "choices": [{"index": 0, "text": self.name}]})
             return StreamingResponse(self._stream(), media_type="text/event-stream")
 
         app.add_api_route("/v1/completions", generate, methods=["POST"])

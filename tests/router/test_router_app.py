@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from kvpilot.engine.kv_transfer import protocol
 from kvpilot.engine.router.args import INSTANCE_HEADER, SERVED_BY_HEADER
 from router_fake_engine import FakeEngine
 
@@ -137,18 +138,50 @@ async def test_no_instance_holds_then_503(fleet):
     assert ready.status_code == 503
 
 
-async def test_disaggregated_handoff_reaches_decode(fleet):
+async def fake_decode_agent(pulls: list[dict]) -> asyncio.Server:
+    """Gives a KV agent that records PULL requests and answers DONE."""
+    async def handle(reader, writer):
+        _, message = await protocol.expect(reader, protocol.Frame.PULL)
+        pulls.append(message)
+        writer.write(protocol.encode(protocol.Frame.DONE, {"imported": 3, "skipped": 1}))
+        await writer.drain()
+        writer.close()
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+async def test_disaggregated_prefill_then_pull_then_decode(fleet):
     prefill, decode = FakeEngine("p", role="prefill"), FakeEngine("d", role="decode")
-    router, urls = await fleet([prefill, decode])
+    pulls: list[dict] = []
+    agent = await fake_decode_agent(pulls)
+    agent_port = agent.sockets[0].getsockname()[1]
+    # Every instance's agent sits at its HTTP port + offset; only the decode's matters here.
+    def offset_to_agent(urls: dict[str, str]) -> dict[str, int]:
+        return {"kv_port_offset": agent_port - int(urls["d"].rsplit(":", 1)[1])}
+
+    router, urls = await fleet([prefill, decode], late=offset_to_agent)
+    offset = offset_to_agent(urls)["kv_port_offset"]
     async with httpx.AsyncClient(base_url=router) as client:
         response = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
+        metrics = (await client.get("/metrics")).text
+    agent.close()
     assert response.status_code == 200
     assert response.headers[SERVED_BY_HEADER] == f"{urls['p']},{urls['d']}"
-    assert prefill.bodies[0]["max_tokens"] == 1 and prefill.bodies[0]["stream"] is False
-    assert prefill.bodies[0]["kv_transfer_params"] == {"do_remote_decode": True}
-    sent = decode.bodies[0]
-    assert sent["kv_transfer_params"]["lease_id"] == "lease-p"
-    assert sent["stream"] is True and sent["max_tokens"] == 4
+    assert prefill.bodies[-1]["max_tokens"] == 1 and prefill.bodies[-1]["stream"] is False
+    prefill_port = int(urls["p"].rsplit(":", 1)[1])
+    assert pulls == [{"remote": f"127.0.0.1:{prefill_port + offset}",
+                      "lease_id": f"cmpl-p-{len(prefill.bodies)}", "timeout": 10.0}]
+    assert decode.bodies[-1] == {**COMPLETION, "stream": True}  # the client's body, untouched
+    assert "kvpilot_router_transferred_blocks_total 3.0" in metrics
+
+
+async def test_failed_transfer_falls_back_to_local_prefill(fleet):
+    decode = FakeEngine("d", role="decode")
+    router, _ = await fleet([FakeEngine("p", role="prefill"), decode], transfer_timeout=2.0)
+    async with httpx.AsyncClient(base_url=router) as client:
+        response = await client.post("/v1/completions", json=COMPLETION)
+        metrics = (await client.get("/metrics")).text
+    assert response.status_code == 200 and len(decode.bodies) == 1
+    assert 'outcome="transfer_fallback"' in metrics
 
 
 async def test_failed_prefill_falls_back_to_local_prefill_on_decode(fleet):
@@ -158,8 +191,7 @@ async def test_failed_prefill_falls_back_to_local_prefill_on_decode(fleet):
     async with httpx.AsyncClient(base_url=router) as client:
         response = await client.post("/v1/completions", json=COMPLETION)
         metrics = (await client.get("/metrics")).text
-    assert response.status_code == 200
-    assert "kv_transfer_params" not in decode.bodies[0]
+    assert response.status_code == 200 and len(decode.bodies) == 1
     assert 'outcome="prefill_fallback"' in metrics
 
 
