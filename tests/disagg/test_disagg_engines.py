@@ -1,0 +1,113 @@
+"""Real tiny engines in prefill and decode roles: pulled KV gives the aggregated engine's
+greedy tokens, the decode side skips blocks it holds, and leases never leak blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import pytest
+from kvpilot.engine.args import EngineArgs
+from kvpilot.engine.block_hash import hash_prompt_blocks
+from kvpilot.engine.kv_transfer.protocol import request_pull
+from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.roles import LEASE_SECONDS_ENV, attach_role
+from kvpilot.engine.sampling_params import SamplingParams
+
+BLOCK = 16
+NUM_BLOCKS = 64
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+SYSTEM = list(range(3, 3 + 4 * BLOCK))  # 4 blocks every prompt below starts with
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_engine(role: str):
+    args = EngineArgs(model="tiny-llama", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, role=role,
+                      kv_transfer_port=free_port())
+    return attach_role(LLMEngine.from_engine_args(args), "127.0.0.1", 0)
+
+
+def run(engine, request_id: str, prompt: list[int], params: SamplingParams = GREEDY):
+    engine.add_request(request_id, prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                final = output
+    return final
+
+
+@pytest.fixture(scope="module")
+def engines():
+    os.environ[LEASE_SECONDS_ENV] = "0.5"
+    try:
+        both, prefill, decode = make_engine("both"), make_engine("prefill"), make_engine("decode")
+    finally:
+        del os.environ[LEASE_SECONDS_ENV]
+    yield both, prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def agent(engine) -> tuple[str, int]:
+    return ("127.0.0.1", engine.connector.port)
+
+
+def wait_for_free_blocks(engine, expected: int, seconds: float) -> int:
+    deadline = time.monotonic() + seconds
+    while engine.kv.pool.num_free_blocks != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return engine.kv.pool.num_free_blocks
+
+
+@pytest.mark.parametrize(("name", "prompt", "decode_warmup", "imported", "skipped"), [
+    # a fresh prompt: all 5 full blocks move (the 6th is partial and recomputed)
+    ("fresh", [*SYSTEM, *range(200, 230)], None, 5, 0),
+    # the decode side served another prompt with the same system part: 4 blocks stay home
+    ("shared", [*SYSTEM, *range(300, 330)], [*SYSTEM, *range(400, 420)], 1, 4),
+])
+def test_disaggregated_equals_aggregated(engines, name, prompt, decode_warmup, imported,
+                                         skipped):
+    both, prefill, decode = engines
+    expected = run(both, f"agg-{name}", prompt).outputs[0].token_ids
+    if decode_warmup:
+        run(decode, f"warm-{name}", decode_warmup)
+    first = run(prefill, f"pre-{name}", prompt, SamplingParams(temperature=0, max_tokens=1))
+    assert first.outputs[0].token_ids == expected[:1]
+    done = asyncio.run(request_pull(agent(decode), agent(prefill), f"pre-{name}", timeout=10))
+    assert (done["imported"], done["skipped"]) == (imported, skipped)
+    output = run(decode, f"dec-{name}", prompt)
+    assert output.outputs[0].token_ids == expected
+    assert output.num_cached_tokens == (imported + skipped) * BLOCK
+    # released on pull: the prefill side owns nothing any more
+    assert wait_for_free_blocks(prefill, NUM_BLOCKS, 2) == NUM_BLOCKS
+
+
+def test_corrupt_kv_changes_the_answer(engines):
+    # The equality above is only meaningful if imported KV is actually used.
+    both, _, decode = engines
+    prompt = [*range(500, 500 + 3 * BLOCK), 7, 8]
+    expected = run(both, "agg-corrupt", prompt).outputs[0].token_ids
+    store = decode.connector.store
+    hashes = hash_prompt_blocks(prompt, BLOCK)
+    noise = bytes(range(256)) * (store.block_bytes // 256)
+    with store.lock:
+        assert store.import_blocks([(h, noise) for h in hashes]) == 3
+    assert run(decode, "dec-corrupt", prompt).outputs[0].token_ids != expected
+
+
+def test_unpulled_lease_expires_without_leaking(engines):
+    _, prefill, _ = engines
+    run(prefill, "pre-orphan", [*range(600, 600 + 5 * BLOCK)],
+        SamplingParams(temperature=0, max_tokens=1))
+    assert len(prefill.connector.leases) == 1
+    assert prefill.kv.pool.num_free_blocks == NUM_BLOCKS - 5  # pinned for the decode side
+    assert wait_for_free_blocks(prefill, NUM_BLOCKS, 3) == NUM_BLOCKS
+    assert len(prefill.connector.leases) == 0
