@@ -103,10 +103,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpilot serve: {exc}", file=sys.stderr)
         return 2
     engine = LLMEngine.from_engine_args(engine_args)
-    app = build_app(engine, engine_args.name, max_queue_len=server_args.max_queue_len,
-                    api_key=server_args.api_key)
     sock = bind(server_args.host, server_args.port)
     host, port = sock.getsockname()[:2]
+    if engine_args.role != "both":  # prefill/decode: a KV agent beside the engine
+        from kvpilot.engine.roles import attach_role
+        engine = attach_role(engine, host, port)
+    app = build_app(engine, engine_args.name, max_queue_len=server_args.max_queue_len,
+                    api_key=server_args.api_key)
     print(READY_LINE.format(host=host, port=port), file=sys.stderr, flush=True)
     asyncio.run(make_server(app, server_args).serve(sockets=[sock]))
     return 0
