@@ -1,0 +1,142 @@
+"""The loader builds every architecture, fills dummy or checkpoint weights, and names
+the tensor when a checkpoint and its config disagree."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers.paged import BlockAllocation, flat_positions
+from kvpilot.engine.args import EngineArgs
+from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+from kvpilot.engine.models.config import ModelConfig
+from kvpilot.engine.models.loader import load_model, resolve_load_format
+from safetensors.torch import load_file, save_file
+
+BUILTINS = ["tiny-llama", "tiny-qwen3", "tiny-mixtral"]
+
+
+def config_of(model: str, **kwargs) -> ModelConfig:
+    return ModelConfig.from_engine_args(EngineArgs(model=model, **kwargs), torch.device("cpu"))
+
+
+def last_logits(model, prompts: list[list[int]]) -> torch.Tensor:
+    """Gives the logits [B, vocab] of each prompt's last token, from one flat batch."""
+    cfg = model.config
+    lens = [len(p) for p in prompts]
+    alloc = BlockAllocation.shuffled(lens, block_size=8)
+    caches = alloc.new_kv_caches(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+    ids = torch.tensor([t for p in prompts for t in p])
+    hidden = model(ids, flat_positions(lens, lens), caches, alloc.step(lens, lens))
+    last = torch.tensor(lens).cumsum(0) - 1
+    return model.compute_logits(hidden[last])
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_dummy_builtin_gives_usable_logits(name):
+    model = load_model(config_of(name), "auto", "cpu")
+    logits = last_logits(model, [[1, 5, 9, 200], [1, 77], [1, 5, 9, 201]])
+    assert logits.shape == (3, 1024) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+    assert logits.std(dim=-1).min() > 1e-3  # not collapsed to a constant
+    assert not torch.allclose(logits[0], logits[2])  # the last token matters
+
+
+def test_dummy_weights_follow_the_seed():
+    config = config_of("tiny-llama")
+    a, b, c = (load_model(config, "dummy", "cpu", seed=s) for s in (0, 0, 1))
+    prompt = [[1, 2, 3, 4, 5]]
+    assert torch.equal(last_logits(a, prompt), last_logits(b, prompt))
+    assert not torch.allclose(last_logits(a, prompt), last_logits(c, prompt))
+    assert a.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert torch.equal(a.model.norm.weight, torch.ones_like(a.model.norm.weight))
+
+
+@pytest.mark.parametrize(("has_files", "flag", "expected"), [
+    (False, "auto", "dummy"),
+    (True, "auto", "safetensors"),
+    (True, "dummy", "dummy"),
+    (True, "safetensors", "safetensors"),
+    (False, "dummy", "dummy"),
+])
+def test_resolve_load_format(tmp_path, tiny_checkpoints, has_files, flag, expected):
+    path = tiny_checkpoints("llama") if has_files else None
+    config = config_of(str(path)) if has_files else config_of("tiny-llama")
+    assert resolve_load_format(config, flag) == expected
+
+
+def test_safetensors_without_files_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"load_format='safetensors' but model='tiny-llama' "
+                                         r"has no \*\.safetensors files"):
+        load_model(config_of("tiny-llama"), "safetensors", "cpu")
+
+
+def test_tied_model_shares_embedding_and_head():
+    model = load_model(config_of("tiny-qwen3"), "dummy", "cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_attention_backend_can_be_swapped():
+    """The runner replaces `model.attn_backend` after loading (e.g. Triton on GPU)."""
+
+    class Counting(TorchAttentionBackend):
+        calls = 0
+
+        def forward(self, *args, **kwargs):
+            Counting.calls += 1
+            return super().forward(*args, **kwargs)
+
+    model = load_model(config_of("tiny-llama"), "dummy", "cpu")
+    before = last_logits(model, [[1, 2, 3]])
+    model.attn_backend = Counting()
+    after = last_logits(model, [[1, 2, 3]])
+    assert Counting.calls == model.config.num_layers
+    assert torch.equal(before, after)
+
+
+def copy_checkpoint(src, dst, edit):
+    """Copies a one-file checkpoint with its tensors passed through `edit(dict)`."""
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"),
+     r"lacks tensor\(s\) the model needs: model\.layers\.1\.self_attn\.k_proj\.weight"),
+    (lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}),
+     r"has tensor 'model\.layers\.0\.mlp\.extra\.weight' that LlamaForCausalLM does not use"),
+    (lambda t: t.update({"model.norm.weight": torch.ones(65)}),
+     r"tensor 'model\.norm\.weight' has shape \(65,\) but config\.json implies \(64,\)"),
+])
+def test_checkpoint_mismatch_names_the_tensor(tmp_path, tiny_checkpoints, edit, message):
+    path = copy_checkpoint(tiny_checkpoints("llama"), tmp_path / "ckpt", edit)
+    with pytest.raises(ValueError, match=message):
+        load_model(config_of(str(path)), "auto", "cpu")
+
+
+def test_unknown_architecture_in_checkpoint(tmp_path, tiny_checkpoints):
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoints("llama"), path)
+    hf = json.loads((path / "config.json").read_text())
+    hf["architectures"] = ["FalconForCausalLM"]
+    (path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=r"architectures=\['FalconForCausalLM'\] in config\.json"
+                                         r" is not supported: kvpilot runs LlamaForCausalLM"):
+        config_of(str(path))
+
+
+def test_extra_rotary_and_tied_head_tensors_are_ignored(tmp_path, tiny_checkpoints):
+    """Older checkpoints store rotary inv_freq; tied ones sometimes store lm_head too."""
+
+    def edit(t):
+        t["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
+    path = copy_checkpoint(tiny_checkpoints("llama-tied"), tmp_path / "ckpt", edit)
+    model = load_model(config_of(str(path)), "auto", "cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
