@@ -129,7 +129,9 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Gives `child` the parent's blocks, shared by reference count."""
-        table = self.block_tables.get(parent.seq_id, [])
+        table = self.block_tables.get(parent.seq_id)
+        if not table:
+            return  # a waiting parent owns no blocks yet
         self.pool.touch(table)
         self.block_tables[child.seq_id] = list(table)
         self._num_hashed_blocks[child.seq_id] = self._num_hashed_blocks.get(parent.seq_id, 0)

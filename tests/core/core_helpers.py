@@ -1,0 +1,54 @@
+"""A model-free stand-in for the engine loop, to drive the scheduler in tests."""
+
+from __future__ import annotations
+
+import itertools
+
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.request import Request, Sequence
+from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvpilot.engine.sampling_params import SamplingParams
+
+_clock = itertools.count()
+
+
+def make_request(rid: str, prompt: int | list[int], max_tokens: int = 4, priority: int = 0,
+                 arrival: float | None = None) -> Request:
+    """Gives a request with a prompt of `prompt` tokens (ids 10, 11, ...) or the given ids."""
+    ids = list(range(10, 10 + prompt)) if isinstance(prompt, int) else list(prompt)
+    return Request(rid, None, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   float(next(_clock)) if arrival is None else arrival, priority)
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, caching: bool = True,
+                   **config) -> Scheduler:
+    """Gives a scheduler over a fresh KV-cache manager."""
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    return Scheduler(SchedulerConfig(**config), kv)
+
+
+def run_step(scheduler: Scheduler, next_token: int = 7) -> SchedulerOutput:
+    """Plans one step and plays it: computes the planned tokens, samples `next_token`."""
+    plan = scheduler.schedule()
+    for seq, num_new in plan.scheduled:
+        seq.num_computed_tokens += num_new
+        scheduler.kv.cache_full_blocks(seq)
+        if seq.num_pending_tokens == 0:
+            seq.token_ids.append(next_token)
+            if seq.num_output_tokens >= seq.request.params.max_tokens:
+                scheduler.remove(seq)
+    return plan
+
+
+def scheduled_ids(plan: SchedulerOutput) -> list[tuple[str, int]]:
+    """Gives (request id, new tokens) of each planned sequence, in batch order."""
+    return [(seq.request.request_id, n) for seq, n in plan.scheduled]
+
+
+def seq_of(request: Request) -> Sequence:
+    return request.seqs[0]
+
+
+# the HF-parity families and the tokens generated per prompt
+FAMILIES = ("llama", "qwen3", "mixtral")
+NEW_TOKENS = 16
