@@ -107,8 +107,8 @@ def _decode_merge_kernel(
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
                        num_sms: int = 132) -> int:
-    """Gives how many splits fill the GPU: ~4 programs per SM, no split under 256 tokens."""
-    want = triton.cdiv(4 * num_sms, max(1, num_seqs * num_kv_heads))
+    """Gives how many splits fill the GPU: ~3 programs per SM, no split under 256 tokens."""
+    want = triton.cdiv(3 * num_sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(want, triton.cdiv(max_seq_len, 256), 64))
 
 
@@ -122,7 +122,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Gives the attention output [B, num_heads, head_dim] of each sequence's one query token."""
     num_seqs, num_heads, head_dim = q.shape

@@ -104,13 +104,20 @@ def _prefill_kernel(
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def default_tiles(head_dim: int) -> tuple[int, int, int, int]:
-    """Gives (block_m, block_n, num_warps, num_stages) that fit shared memory at this head_dim."""
-    if head_dim <= 64:
+def default_tiles(head_dim: int, elem_size: int = 2) -> tuple[int, int, int, int]:
+    """Gives (block_m, block_n, num_warps, num_stages) that fit 228 KB of shared memory.
+
+    Keyed by the bytes of one K row; the bf16 head_dim-128 entry is the best of the
+    H100 sweep in bench/results/attention.json.
+    """
+    row_bytes = head_dim * elem_size
+    if row_bytes <= 128:
         return 128, 64, 4, 3
-    if head_dim <= 128:
-        return 128, 64, 8, 3
-    return 64, 32, 4, 2  # head_dim 256: a 128-row Q tile plus 3 K/V stages overflow 228 KB
+    if row_bytes <= 256:
+        return 128, 64, 8, 4
+    if row_bytes <= 512:
+        return 64, 32, 4, 2
+    return 32, 32, 4, 2
 
 
 def paged_prefill_attention(
@@ -131,7 +138,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Gives the causal attention output [T, num_heads, head_dim] of every new token."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    tiles = default_tiles(head_dim)
+    tiles = default_tiles(head_dim, q.element_size())
     block_m, block_n = block_m or tiles[0], block_n or tiles[1]
     num_warps, num_stages = num_warps or tiles[2], num_stages or tiles[3]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]

@@ -77,7 +77,7 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
     default = default_num_splits(batch, kv_heads, ctx)
     rows = []
     for block_n, warps, stages, splits in itertools.product(
-            (32, 64, 128), (4, 8), (2, 3, 4), sorted({1, default, 2 * default, 4 * default})):
+            (32, 64, 128), (4, 8), (2, 3, 4), sorted({1, default, 2 * default, 4 * default, 8})):
         def run(block_n=block_n, warps=warps, stages=stages, splits=splits):
             return paged_decode_attention(q, cache, tables, seq_lens, scale, splits,
                                           block_n=block_n, num_warps=warps, num_stages=stages)
@@ -95,7 +95,7 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
     timed = [r for r in rows if r.get("ms", float("nan")) == r.get("ms")]
     best = min(timed, key=lambda r: r["ms"])
     launcher = next(r for r in timed if r["block_n"] == 64 and r["warps"] == 4
-                    and r["stages"] == 2 and r["splits"] == default)
+                    and r["stages"] == 3 and r["splits"] == default)
     return {"batch": batch, "ctx": ctx, "heads": heads, "kv_heads": kv_heads,
             "head_dim": head_dim, "block_size": block_size, "bytes": num_bytes,
             "default_splits": default, "best": best, "launcher_default": launcher,

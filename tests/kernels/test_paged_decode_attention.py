@@ -61,8 +61,9 @@ def test_decode_any_split_count_gives_the_same_output(lens, ratio, splits):
 
 
 @pytest.mark.parametrize(("seqs", "kv_heads", "max_len", "expected"), [
-    (64, 8, 4096, 2),  # 512 programs already fill 132 SMs ~4 deep
-    (1, 8, 4096, 16),  # one sequence: split until ~4 programs per SM, capped by 256-token floor
+    (64, 8, 4096, 1),  # 512 programs already fill 132 SMs ~4 deep
+    (16, 8, 4096, 4),  # 128 programs: split to ~3 per SM
+    (1, 8, 4096, 16),  # one sequence: ~3 programs per SM wanted, capped by 256-token floor
     (1, 8, 100, 1),  # short context: never a split under 256 tokens
     (256, 8, 1024, 1),
 ])
