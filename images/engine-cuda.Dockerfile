@@ -1,0 +1,24 @@
+# The engine image for NVIDIA GPUs: `kvpilot serve` on the PyTorch CUDA runtime image
+# (torch and triton come from the base). Build from the repository root:
+#   docker build -f images/engine-cuda.Dockerfile -t ghcr.io/kvpilot/engine:0.1.0 .
+FROM pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime AS build
+WORKDIR /src
+COPY . .
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HF_HOME=/cache/huggingface
+COPY images/engine-requirements.txt /tmp/requirements.txt
+RUN pip install --no-cache-dir -r /tmp/requirements.txt
+COPY --from=build /wheels /wheels
+# --no-deps: torch and triton are the base image's; the rest came from the pinned list above.
+RUN pip install --no-cache-dir --no-deps /wheels/*.whl \
+    && rm -rf /wheels /tmp/requirements.txt \
+    && mkdir -p /cache/huggingface \
+    && chown -R 1000:1000 /cache
+USER 1000:1000
+EXPOSE 8000
+ENTRYPOINT ["kvpilot"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
