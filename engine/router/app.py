@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 log = logging.getLogger("kvpilot.router")
 OPENAI_POST_PATHS = ("/v1/completions", "/v1/chat/completions")
 POLL_SECONDS = 0.2
+STARTING_POLL = 0.25
 
 
 class Router:
@@ -152,16 +153,18 @@ class Router:
         while True:
             await self.fleet.refresh(self.client)
             self._export_fleet_gauges()
-            await asyncio.sleep(self.args.refresh_interval)
+            # Instances still starting are polled often, so they join as soon as they are up.
+            interval = self.args.refresh_interval
+            await asyncio.sleep(interval if self.fleet.all_ready else min(interval, STARTING_POLL))
 
     def _export_fleet_gauges(self) -> None:
         now = time.monotonic()
         self.metrics.healthy.clear()
         for role in ("both", "prefill", "decode"):
             members = [i for i in self.fleet.instances.values() if i.role == role]
-            ready = sum(i.health.available(now) for i in members)
+            ready = sum(i.ready and i.health.available(now) for i in members)
             self.metrics.healthy.labels(role, "ready").set(ready)
-            self.metrics.healthy.labels(role, "ejected").set(len(members) - ready)
+            self.metrics.healthy.labels(role, "not_ready").set(len(members) - ready)
         self.metrics.index_entries.set(len(self.index))
 
 

@@ -28,6 +28,8 @@ class Instance:
     running: float = 0.0
     kv_usage: float = 0.0
     in_flight: int = 0
+    # False until its /metrics first answers: a starting engine is not ready, not failing.
+    ready: bool = False
     health: Health = field(default_factory=Health)
 
     def view(self) -> InstanceView:
@@ -72,7 +74,11 @@ class Fleet:
         """Gives the instances of these roles that are not ejected."""
         now = time.monotonic() if now is None else now
         return [i for i in self.instances.values()
-                if i.role in roles and i.health.available(now)]
+                if i.role in roles and i.ready and i.health.available(now)]
+
+    @property
+    def all_ready(self) -> bool:
+        return all(i.ready for i in self.instances.values())
 
     def succeeded(self, instance: Instance) -> None:
         instance.health.record_success()
@@ -102,9 +108,13 @@ class Fleet:
             response.raise_for_status()
             instance.waiting, instance.running, instance.kv_usage = parse_load(response.text)
         except (httpx.HTTPError, ValueError) as exc:
-            # Only failures while in rotation count: an ejected instance keeps its backoff.
-            if was_available:
+            # Only failures while in rotation count: an ejected instance keeps its backoff,
+            # and one that never answered yet is still starting.
+            if was_available and instance.ready:
                 self.failed(instance, f"/metrics: {exc!r}")
             return
+        if not instance.ready:
+            instance.ready = True
+            self.changed.set()
         if not was_available and instance.health.available(time.monotonic()):
             self.changed.set()

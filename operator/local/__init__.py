@@ -1,0 +1,1 @@
+"""`kvpilot up`: an InferenceModel's rendered fleet as local processes."""

@@ -1,0 +1,83 @@
+"""The `kvpilot up` subcommand: run an InferenceModel's fleet as local processes."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MANIFEST = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+ONCE_PROMPT = "Say hello in five words."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the flags of `kvpilot up`."""
+    parser.add_argument("file", nargs="?", default=str(DEFAULT_MANIFEST),
+                        help="InferenceModel manifest (default: the bundled tiny CPU example)")
+    parser.add_argument("--port", type=int, default=8080, help="router port on 127.0.0.1")
+    parser.add_argument("--once", action="store_true",
+                        help="send one chat request, print the answer, stop everything, exit")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds every process gets to become ready")
+    parser.add_argument("--log-dir", default=None,
+                        help="where each process's log goes (default: a temporary directory)")
+
+
+def _once(url: str, model: str) -> str:
+    """Gives the answer to one greedy chat request through the router."""
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": ONCE_PROMPT}],
+            "max_tokens": 24, "temperature": 0}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    response.raise_for_status()
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the fleet until Ctrl-C/SIGTERM (or one request with --once); gives the exit code."""
+    import yaml
+    from kvpilot.operator.local.plan import plan_local
+    from kvpilot.operator.local.supervisor import Supervisor, free_port
+
+    try:
+        manifest: dict[str, Any] = yaml.safe_load(Path(args.file).read_text())
+        engines, router = plan_local(manifest, free_port, args.port)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        print(f"kvpilot up: {args.file}: {exc}", file=sys.stderr)
+        return 2
+    model = manifest["spec"]["model"]["name"]
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpilot-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    supervisor = Supervisor(log_dir)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        print(f"kvpilot up: starting {len(engines)} engine(s) and a router; logs in {log_dir}",
+              file=sys.stderr, flush=True)
+        for process in [*engines, router]:
+            supervisor.start(process)
+        supervisor.wait_ready(args.timeout, {"router": "/ready", "both": "/health",
+                                             "prefill": "/health", "decode": "/health"})
+        endpoint = f"{router.url}/v1"
+        if args.once:
+            print(_once(router.url, model), flush=True)
+            return 0
+        print(f"kvpilot up: serving {model} at {endpoint} (Ctrl-C stops)", flush=True)
+        while not stop.wait(0.5):
+            exited = supervisor.first_exited()
+            if exited is not None:
+                print(f"kvpilot up: {exited.name} exited:\n{supervisor.log_tail(exited)}",
+                      file=sys.stderr)
+                return 1
+        return 0
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"kvpilot up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        supervisor.stop()

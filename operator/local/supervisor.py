@@ -1,0 +1,100 @@
+"""Starts the local fleet's processes, waits until they are ready, and stops them cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+from kvpilot.operator.local.plan import LOCALHOST, LocalProcess
+
+KV_PORT_OFFSET = 1000  # engines put their KV agent at their HTTP port + 1000 (EngineArgs)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((LOCALHOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """Gives a free 127.0.0.1 port whose +1000 neighbour (the KV agent's) is free too."""
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind((LOCALHOST, 0))
+            port = sock.getsockname()[1]
+        if port + KV_PORT_OFFSET < 65536 and _bindable(port + KV_PORT_OFFSET):
+            return port
+    raise RuntimeError("found no free port pair on 127.0.0.1")
+
+
+class Supervisor:
+    """The running processes of one local fleet; logs go to files under `log_dir`."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.running: list[tuple[LocalProcess, subprocess.Popen[bytes]]] = []
+
+    def start(self, process: LocalProcess) -> None:
+        """Starts one process in its own session, so a terminal's Ctrl-C reaches only us."""
+        log = open(self.log_dir / f"{process.name}.log", "wb")  # noqa: SIM115 (child owns it)
+        popen = subprocess.Popen(process.argv, env={**os.environ, **process.env},
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.running.append((process, popen))
+
+    def log_tail(self, process: LocalProcess, lines: int = 20) -> str:
+        """Gives the last lines of a process's log."""
+        path = self.log_dir / f"{process.name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, timeout: float, path_for: dict[str, str]) -> None:
+        """Waits until every process answers its readiness path; raises naming the laggard."""
+        deadline = time.monotonic() + timeout
+        pending = list(self.running)
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                process, popen = pending[0]
+                if popen.poll() is not None:
+                    raise RuntimeError(f"{process.name} exited with code {popen.returncode}:\n"
+                                       f"{self.log_tail(process)}")
+                try:
+                    path = path_for.get(process.role, "/health")
+                    if client.get(process.url + path).status_code == 200:
+                        pending.pop(0)
+                        continue
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{process.name} not ready after {timeout:.0f}s "
+                                       f"(--timeout):\n{self.log_tail(process)}")
+                time.sleep(0.1)
+
+    def first_exited(self) -> LocalProcess | None:
+        """Gives a process that exited on its own, if any."""
+        return next((p for p, popen in self.running if popen.poll() is not None), None)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERMs the router first, then the engines; SIGKILLs what outlives `grace`."""
+        order = sorted(self.running, key=lambda item: item[0].role != "router")
+        for _, popen in order:
+            if popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for _, popen in order:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(max(0.0, deadline - time.monotonic()))
+            if popen.poll() is None:
+                popen.kill()
+                popen.wait()
+        self.running.clear()
