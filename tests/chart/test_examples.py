@@ -99,3 +99,15 @@ def test_gpu_examples_request_their_devices(path: str, resource: str, count: str
             if o["kind"] in ("Deployment", "StatefulSet")]
     limits = [c["resources"].get("limits", {}) for p in pods for c in p["containers"]]
     assert any(str(lim.get(resource)) == count for lim in limits), limits
+
+
+def test_tiny_cpu_plans_for_kvpilot_up():
+    """The README's main manifest stays runnable by `kvpilot up` (planned, not started)."""
+    from itertools import count
+
+    from kvpilot.operator.local.plan import plan_local
+
+    ports = count(20000)
+    (obj,) = _objects(ROOT / "examples" / "tiny-cpu.yaml")
+    engines, router = plan_local(obj, lambda: next(ports), 8080)
+    assert len(engines) == 1 and router is not None
