@@ -1,12 +1,12 @@
 # The engine image for AMD GPUs (MI300X): `kvpilot serve` on the ROCm PyTorch image
 # (torch and triton come from the base). Build from the repository root:
 #   docker build -f images/engine-rocm.Dockerfile -t ghcr.io/kvpilot/engine-rocm:0.1.0 .
-FROM rocm/pytorch:rocm6.4.1_ubuntu24.04_py3.12_pytorch_release_2.6.0 AS build
+FROM rocm/pytorch:rocm6.4.1_ubuntu24.04_py3.12_pytorch_release_2.7.1 AS build
 WORKDIR /src
 COPY . .
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-FROM rocm/pytorch:rocm6.4.1_ubuntu24.04_py3.12_pytorch_release_2.6.0
+FROM rocm/pytorch:rocm6.4.1_ubuntu24.04_py3.12_pytorch_release_2.7.1
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HF_HOME=/cache/huggingface
