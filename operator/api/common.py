@@ -152,14 +152,17 @@ class AcceleratorSpec(ApiModel):
 
     @model_validator(mode="after")
     def _partition_rules(self) -> AcceleratorSpec:
-        if self.vendor != "amd" and self.compute_partition is not None:
-            raise ValueError(ACCELERATOR_RULES[0]["message"])
-        if self.vendor != "amd" and self.memory_partition is not None:
-            raise ValueError(ACCELERATOR_RULES[1]["message"])
-        if self.memory_partition == "NPS4" and self.compute_partition != "CPX":
-            raise ValueError(ACCELERATOR_RULES[2]["message"])
-        if self.resource_naming == "mixed" and self.compute_partition is None:
-            raise ValueError(ACCELERATOR_RULES[3]["message"])
+        given = (f"vendor={self.vendor}, computePartition={self.compute_partition}, "
+                 f"memoryPartition={self.memory_partition}, resourceNaming={self.resource_naming}")
+        broken = [
+            self.vendor != "amd" and self.compute_partition is not None,
+            self.vendor != "amd" and self.memory_partition is not None,
+            self.memory_partition == "NPS4" and self.compute_partition != "CPX",
+            self.resource_naming == "mixed" and self.compute_partition is None,
+        ]
+        for rule, is_broken in zip(ACCELERATOR_RULES, broken, strict=True):
+            if is_broken:
+                raise ValueError(f"accelerator ({given}): {rule['message']}")
         return self
 
 

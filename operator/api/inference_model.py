@@ -107,9 +107,9 @@ class InferenceModelSpec(ApiModel):
     def _cross_field(self) -> InferenceModelSpec:
         rules = [r["message"] for r in INFERENCE_MODEL_RULES]
         if self.serving_mode == "disaggregated" and self.prefill is None:
-            raise ValueError(rules[0])
+            raise ValueError(f"servingMode=disaggregated without spec.prefill: {rules[0]}")
         if self.serving_mode == "aggregated" and self.prefill is not None:
-            raise ValueError(rules[1])
+            raise ValueError(f"servingMode=aggregated with spec.prefill set: {rules[1]}")
         per_node = self.accelerator.gpus_per_node
         if per_node is not None and self.topology.tensor_parallel > per_node:
             raise ValueError(f"topology.tensorParallel={self.topology.tensor_parallel} > "
