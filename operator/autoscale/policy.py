@@ -10,9 +10,16 @@ metrics may hold or raise a pool, never shrink it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvpilot.operator.autoscale.signals import PoolMetrics, Vote, per_replica_values, vote
+from kvpilot.operator.autoscale.signals import (
+    PoolMetrics,
+    Vote,
+    per_replica_values,
+    smoothed_values,
+    vote,
+)
 from kvpilot.operator.autoscale.spec import PolicySpec
 
 UP, DOWN, HOLD = "up", "down", "hold"
@@ -78,19 +85,33 @@ def _missing(metrics: PoolMetrics | None, spec: PolicySpec, current: int,
     return None
 
 
-def _votes(metrics: PoolMetrics | None, spec: PolicySpec, now: float) -> list[Vote]:
-    if metrics is None or now - metrics.time > spec.max_metrics_age_seconds:
+def _votes(history: Sequence[PoolMetrics], spec: PolicySpec, now: float) -> list[Vote]:
+    if not history or now - history[-1].time > spec.max_metrics_age_seconds:
         return []
-    values = per_replica_values(metrics)
+    metrics = history[-1]
+    values = smoothed_values(history, spec.metrics_window_seconds, now)
     out = []
     for signal, target in spec.targets.items():
         value = values[signal]
         if value is None or metrics.replicas_reporting == 0:
             continue
-        v = vote(signal, value, target, metrics.replicas_reporting, spec.tolerance)
+        v = vote(signal, value, target, metrics.replicas_reporting, spec.tolerance,
+                 spec.running_knee)
         if v is not None:
             out.append(v)
     return out
+
+
+def _starting(metrics: PoolMetrics | None, state: PolicyState, current: int, now: float,
+              spec: PolicySpec) -> str | None:
+    """Gives why a scale-up waits for the pods of the previous one (None: it need not)."""
+    if metrics is None or metrics.replicas_reporting >= current:
+        return None
+    recent_up = [t for t, d in state.changes if d > 0 and now - t < spec.pod_startup_seconds]
+    if not recent_up:
+        return None
+    return (f"waiting for started pods ({metrics.replicas_reporting}/{current} report, "
+            f"up to {spec.pod_startup_seconds:.0f}s)")
 
 
 def _rate_limit(desired: int, current: int, spec: PolicySpec, changes: tuple[tuple[float, int], ...],
@@ -111,11 +132,17 @@ def _describe(v: Vote | None) -> str:
     return f"{v.signal} {v.value:.3g} vs target {v.target:.3g}"
 
 
-def decide(spec: PolicySpec, state: PolicyState, metrics: PoolMetrics | None, current: int,
+def decide(spec: PolicySpec, state: PolicyState, history: Sequence[PoolMetrics], current: int,
            now: float) -> Decision:
-    """Gives the replicas the pool should have now, with the reason and the next state."""
+    """Gives the replicas the pool should have now, with the reason and the next state.
+
+    `history` holds the pool's recent samples, oldest first; the latest decides
+    whether data is missing, the ones within `metrics_window_seconds` are averaged.
+    """
     since = now if state.since is None else state.since
-    votes = _votes(metrics, spec, now)
+    held: list[str] = []
+    metrics = history[-1] if history else None
+    votes = _votes(history, spec, now)
     best = max(votes, key=lambda v: (v.replicas, v.value / v.target), default=None)
     missing = _missing(metrics, spec, current, now)
     demand = metrics.demand if metrics is not None and now - metrics.time <= \
@@ -123,23 +150,34 @@ def decide(spec: PolicySpec, state: PolicyState, metrics: PoolMetrics | None, cu
 
     raw = best.replicas if best is not None else current
     reason = _describe(best)
+    starting = _starting(metrics, state, current, now, spec)
+    if starting and raw > current:
+        raw = current
+        held.append(starting)
     if demand > 0 and raw < 1:
         raw, reason = 1, f"router holds {demand} requests for a pool with no ready replica"
-    held: list[str] = []
     if missing is not None and (raw < current or not votes):
         raw = max(raw, current)
         held.append(f"missing data ({missing})")
     recommendation = _clamp(raw, spec)
 
-    horizon = max(spec.scale_up.stabilization_window_seconds,
-                  spec.scale_down.stabilization_window_seconds)
-    recs = tuple((t, r) for t, r in state.recommendations if now - t < horizon)
-    recs += ((now, recommendation),)
-    up_recs = [r for t, r in recs if now - t <= spec.scale_up.stabilization_window_seconds]
-    down_recs = [r for t, r in recs if now - t <= spec.scale_down.stabilization_window_seconds]
-    up_to, down_to = min(up_recs), max(down_recs)
+    up_window = spec.scale_up.stabilization_window_seconds
+    down_window = spec.scale_down.stabilization_window_seconds
+    horizon = max(up_window, down_window)
+    kept: list[tuple[float, int]] = []
+    up_to = down_to = recommendation
+    for t, r in state.recommendations:
+        age = now - t
+        if age >= horizon:
+            continue
+        kept.append((t, r))
+        if age <= up_window and r < up_to:
+            up_to = r
+        if age <= down_window and r > down_to:
+            down_to = r
+    kept.append((now, recommendation))
     # After a restart the history is empty: a scale-down needs a full window of it.
-    if now - since < spec.scale_down.stabilization_window_seconds:
+    if now - since < down_window:
         down_to = max(down_to, current)
 
     desired = current
@@ -148,9 +186,9 @@ def decide(spec: PolicySpec, state: PolicyState, metrics: PoolMetrics | None, cu
     elif down_to < current:
         desired = down_to
     if recommendation > current and desired < recommendation:
-        held.append(f"scale-up window {spec.scale_up.stabilization_window_seconds:.0f}s")
+        held.append(f"scale-up window {up_window:.0f}s")
     elif recommendation < current and desired > recommendation:
-        held.append(f"scale-down window {spec.scale_down.stabilization_window_seconds:.0f}s")
+        held.append(f"scale-down window {down_window:.0f}s")
 
     limited = _rate_limit(desired, current, spec, state.changes, now) \
         if desired != current else desired
@@ -164,12 +202,13 @@ def decide(spec: PolicySpec, state: PolicyState, metrics: PoolMetrics | None, cu
     if raw != recommendation:
         held.append("maxReplicas" if raw > recommendation else "minReplicas")
 
-    period = max(spec.scale_up.period_seconds, spec.scale_down.period_seconds)
+    period = max(spec.scale_up.period_seconds, spec.scale_down.period_seconds,
+                 spec.pod_startup_seconds)
     changes = tuple((t, d) for t, d in state.changes if now - t < period)
     if bounded != current:
         changes += ((now, bounded - current),)
-    next_state = PolicyState(since=since, recommendations=recs, changes=changes)
+    next_state = PolicyState(since=since, recommendations=tuple(kept), changes=changes)
     return Decision(time=now, current=current, desired=bounded, recommendation=recommendation,
-                    vote=best, reason=reason, held_by=tuple(dict.fromkeys(held)), votes=tuple(votes),
-                    state=next_state)
+                    vote=best, reason=reason, held_by=tuple(dict.fromkeys(held)),
+                    votes=tuple(votes), state=next_state)
 

@@ -22,10 +22,11 @@ ITL = "itlSeconds"
 LATENCY_SIGNALS = (TTFT, ITL)
 
 # Prefill pools fill a queue of prompts and hold little KV; decode pools hold KV
-# for every running sequence. Aggregated pools ("both") see all four pressures.
+# for every running sequence and queue only once KV or sequence slots run out.
+# Aggregated pools ("both") see all four pressures.
 ROLE_SIGNALS: dict[str, tuple[str, ...]] = {
     "prefill": (QUEUE_DEPTH, WAITING_PROMPT_TOKENS, TTFT),
-    "decode": (KV_CACHE, RUNNING_REQUESTS, ITL),
+    "decode": (KV_CACHE, RUNNING_REQUESTS, QUEUE_DEPTH, ITL),
     "both": (KV_CACHE, QUEUE_DEPTH, WAITING_PROMPT_TOKENS, RUNNING_REQUESTS, TTFT, ITL),
 }
 
@@ -35,7 +36,7 @@ DEFAULT_TARGETS: dict[str, float | None] = {
     KV_CACHE: 0.8,
     QUEUE_DEPTH: 4.0,
     WAITING_PROMPT_TOKENS: 16384.0,
-    RUNNING_REQUESTS: 192.0,
+    RUNNING_REQUESTS: 96.0,
     TTFT: None,
     ITL: None,
 }
@@ -62,12 +63,20 @@ class PolicySpec:
     tolerance: float = 0.1
     """No change while observed/target stays within 1 ± tolerance."""
     interval_seconds: float = 15.0
+    metrics_window_seconds: float = 60.0
+    """Samples this recent (at the current size) are averaged before voting."""
     max_metrics_age_seconds: float = 60.0
     """Older samples count as missing (they never scale down)."""
     scale_up: ScalingRules = field(default_factory=ScalingRules)
     scale_down: ScalingRules = field(
         default_factory=lambda: ScalingRules(300.0, 1, 60.0))
     gpus_per_replica: int = 1
+    pod_startup_seconds: float = 120.0
+    """A scale-up waits up to this long for the pods of the previous one to report
+    before adding more (their capacity is on its way; adding more overshoots)."""
+    running_knee: float = 64.0
+    """Running requests per replica at which the decode step time is twice its floor
+    (c0/c1 of step = c0 + c1·batch); 64 fits an 8B model on one H100."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLE_SIGNALS:
@@ -123,6 +132,8 @@ def from_api(autoscaling: Any, role: str, gpus_per_replica: int = 1) -> PolicySp
         targets=role_targets(role, raw.get("targets")),
         tolerance=float(raw.get("tolerance", base.tolerance)),
         interval_seconds=float(raw.get("intervalSeconds", base.interval_seconds)),
+        metrics_window_seconds=float(raw.get("metricsWindowSeconds",
+                                             4 * float(raw.get("intervalSeconds", 15)))),
         max_metrics_age_seconds=float(raw.get("maxMetricsAgeSeconds",
                                               4 * float(raw.get("intervalSeconds", 15)))),
         scale_up=_rules(raw.get("scaleUp"), base.scale_up),

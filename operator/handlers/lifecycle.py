@@ -23,7 +23,7 @@ def connection(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
 
 
 @kopf.on.login()
-def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+async def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
     """Gives kopf the same credentials the handlers' client uses."""
     return connection(settings)
 
@@ -60,5 +60,7 @@ def operator_settings(fast: bool = False) -> kopf.OperatorSettings:
         settings.watching.server_timeout = 30
         settings.watching.reconnect_backoff = 0.2
         settings.batching.batch_window = 0.05
-        settings.batching.idle_timeout = 5
+        settings.batching.idle_timeout = 0.5
+        settings.batching.exit_timeout = 0.5
+        settings.persistence.consistency_timeout = 1
     return settings

@@ -24,7 +24,6 @@ from kvpilot.operator.render.meta import (
 from kvpilot.operator.render.placement import plan_placement
 from kvpilot.operator.render.router import render_router
 
-
 MODEL_GENERATION_ANNOTATION = "kvpilot.dev/model-generation"
 
 

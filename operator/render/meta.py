@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +58,7 @@ def object_meta(name: str, namespace: str, labels: dict[str, str],
 
 def pool_labels(model: str, pool: str, role: str) -> dict[str, str]:
     """Gives the selector labels of one pool's pods (stable: selectors are immutable)."""
-    return {MODEL_LABEL: model, POOL_LABEL: pool, ROLE_LABEL: role}
+    return {MODEL_LABEL: model, POOL_LABEL: pool, ROLE_LABEL: role, COMPONENT_LABEL: "engine"}
 
 
 def child_name(*parts: str) -> str:
@@ -65,7 +66,5 @@ def child_name(*parts: str) -> str:
     name = "-".join(p for p in parts if p).lower()
     if len(name) <= 63:
         return name
-    import hashlib
-
     digest = hashlib.sha256(name.encode()).hexdigest()[:8]
     return f"{name[:54].rstrip('-')}-{digest}"

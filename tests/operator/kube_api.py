@@ -26,6 +26,9 @@ CORE_RESOURCES: dict[str, dict[str, Any]] = {
     "v1/configmaps": {"kind": "ConfigMap", "namespaced": True},
     "v1/services": {"kind": "Service", "namespaced": True},
     "v1/events": {"kind": "Event", "namespaced": True},
+    "v1/serviceaccounts": {"kind": "ServiceAccount", "namespaced": True},
+    "rbac.authorization.k8s.io/v1/roles": {"kind": "Role", "namespaced": True},
+    "rbac.authorization.k8s.io/v1/rolebindings": {"kind": "RoleBinding", "namespaced": True},
     "v1/pods": {"kind": "Pod", "namespaced": True, "subresources": {"status"}},
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True,
                             "subresources": {"status", "scale"}},
@@ -45,6 +48,8 @@ class ApiServer(kmock.KubernetesEmulator):
 
     _versions: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
     _with_status: set[Any] = attrs.field(factory=set, init=False)
+    base_url: str = attrs.field(default="", init=False)
+    """http://host:port the emulator listens on (set by whoever starts its server)."""
 
     def add_resource(self, key: str, kind: str, namespaced: bool = True,
                      subresources: set[str] | frozenset[str] = frozenset(),

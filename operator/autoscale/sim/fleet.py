@@ -1,0 +1,285 @@
+"""The fleet simulator: control events on a heap over a fixed-step fluid model of the pools.
+
+Each model has a prefill pool and a decode pool. Arrivals are Poisson counts per
+tick; prefill is a fluid queue of prompt tokens served at the cost model's rate
+(with the M/M/1 queue and sojourn a real engine shows below saturation); decode
+admits prefilled requests into KV/sequence slots and drains them at one token per
+step of the cost model. Every tick updates all models at once with numpy. On the
+heap sit the autoscaler's timers (one per pool, staggered) and pod start-ups; each
+timer runs the real `policy.decide` (and `budget.allocate` when a GPU budget is
+set) on metrics derived from the pool's state.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from kvpilot.operator.autoscale.budget import PoolDemand, allocate
+from kvpilot.operator.autoscale.policy import PolicyState, decide
+from kvpilot.operator.autoscale.signals import PoolMetrics
+from kvpilot.operator.autoscale.sim.calibration import CostModel
+from kvpilot.operator.autoscale.sim.calibration import load as load_calibration
+from kvpilot.operator.autoscale.sim.traces import profile
+from kvpilot.operator.autoscale.spec import PolicySpec, role_targets
+
+PREFILL, DECODE = 0, 1
+ROLES = ("prefill", "decode")
+EWMA_S = 10.0  # seconds over which the prefill utilisation metric is averaged
+HISTORY = 8  # samples kept per pool for the policy's metrics window
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Request shape and the SLO each request is judged by."""
+
+    prompt_tokens: float = 1000.0
+    output_tokens: float = 200.0
+    ttft_slo_s: float = 2.0
+    itl_slo_s: float = 0.05
+
+
+def default_spec(role: str, max_replicas: int = 10_000) -> PolicySpec:
+    """Gives the policy the simulator runs when none is given (the CRD's defaults)."""
+    return PolicySpec(role=role, min_replicas=1, max_replicas=max_replicas,
+                      targets=role_targets(role))
+
+
+@dataclass
+class SimConfig:
+    """One simulation run."""
+
+    trace: str = "diurnal"
+    duration_s: float = 86_400.0
+    tick_s: float = 1.0
+    models: int = 1
+    peak_rps: float = 200.0
+    """Peak request rate of the whole fleet, split log-normally over the models."""
+    seed: int = 0
+    step_at_s: float = 600.0
+    workload: Workload = field(default_factory=Workload)
+    cost: CostModel = field(default_factory=load_calibration)
+    specs: tuple[PolicySpec, PolicySpec] = field(
+        default_factory=lambda: (default_spec("prefill"), default_spec("decode")))
+    gpu_budget: int | None = None
+    """GPUs each model's two pools may hold together (None: unlimited)."""
+    static_replicas: tuple[np.ndarray, np.ndarray] | None = None
+    """Fixed replicas per model and pool: no autoscaler (the static baseline)."""
+
+
+@dataclass
+class SimTrace:
+    """What the run recorded: per-tick arrays and the scale events."""
+
+    tick_s: float
+    arrivals: np.ndarray          # (T, M) requests arriving in each tick
+    admitted_cum: np.ndarray      # (T, M) requests admitted to decode by each tick's end
+    prefill_sojourn_s: np.ndarray  # (T, M) mean prefill queueing plus service time
+    itl_s: np.ndarray             # (T, M) decode step time
+    replicas: np.ndarray          # (T, 2) total spec replicas per role (GPUs allocated)
+    ready: np.ndarray             # (T, 2) total ready replicas per role
+    events: list[tuple[float, int, int, int, int, str]] = field(default_factory=list)
+    """(time, model, pool, from, to, signal) of every replica change."""
+    gpus_per_replica: int = 1
+
+
+def initial_replicas(rate: np.ndarray, cfg: SimConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Gives replicas that carry `rate` (requests/s per model) at the policy's targets."""
+    w, cost = cfg.workload, cfg.cost
+    rho = 0.8
+    prefill = np.ceil(rate * w.prompt_tokens / (cost.prefill_tokens_per_s * rho))
+    running = cfg.specs[DECODE].targets.get("runningRequestsPerReplica", 96.0)
+    step = cost.decode_step_s(running, w.prompt_tokens + w.output_tokens / 2)
+    decode = np.ceil(rate * w.output_tokens * step / running)
+    return np.maximum(prefill, 1).astype(np.int64), np.maximum(decode, 1).astype(np.int64)
+
+
+def simulate(cfg: SimConfig) -> SimTrace:
+    """Gives the recorded run of `cfg` (deterministic for a given seed)."""
+    return _Run(cfg).run()
+
+
+class _Run:
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.rng = np.random.default_rng(cfg.seed)
+        self.ticks = round(cfg.duration_s / cfg.tick_s)
+        m = cfg.models
+        shares = self.rng.lognormal(0.0, 0.5, size=m)
+        self.peak = cfg.peak_rps * shares / shares.sum()
+        shape = profile(cfg.trace, self.ticks, cfg.tick_s, self.rng, cfg.step_at_s)
+        self.rate = shape[:, None] * self.peak[None, :]
+        self.arrivals = self.rng.poisson(self.rate * cfg.tick_s).astype(np.float64)
+        if cfg.static_replicas is not None:
+            start = tuple(np.asarray(r, dtype=np.int64) for r in cfg.static_replicas)
+        else:
+            start = initial_replicas(self.rate[0], cfg)
+        self.spec_r = np.stack(start).astype(np.int64)          # (2, M)
+        self.ready = self.spec_r.astype(np.float64).copy()
+        self.backlog = np.zeros(m)                               # prompt tokens
+        self.rho = self.rate[0] * cfg.workload.prompt_tokens / (
+            np.maximum(self.ready[PREFILL], 1) * cfg.cost.prefill_tokens_per_s)
+        self.queue = np.zeros(m)  # M/M/1 waiting requests per prefill replica
+        self.waiting_decode = np.zeros(m)
+        self.running = self.rate[0] * cfg.workload.output_tokens * cfg.cost.decode_step_s(
+            100, cfg.workload.prompt_tokens)
+        self.running_avg = self.running.copy()
+        self.itl = np.full(m, cfg.cost.decode_step_base_s)
+        self.states = [[PolicyState() for _ in range(m)] for _ in ROLES]
+        self.history: list[list[deque[PoolMetrics]]] = [
+            [deque(maxlen=HISTORY) for _ in range(m)] for _ in ROLES]
+        self.votes = np.ones((2, m))     # load/target of each pool's winning signal
+        self.pending: list[list[deque[int]]] = [[deque() for _ in range(m)] for _ in ROLES]
+        self.cancelled: set[int] = set()
+        self.heap: list[tuple[float, int, str, int, int]] = []
+        self.seq = 0
+        self.events: list[tuple[float, int, int, int, int, str]] = []
+        if cfg.static_replicas is None:
+            for pool, spec in enumerate(cfg.specs):
+                offsets = self.rng.uniform(0, spec.interval_seconds, size=m)
+                for i in range(m):
+                    self._push(float(offsets[i]), "decide", pool, i)
+
+    def _push(self, time: float, kind: str, pool: int, model: int) -> int:
+        self.seq += 1
+        heapq.heappush(self.heap, (time, self.seq, kind, pool, model))
+        return self.seq
+
+    def run(self) -> SimTrace:
+        cfg, t_count, m = self.cfg, self.ticks, self.cfg.models
+        admitted_cum = np.empty((t_count, m))
+        sojourn_rec = np.empty((t_count, m))
+        service = cfg.workload.prompt_tokens / cfg.cost.prefill_tokens_per_s
+        itl_rec = np.empty((t_count, m))
+        replicas = np.empty((t_count, 2), dtype=np.int64)
+        ready = np.empty((t_count, 2))
+        admitted = np.zeros(m)
+        for i in range(t_count):
+            now = i * cfg.tick_s
+            while self.heap and self.heap[0][0] <= now:
+                time, seq, kind, pool, model = heapq.heappop(self.heap)
+                if kind == "ready":
+                    if seq in self.cancelled:
+                        self.cancelled.discard(seq)
+                    else:
+                        self.pending[pool][model].popleft()
+                        self.ready[pool, model] += 1
+                else:
+                    self._decide(time, pool, model)
+            admitted += self._step(self.arrivals[i])
+            admitted_cum[i] = admitted
+            sojourn_rec[i] = service * (1.0 + self.queue / np.maximum(self.rho, 1e-3))
+            itl_rec[i] = self.itl
+            replicas[i] = self.spec_r.sum(axis=1)
+            ready[i] = self.ready.sum(axis=1)
+        return SimTrace(cfg.tick_s, self.arrivals, admitted_cum, sojourn_rec, itl_rec, replicas,
+                        ready, self.events, cfg.cost.gpus_per_replica)
+
+    def _step(self, arrivals: np.ndarray) -> np.ndarray:
+        """Advances every model one tick; gives the requests admitted to decode."""
+        cfg, cost, w = self.cfg, self.cfg.cost, self.cfg.workload
+        dt = cfg.tick_s
+        capacity = self.ready[PREFILL] * cost.prefill_tokens_per_s * dt
+        inflow = arrivals * w.prompt_tokens
+        inst = inflow / np.maximum(capacity, 1e-9)
+        self.rho += min(dt / EWMA_S, 1.0) * (inst - self.rho)
+        # The M/M/1 queue relaxes towards ρ²/(1 − ρ) with time constant
+        # S / (1 − √ρ)²: slowly near saturation, so a 10 s burst does not fill it.
+        rho = np.minimum(self.rho, 0.99)
+        steady = rho * rho / (1 - rho)
+        relax = w.prompt_tokens / cost.prefill_tokens_per_s / (1 - np.sqrt(rho)) ** 2
+        self.queue += (steady - self.queue) * (1 - np.exp(-dt / relax))
+        served = np.minimum(self.backlog + inflow, capacity)
+        self.backlog += inflow - served
+        slots = self.ready[DECODE] * cost.decode_slots(w.prompt_tokens + w.output_tokens)
+        candidates = self.waiting_decode + served / w.prompt_tokens
+        admit = np.minimum(candidates, np.maximum(slots - self.running, 0.0))
+        self.waiting_decode = candidates - admit
+        self.running += admit
+        # Each running request ends at rate 1/τ, τ = output tokens × step time: an
+        # exact exponential per tick, and the tick's time-average (which obeys Little's
+        # law, R = λτ, at any tick length) is what the pods report.
+        has_decode = self.ready[DECODE] > 0
+        batch = self.running_avg / np.maximum(self.ready[DECODE], 1)
+        self.itl = cost.decode_step_s(batch, w.prompt_tokens + w.output_tokens / 2)
+        x = np.where(has_decode, dt / (self.itl * w.output_tokens), 0.0)
+        keep = np.exp(-x)
+        self.running_avg = np.where(has_decode, self.running * (1 - keep) / np.maximum(x, 1e-12),
+                                    self.running)
+        self.running *= keep
+        return admit
+
+    def metrics(self, pool: int, model: int, now: float) -> PoolMetrics:
+        """Gives what the pool's pods would report now."""
+        w, cost = self.cfg.workload, self.cfg.cost
+        n = int(self.ready[pool, model])
+        if pool == PREFILL:
+            rho = min(float(self.rho[model]), 0.99)
+            backlog = float(self.backlog[model])
+            per_replica = float(self.queue[model])
+            queue = n * per_replica + backlog / w.prompt_tokens
+            service = w.prompt_tokens / cost.prefill_tokens_per_s
+            sojourn = service * (1 + per_replica / max(rho, 1e-3))
+            ttft = sojourn * math.log(10) + backlog / max(n * cost.prefill_tokens_per_s, 1e-9)
+            return PoolMetrics(
+                time=now, replicas_reporting=n,
+                kv_cache_utilization=rho * w.prompt_tokens / cost.kv_capacity_tokens,
+                requests_waiting=queue, requests_running=n * rho,
+                waiting_prompt_tokens=(queue + n * rho) * w.prompt_tokens,
+                ttft_p90_seconds=ttft)
+        running = float(self.running_avg[model])
+        kv = running * (w.prompt_tokens + w.output_tokens / 2)
+        return PoolMetrics(
+            time=now, replicas_reporting=n,
+            kv_cache_utilization=kv / max(n * cost.kv_capacity_tokens, 1),
+            requests_waiting=float(self.waiting_decode[model]), requests_running=running,
+            waiting_prompt_tokens=0.0, itl_p90_seconds=float(self.itl[model]))
+
+    def _decide(self, now: float, pool: int, model: int) -> None:
+        spec = self.cfg.specs[pool]
+        self._push(now + spec.interval_seconds, "decide", pool, model)
+        current = int(self.spec_r[pool, model])
+        history = self.history[pool][model]
+        history.append(self.metrics(pool, model, now))
+        d = decide(spec, self.states[pool][model], history, current, now)
+        self.states[pool][model] = d.state
+        desired = d.desired
+        if d.vote is not None:
+            self.votes[pool, model] = d.vote.replicas / max(current, 1)
+        if self.cfg.gpu_budget is not None:
+            desired = self._budget(pool, model, desired)
+        if desired != current:
+            self._apply(now, pool, model, desired)
+            signal = d.vote.signal if d.vote else ""
+            self.events.append((now, model, pool, current, desired, signal))
+
+    def _budget(self, pool: int, model: int, desired: int) -> int:
+        """Gives `desired` cut to this pool's share of the model's GPU budget."""
+        gpus = self.cfg.cost.gpus_per_replica
+        demands = []
+        for p, spec in enumerate(self.cfg.specs):
+            current = int(self.spec_r[p, model])
+            want = desired if p == pool else current
+            demands.append(PoolDemand(ROLES[p], current=current, desired=want,
+                                      min_replicas=spec.min_replicas, gpus_per_replica=gpus,
+                                      load=float(self.votes[p, model]) * max(current, 1)))
+        grant = allocate(self.cfg.gpu_budget or 0, demands)
+        return grant.replicas[ROLES[pool]]
+
+    def _apply(self, now: float, pool: int, model: int, desired: int) -> None:
+        current = int(self.spec_r[pool, model])
+        queue = self.pending[pool][model]
+        if desired > current:
+            for _ in range(desired - current):
+                queue.append(self._push(now + self.cfg.cost.startup_s, "ready", pool, model))
+        else:
+            # Kubernetes removes pods that are not ready yet first.
+            for _ in range(current - desired):
+                if queue:
+                    self.cancelled.add(queue.pop())
+                else:
+                    self.ready[pool, model] -= 1
+        self.spec_r[pool, model] = desired
