@@ -3,8 +3,8 @@
 Pure data and arithmetic; no Kubernetes calls. Sources:
 - AMD Instinct partitioning docs (instinct.docs.amd.com, "GPU partitioning"): an MI300X
   has 8 XCDs and 192 GB HBM; SPX/DPX/QPX/CPX expose 1/2/4/8 logical GPUs per physical
-  GPU; NPS4 splits memory into four NUMA regions and is validated with CPX only, so
-  SPX, DPX and QPX run with NPS1.
+  GPU; NPS4 splits memory into four NUMA regions and AMD's guides configure it with
+  CPX; no AMD page we found pairs it with QPX, so SPX, DPX and QPX run with NPS1.
 - AMD GPU operator / device plugin: `resource_naming_strategy` single exposes
   `amd.com/gpu`; mixed exposes one resource per partition profile such as
   `amd.com/cpx_nps4`. The node labeller writes the active profile to
