@@ -295,6 +295,10 @@ class Overrides(ApiModel):
     """Service account of the engine pods."""
 
 
+# Conditions merge by type under server-side apply (the Kubernetes convention).
+CONDITIONS_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+
+
 class Condition(ApiModel):
     """One observation of the object's state (the Kubernetes condition convention)."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from kvpilot.operator.api.common import (
+    CONDITIONS_LIST,
     AcceleratorSpec,
     ApiModel,
     AutoscalingSpec,
@@ -143,7 +144,7 @@ class PoolReplicas(ApiModel):
 class InferenceModelStatus(ApiModel):
     """Observed state, written by the operator and the autoscaler."""
 
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra=CONDITIONS_LIST)
     """Ready, Progressing and Degraded."""
     observed_generation: int | None = None
     """metadata.generation this status reflects."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from kvpilot.operator.api.common import (
+    CONDITIONS_LIST,
     AcceleratorSpec,
     ApiModel,
     AutoscalingSpec,
@@ -109,7 +110,7 @@ class DecodePoolSpec(PoolSpec):
 class PoolStatus(ApiModel):
     """Observed state of a pool."""
 
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra=CONDITIONS_LIST)
     """Ready, Progressing and Degraded."""
     observed_generation: int | None = None
     """metadata.generation this status reflects."""

@@ -21,7 +21,7 @@ _KEEP = {
     "default", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
     "maxLength", "pattern", "minItems", "maxItems", "format", "nullable",
     "x-kubernetes-validations", "x-kubernetes-preserve-unknown-fields",
-    "x-kubernetes-int-or-string",
+    "x-kubernetes-int-or-string", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
 }
 
 
