@@ -104,7 +104,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+        message = str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = ("request body cannot be parsed: send a JSON object with "
+                       "'Content-Type: application/json'")
+        return error_response(exc.status_code, message, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> JSONResponse:

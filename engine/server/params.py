@@ -115,6 +115,10 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, prompt_l
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         param, requested, logprobs = "max_tokens", request.max_tokens, request.logprobs
+    if logprobs is not None:
+        # Ask the engine for at least one alternative: the response keeps only the
+        # requested number, and engines need not special-case k = 0.
+        logprobs = max(logprobs, 1)
     fields: dict[str, Any] = {
         "n": request.n,
         "max_tokens": _max_tokens(requested, param, prompt_len, limits),
