@@ -123,3 +123,26 @@ def test_layout_invariants(tp: int, pp: int, per_node: int):
     assert p.gpus_per_pod % tp == 0
     if tp * pp <= per_node:
         assert p.nodes_per_replica == 1
+
+
+@given(tp=st.integers(1, 16), pp=st.integers(1, 8), ep=st.integers(1, 8),
+       heads=st.sampled_from([8, 12, 32, 40, 64]), kv=st.sampled_from([1, 2, 4, 8]),
+       layers=st.integers(1, 12), experts=st.sampled_from([8, 16, 60, 64]))
+def test_plan_accepts_exactly_the_valid_shapes(tp: int, pp: int, ep: int, heads: int, kv: int,
+                                               layers: int, experts: int):
+    """An oracle of the documented rules; rejections always name a topology field."""
+    model = ModelSource(name="m", source="dummy:m", num_attention_heads=heads,
+                        num_key_value_heads=kv, num_layers=layers, num_experts=experts)
+    valid = (heads % tp == 0
+             and (kv % tp == 0 if tp <= kv else tp % kv == 0)
+             and pp <= layers
+             and (ep == 1 or (experts % ep == 0 and tp % ep == 0))
+             and tp <= 8)
+    try:
+        p = plan(topo(tp, pp, ep), model, AcceleratorSpec(gpus_per_node=8))
+    except TopologyError as err:
+        assert not valid
+        assert str(err).startswith("topology.")
+        return
+    assert valid
+    assert p.kv_head_replication == max(1, tp // kv)
