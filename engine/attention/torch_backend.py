@@ -2,38 +2,115 @@
 
 Correct on any device and reasonably quick on CPU: decode rows (query_len 1) of
 all sequences go through one padded SDPA call; each prefill chunk gets its own
-call with an explicit causal mask offset by the tokens already cached.
+call with an explicit causal mask offset by the tokens already cached. The index
+tensors of a step are built once and reused by every layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from torch.nn import functional as F
 
 
+@dataclass
+class _StepPlan:
+    """What one step's layers share: which rows decode, which prefill, and gather indices."""
+
+    decode_rows: torch.Tensor | None  # [D] query rows of the query_len-1 sequences
+    decode_blocks: torch.Tensor | None  # [D * padded_blocks] cache blocks to gather
+    decode_pad_rows: torch.Tensor | None  # gathered token rows past each seq_len
+    decode_mask: torch.Tensor | None  # [D, 1, 1, padded_len] True where a key is real
+    prefills: list[tuple[int, int, int]]  # (sequence, first query row, query_len)
+    seq_lens: list[int]
+
+
 class TorchAttentionBackend:
     """Implements `AttentionBackend` with plain torch ops."""
+
+    def __init__(self) -> None:
+        self._plan: tuple[AttentionMetadata, _StepPlan] | None = None
+        # Reused gather buffers: a fresh multi-MB tensor per layer costs page faults on CPU.
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Gives the attention output [T, num_heads, head_dim] after caching this step's k, v."""
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        query_lens = meta.query_lens_cpu or meta.query_start_loc.diff().tolist()
-        seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
-        starts = meta.query_start_loc.tolist() if meta.query_lens_cpu is None else _cumsum(
-            query_lens)
+        plan = self._plan_for(meta, kv_cache.shape[2])
         out = torch.empty_like(q)
-        decodes = [i for i, n in enumerate(query_lens) if n == 1]
-        if decodes:
-            rows = torch.tensor([starts[i] for i in decodes], device=q.device)
-            out[rows] = _decode(q[rows], kv_cache, meta.block_tables[decodes],
-                                [seq_lens[i] for i in decodes], scale)
-        for i, n in enumerate(query_lens):
-            if n > 1:
-                rows = slice(starts[i], starts[i] + n)
-                out[rows] = _prefill(q[rows], kv_cache, meta.block_tables[i], seq_lens[i], scale)
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = self._decode(q[plan.decode_rows], kv_cache, plan, scale)
+        for seq, start, num_q in plan.prefills:
+            rows = slice(start, start + num_q)
+            seq_len = plan.seq_lens[seq]
+            if num_q == seq_len:  # nothing cached before this chunk: use k, v as they are
+                ctx_k, ctx_v = k[rows], v[rows]
+            else:
+                ctx_k, ctx_v = gather_context(kv_cache, meta.block_tables[seq], seq_len)
+            out[rows] = _prefill(q[rows], ctx_k, ctx_v, scale)
         return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan,
+                scale: float) -> torch.Tensor:
+        """Gives attention of D single-token queries [D, heads, d] over their padded contexts."""
+        k = self._gather_padded("k", kv_cache[0], plan).to(q.dtype)
+        v = self._gather_padded("v", kv_cache[1], plan).to(q.dtype)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=plan.decode_mask,
+                                             scale=scale, enable_gqa=True)
+        return out.squeeze(2)
+
+    def _gather_padded(self, name: str, cache: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
+        """Gives [D, kv_heads, padded_len, d]: each decode sequence's blocks side by side.
+
+        Slots past a sequence's end hold whatever the cache had (even NaN), and a masked
+        score times a NaN value is still NaN, so they are zeroed.
+        """
+        blocks = plan.decode_blocks
+        shape = (blocks.numel(), *cache.shape[1:])
+        numel = blocks.numel() * cache[0].numel()
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != cache.dtype \
+                or buffer.device != cache.device:
+            buffer = self._buffers[name] = torch.empty(numel, dtype=cache.dtype,
+                                                       device=cache.device)
+        rows = torch.index_select(cache, 0, blocks, out=buffer[:numel].view(shape))
+        tokens = rows.view(-1, *cache.shape[2:])
+        tokens.index_fill_(0, plan.decode_pad_rows, 0)
+        batch = plan.decode_mask.shape[0]
+        return tokens.view(batch, -1, *cache.shape[2:]).transpose(1, 2)
+
+
+    def _plan_for(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
+        """Gives the step plan of `meta`, building it on the first layer of the step."""
+        if self._plan is None or self._plan[0] is not meta:
+            self._plan = (meta, _build_plan(meta, block_size))
+        return self._plan[1]
+
+
+def _build_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
+    query_lens = meta.query_lens_cpu or meta.query_start_loc.diff().tolist()
+    seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+    starts = _cumsum(query_lens)
+    prefills = [(i, starts[i], n) for i, n in enumerate(query_lens) if n > 1]
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    if not decodes:
+        return _StepPlan(None, None, None, None, prefills, seq_lens)
+    device = meta.block_tables.device
+    lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
+    num_blocks = -(-int(lens.max()) // block_size)
+    blocks = meta.block_tables[decodes, :num_blocks].long().clamp(min=0)
+    valid = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
+    return _StepPlan(
+        decode_rows=torch.tensor([starts[i] for i in decodes], device=device),
+        decode_blocks=blocks.flatten(),
+        decode_pad_rows=(~valid).flatten().nonzero().squeeze(1),
+        decode_mask=valid[:, None, None, :],
+        prefills=prefills,
+        seq_lens=seq_lens,
+    )
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -53,17 +130,15 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
     """Gives one sequence's first `num_tokens` cached k and v, each [num_tokens, kv_heads, d]."""
     block_size = kv_cache.shape[2]
     blocks = block_table[: -(-num_tokens // block_size)].long()
-    k = kv_cache[0, blocks].flatten(0, 1)[:num_tokens]
-    v = kv_cache[1, blocks].flatten(0, 1)[:num_tokens]
+    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:num_tokens]
+    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:num_tokens]
     return k, v
 
 
-def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-             seq_len: int, scale: float) -> torch.Tensor:
-    """Attention of one sequence's Q new rows over its seq_len cached positions; row j sees
-    positions <= seq_len - Q + j."""
-    num_q = q.shape[0]
-    k, v = gather_context(kv_cache, block_table, seq_len)
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one sequence's Q query rows over its L context rows; row j sees
+    positions <= L - Q + j."""
+    num_q, seq_len = q.shape[0], k.shape[0]
     mask = None
     if num_q != seq_len:
         key_pos = torch.arange(seq_len, device=q.device)
@@ -73,25 +148,6 @@ def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
-
-
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-            seq_lens: list[int], scale: float) -> torch.Tensor:
-    """Attention of B single-token queries [B, heads, d], padded to the longest context."""
-    block_size = kv_cache.shape[2]
-    max_len = max(seq_lens)
-    blocks = block_tables[:, : -(-max_len // block_size)].long().clamp(min=0)
-    # [B, blocks, block_size, kv_heads, d] -> [B, kv_heads, padded_len, d]
-    k = kv_cache[0, blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
-    v = kv_cache[1, blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
-    lens = torch.tensor(seq_lens, device=q.device)
-    mask = (torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None])[:, None, :, None]
-    # Padding slots hold whatever the cache had (even NaN); a masked score times a NaN
-    # value would still be NaN, so zero them.
-    k, v = k.masked_fill(~mask, 0), v.masked_fill(~mask, 0)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask.transpose(2, 3), scale=scale, enable_gqa=True)
-    return out.squeeze(2)
 
 
 def _cumsum(lengths: list[int]) -> list[int]:
