@@ -14,7 +14,6 @@ CONFIGS = {
     "cache-on-chunk64": dict(enable_prefix_caching=True, max_num_batched_tokens=64),
     "cache-on-unlimited": dict(enable_prefix_caching=True, max_num_batched_tokens=8192),
     "cache-off-chunk16": dict(enable_prefix_caching=False, max_num_batched_tokens=16),
-    "cache-off-chunk64": dict(enable_prefix_caching=False, max_num_batched_tokens=64),
     "cache-off-unlimited": dict(enable_prefix_caching=False, max_num_batched_tokens=8192),
     # 14 blocks x 16 slots cannot hold 16 requests at once: preemption must happen
     "small-pool-cache-on": dict(enable_prefix_caching=True, max_num_batched_tokens=64,

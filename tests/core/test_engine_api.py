@@ -1,0 +1,155 @@
+"""The LLMEngine / LLM contract on tiny-llama: errors, abort, stops, seeds, n, logprobs, prefix hits."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from kvpilot.engine.args import EngineArgs
+from kvpilot.engine.llm import LLM
+from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.sampling_params import SamplingParams
+
+PROMPT = list(range(100, 130))
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny-llama", num_kv_blocks=64, max_model_len=256)
+
+
+@pytest.fixture
+def engine() -> LLMEngine:
+    return LLMEngine.from_engine_args(EngineArgs(model="tiny-llama", num_kv_blocks=8,
+                                                 max_model_len=256))
+
+
+def run(engine: LLMEngine, limit: int = 200) -> dict:
+    done = {}
+    for _ in range(limit):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+@pytest.mark.parametrize(("prompt", "params", "message"), [
+    (PROMPT, SamplingParams(max_tokens=300), "max_model_len=256"),
+    ([], SamplingParams(), "prompt is empty"),
+    ([5, 99999], SamplingParams(), "prompt token ids must be in [0, 1024)"),
+])
+def test_add_request_rejects_bad_input(engine, prompt, params, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine.add_request("r", prompt, params)
+    assert not engine.has_unfinished_requests()
+
+
+def test_duplicate_request_id_is_rejected(engine):
+    engine.add_request("r", PROMPT, GREEDY)
+    with pytest.raises(ValueError, match="request_id='r' is already running"):
+        engine.add_request("r", PROMPT, GREEDY)
+
+
+def test_request_larger_than_the_pool_finishes_with_an_error(engine):
+    # 8 blocks x 16 slots = 128 tokens; 30 + 120 needs 10 blocks
+    engine.add_request("big", PROMPT, SamplingParams(max_tokens=120))
+    engine.add_request("ok", PROMPT, GREEDY)
+    done = run(engine)
+    assert done["big"].outputs[0].finish_reason == "error"
+    assert "needs 10 KV blocks" in done["big"].error
+    assert done["ok"].outputs[0].finish_reason == "length"
+
+
+def test_abort_frees_blocks_and_reports_abort(engine):
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.get_stats().num_free_blocks < 8
+    engine.abort_request(["a", "unknown"])
+    (out,) = engine.step()
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.get_stats().num_free_blocks == 8
+    assert not engine.has_unfinished_requests()
+
+
+def test_second_request_computes_only_past_a_three_block_prefix(llm):
+    shared = list(range(200, 248))  # three 16-token blocks
+    before = llm.get_stats()
+    llm.generate([[*shared, 1, 2, 3]], GREEDY)
+    (second,) = llm.generate([[*shared, 4, 5]], GREEDY)
+    after = llm.get_stats()
+    assert second.num_cached_tokens == 48
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 48
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 51 + 50
+    assert after.prompt_tokens - before.prompt_tokens == 51 + 2
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    batched = llm.generate([PROMPT, [7, 8, 9], PROMPT], [other, other, params])
+    assert batched[2].outputs[0].token_ids == alone
+    reseeded = SamplingParams(temperature=1.0, top_p=0.9, seed=43, max_tokens=12, ignore_eos=True)
+    assert llm.generate([PROMPT], reseeded)[0].outputs[0].token_ids != alone
+
+
+def test_parallel_sampling_gives_n_completions(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=10, ignore_eos=True)
+    (out,) = llm.generate([PROMPT], params)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 10 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert llm.get_stats().num_free_blocks == 64
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    greedy = llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+    stop_at = greedy[3]
+    first = greedy.index(stop_at)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                stop_token_ids=[stop_at]))[0].outputs[0]
+    assert out.token_ids == greedy[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_at)
+    held = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                 stop_token_ids=[stop_at], min_tokens=8))
+    assert stop_at not in held[0].outputs[0].token_ids  # banned until min_tokens
+    assert held[0].outputs[0].finish_reason == "length"
+
+
+def test_stop_string_spanning_two_tokens(llm):
+    greedy = llm.generate([PROMPT], GREEDY)[0].outputs[0]
+    text = greedy.text
+    # a stop string made of the last character of one token's text and the first of the next
+    cuts = [len(llm.tokenizer.decode(greedy.token_ids[:i])) for i in range(1, 8)]
+    cut = next(c for c in cuts if 0 < c < len(text) and text[c - 1:c + 1] not in text[:c])
+    stop = text[cut - 1:cut + 1]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                stop=[stop]))[0].outputs[0]
+    assert out.text == text[:cut - 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+def test_logprobs_and_prompt_logprobs(llm):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
+    (out,) = llm.generate([PROMPT], params)
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 4
+    for token, position in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert position[token].rank == 1  # greedy picks the most likely token
+        assert 3 <= len(position) <= 4
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs, strict=True)))
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(PROMPT)
+    assert all(PROMPT[i] in out.prompt_logprobs[i] for i in range(1, len(PROMPT)))
+
+
+def test_text_prompts_and_outputs_in_order(llm):
+    outs = llm.generate(["Hello there", "The quick brown fox"], GREEDY)
+    assert [o.prompt for o in outs] == ["Hello there", "The quick brown fox"]
+    assert all(o.finished and len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert outs[0].metrics.first_token_time >= outs[0].metrics.arrival_time

@@ -1,0 +1,91 @@
+"""Sampler tables on hand-made logits: greedy, filters, penalties, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from kvpilot.engine.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0]])
+
+
+def row(prompt=(), output=(), seed=None, banned=None, num_logprobs=0, **params) -> SamplingRow:
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return SamplingRow(SamplingParams(**params), list(prompt), list(output), generator, banned,
+                       num_logprobs)
+
+
+@pytest.mark.parametrize(("kwargs", "expected"), [
+    (dict(temperature=0), 1),
+    (dict(temperature=1.0, top_k=1), 1),  # only the best token survives
+    (dict(temperature=1.0, top_p=0.01), 1),
+    (dict(temperature=1.0, min_p=1.0), 1),
+    (dict(temperature=0, banned=[1]), 2),  # eos/stop ids banned below min_tokens
+    # repetition penalty 10 on a seen positive logit: 3.0 -> 0.3, so token 2 wins
+    (dict(temperature=0, output=[1], repetition_penalty=10.0), 2),
+    (dict(temperature=0, prompt=[1], repetition_penalty=10.0), 2),  # prompt tokens count too
+    # frequency: 3.0 - 2 * 0.6 = 1.8 < 2.0; presence: 3.0 - 1.5 = 1.5
+    (dict(temperature=0, output=[1, 1], frequency_penalty=0.6), 2),
+    (dict(temperature=0, output=[1, 1], frequency_penalty=0.4), 1),
+    (dict(temperature=0, output=[1], presence_penalty=1.5), 2),
+    # repetition on a negative logit makes it more negative: -1.0 * 10 stays last
+    (dict(temperature=0, output=[4], repetition_penalty=10.0), 1),
+])
+def test_single_row(kwargs, expected):
+    assert Sampler()(LOGITS, [row(**kwargs)]).token_ids == [expected]
+
+
+def test_rows_are_independent_in_one_batch():
+    logits = LOGITS.repeat(3, 1)
+    rows = [row(temperature=0), row(temperature=0, banned=[1]), row(temperature=1.0, top_k=1)]
+    assert Sampler()(logits, rows).token_ids == [1, 2, 1]
+
+
+def test_seeded_rows_are_reproducible_and_unaffected_by_neighbours():
+    logits = torch.randn(1, 50).repeat(4, 1)
+    first = Sampler()(logits, [row(temperature=1.0, seed=5), row(temperature=1.0),
+                               row(temperature=1.0, seed=6), row(temperature=0)])
+    again = Sampler()(logits[:3], [row(temperature=1.0, seed=6), row(temperature=1.0, seed=5),
+                                   row(temperature=1.0)])
+    assert again.token_ids[1] == first.token_ids[0]
+    assert again.token_ids[0] == first.token_ids[2]
+
+
+def test_logprobs_are_raw_with_ranks_and_top_alternatives():
+    out = Sampler()(LOGITS, [row(temperature=0, output=[1], repetition_penalty=10.0,
+                                 num_logprobs=2, logprobs=2)])
+    raw = LOGITS.log_softmax(-1)[0]
+    assert out.token_ids == [2]
+    assert out.logprobs[0] == pytest.approx(raw[2].item())
+    assert out.ranks == [2]  # token 1 is more likely in the raw distribution
+    assert out.top_ids == [[1, 2]]
+    assert out.top_logprobs[0] == pytest.approx([raw[1].item(), raw[2].item()])
+
+
+def test_prompt_logprobs_score_each_next_token():
+    logits = torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]])
+    scored = prompt_logprobs(logits, [1, 0], 1)
+    lp = logits.log_softmax(-1)
+    assert [s[0] for s in scored] == pytest.approx([lp[0, 1].item(), lp[1, 0].item()])
+    assert [s[1] for s in scored] == [2, 1]
+    assert [s[2] for s in scored] == [[2], [0]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), top_k=st.integers(0, 8), top_p=st.floats(0.05, 1.0),
+       min_p=st.floats(0.0, 0.9), temperature=st.floats(0.1, 2.0))
+def test_sampled_token_survives_every_filter(seed, top_k, top_p, min_p, temperature):
+    logits = torch.randn(1, 16, generator=torch.Generator().manual_seed(seed))
+    r = row(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    token = Sampler()(logits, [r]).token_ids[0]
+    order = logits[0].argsort(descending=True).tolist()
+    if top_k:
+        assert token in order[:top_k]
+    probs = (logits[0] / temperature).softmax(-1)
+    assert probs[token] >= min_p * probs.max() - 1e-6
+    assert not math.isinf(logits[0, token].item())
