@@ -22,7 +22,7 @@ def test_committed_crds_match_the_models(tmp_path: Path):
     for path in written:
         committed = CRD_DIR / path.name
         assert committed.read_text() == path.read_text(), (
-            f"{committed} is stale: run `kvpilot crds --write crds` and commit the result")
+            f"{committed} is stale: run scripts/gen_crds.sh and commit the result")
 
 
 @pytest.mark.parametrize("name", EXPECTED_FILES)
