@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,14 +39,14 @@ def test_incremental_text_equals_full_decode(completion):
     seq, shown = stream("Say:", completion)
     assert seq.output_text == completion
     assert all("\ufffd" not in text for text in shown)
-    assert all(b.startswith(a) for a, b in zip(shown, shown[1:], strict=False))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(shown))
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")),
                min_size=1, max_size=24))
 def test_any_text_round_trips(text):
-    seq, shown = stream("x", text)
+    seq, _shown = stream("x", text)
     assert seq.output_text == TOKENIZER.decode(TOKENIZER.encode(text, add_special_tokens=False))
 
 

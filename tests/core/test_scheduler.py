@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from core_helpers import make_request, make_scheduler, run_step, scheduled_ids, seq_of
 
 
