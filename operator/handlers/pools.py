@@ -7,7 +7,7 @@ from typing import Any
 import kopf
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import DecodePoolSpec, PoolSpec, PrefillPoolSpec
-from kvpilot.operator.handlers.children import apply_all, owned_by, prune
+from kvpilot.operator.handlers.children import apply_all, prune
 from kvpilot.operator.handlers.kube import Kube
 from kvpilot.operator.render.meta import GROUP_VERSION, POOL_LABEL, RenderConfig
 from kvpilot.operator.render.pool import pool_selector, render_pool
@@ -41,16 +41,6 @@ async def resolve(kube: Kube, namespace: str, spec: PoolSpec) -> PoolSpec:
         im = await kube.get(GROUP_VERSION, "InferenceModel", namespace, spec.model_ref)
         owner = InferenceModelSpec.model_validate(im["spec"]) if im else None
     return spec.resolved(owner)
-
-
-async def ready_replicas(kube: Kube, pool: dict[str, Any], config: RenderConfig) -> int:
-    """Gives the pool's ready replicas from the workloads it owns."""
-    meta = pool["metadata"]
-    workloads = []
-    for api_version, kind in workload_kinds(config):
-        items = await kube.list(api_version, kind, meta["namespace"], {POOL_LABEL: meta["name"]})
-        workloads += [w for w in items if owned_by(w, meta["uid"])]
-    return workload_ready(workloads)
 
 
 @kopf.on.resume(GROUP, VERSION, "prefillpools")

@@ -13,11 +13,17 @@ import kopf
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.handlers.inference_model import pool_counts
 from kvpilot.operator.handlers.kube import Kube, differs
-from kvpilot.operator.handlers.pools import ready_replicas
 from kvpilot.operator.render.meta import GROUP_VERSION, MANAGED_BY
 from kvpilot.operator.render.pool import pool_selector
 from kvpilot.operator.render.router import endpoint_url
-from kvpilot.operator.status import DEGRADED, is_true, model_status, now_rfc3339, pool_status
+from kvpilot.operator.status import (
+    DEGRADED,
+    is_true,
+    model_status,
+    now_rfc3339,
+    pool_status,
+    workload_ready,
+)
 
 GROUP, VERSION = GROUP_VERSION.split("/")
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY["app.kubernetes.io/managed-by"]}
@@ -40,9 +46,34 @@ async def _patch_status_if_changed(kube: Kube, obj: dict[str, Any],
                          {"status": status}, subresource="status")
 
 
+def _ready_view(body: kopf.Body) -> dict[str, Any] | None:
+    """Gives {pool uid: the workload's kind, size and ready count}, or None if no pool owns it."""
+    ref = controller_of(body, POOL_KINDS)
+    if ref is None:
+        return None
+    return {ref["uid"]: {"kind": body["kind"],
+                         "spec": {"replicas": (body.get("spec") or {}).get("replicas", 1)},
+                         "status": {"readyReplicas":
+                                    (body.get("status") or {}).get("readyReplicas", 0)}}}
+
+
+# In-memory indexes fed by the watch streams: ready counts roll up without listing workloads.
+@kopf.index("apps", "v1", "deployments", labels=MANAGED)
+def deployments_by_pool(body: kopf.Body, **_: Any) -> dict[str, Any] | None:
+    """Indexes pool-owned Deployments by their pool's uid."""
+    return _ready_view(body)
+
+
+@kopf.index("apps", "v1", "statefulsets", labels=MANAGED)
+def statefulsets_by_pool(body: kopf.Body, **_: Any) -> dict[str, Any] | None:
+    """Indexes pool-owned StatefulSets (multi-node groups) by their pool's uid."""
+    return _ready_view(body)
+
+
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
 @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED)
 async def workload_changed(body: kopf.Body, type: str | None, memo: kopf.Memo,
+                           deployments_by_pool: kopf.Index, statefulsets_by_pool: kopf.Index,
                            **_: Any) -> None:
     """Recounts the owning pool's ready replicas when one of its workloads changes."""
     ref = controller_of(body, POOL_KINDS)
@@ -56,10 +87,12 @@ async def workload_changed(body: kopf.Body, type: str | None, memo: kopf.Memo,
     status = pool.get("status") or {}
     if is_true(status.get("conditions"), DEGRADED) or "observedGeneration" not in status:
         return  # the pool handler owns the status until the spec is valid and handled
-    ready = await ready_replicas(kube, pool, memo.render)
+    workloads = [*deployments_by_pool.get(ref["uid"], []),
+                 *statefulsets_by_pool.get(ref["uid"], [])]
     role = pool["spec"].get("role", "prefill" if ref["kind"] == "PrefillPool" else "both")
-    new = pool_status(pool["spec"].get("replicas", 1), ready, pool_selector(pool, role),
-                      status.get("observedGeneration"), status.get("conditions"), now_rfc3339())
+    new = pool_status(pool["spec"].get("replicas", 1), workload_ready(workloads),
+                      pool_selector(pool, role), status.get("observedGeneration"),
+                      status.get("conditions"), now_rfc3339())
     await _patch_status_if_changed(kube, pool, new)
 
 
