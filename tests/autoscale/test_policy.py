@@ -17,6 +17,7 @@ SETTLED = PolicyState(since=0.0)  # history older than every window: nothing hol
 
 UP_RULES = ScalingRules(0, 4, 60)
 DOWN_RULES = ScalingRules(300, 1, 60)
+WIDE = ScalingRules(0, 100, 60)
 
 
 def spec(role: str = "decode", lo: int = 1, hi: int = 20, up: ScalingRules = UP_RULES,
@@ -31,7 +32,7 @@ def m(n: int, kv: float | None = 0.5, waiting: float | None = 0.0,
     """Metrics of n reporting replicas; `running` defaults to a level inside every band."""
     return PoolMetrics(time=NOW - age, replicas_reporting=n, kv_cache_utilization=kv,
                        requests_waiting=waiting,
-                       requests_running=192.0 * n if running is None else running,
+                       requests_running=96.0 * n if running is None else running,
                        waiting_prompt_tokens=tokens, ttft_p90_seconds=ttft,
                        itl_p90_seconds=itl, demand=demand)
 
@@ -42,16 +43,28 @@ CASES = [
     ("kv inside tolerance", spec(), SETTLED, m(4, kv=0.85), 4, 4, "kvCacheUtilization", None),
     ("kv below band scales down one", spec(), SETTLED, m(4, kv=0.3, running=0), 4, 3,
      "kvCacheUtilization", None),
-    ("running requests", spec(), SETTLED, m(4, kv=0.5, running=1200), 4, 7,
+    ("running requests", spec(up=WIDE), SETTLED, m(4, kv=0.5, running=1200), 4, 13,
      "runningRequestsPerReplica", None),
-    ("largest signal wins", spec(), SETTLED, m(4, kv=0.95, running=1200), 4, 7,
+    ("running requests, rate limited", spec(), SETTLED, m(4, kv=0.5, running=1200), 4, 8,
+     "runningRequestsPerReplica", "rate limit 4 per 60s"),
+    ("largest signal wins", spec(), SETTLED, m(4, kv=0.95, running=520), 4, 6,
      "runningRequestsPerReplica", None),
-    ("prefill queue depth, rate limited", spec("prefill"), SETTLED, m(2, waiting=40), 2, 6,
+    ("running below target votes by batch utilisation", spec(), SETTLED,
+     m(4, kv=0.1, running=100), 4, 3, "runningRequestsPerReplica", None),
+    ("prefill queue depth, rate limited", spec("prefill"), SETTLED, m(2, waiting=80), 2, 6,
      "queueDepthPerReplica", "rate limit 4 per 60s"),
-    ("prefill queue depth, wide rate", spec("prefill", up=ScalingRules(0, 100, 60)), SETTLED,
-     m(2, waiting=40), 2, 10, "queueDepthPerReplica", None),
+    ("prefill queue depth, wide rate", spec("prefill", up=WIDE), SETTLED,
+     m(2, waiting=80), 2, 11, "queueDepthPerReplica", None),
+    ("queue 1.5x its target is 5% more load: hold", spec("prefill"), SETTLED,
+     m(4, waiting=4 * 6.0), 4, 4, "queueDepthPerReplica", None),
     ("prefill waiting prompt tokens", spec("prefill", waitingPromptTokensPerReplica=1000),
      SETTLED, m(3, waiting=6, tokens=4500), 3, 5, "waitingPromptTokensPerReplica", None),
+    ("short queue votes by implied utilisation", spec("prefill"), SETTLED, m(4, waiting=2.0),
+     4, 3, "queueDepthPerReplica", None),
+    ("token backlog below target has no vote", spec("prefill"), SETTLED,
+     m(4, waiting=16, tokens=100), 4, 4, "queueDepthPerReplica", None),
+    ("decode queue when slots run out", spec(), SETTLED, m(4, kv=0.8, waiting=40), 4, 6,
+     "queueDepthPerReplica", None),
     ("ttft slo breached", spec("both", ttftSeconds=2.0), SETTLED, m(4, ttft=3.0), 4, 6,
      "ttftSeconds", None),
     ("itl slo breached", spec(itlSeconds=0.05), SETTLED, m(2, itl=0.08), 2, 4,
@@ -64,16 +77,16 @@ CASES = [
      "kvCacheUtilization", "minReplicas"),
     ("above maxReplicas comes down even without data", spec(hi=3), SETTLED, None, 5, 3,
      None, "maxReplicas"),
-    ("below minReplicas goes up", spec(lo=2), SETTLED, m(1, kv=0.5, running=192), 1, 2,
+    ("below minReplicas goes up", spec(lo=2), SETTLED, m(1, kv=0.5, running=96), 1, 2,
      "runningRequestsPerReplica", "minReplicas"),
     ("scale-down window holds", spec(), PolicyState(since=0.0, recommendations=((NOW - 100, 4),)),
-     m(4, kv=0.2, running=100), 4, 4, "kvCacheUtilization", "scale-down window 300s"),
+     m(4, kv=0.2, running=100), 4, 4, "runningRequestsPerReplica", "scale-down window 300s"),
     ("scale-down after the window", spec(),
      PolicyState(since=0.0, recommendations=((NOW - 301, 4),)),
-     m(4, kv=0.2, running=100), 4, 3, "kvCacheUtilization", "rate limit 1 per 60s"),
+     m(4, kv=0.1, running=20), 4, 3, "kvCacheUtilization", "rate limit 1 per 60s"),
     ("scale-down window takes the window's highest", spec(down=ScalingRules(300, 10, 60)),
      PolicyState(since=0.0, recommendations=((NOW - 200, 3), (NOW - 100, 2))),
-     m(4, kv=0.1, running=100), 4, 3, "runningRequestsPerReplica", "scale-down window"),
+     m(4, kv=0.1, running=20), 4, 3, "kvCacheUtilization", "scale-down window"),
     ("scale-up window holds", spec(up=ScalingRules(30, 4, 60)),
      PolicyState(since=0.0, recommendations=((NOW - 15, 4),)), m(4, kv=0.95), 4, 4,
      "kvCacheUtilization", "scale-up window 30s"),
@@ -95,7 +108,13 @@ CASES = [
      "missing data (metrics 120s old"),
     ("partial scrape holds low load", spec(), SETTLED, m(2, kv=0.1, running=0), 4, 4,
      "kvCacheUtilization", "missing data (2/4 replicas"),
-    ("partial scrape still scales up", spec(), SETTLED, m(3, kv=1.0, running=900), 4, 5,
+    ("partial scrape still scales up", spec(), SETTLED, m(3, kv=1.0, running=450), 4, 5,
+     "runningRequestsPerReplica", None),
+    ("scale-up waits for the pods it started", spec(),
+     PolicyState(since=0.0, changes=((NOW - 30, 2),)), m(3, kv=1.0, running=900), 6, 6,
+     "runningRequestsPerReplica", "waiting for started pods (3/6 report"),
+    ("pods that never report stop blocking", spec(),
+     PolicyState(since=0.0, changes=((NOW - 130, 2),)), m(3, kv=1.0, running=900), 6, 10,
      "runningRequestsPerReplica", None),
     ("absent signal holds", spec(), SETTLED, m(4, kv=None, running=0), 4, 4,
      "runningRequestsPerReplica", "no value for kvCacheUtilization"),
@@ -111,7 +130,7 @@ CASES = [
 @pytest.mark.parametrize(("case", "pspec", "state", "metrics", "current", "desired", "signal",
                           "held"), CASES, ids=[c[0] for c in CASES])
 def test_decide_table(case, pspec, state, metrics, current, desired, signal, held) -> None:
-    d = decide(pspec, state, metrics, current, NOW)
+    d = decide(pspec, state, [] if metrics is None else [metrics], current, NOW)
     assert d.desired == desired, (case, d)
     assert (d.vote.signal if d.vote else None) == signal, (case, d)
     if held is None:
@@ -121,14 +140,14 @@ def test_decide_table(case, pspec, state, metrics, current, desired, signal, hel
 
 
 def test_scale_from_zero_reason_names_demand() -> None:
-    d = decide(spec(lo=0), SETTLED, m(0, demand=3), 0, NOW)
+    d = decide(spec(lo=0), SETTLED, [m(0, demand=3)], 0, NOW)
     assert d.reason == "router holds 3 requests for a pool with no ready replica"
 
 
 def test_state_keeps_only_the_windows() -> None:
     state = PolicyState(since=0.0, recommendations=tuple((NOW - s, 4) for s in (900, 299, 10)),
                         changes=((NOW - 500, 1), (NOW - 10, 1)))
-    d = decide(spec(), state, m(4, kv=0.8), 4, NOW)
+    d = decide(spec(), state, [m(4, kv=0.8)], 4, NOW)
     assert d.state.recommendations == ((NOW - 299, 4), (NOW - 10, 4), (NOW, 4))
     assert d.state.changes == ((NOW - 10, 1),)
 
@@ -144,7 +163,8 @@ def test_from_api_dict_uses_crd_names_and_role_defaults() -> None:
     dec = from_api(raw, "decode", gpus_per_replica=8)
     assert dict(pre.targets) == {"queueDepthPerReplica": 2.0,
                                  "waitingPromptTokensPerReplica": 16384.0, "ttftSeconds": 1.5}
-    assert dict(dec.targets) == {"kvCacheUtilization": 0.7, "runningRequestsPerReplica": 192.0}
+    assert dict(dec.targets) == {"kvCacheUtilization": 0.7, "runningRequestsPerReplica": 96.0,
+                                 "queueDepthPerReplica": 2.0}
     assert (dec.min_replicas, dec.max_replicas, dec.gpus_per_replica) == (0, 9, 8)
     assert dec.scale_down == ScalingRules(600, 2, 30)
     assert dec.scale_up == ScalingRules(0, 8, 60)
@@ -181,13 +201,13 @@ def test_invariants(metrics, current, lo, span, role, history) -> None:
     """Bounds hold, one step never exceeds the rate limit, and gaps never shrink a pool."""
     pspec = spec(role, lo=lo, hi=lo + max(span, 1), ttftSeconds=2.0)
     state = PolicyState(since=0.0, recommendations=tuple(sorted(history)))
-    d = decide(pspec, state, metrics, current, NOW)
+    d = decide(pspec, state, [] if metrics is None else [metrics], current, NOW)
     in_bounds = lo <= current <= pspec.max_replicas
     if in_bounds:
         assert lo <= d.desired <= pspec.max_replicas
         assert -1 <= d.desired - current <= 4
-    gap = decide(pspec, state, None, current, NOW)
-    partial = decide(pspec, state, replace(metrics, replicas_reporting=max(current - 1, 0)),
+    gap = decide(pspec, state, [], current, NOW)
+    partial = decide(pspec, state, [replace(metrics, replicas_reporting=max(current - 1, 0))],
                      current, NOW)
     if in_bounds:
         assert gap.desired == current
