@@ -68,6 +68,8 @@ def structural(model: type[BaseModel]) -> dict[str, Any]:
 
 def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     node = dict(node)
+    if "default" in node and node["default"] is None:
+        node.pop("default")  # Optional fields: unset, never `default: null` (not nullable)
     if "$ref" in node:
         target = defs[node.pop("$ref").rsplit("/", 1)[-1]]
         merged = {**target, **node}  # siblings of the ref (default, description) win
@@ -76,8 +78,6 @@ def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         return _convert(merged, defs)
     if "anyOf" in node:
         branches = [b for b in node.pop("anyOf") if b.get("type") != "null"]
-        if node.get("default", 0) is None:
-            node.pop("default")
         if len(branches) == 1:
             return _convert({**branches[0], **node}, defs)
         types = {b.get("type") for b in branches}
