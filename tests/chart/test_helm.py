@@ -70,16 +70,15 @@ def test_operator_flags(render: Callable[..., list[dict[str, Any]]], values: Pat
     assert not any(a in args for a in absent), args
 
 
-def test_operator_flags_parse():
-    """Every flag the chart passes is one `kvpilot operator` accepts."""
-    import argparse
+@pytest.mark.parametrize("values", VALUE_SETS, ids=IDS)
+def test_rendered_args_parse_as_kvpilot_operator(render: Callable[..., list[dict[str, Any]]],
+                                                 values: Path | None):
+    """The container args are exactly what `kvpilot operator` accepts."""
+    from kvpilot.cli.main import build_parser
 
-    from kvpilot.operator import cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    parser.parse_args(["--namespace=a", "--liveness=8080", "--engine-image=e", "--router-image=r",
-                       "--drain-timeout=30", "--peering=kv", "--leader-worker-set", "--dev"])
+    args = _args(render(*([values] if values else [])))
+    parsed = build_parser("operator").parse_args(args)
+    assert parsed.command == "operator" and parsed.liveness == 8080
 
 
 @pytest.mark.parametrize(("values_yaml", "message"), [
