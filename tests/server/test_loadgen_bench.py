@@ -1,0 +1,45 @@
+"""`kvpilot bench serve` end to end against a real tiny-llama server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kvpilot.cli.main import main
+from server_harness import MODEL, RunningServer
+
+
+@pytest.mark.parametrize(("dataset", "extra"), [
+    ("random", ["--request-rate", "inf", "--max-concurrency", "4"]),
+    ("shared-prefix", ["--request-rate", "40", "--num-prefixes", "2", "--prefix-len", "20"]),
+])
+def test_bench_serve_reports_every_request(server: RunningServer, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str], dataset: str,
+                                           extra: list[str]) -> None:
+    out = tmp_path / "result.json"
+    code = main(["bench", "serve", "--base-url", server.base_url, "--model", MODEL,
+                 "--dataset", dataset, "--num-prompts", "8", "--random-input-len", "12",
+                 "--random-output-len", "6", "--ignore-eos", "--goodput", "ttft:60000",
+                 "--result-json", str(out), "--seed", "1", *extra])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 8 and result["failed"] == 0
+    assert result["total_output_tokens"] == 8 * 6  # ignore_eos: every request runs to length
+    assert result["total_input_tokens"] >= 8 * 12
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"]
+    assert result["median_itl_ms"] > 0
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_bench_serve_counts_refused_requests_as_failed(server: RunningServer,
+                                                       tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    code = main(["bench", "serve", "--base-url", server.base_url, "--model", "wrong-model",
+                 "--num-prompts", "3", "--random-input-len", "4", "--random-output-len", "2",
+                 "--result-json", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 1
+    assert result["completed"] == 0 and result["failed"] == 3
+    assert any("HTTP 404" in e for e in result["errors"])
