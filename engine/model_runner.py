@@ -70,11 +70,15 @@ class ModelRunner:
         self.block_size = args.block_size
         self.model = load_model(model_config, args.load_format, device)
         self.model.attn_backend = select_attention_backend(args, device)
+        self.decode_graphs = None  # set once the KV cache exists (engine/cuda_graphs.py)
         self.num_blocks = self._num_kv_blocks()
         shape = (2, self.num_blocks, self.block_size, model_config.num_kv_heads,
                  model_config.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=model_config.dtype, device=device)
                           for _ in range(model_config.num_layers)]
+        from kvpilot.engine.cuda_graphs import capture_decode_graphs
+
+        self.decode_graphs = capture_decode_graphs(self)
 
     @property
     def bytes_per_block(self) -> int:
@@ -166,7 +170,10 @@ class ModelRunner:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Gives the hidden states of one flat batch (the method CUDA graphs may wrap)."""
+        """Gives the hidden states of one flat batch (decode steps replay a CUDA graph)."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_replay(meta, kv_caches):
+            return graphs.replay(input_ids, positions, meta)
         return self.model(input_ids, positions, kv_caches, meta)
 
     @torch.inference_mode()
