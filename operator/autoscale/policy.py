@@ -20,7 +20,7 @@ from kvpilot.operator.autoscale.signals import (
     smoothed_values,
     vote,
 )
-from kvpilot.operator.autoscale.spec import PolicySpec
+from kvpilot.operator.autoscale.spec import LATENCY_SIGNALS, PolicySpec
 
 UP, DOWN, HOLD = "up", "down", "hold"
 
@@ -79,7 +79,9 @@ def _missing(metrics: PoolMetrics | None, spec: PolicySpec, current: int,
     if metrics.replicas_reporting < current:
         return f"{metrics.replicas_reporting}/{current} replicas reported metrics"
     values = per_replica_values(metrics)
-    absent = [s for s in spec.targets if values[s] is None]
+    # Latency signals only ever vote up, so an idle pool without latency samples
+    # (no requests, no histogram observations) is not missing anything.
+    absent = [s for s in spec.targets if values[s] is None and s not in LATENCY_SIGNALS]
     if absent:
         return f"no value for {', '.join(absent)}"
     return None
