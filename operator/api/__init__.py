@@ -58,7 +58,10 @@ def _pool_columns() -> list[Column]:
 
 KINDS: list[Kind] = [
     Kind(
-        kind="InferenceModel", plural="inferencemodels", spec=InferenceModelSpec,
+        kind="InferenceModel", plural="inferencemodels",
+        description="A served model: engine settings, topology, accelerator, pools, router, "
+                    "and their status.",
+        spec=InferenceModelSpec,
         status=InferenceModelStatus, short_names=["im"],
         columns=[
             Column("READY", '.status.conditions[?(@.type=="Ready")].status', "string",
@@ -73,8 +76,10 @@ KINDS: list[Kind] = [
         ],
     ),
     Kind(kind="PrefillPool", plural="prefillpools", spec=PrefillPoolSpec, status=PoolStatus,
+         description="Engine replicas that compute prompt KV and hand it to a decode pool.",
          short_names=["pfp"], columns=_pool_columns(), scale=True),
     Kind(kind="DecodePool", plural="decodepools", spec=DecodePoolSpec, status=PoolStatus,
+         description="Engine replicas that decode, or serve whole requests with role both.",
          short_names=["dcp"], columns=_pool_columns(), scale=True),
 ]
 

@@ -51,6 +51,7 @@ class Kind:
 
     kind: str
     plural: str
+    description: str
     spec: type[BaseModel]
     status: type[BaseModel]
     short_names: list[str]
@@ -136,7 +137,7 @@ def crd(kind: Kind, group: str, version: str) -> dict[str, Any]:
         }
     schema = {
         "type": "object",
-        "description": (kind.spec.__doc__ or kind.kind).strip().splitlines()[0],
+        "description": kind.description,
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
