@@ -34,6 +34,10 @@ class BlockStore(Protocol):
         """Gives how many leading hashes this engine's prefix cache already holds."""
         ...
 
+    def owned_blocks(self) -> int:
+        """Gives how many blocks something holds (requests or leases): 0 when idle."""
+        ...
+
     def import_blocks(self, blocks: Sequence[tuple[int, bytes | memoryview]],
                       prefix_hashes: Sequence[int] = ()) -> int:
         """Writes blocks into free slots as cached (keeping `prefix_hashes` cached meanwhile);

@@ -55,6 +55,10 @@ class EngineBlockStore:
             out.append(data.contiguous().view(torch.uint8).numpy().tobytes())
         return out
 
+    def owned_blocks(self) -> int:
+        """Gives how many blocks have a reference (running requests or leases)."""
+        return self.pool.num_blocks - self.pool.num_free_blocks
+
     def num_cached_prefix(self, hashes: Sequence[int]) -> int:
         """Gives how many leading hashes the prefix cache holds."""
         count = 0

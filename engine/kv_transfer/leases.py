@@ -31,6 +31,10 @@ class LeaseTable(Generic[Pinned]):
     def __len__(self) -> int:
         return len(self._leases)
 
+    def num_blocks(self) -> int:
+        """Gives how many blocks the open leases name (a block may count once per lease)."""
+        return sum(len(lease.hashes) for lease in self._leases.values())
+
     def open(self, lease_id: str, hashes: list[int], pinned: Pinned, now: float
              ) -> Lease[Pinned] | None:
         """Records a lease; gives the one it replaces (same id), which the caller unpins."""

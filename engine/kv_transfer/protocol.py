@@ -15,6 +15,8 @@ Conversation (the decode side pulls; see docs/parts/router-disagg.md for why):
     prefill -> decode      : BLOCK x len(WANT), then END {}
     decode -> prefill      : RELEASE {"lease_id"}   (prefill unpins the blocks)
     decode -> router       : DONE {"imported", "skipped"}  or  ERROR {"message"}
+
+and, for operators and tests, STATS {} -> STATS {"leases", "leased_blocks", "owned_blocks"}.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Frame(IntEnum):
     RELEASE = 7
     DONE = 8
     ERROR = 9
+    STATS = 10
 
 
 class ProtocolError(Exception):
@@ -124,6 +127,18 @@ async def request_pull(decode_agent: tuple[str, int], remote: tuple[str, int], l
                                          "lease_id": lease_id, "timeout": timeout}))
         await writer.drain()
         _, message = await asyncio.wait_for(expect(reader, Frame.DONE), timeout)
+        return message
+    finally:
+        writer.close()
+
+
+async def request_stats(agent: tuple[str, int], timeout: float = 5.0) -> dict[str, Any]:
+    """Gives an agent's lease and block counts (STATS)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(*agent), timeout)
+    try:
+        writer.write(encode(Frame.STATS))
+        await writer.drain()
+        _, message = await asyncio.wait_for(expect(reader, Frame.STATS), timeout)
         return message
     finally:
         writer.close()

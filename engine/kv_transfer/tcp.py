@@ -178,10 +178,19 @@ class TcpConnector(KVConnector):
 
     # ---- dispatch ---------------------------------------------------------------------
 
+    def stats(self) -> dict[str, int]:
+        """Gives the open leases, the blocks they pin, and the blocks the engine owns."""
+        with self.store.lock:
+            return {"leases": len(self.leases),
+                    "leased_blocks": self.leases.num_blocks(),
+                    "owned_blocks": self.store.owned_blocks()}
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            frame, message = await expect(reader, Frame.FETCH, Frame.PULL)
-            if frame is Frame.PULL:
+            frame, message = await expect(reader, Frame.FETCH, Frame.PULL, Frame.STATS)
+            if frame is Frame.STATS:
+                writer.write(encode(Frame.STATS, self.stats()))
+            elif frame is Frame.PULL:
                 try:
                     done = await self._serve_pull(message)
                 except ProtocolError as exc:

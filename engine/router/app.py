@@ -43,6 +43,7 @@ class Router:
                            eject_seconds=args.eject_seconds)
         self.hasher = hasher
         self.metrics = RouterMetrics()
+        self.fleet.on_eject = lambda instance: self.metrics.ejections.labels(instance.url).inc()
         self.weights = Weights(args.load_weight, args.kv_usage_weight)
         self.counter = itertools.count()
         timeout = httpx.Timeout(connect=args.connect_timeout, read=args.idle_timeout,
@@ -91,11 +92,11 @@ class Router:
         self.index.insert(chosen.url, hashes)
         return chosen
 
-    def _prefill_result(self, instance: Instance, healthy: bool) -> None:
+    def _prefill_result(self, instance: Instance, healthy: bool, refused: bool = False) -> None:
         if healthy:
             self.fleet.succeeded(instance)
-        elif self.fleet.failed(instance, "prefill failed"):
-            self.metrics.ejections.labels(instance.url).inc()
+        else:
+            self.fleet.failed(instance, "prefill failed", refused)
 
     async def handle(self, path: str, body: dict[str, Any], headers: dict[str, str],
                      pinned: str | None) -> Response:

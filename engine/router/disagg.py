@@ -46,7 +46,7 @@ def disaggregatable(body: dict[str, Any]) -> bool:
 
 async def run_prefill(client: httpx.AsyncClient, pick: Callable[[set[str]], Awaitable[Instance]],
                       path: str, body: dict[str, Any], headers: dict[str, str],
-                      attempts: int, on_result: Callable[[Instance, bool], None],
+                      attempts: int, on_result: Callable[..., None],
                       ) -> tuple[Instance | None, str | None]:
     """Gives (prefill instance, lease id); the id is None when no prefill succeeded."""
     tried: set[str] = set()
@@ -61,7 +61,7 @@ async def run_prefill(client: httpx.AsyncClient, pick: Callable[[set[str]], Awai
             response = await client.post(instance.url + path, json=request, headers=headers)
         except (httpx.HTTPError, OSError) as exc:
             log.info("prefill on %s failed: %r", instance.url, exc)
-            on_result(instance, False)
+            on_result(instance, False, isinstance(exc, httpx.ConnectError))
             continue
         if response.status_code in RETRY_STATUSES:
             on_result(instance, response.status_code == 429)  # busy is not broken

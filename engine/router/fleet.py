@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -57,6 +58,7 @@ class Fleet:
         self.eject_after, self.eject_seconds = eject_after, eject_seconds
         self.instances: dict[str, Instance] = {}
         self.changed = asyncio.Event()  # set whenever instances appear or come back
+        self.on_eject: Callable[[Instance], None] = lambda instance: None
 
     def update(self, pairs: list[tuple[str, str]]) -> None:
         """Adds new instances and drops (and forgets the cache of) vanished ones."""
@@ -83,11 +85,16 @@ class Fleet:
     def succeeded(self, instance: Instance) -> None:
         instance.health.record_success()
 
-    def failed(self, instance: Instance, reason: str) -> bool:
-        """Counts a failure of `instance`; gives True when it got ejected."""
-        ejected = instance.health.record_failure(time.monotonic(), self.eject_after,
+    def failed(self, instance: Instance, reason: str, refused: bool = False) -> bool:
+        """Counts a failure of `instance`; gives True when it got ejected.
+
+        A refused connection ejects at once: nothing listens there any more.
+        """
+        ejected = instance.health.record_failure(time.monotonic(),
+                                                 1 if refused else self.eject_after,
                                                  self.eject_seconds)
         if ejected:
+            self.on_eject(instance)
             log.warning("ejecting %s for %.0fs after %d failures (last: %s)", instance.url,
                         instance.health.ejected_until - time.monotonic(),
                         self.eject_after, reason)
@@ -111,7 +118,7 @@ class Fleet:
             # Only failures while in rotation count: an ejected instance keeps its backoff,
             # and one that never answered yet is still starting.
             if was_available and instance.ready:
-                self.failed(instance, f"/metrics: {exc!r}")
+                self.failed(instance, f"/metrics: {exc!r}", isinstance(exc, httpx.ConnectError))
             return
         if not instance.ready:
             instance.ready = True

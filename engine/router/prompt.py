@@ -61,6 +61,7 @@ class PromptHasher:
         assert tok is not None
         if "messages" in body:
             text = tok.apply_chat_template(body["messages"], add_generation_prompt=True)
-            return list(tok.encode(text))
+            # The template writes any BOS itself (the engine server encodes it the same way).
+            return list(tok.encode(text, add_special_tokens=False))
         prompt = prompt_text(body)
         return prompt if isinstance(prompt, list) else list(tok.encode(prompt))

@@ -66,14 +66,14 @@ class Forwarder:
         instance.in_flight += 1
         self.metrics.in_flight.labels(instance.url).set(instance.in_flight)
 
-    def _end(self, instance: Instance, outcome: str) -> None:
+    def _end(self, instance: Instance, outcome: str, refused: bool = False) -> None:
         instance.in_flight -= 1
         self.metrics.in_flight.labels(instance.url).set(instance.in_flight)
         self.metrics.requests.labels(instance.url, outcome).inc()
         if outcome == "ok":
             self.fleet.succeeded(instance)
-        elif outcome == "error" and self.fleet.failed(instance, "request failed"):
-            self.metrics.ejections.labels(instance.url).inc()
+        elif outcome == "error":
+            self.fleet.failed(instance, "request failed", refused)
 
     async def _try(self, instance: Instance, path: str, body: dict[str, Any],
                    headers: dict[str, str]) -> Attempt | Response:
@@ -119,7 +119,8 @@ class Forwarder:
                                                 self.request_timeout)
             except (httpx.HTTPError, RetryableStatus, TimeoutError, OSError) as exc:
                 busy = isinstance(exc, RetryableStatus) and exc.status == 429
-                self._end(instance, "busy" if busy else "error")
+                self._end(instance, "busy" if busy else "error",
+                          refused=isinstance(exc, httpx.ConnectError))
                 last_error = f"{instance.url}: {exc!r}"
                 log.info("attempt %d on %s failed: %r", attempt_no + 1, instance.url, exc)
                 if attempt_no < self.max_retries:

@@ -36,6 +36,9 @@ class FakeStore:
     def pinned(self) -> int:
         return sum(self.pins.values())
 
+    def owned_blocks(self) -> int:
+        return len(self.pins)
+
     def pin(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
         hashes = []
         for h in hash_prompt_blocks(list(token_ids), BLOCK_SIZE):

@@ -9,7 +9,12 @@ import time
 import pytest
 from disagg_fake_store import FakeStore, block_data
 from kvpilot.engine.kv_transfer import protocol, tcp
-from kvpilot.engine.kv_transfer.protocol import Frame, ProtocolError, request_pull
+from kvpilot.engine.kv_transfer.protocol import (
+    Frame,
+    ProtocolError,
+    request_pull,
+    request_stats,
+)
 from kvpilot.engine.kv_transfer.tcp import TcpConnector
 
 PROMPT = list(range(1, 42))  # 10 full blocks of 4 tokens, one partial
@@ -73,10 +78,14 @@ async def test_unpulled_lease_expires_and_unpins(agents):
     with store.lock:
         prefill.offer("cmpl-1", PROMPT)
     assert store.pinned == 10
+    assert await request_stats(addr(prefill)) == {"leases": 1, "leased_blocks": 10,
+                                                  "owned_blocks": 10}
     deadline = time.monotonic() + 3
     while store.pinned and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert store.pinned == 0 and len(prefill.leases) == 0
+    assert await request_stats(addr(prefill)) == {"leases": 0, "leased_blocks": 0,
+                                                  "owned_blocks": 0}
 
 
 async def test_decode_vanishing_mid_transfer_leaves_the_lease_to_expire(agents):

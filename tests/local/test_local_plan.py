@@ -1,0 +1,71 @@
+"""`kvpilot up`'s plan: the operator's rendered pods as local processes, table-tested."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from pathlib import Path
+
+import pytest
+import yaml
+from kvpilot.operator.local.plan import _set_flag, plan_local
+
+TINY = yaml.safe_load((Path(__file__).parents[2] / "examples" / "tiny-cpu.yaml").read_text())
+
+
+def manifest(**spec_changes) -> dict:
+    out = copy.deepcopy(TINY)
+    out["spec"].update(spec_changes)
+    return out
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+@pytest.mark.parametrize(("changes", "roles", "instances"), [
+    ({}, ["both"], "both=http://127.0.0.1:9000"),
+    ({"decode": {"replicas": 3}}, ["both"] * 3,
+     "both=http://127.0.0.1:9000,both=http://127.0.0.1:9001,both=http://127.0.0.1:9002"),
+    ({"servingMode": "disaggregated", "prefill": {"replicas": 1}, "decode": {"replicas": 2}},
+     ["prefill", "decode", "decode"],
+     "prefill=http://127.0.0.1:9000,decode=http://127.0.0.1:9001,decode=http://127.0.0.1:9002"),
+])
+def test_plan_table(changes, roles, instances):
+    ports = itertools.count(9000)
+    engines, router = plan_local(manifest(**changes), lambda: next(ports), 8080)
+    assert [e.role for e in engines] == roles
+    for engine in engines:
+        # the pod's own command line, only host and port rewritten
+        assert engine.argv[3:5] == ["serve", "--model"]
+        assert (flag(engine.argv, "--host"), flag(engine.argv, "--port")) == (
+            "127.0.0.1", str(engine.port))
+        assert flag(engine.argv, "--role") == (None if engine.role == "both" else engine.role)
+        assert flag(engine.argv, "--kv-cache-memory") == "64MiB"
+        assert engine.env["POD_IP"] == "127.0.0.1"
+    assert router.argv[3] == "route"
+    assert flag(router.argv, "--instances") == instances
+    assert flag(router.argv, "--discovery") == "static"
+    assert flag(router.argv, "--selector") is None
+    assert flag(router.argv, "--tokenizer") == "tiny-llama"
+    assert (flag(router.argv, "--host"), flag(router.argv, "--port")) == ("127.0.0.1", "8080")
+
+
+@pytest.mark.parametrize(("bad", "error"), [
+    ({"kind": "DecodePool"}, "kind='DecodePool' is not supported"),
+    ({"spec": {**TINY["spec"], "router": {"replicas": 0}}}, "spec.router.replicas=0"),
+    ({"spec": {**TINY["spec"], "servingMode": "sideways"}}, "servingMode"),
+])
+def test_plan_errors_name_the_field(bad, error):
+    with pytest.raises(ValueError, match=error):
+        plan_local({**TINY, **bad}, lambda: 9000, 8080)
+
+
+@pytest.mark.parametrize(("args", "flag_name", "value", "expected"), [
+    (["a", "--port", "1", "b"], "--port", "2", ["a", "b", "--port", "2"]),
+    (["--port=1", "b"], "--port", "2", ["b", "--port", "2"]),
+    (["a", "--selector", "x"], "--selector", None, ["a"]),
+    (["a"], "--host", "h", ["a", "--host", "h"]),
+])
+def test_set_flag(args, flag_name, value, expected):
+    assert _set_flag(args, flag_name, value) == expected
