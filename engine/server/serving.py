@@ -164,6 +164,8 @@ def sse(payload: BaseModel | dict[str, Any] | str) -> str:
 def sse_error(exc: BaseException) -> str:
     """Gives the SSE event that tells a streaming client its request failed."""
     status = exc.status if isinstance(exc, OpenAIError) else 500
+    if isinstance(exc, EngineDeadError):
+        status = 503
     info = ErrorInfo(message=str(exc), type=ERROR_TYPES.get(status, "server_error"),
                      param=getattr(exc, "param", None), code=status)
     return sse(ErrorResponse(error=info))
