@@ -64,8 +64,11 @@ class Tokenizer:
             raise ValueError(
                 "this model has no chat_template in tokenizer_config.json: use the completions "
                 "API with a plain prompt, or add a chat_template to tokenizer_config.json")
-        context = {"messages": messages, "add_generation_prompt": add_generation_prompt,
-                   "bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **extra}
+        # HF hands every named special token of tokenizer_config.json to the template.
+        specials = {key: _token_text(value) or "" for key, value in self.config.items()
+                    if key.endswith("_token") and isinstance(value, str | dict)}
+        context = {**specials, "messages": messages,
+                   "add_generation_prompt": add_generation_prompt, **extra}
         return _compile(self.chat_template).render(**context)
 
     def _id(self, token: str | None) -> int | None:

@@ -48,15 +48,17 @@ def resolve_load_format(config: ModelConfig, load_format: str) -> str:
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Fills every weight with N(0, 0.02) from a seeded CPU generator (same on any device);
-    norm weights get ones, as in a freshly initialised HF model."""
-    generator = torch.Generator().manual_seed(seed)
+    """Fills every weight with N(0, 0.02) from a generator seeded with `seed` on the weights'
+    device (in place, so even a large model needs no extra copy); norm weights get ones,
+    as in a freshly initialised HF model."""
+    generator = None
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
             continue
-        values = torch.randn(param.shape, generator=generator) * DUMMY_STD
-        param.data.copy_(values.to(param.dtype))
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        param.data.normal_(0.0, DUMMY_STD, generator=generator)
 
 
 def load_safetensors(model: nn.Module, path: Path) -> None:

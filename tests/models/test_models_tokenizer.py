@@ -123,3 +123,30 @@ def test_missing_chat_template_is_a_clear_error(tmp_path):
 def test_missing_tokenizer_json_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"has no tokenizer\.json"):
         load_tokenizer(tmp_path)
+
+
+# A Llama-3-style template: bos_token, loop variables, tojson, a system-message default.
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are helpful.<|im_end|>' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim }}"
+    "{% if m.get('meta') %}{{ m['meta'] | tojson }}{% endif %}"
+    "{% if not loop.last %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("messages", [
+    *CHATS,
+    [{"role": "user", "content": "  spaced  ", "meta": {"k": "ü", "n": [1, 2]}}],
+])
+def test_custom_template_with_special_tokens_matches_hf(tmp_path, messages):
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = LLAMA3_STYLE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert load_tokenizer(tmp_path).apply_chat_template(messages) == expected
