@@ -100,7 +100,8 @@ class InferenceModelSpec(ApiModel):
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
     """Router in front of the pools."""
     gpu_budget: int | None = Field(default=None, ge=1)
-    """Most GPUs one replica of any pool may use."""
+    """Most GPUs all pools of this model hold together; the autoscaler shares it between
+    pools, and one replica of every pool must fit in it."""
     overrides: Overrides = Field(default_factory=Overrides, json_schema_extra={"default": {}})
     """Pod settings applied to every pool."""
 
