@@ -54,6 +54,8 @@ RULES: tuple[Rule, ...] = (
          "held so the operator may grant them to the router (RBAC escalation check)"),
     Rule("policy", "poddisruptionbudgets", _verbs(APPLY, PRUNE), "one per pool"),
     Rule("", "events", ("create",), "decision events (kopf.info / kopf.warn)"),
+    Rule("", "pods", ("list", "patch"),
+         "the autoscaler scrapes ready pool pods and sets pod-deletion-cost before scale-down"),
     Rule("apiextensions.k8s.io", "customresourcedefinitions", WATCH,
          "kopf discovers the served resources"),
     Rule("", "namespaces", WATCH, "kopf follows namespaces when watching patterns"),

@@ -14,6 +14,7 @@ HANDLER_MODULES = [
     "kvpilot.operator.handlers.inference_model",
     "kvpilot.operator.handlers.pools",
     "kvpilot.operator.handlers.rollup",
+    "kvpilot.operator.autoscale.handler",
 ]
 
 
