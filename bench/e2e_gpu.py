@@ -60,6 +60,21 @@ def model_dir(root: Path, name: str, config: dict) -> Path:
     return path
 
 
+def fast_dummy_weights() -> None:
+    """Makes the loader draw dummy weights on the GPU: the CPU generator it uses by default
+    (same values on any device) takes minutes for 8B parameters; the values do not matter."""
+    from kvpilot.engine.models import loader
+
+    def init_on_device(model: torch.nn.Module, seed: int) -> None:
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.data.fill_(1.0)
+            else:
+                param.data.normal_(0.0, loader.DUMMY_STD)
+
+    loader.init_dummy_weights = init_on_device
+
+
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
     """Gives device-to-device copy bandwidth in GB/s (bytes read plus written)."""
     src = torch.randn(num_bytes // 2, dtype=torch.bfloat16, device=DEVICE)
@@ -222,6 +237,8 @@ def main() -> None:
               "torch": torch.__version__, "copy_gbps": copy_bandwidth()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    fast_dummy_weights()
+    torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "c"):
             prompts, out_lens = recipe(args.requests)
