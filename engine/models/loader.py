@@ -33,18 +33,20 @@ def load_model(config: ModelConfig, load_format: str, device: torch.device | str
 
 
 def resolve_load_format(config: ModelConfig, load_format: str) -> str:
-    """Gives `safetensors` or `dummy`: auto means safetensors when the model dir has them."""
-    has_files = bool(config.model_path) and any(Path(config.model_path).glob("*.safetensors"))
-    if load_format == "dummy" or (load_format == "auto" and not has_files):
+    """Gives `safetensors` or `dummy`: auto means dummy for a built-in config and
+    safetensors for a model dir (which must then have them)."""
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(
+            f"load_format={load_format!r} is invalid: choose auto, safetensors or dummy")
+    if load_format == "dummy" or (load_format == "auto" and config.model_path is None):
         return "dummy"
-    if load_format in ("auto", "safetensors"):
-        if not has_files:
-            raise ValueError(
-                f"load_format={load_format!r} but model={config.model_path or config.name!r} "
-                "has no *.safetensors files: point --model at a directory with them, or pass "
-                "--load-format dummy")
-        return "safetensors"
-    raise ValueError(f"load_format={load_format!r} is invalid: choose auto, safetensors or dummy")
+    if config.model_path is None or not any(Path(config.model_path).glob("*.safetensors")):
+        # A dir holding only pytorch_model.bin lands here too: pickle files are not loaded.
+        raise ValueError(
+            f"load_format={load_format!r} but model={config.model_path or config.name!r} "
+            "has no *.safetensors files: point --model at a directory with them, or pass "
+            "--load-format dummy")
+    return "safetensors"
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:

@@ -54,23 +54,38 @@ def test_dummy_weights_follow_the_seed():
     assert torch.equal(a.model.norm.weight, torch.ones_like(a.model.norm.weight))
 
 
-@pytest.mark.parametrize(("has_files", "flag", "expected"), [
-    (False, "auto", "dummy"),
-    (True, "auto", "safetensors"),
-    (True, "dummy", "dummy"),
-    (True, "safetensors", "safetensors"),
-    (False, "dummy", "dummy"),
+@pytest.mark.parametrize(("model", "flag", "expected"), [
+    ("tiny-llama", "auto", "dummy"),
+    ("tiny-llama", "dummy", "dummy"),
+    ("checkpoint", "auto", "safetensors"),
+    ("checkpoint", "safetensors", "safetensors"),
+    ("checkpoint", "dummy", "dummy"),
+    ("empty dir", "dummy", "dummy"),
 ])
-def test_resolve_load_format(tmp_path, tiny_checkpoints, has_files, flag, expected):
-    path = tiny_checkpoints("llama") if has_files else None
-    config = config_of(str(path)) if has_files else config_of("tiny-llama")
-    assert resolve_load_format(config, flag) == expected
+def test_resolve_load_format(tmp_path, tiny_checkpoints, model, flag, expected):
+    assert resolve_load_format(model_config(model, tmp_path, tiny_checkpoints), flag) == expected
 
 
-def test_safetensors_without_files_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"load_format='safetensors' but model='tiny-llama' "
-                                         r"has no \*\.safetensors files"):
-        load_model(config_of("tiny-llama"), "safetensors", "cpu")
+@pytest.mark.parametrize(("model", "flag", "message"), [
+    ("tiny-llama", "safetensors", r"load_format='safetensors' but model='tiny-llama' has no "
+                                  r"\*\.safetensors files: .* or pass --load-format dummy"),
+    ("empty dir", "auto", r"load_format='auto' but model='.*' has no \*\.safetensors files"),
+    ("checkpoint", "pt", r"load_format='pt' is invalid: choose auto, safetensors or dummy"),
+])
+def test_unloadable_formats_are_clear_errors(tmp_path, tiny_checkpoints, model, flag, message):
+    with pytest.raises(ValueError, match=message):
+        load_model(model_config(model, tmp_path, tiny_checkpoints), flag, "cpu")
+
+
+def model_config(model: str, tmp_path, tiny_checkpoints) -> ModelConfig:
+    """Gives the config of a built-in name, the llama checkpoint, or a dir with only a
+    config.json (as a pytorch_model.bin-only checkpoint looks to the loader)."""
+    if model == "checkpoint":
+        return config_of(str(tiny_checkpoints("llama")))
+    if model == "empty dir":
+        shutil.copy(tiny_checkpoints("llama") / "config.json", tmp_path / "config.json")
+        return config_of(str(tmp_path))
+    return config_of(model)
 
 
 def test_tied_model_shares_embedding_and_head():
