@@ -113,3 +113,19 @@ def test_router_import_leaves_torch_out():
     code = ("import sys; import kvpilot.engine.router.app, kvpilot.engine.router.cli; "
             "assert 'torch' not in sys.modules, 'router imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(("refused", "failures_to_eject"), [(False, 3), (True, 1)])
+async def test_refused_connection_ejects_at_once(refused, failures_to_eject):
+    from kvpilot.engine.router.discovery import StaticDiscovery
+    from kvpilot.engine.router.fleet import Fleet
+    from kvpilot.engine.router.prefix_index import PrefixIndex
+
+    fleet = Fleet(StaticDiscovery("http://a:1"), PrefixIndex(10), eject_after=3,
+                  eject_seconds=10)
+    fleet.update([("both", "http://a:1")])
+    instance = fleet.instances["http://a:1"]
+    instance.ready = True
+    ejected_at = next(n for n in range(1, 5) if fleet.failed(instance, "x", refused))
+    assert ejected_at == failures_to_eject
+    assert fleet.available(("both",)) == []
