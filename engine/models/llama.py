@@ -14,11 +14,13 @@ from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.layers import MergedLinear, RMSNorm, silu_and_mul
-from kvpilot.engine.models.rope import RotaryEmbedding
+from kvpilot.engine.models.rope import RotaryEmbedding, apply_rotary
 from torch import nn
 
 # checkpoint tensor name -> (parameter name, index into that parameter)
 WeightLayout: TypeAlias = dict[str, tuple[str, tuple]]
+# (cos, sin) of this step's positions, each [T, 1, head_dim // 2]
+Rope: TypeAlias = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -34,11 +36,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_model_len, config.rope_theta,
-                                      config.rope_scaling)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Gives the attention output [T, hidden] for hidden states `x` [T, hidden]."""
         tokens = x.shape[0]
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -75,9 +75,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, backend)
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -90,13 +90,17 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, make_mlp(config)) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # One table for all layers: it is max_model_len x head_dim floats.
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta,
+                                      config.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta, backend)
+            x = layer(rope, x, kv_cache, meta, backend)
         return self.norm(x)
 
 

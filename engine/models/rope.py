@@ -41,7 +41,7 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by their token positions, using a cos/sin table built once."""
+    """Holds the cos/sin table of every position up to `max_positions` (one per model)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None) -> None:
@@ -52,14 +52,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().to(torch.float32), persistent=False)
         self.register_buffer("sin", freqs.sin().to(torch.float32), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gives q [T, heads, d] and k [T, kv_heads, d] rotated by `positions` [T]."""
-        cos = self.cos[positions].float().unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].float().unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gives (cos, sin), each [T, 1, head_dim // 2] in `dtype`, for `positions` [T];
+        computed once per step and shared by every layer."""
+        cos = self.cos[positions].float().unsqueeze(1).to(dtype)
+        sin = self.sin[positions].float().unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Gives x [T, heads, d] rotated neox style: halves (x1, x2) -> (x1 cos - x2 sin,
+    x2 cos + x1 sin), the same arithmetic as HF's rotate_half."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
