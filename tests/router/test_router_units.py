@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 import pytest
+from fastapi import FastAPI, Request
 from kvpilot.engine.router.args import RouterArgs, parse_instances
-from kvpilot.engine.router.discovery import endpoints_from_slices
+from kvpilot.engine.router.discovery import EndpointSliceDiscovery, endpoints_from_slices
 from kvpilot.engine.router.fleet import parse_load
 from kvpilot.engine.router.health import Health
+from router_fake_engine import serving
 
 
 @pytest.mark.parametrize(("events", "eject_after", "ejected_at", "available_at_end"), [
@@ -129,3 +131,22 @@ async def test_refused_connection_ejects_at_once(refused, failures_to_eject):
     ejected_at = next(n for n in range(1, 5) if fleet.failed(instance, "x", refused))
     assert ejected_at == failures_to_eject
     assert fleet.available(("both",)) == []
+
+
+async def test_endpoint_slice_discovery_queries_the_api_server():
+
+    seen: list[tuple[str, str | None, str | None]] = []
+    api = FastAPI()
+
+    @api.get("/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices")
+    async def slices(namespace: str, request: Request) -> dict:
+        seen.append((namespace, request.query_params.get("labelSelector"),
+                     request.headers.get("authorization")))
+        return {"items": [slice_("decode", "http", 8000, [{"addresses": ["10.1.0.7"]}])]}
+
+    async with serving(api) as url:
+        discovery = EndpointSliceDiscovery("serving", "kvpilot.dev/model=m,kvpilot.dev/role",
+                                           "http", api_server=url, token="sa-token")
+        assert await discovery.list() == [("decode", "http://10.1.0.7:8000")]
+        await discovery.aclose()
+    assert seen == [("serving", "kvpilot.dev/model=m,kvpilot.dev/role", "Bearer sa-token")]
