@@ -19,6 +19,7 @@ class LLM:
 
         self.engine_args = EngineArgs(model=model, **engine_arg_overrides)
         self.engine = LLMEngine.from_engine_args(self.engine_args)
+        self.engine.stream_outputs = False  # only final outputs are read here
         self._ids = itertools.count()
 
     @property

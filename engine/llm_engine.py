@@ -48,6 +48,9 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # aborted / rejected, returned by the next step
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        # False: step() returns finished requests only and text is decoded once at the end
+        # (the offline LLM); the server keeps True to stream
+        self.stream_outputs = True
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -157,7 +160,7 @@ class LLMEngine:
             if request.finished:
                 request.metrics.finished_time = finished_time
                 self.requests.pop(request.request_id, None)
-            if request.finished or not request.is_beam_search:
+            if request.finished or (self.stream_outputs and not request.is_beam_search):
                 results.append(self.outputs.build(request))
         return results
 
@@ -196,8 +199,8 @@ class LLMEngine:
             if seq.num_output_tokens < params.min_tokens:
                 banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos))
             num_lp = 2 * params.beam_width if params.beam_width > 1 else (params.logprobs or 0)
-            rows.append(SamplingRow(params, seq.request.prompt_token_ids, seq.output_token_ids,
-                                    seq.generator, banned, num_lp))
+            rows.append(SamplingRow(params, seq.token_ids, seq.num_prompt_tokens, seq.generator,
+                                    banned, num_lp))
         index = torch.tensor([r for _, r in to_sample], device=logits.device)
         out = self.sampler(logits.index_select(0, index), rows)
         now = time.monotonic()
@@ -228,7 +231,7 @@ class LLMEngine:
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
         self.generation_tokens += 1
-        self.outputs.append_token(seq, token, lp_map, lp)
+        self.outputs.append_token(seq, token, lp_map, lp, decode=self.stream_outputs)
         if seq.finish_reason is not None:
             self.scheduler.remove(seq)
 

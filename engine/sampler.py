@@ -21,8 +21,8 @@ class SamplingRow:
     """What the sampler needs to know about one sequence of the batch."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]  # prompt then output; sliced only when penalties need it
+    num_prompt_tokens: int
     generator: torch.Generator | None = None
     banned_token_ids: list[int] | None = None  # eos/stop ids while below min_tokens
     num_logprobs: int = 0  # top alternatives to return (beam search asks for beam_width)
@@ -55,11 +55,11 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)
     repetition = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)
     # one spare column absorbs the padding index
-    out_ids = _padded([r.output_token_ids for r in rows], vocab, dev)
+    out_ids = _padded([r.token_ids[r.num_prompt_tokens:] for r in rows], vocab, dev)
     counts = torch.zeros(n, vocab + 1, device=dev).scatter_add_(
         1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))[:, :vocab]
     if bool((repetition != 1.0).any()):
-        prompt_ids = _padded([r.prompt_token_ids for r in rows], vocab, dev)
+        prompt_ids = _padded([r.token_ids[:r.num_prompt_tokens] for r in rows], vocab, dev)
         seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=dev)
         seen.scatter_(1, prompt_ids, True)
         seen = seen[:, :vocab] | (counts > 0)

@@ -28,8 +28,12 @@ class OutputProcessor:
         return out
 
     def append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None,
-                     logprob: float | None = None) -> None:
-        """Adds one sampled token to `seq`, decodes its text and applies the stop conditions."""
+                     logprob: float | None = None, decode: bool = True) -> None:
+        """Adds one sampled token to `seq`, decodes its text and applies the stop conditions.
+
+        With `decode` False and no stop strings, text is decoded once when the
+        sequence finishes instead of token by token (offline use).
+        """
         params = seq.request.params
         seq.token_ids.append(token)
         if logprob is not None:
@@ -39,12 +43,22 @@ class OutputProcessor:
         check_stop_token(seq, params, self.eos_token_ids, self.max_model_len)
         if seq.finish_reason == "stop":
             # an eos or stop token's own text is never part of the output (as in vLLM)
+            if not decode and not params.stop:
+                seq.output_text = self._decode(seq, seq.token_ids[seq.num_prompt_tokens:-1])
+            return
+        if not decode and not params.stop:
+            if seq.finish_reason is not None:
+                seq.output_text = self._decode(seq, seq.output_token_ids)
             return
         new_text = decode_new_text(self.tokenizer, seq, params.skip_special_tokens)
         reason = seq.finish_reason
         seq.finish_reason = None
         append_text(seq, new_text, params)
         seq.finish_reason = seq.finish_reason or reason
+
+    def _decode(self, seq: Sequence, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids,
+                                     skip_special_tokens=seq.request.params.skip_special_tokens)
 
     def build(self, request: Request) -> RequestOutput:
         """Gives the request's cumulative output now."""

@@ -16,8 +16,8 @@ LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0]])
 
 def row(prompt=(), output=(), seed=None, banned=None, num_logprobs=0, **params) -> SamplingRow:
     generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), generator, banned,
-                       num_logprobs)
+    return SamplingRow(SamplingParams(**params), [*prompt, *output], len(prompt), generator,
+                       banned, num_logprobs)
 
 
 @pytest.mark.parametrize(("kwargs", "expected"), [
