@@ -51,6 +51,16 @@ def _budget_rule(path: str) -> str:
             f"{path}.tensorParallel * {path}.pipelineParallel <= self.gpuBudget")
 
 
+def _pool_floor_gpus(pool: str) -> str:
+    """Gives CEL for the GPUs a pool holds at its floor (minReplicas, else replicas)."""
+    floor = (f"(has(self.{pool}.autoscaling) ? self.{pool}.autoscaling.minReplicas "
+             f": self.{pool}.replicas)")
+    gpus = (f"(has(self.{pool}.topology) ? self.{pool}.topology.tensorParallel * "
+            f"self.{pool}.topology.pipelineParallel : "
+            "self.topology.tensorParallel * self.topology.pipelineParallel)")
+    return f"{floor} * {gpus}"
+
+
 INFERENCE_MODEL_RULES = [
     cel("self.servingMode == 'aggregated' || has(self.prefill)",
         "servingMode disaggregated needs spec.prefill: add a prefill pool template",
@@ -71,6 +81,10 @@ INFERENCE_MODEL_RULES = [
     cel("!has(self.prefill) || " + _budget_rule("self.prefill.topology"),
         "prefill.topology needs more GPUs per replica than gpuBudget: raise gpuBudget or shrink it",
         ".gpuBudget"),
+    cel(f"!has(self.gpuBudget) || {_pool_floor_gpus('decode')} + (has(self.prefill) ? "
+        f"{_pool_floor_gpus('prefill')} : 0) <= self.gpuBudget",
+        "the pools at their floor (autoscaling.minReplicas, else replicas) need more GPUs than "
+        "gpuBudget: raise gpuBudget or lower the replicas", ".gpuBudget"),
 ]
 
 
@@ -125,6 +139,14 @@ class InferenceModelSpec(ApiModel):
             if gpus > self.gpu_budget:
                 raise ValueError(f"{topo.tensor_parallel}*{topo.pipeline_parallel}={gpus} GPUs > "
                                  f"gpuBudget={self.gpu_budget}: {message}")
+        if self.gpu_budget is not None:
+            terms = [(t.autoscaling.min_replicas if t.autoscaling else t.replicas,
+                      self.pool_topology(role)) for role, t in
+                     (("decode", self.decode), ("prefill", self.prefill)) if t is not None]
+            need = sum(n * topo.tensor_parallel * topo.pipeline_parallel for n, topo in terms)
+            if need > self.gpu_budget:
+                raise ValueError(f"{need} GPUs at the pools' floor > gpuBudget={self.gpu_budget}: "
+                                 f"{rules[6]}")
         return self
 
     def pool_topology(self, role: Literal["prefill", "decode"]) -> TopologySpec:
