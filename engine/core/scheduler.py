@@ -115,7 +115,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.num_pending_tokens == 0:
                 continue  # preempted above, or a beam waiting for its siblings
             num_new = seq.num_pending_tokens
-            if not cfg.enable_chunked_prefill and num_new > budget:
+            if self._must_wait_whole(num_new, budget):
                 continue
             num_new = min(num_new, budget)
             copies = self.kv.allocate_slots(seq, num_new)
@@ -145,7 +145,7 @@ class Scheduler:
             seq = self.waiting[0]
             hits = self.kv.get_computed_blocks(seq)
             num_new = seq.num_tokens - len(hits) * self.kv.block_size
-            if not cfg.enable_chunked_prefill and num_new > budget:
+            if self._must_wait_whole(num_new, budget):
                 break
             num_new = min(num_new, budget)
             copies = self.kv.allocate_slots(seq, num_new, hits)
@@ -159,6 +159,16 @@ class Scheduler:
             self.running.append(seq)
             planned[seq.seq_id] = (seq, num_new, copies)
             budget -= num_new
+
+    def _must_wait_whole(self, num_new: int, budget: int) -> bool:
+        """Gives whether an unchunked prefill must wait for a step with room for all of it.
+
+        A recompute after preemption (prompt plus output) may exceed the whole
+        budget; it is chunked anyway, or it would never run.
+        """
+        cfg = self.config
+        return (not cfg.enable_chunked_prefill and num_new > budget
+                and num_new <= cfg.max_num_batched_tokens)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -11,24 +11,23 @@ def _admit(scheduler, *requests):
         scheduler.add(seq_of(request))
 
 
-@pytest.mark.parametrize(("budget", "chunked", "expected"), [
-    # two decodes take 1 token each; the new 20-token prompt gets what is left
-    (10, True, [("a", 1), ("b", 1), ("c", 8)]),
-    (100, True, [("a", 1), ("b", 1), ("c", 20)]),
-    # without chunking the prompt waits until its whole length fits the budget
-    (10, False, [("a", 1), ("b", 1)]),
-    (22, False, [("a", 1), ("b", 1), ("c", 20)]),
+@pytest.mark.parametrize(("budget", "chunked", "prompt", "expected"), [
+    # two decodes take 1 token each; the new prompt gets what is left
+    (10, True, 20, [("a", 1), ("b", 1), ("c", 8)]),
+    (100, True, 20, [("a", 1), ("b", 1), ("c", 20)]),
+    # without chunking a prompt waits for a step with room for all of it
+    (10, False, 9, [("a", 1), ("b", 1)]),
+    (22, False, 20, [("a", 1), ("b", 1), ("c", 20)]),
     # a budget of one still serves a decode first
-    (1, True, [("a", 1)]),
+    (1, True, 20, [("a", 1)]),
 ])
-def test_budget_split(budget, chunked, expected):
-    s = make_scheduler(max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+def test_budget_split(budget, chunked, prompt, expected):
+    s = make_scheduler(max_num_batched_tokens=100, enable_chunked_prefill=chunked)
     a, b = make_request("a", 3), make_request("b", 5)
     _admit(s, a, b)
-    s.config.max_num_batched_tokens = 100
     run_step(s)  # both prefills done: a and b are now decodes
     s.config.max_num_batched_tokens = budget
-    _admit(s, make_request("c", list(range(200, 220))))
+    _admit(s, make_request("c", list(range(200, 200 + prompt))))
     assert scheduled_ids(s.schedule()) == expected
 
 
@@ -42,6 +41,17 @@ def test_decodes_come_before_a_continuing_prefill():
     assert scheduled_ids(run_step(s)) == [("short", 1), ("long", 5)]
     assert scheduled_ids(run_step(s)) == [("short", 1), ("long", 5)]
     assert scheduled_ids(run_step(s)) == [("short", 1), ("long", 5)]
+
+
+def test_unchunked_recompute_longer_than_the_budget_still_runs():
+    s = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    request = make_request("r", 6, max_tokens=8)
+    _admit(s, request)
+    run_step(s)
+    run_step(s)
+    run_step(s)  # 9 tokens now: more than the whole budget
+    s._preempt(seq_of(request), type("Out", (), {"preempted": []})())
+    assert scheduled_ids(s.schedule()) == [("r", 8)]
 
 
 def test_max_num_seqs_caps_admission():
