@@ -44,7 +44,7 @@ def test_decodes_come_before_a_continuing_prefill():
 
 
 def test_unchunked_recompute_longer_than_the_budget_still_runs():
-    s = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    s = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False, caching=False)
     request = make_request("r", 6, max_tokens=8)
     _admit(s, request)
     run_step(s)
