@@ -87,6 +87,10 @@ def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
                 f"tokenizer={str(path)!r} has no tokenizer.json: point --tokenizer (or --model) "
                 "at an HF model directory that has one")
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    template_file = config_file.parent / "chat_template.jinja"
+    if template_file.is_file():
+        # Newer checkpoints keep the template in its own file, which wins, as in HF.
+        config["chat_template"] = template_file.read_text(encoding="utf-8")
     return Tokenizer(HFTokenizer.from_file(str(tok_file)), config)
 
 

@@ -92,12 +92,14 @@ def load_safetensors(model: nn.Module, path: Path) -> None:
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    """Gives the safetensors files of a model dir: the index's shards, or every file."""
+    """Gives the safetensors files of a model dir: the index's shards, else model*.safetensors,
+    else every *.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [path / shard for shard in shards]
-    files = sorted(path.glob("*.safetensors"))
+    # Mistral's repos also carry consolidated.safetensors in another naming scheme.
+    files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model dir {path} has no *.safetensors files")
     return files

@@ -155,3 +155,12 @@ def test_extra_rotary_and_tied_head_tensors_are_ignored(tmp_path, tiny_checkpoin
     path = copy_checkpoint(tiny_checkpoints("llama-tied"), tmp_path / "ckpt", edit)
     model = load_model(config_of(str(path)), "auto", "cpu")
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_consolidated_file_beside_model_file_is_not_read(tmp_path, tiny_checkpoints):
+    """Mistral repos ship consolidated.safetensors (other tensor names) next to the HF files."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoints("mistral"), path)
+    save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, path / "consolidated.safetensors")
+    model = load_model(config_of(str(path)), "auto", "cpu")
+    assert model.config.architecture == "MistralForCausalLM"

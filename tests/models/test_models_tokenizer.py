@@ -150,3 +150,16 @@ def test_custom_template_with_special_tokens_matches_hf(tmp_path, messages):
     hf = AutoTokenizer.from_pretrained(tmp_path)
     expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert load_tokenizer(tmp_path).apply_chat_template(messages) == expected
+
+
+def test_chat_template_file_wins_over_config(tmp_path):
+    """transformers 5 saves the template as chat_template.jinja; HF prefers that file."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(LLAMA3_STYLE)
+    messages = CHATS[1]
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert expected.startswith("<|bos|>")  # LLAMA3_STYLE, not the config's ChatML
+    assert load_tokenizer(tmp_path).apply_chat_template(messages) == expected
