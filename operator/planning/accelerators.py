@@ -7,8 +7,10 @@ Pure data and arithmetic; no Kubernetes calls. Sources:
   CPX; no AMD page we found pairs it with QPX, so SPX, DPX and QPX run with NPS1.
 - AMD GPU operator / device plugin: `resource_naming_strategy` single exposes
   `amd.com/gpu`; mixed exposes one resource per partition profile such as
-  `amd.com/cpx_nps4`. The node labeller writes the active profile to
-  `amd.com/compute-memory-partition` (older labellers: `amd.com/gpu.compute-memory-partition`).
+  `amd.com/cpx_nps4`; GPUs that cannot partition (MI210, MI250X) stay `amd.com/gpu`. The
+  node labeller's `compute-memory-partition` flag writes the active profile to
+  `amd.com/compute-memory-partition` (e.g. cpx_nps4); the `amd.com/gpu.`-prefixed variant
+  of that key is accepted as well.
 - NVIDIA GPU operator: `nvidia.com/gpu` resource, GPU feature discovery's
   `nvidia.com/gpu.product` label (e.g. NVIDIA-H100-80GB-HBM3).
 """
@@ -35,6 +37,8 @@ PHYSICAL_GPUS_PER_NODE = 8
 
 # HBM per physical GPU in GB (vendor-rated, decimal).
 AMD_MEMORY_GB = {"MI300X": 192, "MI325X": 256, "MI250X": 128, "MI210": 64}
+# Models with compute/memory partitioning (CDNA 3).
+AMD_PARTITIONABLE = ("MI300X", "MI325X")
 # NVIDIA model -> (memory GB, GPU feature discovery product label values).
 NVIDIA_MODELS: dict[str, tuple[int, tuple[str, ...]]] = {
     "H100-80GB": (80, ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe")),
@@ -97,9 +101,10 @@ def amd_mode(model: str, compute: str, memory: str) -> AmdMode:
         raise AcceleratorError(
             f"accelerator.computePartition={compute} with memoryPartition={memory} is not a "
             f"valid AMD mode: choose one of {valid}")
-    if model not in AMD_MEMORY_GB:
-        raise AcceleratorError(f"accelerator.model={model!r} has no partition table: use one of "
-                               f"{', '.join(AMD_MEMORY_GB)}")
+    if model not in AMD_PARTITIONABLE:
+        raise AcceleratorError(f"accelerator.model={model!r} cannot be partitioned: remove "
+                               f"computePartition/memoryPartition or use one of "
+                               f"{', '.join(AMD_PARTITIONABLE)}")
     logical = LOGICAL_PER_GPU[compute]
     return AmdMode(compute, memory, PHYSICAL_GPUS_PER_NODE * logical,
                    AMD_MEMORY_GB[model] / logical)

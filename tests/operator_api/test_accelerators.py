@@ -39,6 +39,13 @@ def test_invalid_mi300x_modes(mode: tuple[str, str]):
         amd_mode("MI300X", *mode)
 
 
+@pytest.mark.parametrize("model", ["MI210", "MI250X", "MI999"])
+def test_only_cdna3_models_partition(model: str):
+    with pytest.raises(AcceleratorError, match=f"accelerator.model='{model}' cannot be "
+                                               "partitioned: remove computePartition"):
+        amd_mode(model, "CPX", "NPS1")
+
+
 def test_mi325x_scales_memory():
     assert amd_mode("MI325X", "CPX", "NPS1").memory_gb_per_gpu == 32
 
