@@ -49,6 +49,13 @@ def test_default_install_objects(render: Callable[..., list[dict[str, Any]]]):
                      "ServiceAccount"]
 
 
+def test_standbys_get_peering_and_a_disruption_budget(render: Callable[..., list[dict[str, Any]]]):
+    kinds = sorted(o["kind"] for o in render(sets=("replicaCount=2",)))
+    assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "ConfigMap",
+                     "CustomResourceDefinition", "CustomResourceDefinition", "Deployment",
+                     "PodDisruptionBudget", "ServiceAccount"]
+
+
 def _args(objects: list[dict[str, Any]]) -> list[str]:
     deployment = next(o for o in objects if o["kind"] == "Deployment")
     return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
