@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.operator.api.autoscaling import AutoscalingSpec, AutoscalingTargets, ScalingRules
 from kvpilot.operator.api.common import (
     AcceleratorSpec,
-    AutoscalingSpec,
-    AutoscalingTargets,
     CommunicationSpec,
     Condition,
     EngineSpec,
@@ -15,7 +14,6 @@ from kvpilot.operator.api.common import (
     Overrides,
     ResourceExtras,
     ScaleDecision,
-    ScalingRules,
     SecretRef,
     TopologySpec,
 )

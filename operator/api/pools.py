@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from kvpilot.operator.api.autoscaling import AutoscalingSpec
 from kvpilot.operator.api.common import (
     CONDITIONS_LIST,
     AcceleratorSpec,
     ApiModel,
-    AutoscalingSpec,
     CommunicationSpec,
     Condition,
     EngineSpec,
