@@ -173,17 +173,22 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     hold = decision_reason(d, budget)
     # A hold is reported once per cause, not on every tick its numbers move.
     hold_key = f"{d.recommendation}|{'|'.join(d.held_by)}|{budget is not None}"
-    if desired == current and (d.recommendation == current or hold_key == runtime.last_hold):
+    frozen = any(h.startswith("missing data") for h in d.held_by)
+    if desired == current and ((d.recommendation == current and not frozen)
+                               or hold_key == runtime.last_hold):
         return
     runtime.last_hold = hold_key
     stamp = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     patch.status["lastScaleDecision"] = {"time": stamp, "pool": name, "fromReplicas": current,
                                          "toReplicas": desired, "reason": hold[:1000]}
     if desired == current:
-        kopf.info(body, reason="ScaleHeld", message=f"{current} replicas: {hold}"[:1000])
+        kopf.event(body, type="Normal", reason="ScaleHeld",
+                   message=f"{current} replicas: {hold}"[:1000])
         return
     if desired < current:
         await _mark_for_removal(kube, namespace, samples, pods)
     patch.spec["replicas"] = desired
-    kopf.info(body, reason="ScaledUp" if desired > current else "ScaledDown",
-              message=f"{current} -> {desired} replicas: {hold}"[:1000])
+    # kopf.event, not kopf.info: the operator posts only warnings of its own log
+    # lines (settings.posting.level), but scale decisions must reach `kubectl describe`.
+    kopf.event(body, type="Normal", reason="ScaledUp" if desired > current else "ScaledDown",
+               message=f"{current} -> {desired} replicas: {hold}"[:1000])

@@ -1,0 +1,153 @@
+"""The operator against the kmock emulator, with real engine processes behind a pool's pods.
+
+The emulator runs no controllers, so the test plays the ReplicaSet: it keeps one
+Ready pod (IP 127.0.0.1, port = an engine's) per `spec.replicas` and, on a
+scale-down, deletes the pod with the lowest pod-deletion-cost as Kubernetes would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import httpx
+from kvpilot.operator.autoscale.pods import DELETION_COST
+from kvpilot.operator.render.meta import POOL_LABEL
+from operator_harness import NAMESPACE, eventually
+
+POOLS = f"/apis/kvpilot.dev/v1alpha1/namespaces/{NAMESPACE}/decodepools"
+PODS = f"/api/v1/namespaces/{NAMESPACE}/pods"
+MERGE = {"Content-Type": "application/merge-patch+json"}
+POOL = "chat-decode"
+
+
+def decode_pool() -> dict[str, Any]:
+    """Gives an aggregated pool that scales on one waiting request per replica, fast windows."""
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1", "kind": "DecodePool",
+        "metadata": {"name": POOL, "namespace": NAMESPACE},
+        "spec": {
+            "model": {"name": "tiny-llama", "source": "dummy:tiny-llama"},
+            "accelerator": {"vendor": "cpu"}, "replicas": 1, "role": "both",
+            "autoscaling": {
+                "minReplicas": 1, "maxReplicas": 2, "intervalSeconds": 1,
+                "targets": {"queueDepthPerReplica": 1.0, "kvCacheUtilization": 0.95},
+                "scaleUp": {"stabilizationWindowSeconds": 0, "maxReplicasPerPeriod": 1,
+                            "periodSeconds": 1},
+                "scaleDown": {"stabilizationWindowSeconds": 4, "maxReplicasPerPeriod": 1,
+                              "periodSeconds": 1},
+            },
+        },
+    }
+
+
+def pod(index: int, port: int) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{POOL}-{index}", "namespace": NAMESPACE,
+                         "labels": {POOL_LABEL: POOL}},
+            "spec": {"containers": [{"name": "engine", "ports": [
+                {"name": "http", "containerPort": port}]}]}}
+
+
+READY = {"status": {"podIP": "127.0.0.1", "phase": "Running",
+                    "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+async def play_replicaset(client: httpx.AsyncClient, ports: list[int]) -> None:
+    """Keeps the pool's pods in line with its spec.replicas, forever (cancel to stop)."""
+    while True:
+        replicas = (await client.get(f"{POOLS}/{POOL}")).json()["spec"]["replicas"]
+        pods = (await client.get(PODS)).json()["items"]
+        names = {p["metadata"]["name"] for p in pods}
+        for i in range(replicas):
+            if f"{POOL}-{i}" not in names:
+                await client.post(PODS, json=pod(i, ports[i]))
+                await client.patch(f"{PODS}/{POOL}-{i}/status", json=READY, headers=MERGE)
+        if len(pods) > replicas:
+            def cost(p: dict[str, Any]) -> tuple[int, str]:
+                annotations = p["metadata"].get("annotations") or {}
+                return int(annotations.get(DELETION_COST, 0)), p["metadata"]["name"]
+            for victim in sorted(pods, key=cost)[: len(pods) - replicas]:
+                await client.delete(f"{PODS}/{victim['metadata']['name']}")
+        await asyncio.sleep(0.2)
+
+
+async def spec_replicas(client: httpx.AsyncClient) -> int:
+    return (await client.get(f"{POOLS}/{POOL}")).json()["spec"]["replicas"]
+
+
+async def load(port: int, n: int) -> list[asyncio.Task[Any]]:
+    """Starts n long completions on one engine; gives the tasks (cancel them to stop)."""
+    http = httpx.AsyncClient(timeout=120)
+
+    async def one() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await http.post(f"http://127.0.0.1:{port}/v1/completions", json={
+                "model": "tiny-llama", "prompt": "hello " * 20, "max_tokens": 1500,
+                "ignore_eos": True})
+
+    return [asyncio.create_task(one()) for _ in range(n)]
+
+
+async def test_load_scales_up_idleness_scales_down_dead_metrics_freeze(
+        api, operator, client: httpx.AsyncClient, engines) -> None:
+    ports = [port for port, _ in engines]
+    assert (await client.post(POOLS, json=decode_pool())).status_code == 200
+    replicaset = asyncio.create_task(play_replicaset(client, ports))
+    try:
+        # Load: 8 requests on an engine that runs 2 at a time leaves 6 waiting.
+        tasks = await load(ports[0], 8)
+        await eventually(lambda: _replicas_at_least(client, 2), timeout=30,
+                         what="scale-up to 2")
+        pool = (await client.get(f"{POOLS}/{POOL}")).json()
+        decision = pool["status"]["lastScaleDecision"]
+        assert (decision["fromReplicas"], decision["toReplicas"]) == (1, 2)
+        assert decision["reason"].startswith("queueDepthPerReplica")
+        assert pool["status"]["queueDepth"] >= 1
+        assert "kvCachePercent" in pool["status"]
+        for t in tasks:
+            t.cancel()
+
+        # Idle: back to 1 once the 4 s window has passed; the idle pod was marked first.
+        start = time.monotonic()
+        await eventually(lambda: _replicas_at_most(client, 1), timeout=40,
+                         what="scale-down to 1")
+        assert time.monotonic() - start >= 3.5
+        decision = (await client.get(f"{POOLS}/{POOL}")).json()["status"]["lastScaleDecision"]
+        assert (decision["fromReplicas"], decision["toReplicas"]) == (2, 1)
+        await eventually(lambda: _event_reasons(client, {"ScaledUp", "ScaledDown"}),
+                         timeout=10, what="ScaledUp and ScaledDown events")
+
+        # A dead metrics endpoint: two replicas, one engine killed, idle load.
+        engines[1][1].kill()
+        engines[1][1].wait(10)
+        await client.patch(f"{POOLS}/{POOL}", json={"spec": {"replicas": 2}}, headers=MERGE)
+        await eventually(lambda: _pods(client, 2), timeout=10, what="two pods")
+        await asyncio.sleep(9)  # more than twice the scale-down window
+        assert await spec_replicas(client) == 2
+        status = (await client.get(f"{POOLS}/{POOL}")).json()["status"]
+        assert "missing data (1/2 replicas reported metrics)" in \
+            status["lastScaleDecision"]["reason"]
+    finally:
+        replicaset.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await replicaset
+
+
+async def _replicas_at_least(client: httpx.AsyncClient, n: int) -> bool:
+    return await spec_replicas(client) >= n
+
+
+async def _replicas_at_most(client: httpx.AsyncClient, n: int) -> bool:
+    return await spec_replicas(client) <= n
+
+
+async def _pods(client: httpx.AsyncClient, n: int) -> bool:
+    return len((await client.get(PODS)).json()["items"]) == n
+
+
+async def _event_reasons(client: httpx.AsyncClient, wanted: set[str]) -> bool:
+    events = (await client.get(f"/api/v1/namespaces/{NAMESPACE}/events")).json()["items"]
+    return wanted <= {e.get("reason") for e in events}
