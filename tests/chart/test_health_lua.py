@@ -12,10 +12,14 @@ SCRIPTS = {"InferenceModel": "inferencemodel.lua", "PrefillPool": "pool.lua",
 
 
 def health(kind: str, obj: dict[str, Any]) -> tuple[str, str]:
-    """Gives (status, message) of Argo CD's health script for `obj`."""
-    from lupa import LuaRuntime
+    """Gives (status, message) of Argo CD's health script for `obj`.
+
+    Lua 5.1, the language of gopher-lua, which Argo CD embeds.
+    """
+    from lupa.lua51 import LuaRuntime
 
     lua = LuaRuntime(unpack_returned_tuples=True)
+    assert lua.lua_version == (5, 1)
 
     def to_lua(value: Any) -> Any:
         if isinstance(value, dict):
