@@ -68,11 +68,14 @@ class Router:
         gauge.inc()
         try:
             while True:
-                candidates = [i for i in self.fleet.available(roles) if i.url not in exclude]
+                ready = self.fleet.available(roles)
                 if pinned:
-                    candidates = [i for i in candidates if i.url == pinned.rstrip("/")]
+                    ready = [i for i in ready if i.url == pinned.rstrip("/")]
+                candidates = [i for i in ready if i.url not in exclude]
                 if candidates:
                     break
+                if ready:  # only instances this request already failed on: no use waiting
+                    raise NoInstance(f"every ready {'/'.join(roles)} instance was tried")
                 if time.monotonic() >= deadline:
                     raise NoInstance(f"no ready {'/'.join(roles)} instance within "
                                      f"hold_timeout={self.args.hold_timeout}s")

@@ -106,11 +106,13 @@ class Forwarder:
         """Gives the client's response, trying up to 1 + max_retries instances picked by `pick`."""
         arrival = time.monotonic()
         tried: set[str] = set()
-        last_error = "no instance tried"
+        last_error, all_busy = "no instance tried", True
         for attempt_no in range(self.max_retries + 1):
             try:
                 instance = await pick(tried)
             except NoInstance as exc:
+                if tried:  # every ready instance failed already
+                    break
                 return JSONResponse(error_body(str(exc), 503, "no_instance"), 503)
             tried.add(instance.url)
             self._begin(instance)
@@ -119,6 +121,7 @@ class Forwarder:
                                                 self.request_timeout)
             except (httpx.HTTPError, RetryableStatus, TimeoutError, OSError) as exc:
                 busy = isinstance(exc, RetryableStatus) and exc.status == 429
+                all_busy = all_busy and busy
                 self._end(instance, "busy" if busy else "error",
                           refused=isinstance(exc, httpx.ConnectError))
                 last_error = f"{instance.url}: {exc!r}"
@@ -133,6 +136,9 @@ class Forwarder:
                 return result
             self.metrics.ttfb.observe(time.monotonic() - arrival)
             return self._respond(result, arrival, served)
+        if all_busy:  # overloaded, not broken: the client should back off and retry
+            return JSONResponse(error_body(f"every instance is busy; last: {last_error}", 429,
+                                           "rate_limit_exceeded"), 429)
         return JSONResponse(error_body(f"all attempts failed; last: {last_error}", 502), 502)
 
     def _respond(self, attempt: Attempt, arrival: float, served: str) -> Response:

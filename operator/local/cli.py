@@ -62,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         for process in [*engines, router]:
             supervisor.start(process)
-        supervisor.wait_ready(args.timeout, {"router": "/ready", "both": "/health",
-                                             "prefill": "/health", "decode": "/health"})
+        supervisor.wait_ready(args.timeout, {"router": "/ready"}, stop.is_set)
         endpoint = f"{router.url}/v1"
         if args.once:
             print(_once(router.url, model), flush=True)
@@ -76,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
                       file=sys.stderr)
                 return 1
         return 0
+    except InterruptedError:
+        return 130
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"kvpilot up: {exc}", file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -57,7 +58,8 @@ class Supervisor:
         text = path.read_text(errors="replace") if path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def wait_ready(self, timeout: float, path_for: dict[str, str]) -> None:
+    def wait_ready(self, timeout: float, path_for: dict[str, str],
+                   interrupted: Callable[[], bool] = lambda: False) -> None:
         """Waits until every process answers its readiness path; raises naming the laggard."""
         deadline = time.monotonic() + timeout
         pending = list(self.running)
@@ -74,6 +76,8 @@ class Supervisor:
                         continue
                 except httpx.HTTPError:
                     pass
+                if interrupted():
+                    raise InterruptedError("interrupted while waiting for the fleet")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{process.name} not ready after {timeout:.0f}s "
                                        f"(--timeout):\n{self.log_tail(process)}")

@@ -138,3 +138,24 @@ def test_kvpilot_up_once_answers_and_leaves_nothing_running(tmp_path):
     assert result.stdout.strip()
     for log in tmp_path.glob("*.log"):  # every process shut down through its drain path
         assert "Finished server process" in log.read_text(), log.name
+
+
+def test_kvpilot_up_stops_everything_on_sigterm(tmp_path):
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvpilot.cli.main", "up", "--port", str(port),
+         "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = up.stdout.readline()  # printed once the fleet is ready
+        assert f"http://127.0.0.1:{port}/v1" in line, line
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "model": "tiny-llama", "prompt": "hello", "max_tokens": 2})
+        assert response.status_code == 200
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(30) == 0
+    finally:
+        up.kill()
+    logs = list(tmp_path.glob("*.log"))
+    assert len(logs) == 2
+    for log in logs:
+        assert "Finished server process" in log.read_text(), log.name

@@ -77,13 +77,21 @@ async def test_repeated_failures_eject_the_instance(fleet):
     assert f'kvpilot_router_ejections_total{{instance="{urls["bad"]}"}} 1.0' in metrics
 
 
-async def test_all_instances_failing_gives_502(fleet):
-    router, _ = await fleet([FakeEngine("a", mode="fail500"), FakeEngine("b", mode="fail500")],
-                            max_retries=1)
+@pytest.mark.parametrize(("modes", "status", "message"), [
+    (("fail500", "fail500"), 502, "all attempts failed"),
+    (("busy429", "busy429"), 429, "every instance is busy"),
+    (("busy429", "fail500"), 502, "all attempts failed"),
+])
+async def test_all_instances_failing(fleet, modes, status, message):
+    # max_retries exceeds the instance count: the router stops once each was tried, at once
+    router, _ = await fleet([FakeEngine(f"e{i}", mode=m) for i, m in enumerate(modes)],
+                            max_retries=5, eject_after_failures=10)
     async with httpx.AsyncClient(base_url=router) as client:
+        start = asyncio.get_running_loop().time()
         response = await client.post("/v1/completions", json=COMPLETION)
-    assert response.status_code == 502
-    assert "all attempts failed" in response.json()["error"]["message"]
+        assert asyncio.get_running_loop().time() - start < 5
+    assert response.status_code == status
+    assert message in response.json()["error"]["message"]
 
 
 async def test_stream_cut_after_first_byte_ends_with_an_error_event(fleet):
