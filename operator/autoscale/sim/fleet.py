@@ -84,6 +84,8 @@ class SimTrace:
     events: list[tuple[float, int, int, int, int, str]] = field(default_factory=list)
     """(time, model, pool, from, to, signal) of every replica change."""
     gpus_per_replica: int = 1
+    peak_per_model: np.ndarray | None = None
+    """(2, M) most spec replicas each pool held: the static baseline's sizes."""
 
 
 def initial_replicas(rate: np.ndarray, cfg: SimConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -118,6 +120,7 @@ class _Run:
         else:
             start = initial_replicas(self.rate[0], cfg)
         self.spec_r = np.stack(start).astype(np.int64)          # (2, M)
+        self.peak = self.spec_r.copy()
         self.ready = self.spec_r.astype(np.float64).copy()
         self.backlog = np.zeros(m)                               # prompt tokens
         self.rho = self.rate[0] * cfg.workload.prompt_tokens / (
@@ -176,7 +179,7 @@ class _Run:
             replicas[i] = self.spec_r.sum(axis=1)
             ready[i] = self.ready.sum(axis=1)
         return SimTrace(cfg.tick_s, self.arrivals, admitted_cum, sojourn_rec, itl_rec, replicas,
-                        ready, self.events, cfg.cost.gpus_per_replica)
+                        ready, self.events, cfg.cost.gpus_per_replica, self.peak)
 
     def _step(self, arrivals: np.ndarray) -> np.ndarray:
         """Advances every model one tick; gives the requests admitted to decode."""
@@ -283,3 +286,4 @@ class _Run:
                 else:
                     self.ready[pool, model] -= 1
         self.spec_r[pool, model] = desired
+        self.peak[pool, model] = max(self.peak[pool, model], desired)
