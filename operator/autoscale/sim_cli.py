@@ -38,7 +38,11 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.operator.autoscale.sim.fleet import SimConfig, simulate
     from kvpilot.operator.autoscale.sim.report import first_scale_up_after, summarize
 
-    cost = load(args.calibration or DEFAULT_PATH)
+    try:
+        cost = load(args.calibration or DEFAULT_PATH)
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"kvpilot sim: error: --calibration: {exc}", file=sys.stderr)
+        return 2
     base = {"trace": args.trace, "duration_s": args.duration, "tick_s": args.tick,
             "models": args.models, "peak_rps": args.peak_rps, "seed": args.seed,
             "step_at_s": args.step_at, "cost": cost, "gpu_budget": args.gpu_budget}
