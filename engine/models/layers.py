@@ -1,6 +1,13 @@
-"""Small building blocks shared by the model files: the seams where fused kernels plug in."""
+"""Small building blocks shared by the model files: the seams where fused kernels plug in.
+
+Each seam holds its implementation in an attribute (`RMSNorm.kernel`, `MLP.act`,
+`RotaryEmbedding.kernel`) that `fused.use_fused_kernels` swaps for a Triton kernel
+on CUDA; the torch code here is what runs everywhere else.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -8,19 +15,26 @@ from torch.nn import functional as F
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as HF does, then scaled by `weight`."""
+    """Root-mean-square norm computed in float32, as HF does, then scaled by `weight`;
+    optionally adds the residual stream first (pre-norm transformer)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # a fused kernel with the signature of kvpilot.kernels.rmsnorm.rms_norm, or None
+        self.kernel: Callable | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Gives `x` normalised over its last dim, in `x`'s dtype."""
-        dtype = x.dtype
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Gives norm(x); with `residual`, gives (norm(x + residual), x + residual)."""
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        out = self.weight * x32.to(x.dtype)
+        return out if residual is None else (out, x)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -14,13 +14,11 @@ from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.layers import MergedLinear, RMSNorm, silu_and_mul
-from kvpilot.engine.models.rope import RotaryEmbedding, apply_rotary
+from kvpilot.engine.models.rope import RotaryEmbedding, StepRope
 from torch import nn
 
 # checkpoint tensor name -> (parameter name, index into that parameter)
 WeightLayout: TypeAlias = dict[str, tuple[str, tuple]]
-# (cos, sin) of this step's positions, each [T, 1, head_dim // 2]
-Rope: TypeAlias = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -38,7 +36,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, rope: StepRope, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Gives the attention output [T, hidden] for hidden states `x` [T, hidden]."""
         tokens = x.shape[0]
@@ -48,7 +46,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = rope.apply(q, k)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -60,13 +58,18 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = silu_and_mul  # the fused-kernel seam
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); `mlp` may be an MoE block."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); `mlp` may be an MoE block.
+
+    The residual stream travels beside the hidden states (as in vLLM), so each
+    residual add happens inside the next norm, where a fused kernel can do both.
+    """
 
     def __init__(self, config: ModelConfig, mlp: nn.Module) -> None:
         super().__init__()
@@ -75,10 +78,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: StepRope, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gives (this layer's output, the residual stream it has not added in yet)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -99,9 +109,10 @@ class DecoderModel(nn.Module):
                 backend: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, kv_cache, meta, backend)
+        return self.norm(x, residual)[0]
 
 
 def dense_mlp(config: ModelConfig) -> MLP:

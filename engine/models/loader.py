@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from kvpilot.engine.models.config import ModelConfig
+from kvpilot.engine.models.fused import use_fused_kernels
 from kvpilot.engine.models.registry import model_class
 from safetensors import safe_open
 from torch import nn
@@ -19,16 +20,21 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(config: ModelConfig, load_format: str, device: torch.device | str,
-               seed: int = 0) -> nn.Module:
+               seed: int = 0, fused_kernels: bool | None = None) -> nn.Module:
     """Gives the model for `config` on `device`, in eval mode, weights loaded per
-    `load_format` (auto, safetensors or dummy)."""
+    `load_format` (auto, safetensors or dummy), with the Triton kernels of
+    `kvpilot.kernels` in its norm/activation/rotary seams when `fused_kernels`
+    (default: on CUDA)."""
     fmt = resolve_load_format(config, load_format)
-    with _default_dtype(config.dtype), torch.device(device):
+    device = torch.device(device)
+    with _default_dtype(config.dtype), device:
         model = model_class(config.architecture)(config)
     if fmt == "dummy":
         init_dummy_weights(model, seed)
     else:
         load_safetensors(model, Path(config.model_path))
+    if fused_kernels if fused_kernels is not None else device.type == "cuda":
+        use_fused_kernels(model)
     return model.eval().requires_grad_(False)
 
 

@@ -24,6 +24,7 @@ class SparseMoE(nn.Module):
         # kernel can take them as they are.
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.act = silu_and_mul  # the fused-kernel seam
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Gives the mixture's output [T, hidden] for `x` [T, hidden]."""
@@ -32,7 +33,7 @@ class SparseMoE(nn.Module):
         # Loop over the experts that got tokens, not over tokens.
         for expert in experts.unique().tolist():
             rows, slot = torch.where(experts == expert)
-            y = F.linear(silu_and_mul(F.linear(x[rows], self.w13[expert])), self.w2[expert])
+            y = F.linear(self.act(F.linear(x[rows], self.w13[expert])), self.w2[expert])
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return out
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,24 +43,53 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the cos/sin table of every position up to `max_positions` (one per model)."""
+    """Holds the cos|sin table of every position up to `max_positions` (one per model)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        # float32 on purpose: the table stays exact whatever dtype the model runs in.
-        self.register_buffer("cos", freqs.cos().to(torch.float32), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(torch.float32), persistent=False)
+        # float32 on purpose (model.to(dtype) would round it: keep buffers out of .to):
+        # the table stays exact whatever dtype the model runs in.
+        table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.float32)
+        self.register_buffer("cos_sin", table, persistent=False)
+        # a fused in-place kernel with kvpilot.kernels.rotary.rotary_embedding's signature
+        self.kernel: Callable | None = None
 
-    def forward(self, positions: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gives (cos, sin), each [T, 1, head_dim // 2] in `dtype`, for `positions` [T];
-        computed once per step and shared by every layer."""
-        cos = self.cos[positions].float().unsqueeze(1).to(dtype)
-        sin = self.sin[positions].float().unsqueeze(1).to(dtype)
-        return cos, sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
+        """Gives the rotation of this step's `positions` [T], shared by every layer."""
+        if self.kernel is not None:
+            return KernelRope(self.kernel, positions, self.cos_sin)
+        cos, sin = self.cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)
+        return TorchRope(cos.to(dtype), sin.to(dtype))
+
+
+@dataclass
+class TorchRope:
+    """Rotates with cos/sin rows [T, 1, head_dim // 2] gathered once per step."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gives q [T, heads, d] and k [T, kv_heads, d] rotated."""
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+
+
+@dataclass
+class KernelRope:
+    """Rotates q and k in place with a fused kernel that reads the table itself."""
+
+    kernel: Callable
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernel(self.positions, q, k, self.cos_sin)
+
+
+StepRope = TorchRope | KernelRope
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

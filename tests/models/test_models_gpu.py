@@ -8,6 +8,7 @@ from helpers.checkpoints import load_hf_model
 from helpers.paged import BlockAllocation, flat_positions
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.models.config import ModelConfig
+from kvpilot.engine.models.fused import use_fused_kernels
 from kvpilot.engine.models.loader import load_model
 
 pytestmark = pytest.mark.gpu
@@ -43,12 +44,14 @@ def paged_logits(model, prompts: list[torch.Tensor], device: str) -> list[torch.
     return [torch.cat(p) for p in pieces]
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral"])
-def test_cuda_fp32_matches_hf(tiny_checkpoints, family):
+def test_cuda_fp32_matches_hf(tiny_checkpoints, family, fused):
     path = tiny_checkpoints(family)
     config = ModelConfig.from_engine_args(EngineArgs(model=str(path), dtype="float32"),
                                           torch.device("cuda"))
-    model = load_model(config, "auto", "cuda")
+    model = load_model(config, "auto", "cuda", fused_kernels=fused)
+    assert (model.model.norm.kernel is not None) == fused
     hf = load_hf_model(path)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in SEQ_LENS]
@@ -73,4 +76,19 @@ def test_triton_backend_drops_in_for_bf16(tiny_checkpoints, family):
     reference = paged_logits(model, prompts, "cuda")
     model.attn_backend = TritonAttentionBackend()
     for got, want in zip(paged_logits(model, prompts, "cuda"), reference, strict=True):
+        assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral"])
+def test_fused_kernels_track_torch_ops_in_bf16(tiny_checkpoints, family):
+    path = tiny_checkpoints(family)
+    config = ModelConfig.from_engine_args(EngineArgs(model=str(path)), torch.device("cuda"))
+    plain = load_model(config, "auto", "cuda", fused_kernels=False)
+    fused = load_model(config, "auto", "cuda")  # default on CUDA
+    assert use_fused_kernels(load_model(config, "auto", "cuda", fused_kernels=False)) == [
+        "rms_norm", "rotary", "silu_and_mul"]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in SEQ_LENS]
+    for got, want in zip(paged_logits(fused, prompts, "cuda"), paged_logits(plain, prompts, "cuda"),
+                         strict=True):
         assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2

@@ -164,3 +164,38 @@ def test_consolidated_file_beside_model_file_is_not_read(tmp_path, tiny_checkpoi
     save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, path / "consolidated.safetensors")
     model = load_model(config_of(str(path)), "auto", "cpu")
     assert model.config.architecture == "MistralForCausalLM"
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-mixtral"])
+def test_kernel_seams_take_the_kernels_signatures(name):
+    """The seams call kvpilot.kernels' ops by their signatures; their torch references
+    stand in for the Triton kernels here, so the output must not change."""
+    from kvpilot.engine.models.layers import RMSNorm
+    from kvpilot.engine.models.rope import RotaryEmbedding
+    from kvpilot.kernels.activation import silu_and_mul_ref
+    from kvpilot.kernels.rmsnorm import rms_norm_ref
+    from kvpilot.kernels.rotary import rotary_embedding_ref
+
+    model = load_model(config_of(name), "dummy", "cpu")
+    prompts = [[1, 5, 9, 200, 7], [1, 77, 3]]
+    before = last_logits(model, prompts)
+    calls = {"norm": 0, "rotary": 0, "act": 0}
+
+    def counted(key, op):
+        def run(*args):
+            calls[key] += 1
+            return op(*args)
+        return run
+
+    seams = {RMSNorm: ("kernel", counted("norm", rms_norm_ref)),
+             RotaryEmbedding: ("kernel", counted("rotary", rotary_embedding_ref))}
+    for module in model.modules():
+        attr, op = seams.get(type(module), ("act", counted("act", silu_and_mul_ref)))
+        if hasattr(module, attr):
+            setattr(module, attr, op)
+    torch.testing.assert_close(last_logits(model, prompts), before, rtol=1e-5, atol=1e-5)
+    layers = model.config.num_layers
+    norms_per_layer = 4 if model.config.qk_norm else 2
+    assert (calls["norm"], calls["rotary"]) == (layers * norms_per_layer + 1, layers)
+    # dense: one activation per layer; MoE: one per expert that got tokens
+    assert calls["act"] == layers if model.config.num_experts == 0 else calls["act"] > layers

@@ -1,0 +1,34 @@
+"""Plugs the Triton kernels of `kvpilot.kernels` into a model's seams (CUDA only)."""
+
+from __future__ import annotations
+
+from kvpilot.engine.models.layers import RMSNorm
+from kvpilot.engine.models.rope import RotaryEmbedding
+from torch import nn
+
+
+def use_fused_kernels(model: nn.Module) -> list[str]:
+    """Swaps RMSNorm (+ residual add), SiLU-and-mul and rotary for fused kernels in place;
+    gives the names of the seams it swapped."""
+    from kvpilot.kernels.activation import silu_and_mul
+    from kvpilot.kernels.rmsnorm import rms_norm
+    from kvpilot.kernels.rotary import rotary_embedding
+
+    swapped: set[str] = set()
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = rms_norm
+            swapped.add("rms_norm")
+        elif isinstance(module, RotaryEmbedding) and _is_power_of_two(
+                module.cos_sin.shape[1] // 2):
+            # the kernel tiles half a head with tl.arange, which needs a power of two
+            module.kernel = rotary_embedding
+            swapped.add("rotary")
+        elif hasattr(module, "act"):
+            module.act = silu_and_mul
+            swapped.add("silu_and_mul")
+    return sorted(swapped)
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
