@@ -68,7 +68,7 @@ class ModelRunner:
         self.config = model_config
         self.device = device
         self.block_size = args.block_size
-        self.model = load_model(model_config, args.load_format, device)
+        self.model = load_model(model_config, args.load_format, device, seed=args.seed)
         self.model.attn_backend = select_attention_backend(args, device)
         self.decode_graphs = None  # set once the KV cache exists (engine/cuda_graphs.py)
         self.num_blocks = self._num_kv_blocks()

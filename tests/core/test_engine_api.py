@@ -153,3 +153,17 @@ def test_text_prompts_and_outputs_in_order(llm):
     assert [o.prompt for o in outs] == ["Hello there", "The quick brown fox"]
     assert all(o.finished and len(o.outputs[0].token_ids) == 8 for o in outs)
     assert outs[0].metrics.first_token_time >= outs[0].metrics.arrival_time
+
+
+def test_preemption_keeps_seeded_parallel_samples_identical():
+    """A pool too small for all requests preempts and recomputes, yet changes no sample."""
+    prompts = [list(range(10 + i, 50 + i)) for i in range(6)]
+    params = [SamplingParams(n=2, temperature=0.8, seed=i, max_tokens=24, ignore_eos=True)
+              for i in range(6)]
+    roomy = LLM("tiny-llama", num_kv_blocks=64).generate(prompts, params)
+    tight_llm = LLM("tiny-llama", num_kv_blocks=8, enable_prefix_caching=False)
+    tight = tight_llm.generate(prompts, params)
+    assert tight_llm.get_stats().num_preemptions > 0
+    assert [[c.token_ids for c in o.outputs] for o in tight] == \
+        [[c.token_ids for c in o.outputs] for o in roomy]
+    assert tight_llm.get_stats().num_free_blocks == 8
