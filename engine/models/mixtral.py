@@ -29,12 +29,26 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Gives the mixture's output [T, hidden] for `x` [T, hidden]."""
         weights, experts = self.route(x)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._dense(x, weights, experts)
         out = torch.zeros_like(x)
         # Loop over the experts that got tokens, not over tokens.
         for expert in experts.unique().tolist():
             rows, slot = torch.where(experts == expert)
             y = F.linear(self.act(F.linear(x[rows], self.w13[expert])), self.w2[expert])
             out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor,
+               experts: torch.Tensor) -> torch.Tensor:
+        """Gives the same mixture with every expert run on every token, weighted by zero
+        where not routed: no data-dependent shapes or host syncs, so a CUDA graph can
+        hold it (decode batches read every expert's weights anyway)."""
+        out = torch.zeros_like(x)
+        for expert in range(self.w13.shape[0]):
+            gate = (weights * (experts == expert)).sum(dim=-1, keepdim=True)
+            y = F.linear(self.act(F.linear(x, self.w13[expert])), self.w2[expert])
+            out += y * gate
         return out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -92,3 +92,35 @@ def test_fused_kernels_track_torch_ops_in_bf16(tiny_checkpoints, family):
     for got, want in zip(paged_logits(fused, prompts, "cuda"), paged_logits(plain, prompts, "cuda"),
                          strict=True):
         assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_decode_step_replays_in_a_cuda_graph(tiny_checkpoints, family):
+    """The runner captures decode steps; the model (MoE included) must not sync the host."""
+    from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
+
+    path = tiny_checkpoints(family)
+    config = ModelConfig.from_engine_args(EngineArgs(model=str(path)), torch.device("cuda"))
+    model = load_model(config, "auto", "cuda")
+    model.attn_backend = TritonAttentionBackend()
+    seq_lens = [9, 33, 17]
+    alloc = BlockAllocation.shuffled(seq_lens, block_size=16)
+    meta = alloc.step(seq_lens, [1, 1, 1])
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        setattr(meta, name, getattr(meta, name).cuda())
+    meta.num_decode_tokens = 3
+    caches = [torch.randn(2, alloc.num_blocks, 16, config.num_kv_heads, config.head_dim,
+                          dtype=config.dtype, device="cuda") for _ in range(config.num_layers)]
+    ids = torch.tensor([5, 6, 7], device="cuda")
+    positions = torch.tensor([s - 1 for s in seq_lens], device="cuda")
+    eager = model.compute_logits(model(ids, positions, caches, meta))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        model(ids, positions, caches, meta)  # warm-up compiles the kernels outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = model.compute_logits(model(ids, positions, caches, meta))
+    graph.replay()
+    torch.testing.assert_close(captured, eager, rtol=2e-2, atol=2e-2)

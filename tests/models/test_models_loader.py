@@ -199,3 +199,13 @@ def test_kernel_seams_take_the_kernels_signatures(name):
     assert (calls["norm"], calls["rotary"]) == (layers * norms_per_layer + 1, layers)
     # dense: one activation per layer; MoE: one per expert that got tokens
     assert calls["act"] == layers if model.config.num_experts == 0 else calls["act"] > layers
+
+
+def test_graph_safe_moe_path_equals_sparse_path():
+    """The dense path Mixtral takes under CUDA-graph capture gives the same output."""
+    model = load_model(config_of("tiny-mixtral"), "dummy", "cpu")
+    moe = model.model.layers[0].mlp
+    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    weights, experts = moe.route(x)
+    assert experts.unique().numel() > 1
+    torch.testing.assert_close(moe._dense(x, weights, experts), moe(x), rtol=1e-6, atol=1e-7)
