@@ -23,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--standalone", action="store_true",
                         help="ignore peering even when --peering is set")
     parser.add_argument("--dev", action="store_true",
-                        help="short watch timeouts and debug logs, for local clusters and tests")
+                        help="short watch timeouts and quick shutdown, for local clusters and tests")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"))
     defaults = RenderConfig()
     parser.add_argument("--engine-image", default=defaults.engine_image,
                         help="engine image when a spec's overrides.image is unset")
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.operator.handlers import register
     from kvpilot.operator.handlers.lifecycle import operator_settings
 
-    logging.basicConfig(level=logging.DEBUG if args.dev else logging.INFO,
+    logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     register()
     namespaces = list(args.namespace)

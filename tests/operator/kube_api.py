@@ -11,6 +11,7 @@ does not prove (admission, schema defaulting and validation, real controllers).
 
 from __future__ import annotations
 
+import collections
 import copy
 import datetime
 import itertools
@@ -48,6 +49,9 @@ class ApiServer(kmock.KubernetesEmulator):
 
     _versions: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
     _with_status: set[Any] = attrs.field(factory=set, init=False)
+    calls: collections.Counter[tuple[str, str]] = attrs.field(factory=collections.Counter,
+                                                              init=False)
+    """Requests served, by (action, resource plural[/subresource]): list, watch, fetch, ..."""
     base_url: str = attrs.field(default="", init=False)
     """http://host:port the emulator listens on (set by whoever starts its server)."""
 
@@ -134,6 +138,9 @@ class ApiServer(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> Any:
         # The request is frozen but its parsed body is a dict: amend it in place, before
         # the base class stores it, the way an API server's registry would.
+        if request.resource is not None and request.action is not None:
+            plural = f"{request.resource.plural}/{request.subresource or ''}".rstrip("/")
+            self.calls[request.action.name.lower(), plural] += 1
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == enums.action.CREATE:
                 if request.namespace:
@@ -142,10 +149,21 @@ class ApiServer(kmock.KubernetesEmulator):
                 self._stamp(request.data)
             elif request.action == enums.action.UPDATE and request.name is not None:
                 self._amend_patch(request)
-        response = await super()._handle(request)
+        try:
+            response = await super()._handle(request)
+        finally:
+            # kmock keeps every request and matches each new one by scanning them all
+            # (quadratic); keep only those in flight so thousands of requests stay cheap.
+            self._forget(request)
         if request.action == enums.action.DELETE and request.name is not None:
             await self._collect_garbage()
         return response
+
+    def _forget(self, request: kmock.Request) -> None:
+        for index in range(len(self._requests) - 1, -1, -1):
+            if self._requests[index] is request:
+                del self._requests[index]
+                return
 
     def _amend_patch(self, request: kmock.Request) -> None:
         patch: dict[str, Any] = request.data
