@@ -57,6 +57,11 @@ def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
 
+def _put_all(batch: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, output in batch:
+        stream.queue.put_nowait(output)
+
+
 def _resolve(add: _Add, error: BaseException | None) -> None:
     def settle() -> None:
         if add.accepted.done():
@@ -226,6 +231,8 @@ class AsyncEngine:
                     self.metrics.on_aborted(rid)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up of each event loop per step, not one per output.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for output in outputs:
             if self.metrics is not None:
                 self.metrics.on_output(output)
@@ -233,7 +240,9 @@ class AsyncEngine:
                 stream = (self._streams.pop(output.request_id, None) if output.finished
                           else self._streams.get(output.request_id))
             if stream is not None:
-                _put(stream, output)
+                batches.setdefault(stream.loop, []).append((stream, output))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _publish_stats(self) -> None:
         stats = self.engine.get_stats()
