@@ -1,7 +1,7 @@
 """The torch reference attention backend: paged KV writes and per-sequence SDPA.
 
-Correct on any device and reasonably quick on CPU: decode rows (query_len 1) of
-all sequences go through one padded SDPA call; each prefill chunk gets its own
+Correct on any device and reasonably quick on CPU: decode rows (query_len 1) go
+through a few padded SDPA calls, sequences of similar length together; each prefill chunk gets its own
 call with an explicit causal mask offset by the tokens already cached. The index
 tensors of a step are built once and reused by every layer.
 """
@@ -16,13 +16,20 @@ from torch.nn import functional as F
 
 
 @dataclass
-class _StepPlan:
-    """What one step's layers share: which rows decode, which prefill, and gather indices."""
+class _DecodeGroup:
+    """Decode sequences of similar length, attended in one padded call."""
 
-    decode_rows: torch.Tensor | None  # [D] query rows of the query_len-1 sequences
-    decode_blocks: torch.Tensor | None  # [D * padded_blocks] cache blocks to gather
-    decode_pad_rows: torch.Tensor | None  # gathered token rows past each seq_len
-    decode_mask: torch.Tensor | None  # [D, 1, 1, padded_len] True where a key is real
+    rows: torch.Tensor  # [D] their query rows
+    blocks: torch.Tensor  # [D * padded_blocks] cache blocks to gather
+    pad_rows: torch.Tensor  # gathered token rows past each seq_len
+    mask: torch.Tensor  # [D, 1, 1, padded_len] True where a key is real
+
+
+@dataclass
+class _StepPlan:
+    """What one step's layers share: decode groups, prefill chunks and their lengths."""
+
+    decode_groups: list[_DecodeGroup]
     prefills: list[tuple[int, int, int]]  # (sequence, first query row, query_len)
     seq_lens: list[int]
 
@@ -41,8 +48,8 @@ class TorchAttentionBackend:
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         plan = self._plan_for(meta, kv_cache.shape[2])
         out = torch.empty_like(q)
-        if plan.decode_rows is not None:
-            out[plan.decode_rows] = self._decode(q[plan.decode_rows], kv_cache, plan, scale)
+        for group in plan.decode_groups:
+            out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)
         for seq, start, num_q in plan.prefills:
             rows = slice(start, start + num_q)
             seq_len = plan.seq_lens[seq]
@@ -53,22 +60,23 @@ class TorchAttentionBackend:
             out[rows] = _prefill(q[rows], ctx_k, ctx_v, scale)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan,
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup,
                 scale: float) -> torch.Tensor:
         """Gives attention of D single-token queries [D, heads, d] over their padded contexts."""
-        k = self._gather_padded("k", kv_cache[0], plan).to(q.dtype)
-        v = self._gather_padded("v", kv_cache[1], plan).to(q.dtype)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=plan.decode_mask,
+        k = self._gather_padded("k", kv_cache[0], group).to(q.dtype)
+        v = self._gather_padded("v", kv_cache[1], group).to(q.dtype)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=group.mask,
                                              scale=scale, enable_gqa=True)
         return out.squeeze(2)
 
-    def _gather_padded(self, name: str, cache: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
+    def _gather_padded(self, name: str, cache: torch.Tensor,
+                       group: _DecodeGroup) -> torch.Tensor:
         """Gives [D, kv_heads, padded_len, d]: each decode sequence's blocks side by side.
 
         Slots past a sequence's end hold whatever the cache had (even NaN), and a masked
         score times a NaN value is still NaN, so they are zeroed.
         """
-        blocks = plan.decode_blocks
+        blocks = group.blocks
         shape = (blocks.numel(), *cache.shape[1:])
         numel = blocks.numel() * cache[0].numel()
         buffer = self._buffers.get(name)
@@ -78,8 +86,8 @@ class TorchAttentionBackend:
                                                        device=cache.device)
         rows = torch.index_select(cache, 0, blocks, out=buffer[:numel].view(shape))
         tokens = rows.view(-1, *cache.shape[2:])
-        tokens.index_fill_(0, plan.decode_pad_rows, 0)
-        batch = plan.decode_mask.shape[0]
+        tokens.index_fill_(0, group.pad_rows, 0)
+        batch = group.mask.shape[0]
         return tokens.view(batch, -1, *cache.shape[2:]).transpose(1, 2)
 
 
@@ -90,26 +98,38 @@ class TorchAttentionBackend:
         return self._plan[1]
 
 
+# Decodes sorted by length are split into up to this many groups, so a short sequence is
+# not padded to the longest one; more groups cost more calls.
+MAX_DECODE_GROUPS = 4
+MIN_DECODE_GROUP = 8
+
+
 def _build_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
     query_lens = meta.query_lens_cpu or meta.query_start_loc.diff().tolist()
     seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
     starts = _cumsum(query_lens)
     prefills = [(i, starts[i], n) for i, n in enumerate(query_lens) if n > 1]
-    decodes = [i for i, n in enumerate(query_lens) if n == 1]
-    if not decodes:
-        return _StepPlan(None, None, None, None, prefills, seq_lens)
+    decodes = sorted((i for i, n in enumerate(query_lens) if n == 1), key=seq_lens.__getitem__)
+    num_groups = min(MAX_DECODE_GROUPS, -(-len(decodes) // MIN_DECODE_GROUP))
+    size = max(1, -(-len(decodes) // max(num_groups, 1)))
+    groups = [_decode_group(meta, decodes[i:i + size], starts, seq_lens, block_size)
+              for i in range(0, len(decodes), size)]
+    return _StepPlan(groups, prefills, seq_lens)
+
+
+def _decode_group(meta: AttentionMetadata, seqs: list[int], starts: list[int],
+                  seq_lens: list[int], block_size: int) -> _DecodeGroup:
     device = meta.block_tables.device
-    lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
-    num_blocks = -(-int(lens.max()) // block_size)
-    blocks = meta.block_tables[decodes, :num_blocks].long().clamp(min=0)
+    lens = torch.tensor([seq_lens[i] for i in seqs], device=device)
+    num_blocks = -(-max(seq_lens[i] for i in seqs) // block_size)
+    index = torch.tensor(seqs, device=device)
+    blocks = meta.block_tables[index, :num_blocks].long().clamp(min=0)
     valid = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
-    return _StepPlan(
-        decode_rows=torch.tensor([starts[i] for i in decodes], device=device),
-        decode_blocks=blocks.flatten(),
-        decode_pad_rows=(~valid).flatten().nonzero().squeeze(1),
-        decode_mask=valid[:, None, None, :],
-        prefills=prefills,
-        seq_lens=seq_lens,
+    return _DecodeGroup(
+        rows=torch.tensor([starts[i] for i in seqs], device=device),
+        blocks=blocks.flatten(),
+        pad_rows=(~valid).flatten().nonzero().squeeze(1),
+        mask=valid[:, None, None, :],
     )
 
 

@@ -112,3 +112,25 @@ def test_unsupported_rope_type_is_a_clear_error():
     with pytest.raises(ValueError, match=r"rope_scaling\.rope_type='yarn' in config\.json is "
                                          r"not supported"):
         inverse_frequencies(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+def test_many_decodes_in_length_groups_match_reference():
+    """Enough decode rows to be split into several length groups, interleaved with prefills."""
+    gen = torch.Generator().manual_seed(5)
+    seq_lens = [*torch.randint(1, 70, (30,), generator=gen).tolist(), 25, 40]
+    query_lens = [1] * 30 + [25, 7]
+    order = torch.randperm(32, generator=gen).tolist()  # decodes not first, on purpose
+    seq_lens, query_lens = [seq_lens[i] for i in order], [query_lens[i] for i in order]
+    alloc = BlockAllocation.shuffled(seq_lens, 4)
+    cache = torch.randn(2, alloc.num_blocks, 4, 2, 8, generator=gen)
+    meta = alloc.step(seq_lens, query_lens)
+    q = torch.randn(sum(query_lens), 4, 8, generator=gen)
+    k, v = (torch.randn(sum(query_lens), 2, 8, generator=gen) for _ in range(2))
+    out = TorchAttentionBackend().forward(q, k, v, cache, meta, 0.3)
+    start = 0
+    for i, (s, n) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        blocks = alloc.block_tables[i, : -(-s // 4)].long()
+        ctx_k, ctx_v = (cache[j, blocks].flatten(0, 1)[:s] for j in (0, 1))
+        expected = reference_attention(q[start:start + n], ctx_k, ctx_v, n, 0.3)
+        torch.testing.assert_close(out[start:start + n], expected, rtol=1e-5, atol=1e-5)
+        start += n
