@@ -18,6 +18,7 @@ import itertools
 import uuid
 from typing import Any
 
+import aiohttp.web
 import attrs
 import kmock
 from kmock._internal import dicts, enums
@@ -43,8 +44,28 @@ CORE_RESOURCES: dict[str, dict[str, Any]] = {
 VERBS = {"create", "delete", "get", "list", "patch", "update", "watch"}
 
 
+class _DirectCrud(kmock.RawHandler):
+    """Serves single-object reads and writes without kmock's reaction matching.
+
+    kmock matches each request against every reaction by re-filtering the requests it
+    holds; that costs far more than the emulation itself once thousands of objects
+    flow. Lists, watches and discovery still go through kmock's own machinery.
+    """
+
+    _DIRECT = frozenset({enums.action.FETCH, enums.action.CREATE, enums.action.UPDATE,
+                         enums.action.DELETE})
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and request.action in self._DIRECT:
+            serve = {enums.action.FETCH: self._serve_fetch, enums.action.CREATE: self._serve_create,
+                     enums.action.UPDATE: self._serve_update,
+                     enums.action.DELETE: self._serve_delete}[request.action]
+            return aiohttp.web.json_response(await serve(request))  # type: ignore[attr-defined]
+        return await super()._handle(request)
+
+
 @attrs.define(kw_only=True)
-class ApiServer(kmock.KubernetesEmulator):
+class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
     """Gives a kmock emulator with API-server metadata, status subresources and cascading GC."""
 
     _versions: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
