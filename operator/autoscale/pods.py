@@ -57,3 +57,9 @@ def deletion_costs(samples: Mapping[str, PodSample]) -> dict[str, int]:
             sample.gauges.get(names.NUM_REQUESTS_WAITING, 0.0)
         costs[pod] = round(load)
     return costs
+
+
+def removal_order(samples: Mapping[str, PodSample]) -> list[str]:
+    """Gives the pods in the order a scale-down should remove them: lowest cost first."""
+    costs = deletion_costs(samples)
+    return sorted(costs, key=lambda pod: (costs[pod], pod))
