@@ -33,6 +33,7 @@ from kvpilot.engine.kv_transfer.protocol import (
 
 log = logging.getLogger("kvpilot.kv_transfer")
 EXPIRY_TICK = 0.5
+READ_CHUNK_BLOCKS = 32
 
 
 class TcpConnector(KVConnector):
@@ -110,11 +111,15 @@ class TcpConnector(KVConnector):
         unknown = set(wanted) - set(lease.hashes)
         if unknown:
             raise ProtocolError(f"WANT names {len(unknown)} hashes outside lease {lease_id}")
-        for block_hash in wanted:  # one block at a time: flat memory, streams long prompts
+        # A few blocks per lock hold: the engine steps in between, memory stays flat, and a
+        # long prompt streams instead of being copied whole first.
+        for start in range(0, len(wanted), READ_CHUNK_BLOCKS):
+            chunk = wanted[start:start + READ_CHUNK_BLOCKS]
             with self.store.lock:
-                (data,) = self.store.read(lease.pinned, [block_hash])
-            writer.writelines(encode_block(block_hash, data))
-            await writer.drain()
+                datas = self.store.read(lease.pinned, chunk)
+            for block_hash, data in zip(chunk, datas, strict=True):
+                writer.writelines(encode_block(block_hash, data))
+                await writer.drain()
         writer.write(encode(Frame.END))
         await writer.drain()
         await expect(reader, Frame.RELEASE)

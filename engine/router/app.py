@@ -44,7 +44,7 @@ class Router:
         self.hasher = hasher
         self.metrics = RouterMetrics()
         self.fleet.on_eject = lambda instance: self.metrics.ejections.labels(instance.url).inc()
-        self.weights = Weights(args.load_weight, args.kv_usage_weight)
+        self.weights = Weights(args.load_weight, args.kv_usage_weight, args.cache_weight)
         self.counter = itertools.count()
         timeout = httpx.Timeout(connect=args.connect_timeout, read=args.idle_timeout,
                                 write=args.idle_timeout, pool=args.connect_timeout)
@@ -85,7 +85,7 @@ class Router:
         finally:
             gauge.dec()
         hits = {i.url: self.index.match(i.url, hashes) for i in candidates}
-        view = choose(self.args.policy, [i.view() for i in candidates],
+        view = choose(self.args.policy, [i.view(self.index.size(i.url)) for i in candidates],
                       counter=next(self.counter), hits=hits, num_blocks=len(hashes),
                       weights=self.weights)
         chosen = self.fleet.instances[view.url]

@@ -53,6 +53,9 @@ class RouterArgs:
         "help": "prefix-aware: how much relative load (waiting + in flight) costs"})
     kv_usage_weight: float = field(default=0.25, metadata={
         "help": "prefix-aware: how much KV-cache usage (0..1) costs"})
+    cache_weight: float = field(default=0.05, metadata={
+        "help": "prefix-aware: how much the blocks an instance already caches cost (sends "
+                "new prefixes to the instance that caches the least)"})
     request_timeout: float = field(default=600.0, metadata={
         "help": "seconds a whole request may take"})
     connect_timeout: float = field(default=2.0, metadata={

@@ -33,8 +33,8 @@ class Instance:
     ready: bool = False
     health: Health = field(default_factory=Health)
 
-    def view(self) -> InstanceView:
-        return InstanceView(self.url, self.waiting, self.in_flight, self.kv_usage)
+    def view(self, cached_blocks: int = 0) -> InstanceView:
+        return InstanceView(self.url, self.waiting, self.in_flight, self.kv_usage, cached_blocks)
 
 
 def parse_load(text: str) -> tuple[float, float, float]:

@@ -3,8 +3,9 @@
 `round-robin` rotates; `least-load` takes the instance with the fewest waiting
 plus in-flight requests (then the lowest KV usage); `prefix-aware` scores each
 instance by the fraction of the prompt's blocks it probably holds minus a load
-cost and a KV-usage cost, so a request goes where its prefix is cached unless
-that instance is clearly busier than the others.
+cost, a KV-usage cost and a small cost for how much it caches already, so a
+request goes where its prefix is cached unless that instance is clearly busier,
+and a new prefix goes to the idle instance that caches the least.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class InstanceView:
     waiting: float = 0.0  # scraped vllm:num_requests_waiting
     in_flight: int = 0  # requests the router has open on it right now
     kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc, 0..1
+    cached_blocks: int = 0  # blocks the prefix index believes it holds
 
     @property
     def load(self) -> float:
@@ -33,14 +35,20 @@ class Weights:
 
     load: float = 0.5
     kv_usage: float = 0.25
+    # Small on purpose: only decides between instances with about equal hits and load, so a
+    # new prefix goes where it evicts the least (SGLang's "smallest tree" rule).
+    cached: float = 0.05
 
 
 def score(view: InstanceView, hit_blocks: int, num_blocks: int, max_load: float,
-          weights: Weights) -> float:
-    """Gives the prefix-aware score: hit fraction minus relative load and KV-usage costs."""
+          weights: Weights, max_cached: int = 0) -> float:
+    """Gives the prefix-aware score: hit fraction minus relative load, KV-usage and
+    cached-data costs."""
     hit = hit_blocks / num_blocks if num_blocks else 0.0
     relative_load = view.load / (max_load + 1.0)
-    return hit - weights.load * relative_load - weights.kv_usage * view.kv_usage
+    relative_cached = view.cached_blocks / (max_cached + 1.0)
+    return (hit - weights.load * relative_load - weights.kv_usage * view.kv_usage
+            - weights.cached * relative_cached)
 
 
 def choose(policy: str, views: Sequence[InstanceView], *, counter: int = 0,
@@ -60,7 +68,8 @@ def choose(policy: str, views: Sequence[InstanceView], *, counter: int = 0,
     if policy == "prefix-aware":
         hits = hits or {}
         max_load = max(v.load for v in views)
+        max_cached = max(v.cached_blocks for v in views)
         return max(rotated, key=lambda v: score(v, hits.get(v.url, 0), num_blocks, max_load,
-                                                 weights))
+                                                 weights, max_cached))
     raise ValueError(f"policy={policy!r} is invalid: choose round-robin, least-load or "
                      "prefix-aware")

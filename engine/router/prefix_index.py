@@ -10,7 +10,7 @@ the engines publish (blocks stored and evicted).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
 # What one entry costs in CPython (OrderedDict node + key tuple + two ints),
@@ -26,10 +26,15 @@ class PrefixIndex:
             raise ValueError(f"max_entries={max_entries!r} is invalid: must be at least 1")
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._per_instance: Counter[str] = Counter()
         self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def size(self, instance: str) -> int:
+        """Gives how many blocks the index believes `instance` holds."""
+        return self._per_instance[instance]
 
     def insert(self, instance: str, block_hashes: Iterable[int]) -> None:
         """Records that `instance` holds these blocks (most recently used)."""
@@ -40,19 +45,23 @@ class PrefixIndex:
                 entries.move_to_end(key)
             else:
                 entries[key] = None
+                self._per_instance[instance] += 1
                 if len(entries) > self.max_entries:
-                    entries.popitem(last=False)
+                    (evicted, _), _ = entries.popitem(last=False)
+                    self._per_instance[evicted] -= 1
                     self.evictions += 1
 
     def remove(self, instance: str, block_hashes: Iterable[int]) -> None:
         """Forgets blocks the instance evicted (from its KV events)."""
         for block_hash in block_hashes:
-            self._entries.pop((instance, block_hash), None)
+            if self._entries.pop((instance, block_hash), False) is None:
+                self._per_instance[instance] -= 1
 
     def remove_instance(self, instance: str) -> None:
         """Forgets everything about an instance that left (or cleared its cache)."""
         for key in [key for key in self._entries if key[0] == instance]:
             del self._entries[key]
+        self._per_instance.pop(instance, None)
 
     def match(self, instance: str, block_hashes: Sequence[int]) -> int:
         """Gives how many leading blocks of the prompt the instance holds (and touches them)."""

@@ -61,6 +61,12 @@ def aggregated_tokens():
     return [o.outputs[0].text for o in outputs]
 
 
+def comparable(text: str) -> str:
+    """Gives the text without a trailing U+FFFD: the offline engine ends a cut multi-byte
+    character with one, the server drops it (a detokeniser detail, not a KV one)."""
+    return text.rstrip("\ufffd")
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -82,7 +88,7 @@ def test_disaggregated_answers_equal_the_aggregated_engine(disagg_fleet, aggrega
             texts.append(response.json()["choices"][0]["text"])
             after = metric(client.get("/metrics").text, "kvpilot_router_transferred_blocks")
             transferred.append(after - before)
-    assert texts == aggregated_tokens
+    assert [comparable(t) for t in texts] == [comparable(t) for t in aggregated_tokens]
     # Prompt 2 shares 4 blocks with prompt 1, which the prefix-aware router sent to the
     # decode instance holding them: only its 5th full block moves.
     assert transferred == [5, 1, 2]

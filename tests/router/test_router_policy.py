@@ -10,8 +10,9 @@ from kvpilot.engine.router.policy import InstanceView, Weights, choose, score
 A, B, C = "http://a", "http://b", "http://c"
 
 
-def views(*specs: tuple[str, float, int, float]) -> list[InstanceView]:
-    return [InstanceView(url, waiting, in_flight, kv) for url, waiting, in_flight, kv in specs]
+def views(*specs: tuple) -> list[InstanceView]:
+    """Gives views from (url, waiting, in_flight, kv_usage[, cached_blocks]) tuples."""
+    return [InstanceView(*spec) for spec in specs]
 
 
 @pytest.mark.parametrize(("policy", "instances", "hits", "num_blocks", "counter", "expected"), [
@@ -36,6 +37,12 @@ def views(*specs: tuple[str, float, int, float]) -> list[InstanceView]:
     ("prefix-aware", views((A, 0, 0, 0), (B, 0, 0, 0)), {A: 3, B: 6}, 10, 0, B),
     # empty prompt (no full block): behaves like least-load with rotation
     ("prefix-aware", views((A, 0, 0, 0), (B, 0, 0, 0)), {}, 0, 1, B),
+    # a new prefix at equal load goes to the instance caching the least
+    ("prefix-aware", views((A, 0, 0, 0, 900), (B, 0, 0, 0, 100)), {}, 10, 0, B),
+    # ... but the cached-data cost never outweighs a real hit
+    ("prefix-aware", views((A, 0, 0, 0, 900), (B, 0, 0, 0, 100)), {A: 2}, 10, 0, A),
+    # ... nor a real load difference
+    ("prefix-aware", views((A, 0, 0, 0, 900), (B, 2, 0, 0, 100)), {}, 10, 0, A),
 ])
 def test_choose_table(policy, instances, hits, num_blocks, counter, expected):
     chosen = choose(policy, instances, counter=counter, hits=hits, num_blocks=num_blocks)
@@ -47,9 +54,11 @@ def test_choose_table(policy, instances, hits, num_blocks, counter, expected):
     (InstanceView(A, waiting=1, in_flight=1), 5, 10, 3, 0.5 - 0.5 * 2 / 4),
     (InstanceView(A, kv_usage=0.8), 0, 10, 0, -0.25 * 0.8),
     (InstanceView(A), 0, 0, 0, 0.0),
+    (InstanceView(A, cached_blocks=99), 0, 10, 0, -0.05 * 99 / 100),
 ])
 def test_score_table(view, hit, blocks, max_load, expected):
-    assert score(view, hit, blocks, max_load, Weights()) == pytest.approx(expected)
+    assert score(view, hit, blocks, max_load, Weights(), max_cached=view.cached_blocks) == (
+        pytest.approx(expected))
 
 
 @pytest.mark.parametrize(("policy", "instances", "error"), [

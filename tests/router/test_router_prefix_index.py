@@ -46,6 +46,18 @@ def test_remove_and_remove_instance():
     assert index.match("b", [1]) == 0 and len(index) == 1
 
 
+def test_size_per_instance_follows_inserts_evictions_and_removals():
+    index = PrefixIndex(4)
+    index.insert("a", [1, 2, 3])
+    index.insert("b", [1])
+    assert (index.size("a"), index.size("b")) == (3, 1)
+    index.insert("b", [2])  # evicts (a, 1)
+    assert (index.size("a"), index.size("b")) == (2, 2)
+    index.remove("a", [2, 99])
+    index.remove_instance("b")
+    assert (index.size("a"), index.size("b"), len(index)) == (1, 0, 1)
+
+
 def test_invalid_cap():
     with pytest.raises(ValueError, match="max_entries=0 is invalid"):
         PrefixIndex(0)
@@ -82,6 +94,7 @@ def test_never_above_the_cap(cap, inserts):
     for instance, hashes in inserts:
         index.insert(instance, hashes)
         assert len(index) <= cap
+        assert sum(index.size(i) for i in "abc") == len(index)
     # the most recently inserted entries (up to the cap) are still there
     if inserts:
         instance, hashes = inserts[-1]
