@@ -69,3 +69,13 @@ def test_plan_errors_name_the_field(bad, error):
 ])
 def test_set_flag(args, flag_name, value, expected):
     assert _set_flag(args, flag_name, value) == expected
+
+
+def test_kvpilot_up_and_the_kv_wire_format_leave_torch_out():
+    import subprocess
+    import sys
+
+    code = ("import sys; import kvpilot.operator.local.cli, kvpilot.operator.local.plan, "
+            "kvpilot.operator.local.supervisor, kvpilot.engine.kv_transfer.protocol, "
+            "kvpilot.engine.kv_transfer.tcp; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
