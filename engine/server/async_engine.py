@@ -29,6 +29,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed; the server can no longer generate."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The server aborted the request (drain timeout); the message says why."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -178,6 +182,17 @@ class AsyncEngine:
                                                   for a in self._inbox.adds):
                 self._inbox.aborts.append(request_id)
                 self._cond.notify()
+
+    def abort_all(self, reason: str) -> int:
+        """Aborts every request in flight; each waiter gets a RequestAbortedError(reason)."""
+        with self._cond:
+            streams = list(self._streams.values())
+            ids = list(self._streams) + [a.request_id for a in self._inbox.adds]
+            self._inbox.aborts.extend(ids)
+            self._cond.notify()
+        for stream in streams:
+            _put(stream, RequestAbortedError(reason))
+        return len(ids)
 
     # ---- engine thread ------------------------------------------------------------
 

@@ -76,11 +76,13 @@ def make_server(app: Any, server_args: ServerArgs) -> Any:
             self.drain_task = asyncio.ensure_future(self.drain_then_exit())
 
         async def drain_then_exit(self) -> None:
-            gate = app.state.ctx.gate
-            if not await gate.drain(server_args.drain_timeout):
-                logger.warning("drain timed out with %d generations in flight: uvicorn "
-                               "cancels them at shutdown, which aborts their requests",
-                               gate.in_flight)
+            ctx = app.state.ctx
+            if not await ctx.gate.drain(server_args.drain_timeout):
+                aborted = ctx.engine.abort_all(
+                    f"the server drained for --drain-timeout={server_args.drain_timeout}s "
+                    "and aborted this request: retry on another replica")
+                logger.warning("drain timed out: aborted %d requests", aborted)
+                await ctx.gate.drain(5.0)  # let the aborted streams send their last event
             self.should_exit = True
 
     config = uvicorn.Config(app, log_level=server_args.log_level, timeout_graceful_shutdown=5,

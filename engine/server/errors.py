@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from kvpilot.engine.server.async_engine import EngineDeadError
+from kvpilot.engine.server.async_engine import EngineDeadError, RequestAbortedError
 from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -101,6 +101,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc), code="engine_dead")
+
+    @app.exception_handler(RequestAbortedError)
+    async def _aborted(_: Request, exc: RequestAbortedError) -> JSONResponse:
+        return error_response(503, str(exc), code="aborted")
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -27,15 +27,18 @@ class Limits:
     vocab_size: int
 
 
-def _unsupported(request: SamplingFields) -> None:
+def _check_common(request: SamplingFields) -> None:
     if request.logit_bias:
         raise bad_request("logit_bias is not supported by kvpilot: remove it", "logit_bias")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed with stream=true: set stream=true "
+                          "or remove stream_options", "stream_options")
 
 
 def completion_prompts(request: CompletionRequest, tokenizer: Any,
                        limits: Limits) -> list[list[int]]:
     """Gives one token-id list per prompt of a completions request."""
-    _unsupported(request)
+    _check_common(request)
     if request.suffix:
         raise bad_request("suffix is not supported by kvpilot: remove it", "suffix")
     if request.echo:
@@ -60,7 +63,7 @@ def completion_prompts(request: CompletionRequest, tokenizer: Any,
 
 def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> list[int]:
     """Gives the token ids of the chat rendered through the tokenizer's chat template."""
-    _unsupported(request)
+    _check_common(request)
     if request.tools:
         raise bad_request("tools are not supported by kvpilot: remove tools", "tools")
     if request.response_format and request.response_format.get("type", "text") != "text":

@@ -15,7 +15,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from kvpilot.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.server.async_engine import AsyncEngine, EngineDeadError
+from kvpilot.engine.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestAbortedError,
+)
 from kvpilot.engine.server.drain import Gate
 from kvpilot.engine.server.errors import ERROR_TYPES, OpenAIError, from_value_error
 from kvpilot.engine.server.params import Limits
@@ -164,7 +168,7 @@ def sse(payload: BaseModel | dict[str, Any] | str) -> str:
 def sse_error(exc: BaseException) -> str:
     """Gives the SSE event that tells a streaming client its request failed."""
     status = exc.status if isinstance(exc, OpenAIError) else 500
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, EngineDeadError | RequestAbortedError):
         status = 503
     info = ErrorInfo(message=str(exc), type=ERROR_TYPES.get(status, "server_error"),
                      param=getattr(exc, "param", None), code=status)

@@ -18,12 +18,13 @@ NUM_STREAMS = 8
 MAX_TOKENS = 64
 
 
-def start_server(log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(log: Path, drain_timeout: float = 60,
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], str]:
     """Gives a `kvpilot serve` subprocess on a free port and its base URL."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_ENGINE.items()]
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kvpilot.cli", "serve", *flags,
-                                 "--port", "0", "--drain-timeout", "60"],
+                                 "--port", "0", "--drain-timeout", str(drain_timeout), *extra],
                                 stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -93,3 +94,29 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tmp_path: Path) -> Non
         assert result["done"] and result["finish"] == "length"
         assert result["usage"]["completion_tokens"] == MAX_TOKENS
 
+
+
+def test_drain_timeout_cuts_long_streams_and_still_exits_zero(tmp_path: Path) -> None:
+    # A 4000-token stream cannot finish inside a 0.5 s drain, however idle the CPU.
+    proc, base = start_server(tmp_path / "serve.log", drain_timeout=0.5,
+                              extra=("--max-model-len", "4096", "--num-kv-blocks", "512"))
+    try:
+        body = {"model": MODEL, "prompt": "endless", "max_tokens": 4000, "ignore_eos": True,
+                "stream": True}
+        chunks, last = 0, ""
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    chunks += 1
+                    last = line if line != "data: [DONE]" else last
+                    if chunks == 1:
+                        proc.send_signal(signal.SIGTERM)
+        # After the drain timeout the request is aborted: its stream ends early with an
+        # error event that says why, then [DONE].
+        assert chunks < 4000
+        error = json.loads(last[6:])["error"]
+        assert error["code"] == 503 and "drain-timeout" in error["message"]
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 from kvpilot.engine import metric_names as names
 from server_harness import MODEL, RunningServer, wait_for
 
@@ -87,3 +88,16 @@ def test_disconnected_stream_is_aborted_and_frees_its_blocks(server: RunningServ
     assert wait_for(lambda: server.metric(names.KV_CACHE_USAGE_PERC) == idle_kv)
     assert server.metric(f"{names.REQUEST_SUCCESS}_total",
                          finished_reason="abort") == aborts_before + 1
+
+
+def test_disconnected_non_streaming_request_is_aborted(server: RunningServer) -> None:
+    idle_kv = server.metric(names.KV_CACHE_USAGE_PERC)
+    aborts_before = server.metric(f"{names.REQUEST_SUCCESS}_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": "another long story", "max_tokens": 400,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=1.0)
+    assert wait_for(lambda: server.metric(f"{names.REQUEST_SUCCESS}_total",
+                                          finished_reason="abort") == aborts_before + 1)
+    assert wait_for(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 0)
+    assert wait_for(lambda: server.metric(names.KV_CACHE_USAGE_PERC) == idle_kv)

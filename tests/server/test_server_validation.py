@@ -43,6 +43,7 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"suffix": "tail"}, 400, "suffix"),
     ("/v1/completions", {"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     ("/v1/completions", {"min_tokens": 5}, 400, "min_tokens"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"model": None}, 400, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
