@@ -65,7 +65,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
     ctx.gate.admit()
     try:
         request_id = new_request_id("chatcmpl")
-        streams = await start_requests(ctx, request_id, [prompt], [params], arrival)
+        streams = await start_requests(ctx, request_id, [prompt], [params], arrival,
+                                       request.priority)
     except BaseException:
         ctx.gate.release()
         raise

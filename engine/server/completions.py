@@ -58,7 +58,8 @@ async def create_completion(request: CompletionRequest, raw: Request,
     ctx.gate.admit()
     try:
         request_id = new_request_id("cmpl")
-        streams = await start_requests(ctx, request_id, prompts, params, arrival)
+        streams = await start_requests(ctx, request_id, prompts, params, arrival,
+                                       request.priority)
     except BaseException:
         ctx.gate.release()
         raise

@@ -52,6 +52,8 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1,
+                          description="lower runs first under --scheduling-policy priority")
     logit_bias: dict[str, float] | None = None
 
 

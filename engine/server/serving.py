@@ -45,14 +45,15 @@ def new_request_id(prefix: str) -> str:
 
 
 async def start_requests(ctx: ServingContext, request_id: str, prompts: list[list[int]],
-                         params: list[SamplingParams], arrival_time: float
+                         params: list[SamplingParams], arrival_time: float, priority: int = 0
                          ) -> list[AsyncIterator[RequestOutput]]:
     """Gives one output stream per prompt; on a refusal aborts the ones started and raises 400."""
     streams: list[AsyncIterator[RequestOutput]] = []
     try:
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await ctx.engine.add_request(rid, ids, p, arrival_time=arrival_time))
+            streams.append(await ctx.engine.add_request(rid, ids, p, arrival_time=arrival_time,
+                                                        priority=priority))
     except ValueError as exc:
         await close_all(streams)
         raise from_value_error(exc) from exc
