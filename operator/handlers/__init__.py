@@ -11,6 +11,7 @@ import importlib
 
 HANDLER_MODULES = [
     "kvpilot.operator.handlers.lifecycle",
+    "kvpilot.operator.handlers.indexes",
     "kvpilot.operator.handlers.inference_model",
     "kvpilot.operator.handlers.pools",
     "kvpilot.operator.handlers.rollup",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import kopf
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.handlers.children import apply_all, prune
+from kvpilot.operator.handlers.events import record
 from kvpilot.operator.handlers.kube import Kube
 from kvpilot.operator.render.children import pool_name, pool_specs, render_children
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL
@@ -26,21 +28,22 @@ OWNED_KINDS = [
     ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
 ]
+POOL_ROLES = {"PrefillPool": "prefill", "DecodePool": "decode"}
 
 
-async def pool_counts(kube: Kube, model: str, namespace: str,
-                      spec: InferenceModelSpec) -> dict[str, PoolCounts]:
-    """Gives desired/ready replicas of each of the model's pools, keyed 'prefill'/'decode'."""
+def pool_counts(spec: InferenceModelSpec, model: str,
+                pools: Iterable[Mapping[str, Any]]) -> dict[str, PoolCounts]:
+    """Gives desired/ready replicas per role ('prefill', 'decode') from the pools as stored."""
+    stored = {(p.get("kind"), p.get("metadata", {}).get("name")): p for p in pools}
     counts: dict[str, PoolCounts] = {}
     for kind, pool in pool_specs(spec, model):
-        role = "prefill" if kind == "PrefillPool" else "decode"
-        current = await kube.get(GROUP_VERSION, kind, namespace, pool_name(model, role))
+        role = POOL_ROLES[kind]
+        current = stored.get((kind, pool_name(model, role)))
         if current is None:
             counts[role] = PoolCounts(pool.replicas, 0)
             continue
-        status = current.get("status") or {}
-        counts[role] = PoolCounts(current.get("spec", {}).get("replicas", pool.replicas),
-                                  int(status.get("readyReplicas", 0)))
+        counts[role] = PoolCounts(int((current.get("spec") or {}).get("replicas", pool.replicas)),
+                                  int((current.get("status") or {}).get("readyReplicas", 0)))
     return counts
 
 
@@ -52,6 +55,7 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
                           reason: str, **_: Any) -> None:
     """Brings an InferenceModel's children to its spec and writes its status."""
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+    kube: Kube = memo.kube
     now = now_rfc3339()
     im = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta)}
     try:
@@ -64,19 +68,17 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
             status.get("conditions"), invalid_spec_conditions("InvalidSpec", message,
                                                               generation, now))
         patch.status["observedGeneration"] = generation
-        kopf.warn(body, reason="InvalidSpec", message=message)
+        await record(kube, im, "InvalidSpec", message, warning=True)
         return
-    kube: Kube = memo.kube
-    autoscaled = {pool_name(name, "prefill" if kind == "PrefillPool" else "decode"):
-                  [("spec", "replicas")]
+    autoscaled = {pool_name(name, POOL_ROLES[kind]): [("spec", "replicas")]
                   for kind, pool in pool_specs(parsed, name) if pool.autoscaling is not None}
-    changes, _ = await apply_all(kube, children, keep=autoscaled)
+    changes, stored = await apply_all(kube, children, keep=autoscaled)
     if reason != "create":  # a new object has nothing stale to remove
         changes += await prune(kube, OWNED_KINDS, namespace, {MODEL_LABEL: name}, meta["uid"],
                                children)
     if changes:
-        kopf.info(body, reason="Reconciled", message="; ".join(changes)[:1000])
-    counts = await pool_counts(kube, name, namespace, parsed)
+        await record(kube, im, "Reconciled", "; ".join(changes))
+    counts = pool_counts(parsed, name, stored)
     endpoint = endpoint_url(name, namespace) if parsed.router.replicas > 0 else None
     patch.status.update(model_status(counts, endpoint, generation, status.get("conditions"), now))
     patch.status["observedGeneration"] = generation

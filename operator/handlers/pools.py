@@ -8,6 +8,8 @@ import kopf
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import DecodePoolSpec, PoolSpec, PrefillPoolSpec
 from kvpilot.operator.handlers.children import apply_all, prune
+from kvpilot.operator.handlers.events import record
+from kvpilot.operator.handlers.indexes import first
 from kvpilot.operator.handlers.kube import Kube
 from kvpilot.operator.render.meta import GROUP_VERSION, POOL_LABEL, RenderConfig
 from kvpilot.operator.render.pool import pool_selector, render_pool
@@ -34,11 +36,13 @@ def workload_kinds(config: RenderConfig) -> list[tuple[str, str]]:
     return kinds
 
 
-async def resolve(kube: Kube, namespace: str, spec: PoolSpec) -> PoolSpec:
+async def resolve(kube: Kube, namespace: str, spec: PoolSpec,
+                  models: kopf.Index | None) -> PoolSpec:
     """Gives the pool spec with unset sections filled from its InferenceModel."""
     owner = None
     if spec.model_ref is not None:
-        im = await kube.get(GROUP_VERSION, "InferenceModel", namespace, spec.model_ref)
+        im = first(models, (namespace, spec.model_ref)) or \
+            await kube.get(GROUP_VERSION, "InferenceModel", namespace, spec.model_ref)
         owner = InferenceModelSpec.model_validate(im["spec"]) if im else None
     return spec.resolved(owner)
 
@@ -50,7 +54,8 @@ async def resolve(kube: Kube, namespace: str, spec: PoolSpec) -> PoolSpec:
 @kopf.on.create(GROUP, VERSION, "decodepools")
 @kopf.on.update(GROUP, VERSION, "decodepools")
 async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status,
-                         patch: kopf.Patch, memo: kopf.Memo, reason: str, **_: Any) -> None:
+                         patch: kopf.Patch, memo: kopf.Memo, reason: str,
+                         models_by_name: kopf.Index, **_: Any) -> None:
     """Brings a pool's workloads, Services and PDB to its spec and writes its status."""
     namespace, generation = meta["namespace"], meta.get("generation")
     kube: Kube = memo.kube
@@ -60,7 +65,7 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
             "spec": dict(spec)}
     try:
         parsed = SPEC_TYPES[body["kind"]].model_validate(dict(spec))
-        resolved = await resolve(kube, namespace, parsed)
+        resolved = await resolve(kube, namespace, parsed, models_by_name)
         objects = render_pool(pool, resolved, config)
     except ValueError as exc:
         message = describe_error(exc)
@@ -68,7 +73,7 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
             status.get("conditions"), invalid_spec_conditions("InvalidSpec", message,
                                                               generation, now))
         patch.status["observedGeneration"] = generation
-        kopf.warn(body, reason="InvalidSpec", message=message)
+        await record(kube, pool, "InvalidSpec", message, warning=True)
         return
     changes, current = await apply_all(kube, objects)
     if reason != "create":  # scale-down of multi-node groups, or a single/multi-node switch
@@ -76,10 +81,10 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
         changes += await prune(kube, kinds, namespace, {POOL_LABEL: meta["name"]}, meta["uid"],
                                objects)
     if changes:
-        kopf.info(body, reason="Reconciled", message="; ".join(changes)[:1000])
-    role = getattr(parsed, "role", "both")
+        await record(kube, pool, "Reconciled", "; ".join(changes))
     workloads = {kind for _, kind in workload_kinds(config)}
     ready = workload_ready([o for o in current if o.get("kind") in workloads])
+    role = getattr(parsed, "role", "both")
     patch.status.update(pool_status(parsed.replicas, ready, pool_selector(pool, role),
                                     generation, status.get("conditions"), now))
     patch.status["observedGeneration"] = generation

@@ -11,6 +11,7 @@ from typing import Any
 
 import kopf
 from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.handlers.indexes import every, first
 from kvpilot.operator.handlers.inference_model import pool_counts
 from kvpilot.operator.handlers.kube import Kube, differs
 from kvpilot.operator.render.meta import GROUP_VERSION, MANAGED_BY
@@ -74,17 +75,16 @@ def statefulsets_by_pool(body: kopf.Body, **_: Any) -> dict[str, Any] | None:
 @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED)
 async def workload_changed(body: kopf.Body, type: str | None, memo: kopf.Memo,
                            deployments_by_pool: kopf.Index, statefulsets_by_pool: kopf.Index,
+                           prefill_pools: kopf.Index, decode_pools: kopf.Index,
                            **_: Any) -> None:
     """Recounts the owning pool's ready replicas when one of its workloads changes."""
     ref = controller_of(body, POOL_KINDS)
     if ref is None or type is None:  # router Deployments, and the initial listing
         return
-    kube: Kube = memo.kube
-    namespace = body["metadata"]["namespace"]
-    pool = await kube.get(GROUP_VERSION, ref["kind"], namespace, ref["name"])
-    if pool is None or pool["metadata"]["uid"] != ref["uid"]:
-        return
-    status = pool.get("status") or {}
+    pool = first(prefill_pools, ("uid", ref["uid"])) or first(decode_pools, ("uid", ref["uid"]))
+    if pool is None:
+        return  # the pool's own events will count it once it is indexed
+    status = pool["status"]
     if is_true(status.get("conditions"), DEGRADED) or "observedGeneration" not in status:
         return  # the pool handler owns the status until the spec is valid and handled
     workloads = [*deployments_by_pool.get(ref["uid"], []),
@@ -93,30 +93,32 @@ async def workload_changed(body: kopf.Body, type: str | None, memo: kopf.Memo,
     new = pool_status(pool["spec"].get("replicas", 1), workload_ready(workloads),
                       pool_selector(pool, role), status.get("observedGeneration"),
                       status.get("conditions"), now_rfc3339())
-    await _patch_status_if_changed(kube, pool, new)
+    await _patch_status_if_changed(memo.kube, pool, new)
 
 
 @kopf.on.event(GROUP, VERSION, "prefillpools")
 @kopf.on.event(GROUP, VERSION, "decodepools")
-async def pool_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+async def pool_changed(body: kopf.Body, type: str | None, memo: kopf.Memo,
+                       models_by_name: kopf.Index, prefill_pools: kopf.Index,
+                       decode_pools: kopf.Index, **_: Any) -> None:
     """Recounts the owning InferenceModel's pools when one of them changes."""
     ref = controller_of(body, ("InferenceModel",))
-    if ref is None:
+    if ref is None or type is None:
         return
-    kube: Kube = memo.kube
     namespace = body["metadata"]["namespace"]
-    im = await kube.get(GROUP_VERSION, "InferenceModel", namespace, ref["name"])
+    im = first(models_by_name, (namespace, ref["name"]))
     if im is None or im["metadata"]["uid"] != ref["uid"]:
         return
-    status = im.get("status") or {}
+    status = im["status"]
     if is_true(status.get("conditions"), DEGRADED) or "observedGeneration" not in status:
         return
     try:
         spec = InferenceModelSpec.model_validate(im["spec"])
     except ValueError:
         return
-    counts = await pool_counts(kube, ref["name"], namespace, spec)
+    pools = every((prefill_pools, decode_pools), ("model", ref["uid"]))
+    counts = pool_counts(spec, ref["name"], pools)
     endpoint = endpoint_url(ref["name"], namespace) if spec.router.replicas > 0 else None
     new = model_status(counts, endpoint, status.get("observedGeneration"),
                        status.get("conditions"), now_rfc3339())
-    await _patch_status_if_changed(kube, im, new)
+    await _patch_status_if_changed(memo.kube, im, new)

@@ -164,6 +164,9 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
             self.calls[request.action.name.lower(), plural] += 1
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == enums.action.CREATE:
+                meta = request.data.setdefault("metadata", {})
+                if "name" not in meta and "generateName" in meta:
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
                 if request.namespace:
                     request.data.setdefault("metadata", {})["namespace"] = request.namespace
                 request.data.pop("status", None) if request.resource in self._with_status else None
