@@ -18,7 +18,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
-from kvpilot.operator.autoscale.budget import PoolDemand, allocate
+from kvpilot.operator.autoscale.model import (
+    PoolReport,
+    gpus_per_replica,
+    report_to_model,
+    within_budget,
+)
 from kvpilot.operator.autoscale.pods import DELETION_COST, deletion_costs, metrics_targets
 from kvpilot.operator.autoscale.policy import Decision, PolicyState, decide
 from kvpilot.operator.autoscale.scrape import PodSample, pool_metrics, router_demand, scrape
@@ -52,11 +57,6 @@ def role_of(body: kopf.Body) -> str:
     return (body.get("spec") or {}).get("role", "both")
 
 
-def _gpus_per_replica(spec: kopf.Spec) -> int:
-    topology = spec.get("topology") or {}
-    return int(topology.get("tensorParallel", 1)) * int(topology.get("pipelineParallel", 1))
-
-
 def decision_reason(d: Decision, budget: str | None) -> str:
     """Gives the one-line reason the status and the event carry."""
     parts = [d.reason]
@@ -79,37 +79,6 @@ def status_fields(metrics: PoolMetrics, role: str) -> dict[str, Any]:
     return out
 
 
-async def _budget(kube: Kube, meta: kopf.Meta, spec: kopf.Spec, role: str, desired: int,
-                  load: float, shared: dict[tuple[str, str], float]) -> tuple[int, str | None]:
-    """Gives `desired` within the InferenceModel's GPU budget, and the budget's message."""
-    model = spec.get("modelRef")
-    if not model:
-        return desired, None
-    namespace, name = meta["namespace"], meta["name"]
-    im = await kube.get(GROUP_VERSION, "InferenceModel", namespace, model)
-    budget = ((im or {}).get("spec") or {}).get("gpuBudget")
-    if budget is None:
-        return desired, None
-    pools: list[PoolDemand] = []
-    for kind in ("PrefillPool", "DecodePool"):
-        for pool in await kube.list(GROUP_VERSION, kind, namespace):
-            pspec = pool.get("spec") or {}
-            if pspec.get("modelRef") != model:
-                continue
-            other = pool["metadata"]["name"]
-            current = int(pspec.get("replicas", 1))
-            autoscaling = pspec.get("autoscaling")
-            # A pool without autoscaling cannot give replicas back: its floor is its size.
-            floor = int(autoscaling.get("minReplicas", 1)) if autoscaling else current
-            pools.append(PoolDemand(
-                other, current=current, desired=desired if other == name else current,
-                min_replicas=floor,
-                gpus_per_replica=_gpus_per_replica(pspec),
-                load=load if other == name else shared.get((namespace, other), current)))
-    grant = allocate(int(budget), pools)
-    return grant.replicas.get(name, desired), grant.message if grant.binds else None
-
-
 async def _mark_for_removal(kube: Kube, namespace: str, samples: dict[str, PodSample],
                             pods: list[dict[str, Any]]) -> None:
     """Sets pod-deletion-cost so the ReplicaSet removes the least-loaded pods first."""
@@ -122,9 +91,9 @@ async def _mark_for_removal(kube: Kube, namespace: str, samples: dict[str, PodSa
 
 
 @kopf.on.startup()
-async def shared_loads(memo: kopf.Memo, **_: Any) -> None:
-    """Gives every pool's timer one shared table of pool loads (for the GPU budget)."""
-    memo.autoscale_loads = {}
+async def shared_reports(memo: kopf.Memo, **_: Any) -> None:
+    """Gives every pool's timer one shared table of what each pool saw (budget, rollup)."""
+    memo.autoscale_pools = {}
 
 
 @kopf.timer(GROUP, VERSION, "prefillpools", interval=TICK_S,
@@ -141,7 +110,7 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
         return
     role = role_of(body)
     try:
-        pspec: PolicySpec = from_api(spec["autoscaling"], role, _gpus_per_replica(spec))
+        pspec: PolicySpec = from_api(spec["autoscaling"], role, gpus_per_replica(spec))
     except (ValueError, TypeError) as exc:
         raise kopf.PermanentError(f"spec.autoscaling is invalid: {exc}") from exc
     runtime.next_run = now + pspec.interval_seconds
@@ -153,8 +122,8 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     samples = await scrape(metrics_targets(pods), SCRAPE_TIMEOUT_S)
     demand = 0
     if current == 0:
-        model = (meta.get("labels") or {}).get(MODEL_LABEL) or spec.get("modelRef") or name
-        routers = await kube.list("v1", "Pod", namespace, router_labels(model))
+        owner = (meta.get("labels") or {}).get(MODEL_LABEL) or spec.get("modelRef") or name
+        routers = await kube.list("v1", "Pod", namespace, router_labels(owner))
         demand = await router_demand(list(metrics_targets(routers).values()), role,
                                      SCRAPE_TIMEOUT_S)
     metrics = pool_metrics(samples, runtime.samples, now, demand)
@@ -163,28 +132,43 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     d = decide(pspec, runtime.state, runtime.history, current, now)
     runtime.state = d.state
 
-    loads = getattr(memo, "autoscale_loads", {})
-    load = d.vote.replicas if d.vote else current
-    loads[(namespace, name)] = float(load)
-    desired, budget = await _budget(kube, meta, spec, role, d.desired, float(load), loads)
+    fields = status_fields(metrics, role)
+    shared: dict[tuple[str, str], PoolReport] = getattr(memo, "autoscale_pools", {})
+    model = spec.get("modelRef")
+    shared[(namespace, name)] = PoolReport(
+        model, role, float(d.vote.replicas if d.vote else current),
+        fields.get("kvCacheUtilization"), metrics.requests_waiting)
+    im = await kube.get(GROUP_VERSION, "InferenceModel", namespace, model) if model else None
+    desired, budget = await within_budget(kube, im, namespace, name, d.desired, shared)
+    patch.status.update({k: v for k, v in fields.items() if status.get(k) != v})
+    decision = await _decide_and_report(body, d, current, desired, budget, now, runtime,
+                                        patch, kube, samples, pods)
+    await report_to_model(kube, im, namespace, shared, decision)
 
-    patch.status.update({k: v for k, v in status_fields(metrics, role).items()
-                         if status.get(k) != v})
+
+async def _decide_and_report(body: kopf.Body, d: Decision, current: int, desired: int,
+                             budget: str | None, now: float, runtime: PoolRuntime,
+                             patch: kopf.Patch, kube: Kube, samples: dict[str, PodSample],
+                             pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Patches spec.replicas, writes lastScaleDecision and posts the event; gives the
+    decision written (None when there was nothing new to say)."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     hold = decision_reason(d, budget)
     # A hold is reported once per cause, not on every tick its numbers move.
     hold_key = f"{d.recommendation}|{'|'.join(d.held_by)}|{budget is not None}"
     frozen = any(h.startswith("missing data") for h in d.held_by)
     if desired == current and ((d.recommendation == current and not frozen)
                                or hold_key == runtime.last_hold):
-        return
+        return None
     runtime.last_hold = hold_key
     stamp = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    patch.status["lastScaleDecision"] = {"time": stamp, "pool": name, "fromReplicas": current,
-                                         "toReplicas": desired, "reason": hold[:1000]}
+    decision = {"time": stamp, "pool": name, "fromReplicas": current, "toReplicas": desired,
+                "reason": hold[:1000]}
+    patch.status["lastScaleDecision"] = decision
     if desired == current:
         kopf.event(body, type="Normal", reason="ScaleHeld",
                    message=f"{current} replicas: {hold}"[:1000])
-        return
+        return decision
     if desired < current:
         await _mark_for_removal(kube, namespace, samples, pods)
     patch.spec["replicas"] = desired
@@ -192,3 +176,4 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     # lines (settings.posting.level), but scale decisions must reach `kubectl describe`.
     kopf.event(body, type="Normal", reason="ScaledUp" if desired > current else "ScaledDown",
                message=f"{current} -> {desired} replicas: {hold}"[:1000])
+    return decision

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import attrs
 import httpx
+import jsonpatch
 import kmock
 import pytest
 from kmock._internal import enums
+from kmock._internal.k8s import KubernetesError
 
 OPERATOR_TESTS = Path(__file__).resolve().parents[1] / "operator"
 sys.path.insert(0, str(OPERATOR_TESTS))
@@ -36,15 +38,21 @@ ENGINE_FLAGS = ["--model", "tiny-llama", "--max-num-seqs", "2", "--num-kv-blocks
 
 @attrs.define(kw_only=True)
 class Emulator(ApiServer):
-    """The operator tests' emulator plus `metadata.generateName`, which kopf's events use
-    (without it every event after the first collides on an empty name)."""
+    """The operator tests' emulator plus two API-server behaviours the autoscaler's frequent
+    writes need: `metadata.generateName` (kopf's events; without it every event after the
+    first collides on an empty name) and HTTP 422 for a failed JSON-patch `test` of
+    resourceVersion (kopf then retries on the next cycle; on a 500 it stalls the object
+    for nine backed-off attempts)."""
 
     async def _handle(self, request: kmock.Request) -> object:
         if request.action == enums.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             if not meta.get("name") and meta.get("generateName"):
                 meta["name"] = meta["generateName"] + uuid.uuid4().hex[:8]
-        return await super()._handle(request)
+        try:
+            return await super()._handle(request)
+        except jsonpatch.JsonPatchTestFailed as exc:
+            raise KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
 
 
 def free_port() -> int:

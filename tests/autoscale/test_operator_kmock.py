@@ -91,6 +91,56 @@ async def load(port: int, n: int) -> list[asyncio.Task[Any]]:
     return [asyncio.create_task(one()) for _ in range(n)]
 
 
+IMS = f"/apis/kvpilot.dev/v1alpha1/namespaces/{NAMESPACE}/inferencemodels"
+
+
+async def test_model_gpu_budget_holds_the_pool_and_status_rolls_up(
+        api, operator, client: httpx.AsyncClient, engines) -> None:
+    """An InferenceModel with gpuBudget 1: load asks for a second replica, the budget says no,
+    and the model's status shows KV%, QUEUE and the held decision."""
+    autoscaling = decode_pool()["spec"]["autoscaling"]
+    im = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel",
+          "metadata": {"name": "chat", "namespace": NAMESPACE},
+          "spec": {"model": {"name": "chat", "source": "dummy:tiny-llama"},
+                   "accelerator": {"vendor": "cpu"}, "gpuBudget": 1,
+                   "decode": {"replicas": 1, "autoscaling": autoscaling}}}
+    assert (await client.post(IMS, json=im)).status_code == 200, "InferenceModel rejected"
+    await eventually(lambda: _exists(client, f"{POOLS}/{POOL}"), timeout=20,
+                     what="the model's decode pool")
+    ports = [port for port, _ in engines]
+    replicaset = asyncio.create_task(play_replicaset(client, ports))
+    tasks = await load(ports[0], 8)
+    try:
+        status = await eventually(lambda: _model_decision(client), timeout=30,
+                                  what="the model's lastScaleDecision")
+        decision = status["lastScaleDecision"]
+        assert (decision["pool"], decision["fromReplicas"], decision["toReplicas"]) == \
+            (POOL, 1, 1)
+        assert "GPU budget 1 binds: chat-decode 1 of 2 wanted" in decision["reason"]
+        assert status["queueDepth"] >= 1 and 0 <= status["kvCachePercent"] <= 100
+        await asyncio.sleep(3)
+        assert await spec_replicas(client) == 1
+    finally:
+        for t in tasks:
+            t.cancel()
+        replicaset.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await replicaset
+        await client.delete(f"{IMS}/chat")
+        await client.delete(f"{POOLS}/{POOL}")
+        for i in range(2):
+            await client.delete(f"{PODS}/{POOL}-{i}")
+
+
+async def _exists(client: httpx.AsyncClient, path: str) -> bool:
+    return (await client.get(path)).status_code == 200
+
+
+async def _model_decision(client: httpx.AsyncClient) -> dict[str, Any] | None:
+    status = (await client.get(f"{IMS}/chat")).json().get("status") or {}
+    return status if "lastScaleDecision" in status and "queueDepth" in status else None
+
+
 async def test_load_scales_up_idleness_scales_down_dead_metrics_freeze(
         api, operator, client: httpx.AsyncClient, engines) -> None:
     ports = [port for port, _ in engines]

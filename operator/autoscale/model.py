@@ -1,0 +1,102 @@
+"""The InferenceModel's side of autoscaling: its GPU budget over its pools, and its KV%/QUEUE.
+
+Each pool's timer records what it saw in a table shared by all timers of the
+operator (`PoolReport` by namespace and pool); from it and the API's pool list
+it computes the model's budget allocation and takes its own entry, and it rolls
+KV usage (decode pools) and queue depth (all pools) up into the model's status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.operator.autoscale.budget import PoolDemand, allocate
+from kvpilot.operator.handlers.kube import Kube, differs
+from kvpilot.operator.render.meta import GROUP_VERSION
+
+POOL_KINDS = ("PrefillPool", "DecodePool")
+
+
+@dataclass(frozen=True)
+class PoolReport:
+    """What a pool's timer last saw of its pool."""
+
+    model: str | None
+    role: str
+    load: float
+    """Replicas the pool needs at its targets (its winning vote)."""
+    kv: float | None = None
+    queue: float | None = None
+
+
+def gpus_per_replica(spec: Mapping[str, Any]) -> int:
+    """Gives the GPUs one replica of a pool spec holds (tensor × pipeline parallel)."""
+    topology = spec.get("topology") or {}
+    return int(topology.get("tensorParallel", 1)) * int(topology.get("pipelineParallel", 1))
+
+
+def budget_demands(pools: Sequence[Mapping[str, Any]], model: str, name: str, desired: int,
+                   shared: Mapping[tuple[str, str], PoolReport]) -> list[PoolDemand]:
+    """Gives the budget's view of the model's pools: this one wants `desired`, the others
+    keep their size; a pool without autoscaling cannot give replicas back."""
+    out = []
+    for pool in pools:
+        spec = pool.get("spec") or {}
+        if spec.get("modelRef") != model:
+            continue
+        meta = pool["metadata"]
+        current = int(spec.get("replicas", 1))
+        autoscaling = spec.get("autoscaling")
+        report = shared.get((meta.get("namespace", ""), meta["name"]))
+        out.append(PoolDemand(
+            meta["name"], current=current, desired=desired if meta["name"] == name else current,
+            min_replicas=int(autoscaling.get("minReplicas", 1)) if autoscaling else current,
+            gpus_per_replica=gpus_per_replica(spec),
+            load=report.load if report else float(current)))
+    return out
+
+
+async def within_budget(kube: Kube, im: Mapping[str, Any] | None, namespace: str, name: str,
+                        desired: int, shared: Mapping[tuple[str, str], PoolReport]
+                        ) -> tuple[int, str | None]:
+    """Gives `desired` cut to this pool's share of the model's gpuBudget, and the message
+    when the budget binds."""
+    budget = ((im or {}).get("spec") or {}).get("gpuBudget")
+    if im is None or budget is None:
+        return desired, None
+    pools = [p for kind in POOL_KINDS for p in await kube.list(GROUP_VERSION, kind, namespace)]
+    grant = allocate(int(budget), budget_demands(pools, im["metadata"]["name"], name, desired,
+                                                 shared))
+    return grant.replicas.get(name, desired), grant.message if grant.binds else None
+
+
+def model_fields(model: str, namespace: str,
+                 shared: Mapping[tuple[str, str], PoolReport]) -> dict[str, Any]:
+    """Gives the model's KV% (mean of its decode pools) and QUEUE (sum of all its pools)."""
+    reports = [r for (ns, _), r in shared.items() if ns == namespace and r.model == model]
+    kvs = [r.kv for r in reports if r.role != "prefill" and r.kv is not None]
+    queues = [r.queue for r in reports if r.queue is not None]
+    out: dict[str, Any] = {}
+    if kvs:
+        kv = min(max(sum(kvs) / len(kvs), 0.0), 1.0)
+        out["kvCacheUtilization"] = round(kv, 3)
+        out["kvCachePercent"] = round(kv * 100)
+    if queues:
+        out["queueDepth"] = round(sum(queues))
+    return out
+
+
+async def report_to_model(kube: Kube, im: Mapping[str, Any] | None, namespace: str,
+                          shared: Mapping[tuple[str, str], PoolReport],
+                          decision: dict[str, Any] | None) -> None:
+    """Patches the model's status with its KV%, QUEUE and the latest decision, if they changed."""
+    if im is None:
+        return
+    status = model_fields(im["metadata"]["name"], namespace, shared)
+    if decision is not None:
+        status["lastScaleDecision"] = decision
+    if status and differs(im.get("status") or {}, status):
+        await kube.patch(GROUP_VERSION, "InferenceModel", namespace, im["metadata"]["name"],
+                         {"status": status}, subresource="status")
