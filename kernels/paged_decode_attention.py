@@ -21,7 +21,11 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Arguments that change from step to step are not specialised on (divisibility by 16,
+# pointer alignment of sliced views): each distinct specialisation is a fresh compile,
+# seconds of stall in the middle of serving.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     scale, num_splits,
@@ -82,23 +86,22 @@ def _decode_split_kernel(
     tl.store(mid_lse_ptr + row, lse, mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    mid_o_ptr, mid_lse_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, HEAD_DIM)
-    row0 = (seq * NUM_HEADS + head) * NUM_SPLITS
-    lse = tl.load(mid_lse_ptr + row0 + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    row0 = (seq * NUM_HEADS + head) * num_splits
+    lse = tl.load(mid_lse_ptr + row0 + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m)
     o = tl.load(mid_o_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=(offs_s < NUM_SPLITS)[:, None], other=0.0)
+                mask=(offs_s < num_splits)[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d,
@@ -151,9 +154,9 @@ def paged_decode_attention(
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1),
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+        SPLITS_P2=max(16, triton.next_power_of_2(num_splits)),
     )
     return out
 

@@ -36,7 +36,11 @@ def _tile(acc, m_i, l_i, q, k, v, qk_scale, mask):
     return acc, m_new, l_i
 
 
-@triton.jit
+# the block table's width and the sliced per-sequence tensors change every step: no
+# specialisation on them, or each new width/alignment is a fresh compile mid-serving
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
+                                            "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr, qk_scale,
