@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
+from kvpilot.engine.metric_names import ROUTER_PENDING_REQUESTS
 from kvpilot.operator.autoscale.pods import DELETION_COST
 from kvpilot.operator.render.meta import POOL_LABEL
+from kvpilot.operator.render.router import router_labels
 from operator_harness import NAMESPACE, eventually
 
 POOLS = f"/apis/kvpilot.dev/v1alpha1/namespaces/{NAMESPACE}/decodepools"
@@ -89,6 +93,50 @@ async def load(port: int, n: int) -> list[asyncio.Task[Any]]:
                 "ignore_eos": True})
 
     return [asyncio.create_task(one()) for _ in range(n)]
+
+
+class _RouterMetrics(BaseHTTPRequestHandler):
+    """A router's /metrics holding three decode requests for a pool with no replica."""
+
+    def do_GET(self) -> None:
+        body = (f"# TYPE {ROUTER_PENDING_REQUESTS} gauge\n"
+                f'{ROUTER_PENDING_REQUESTS}{{role="both"}} 3.0\n').encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+async def test_router_demand_scales_a_pool_from_zero(api, operator, client) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RouterMetrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        router = {"apiVersion": "v1", "kind": "Pod",
+                  "metadata": {"name": "zero-router-0", "namespace": NAMESPACE,
+                               "labels": router_labels("zero-decode")},
+                  "spec": {"containers": [{"name": "router", "ports": [
+                      {"name": "http", "containerPort": server.server_address[1]}]}]}}
+        await client.post(PODS, json=router)
+        await client.patch(f"{PODS}/zero-router-0/status", json=READY, headers=MERGE)
+        pool = decode_pool()
+        pool["metadata"]["name"] = "zero-decode"
+        pool["spec"]["replicas"] = 0
+        pool["spec"]["autoscaling"]["minReplicas"] = 0
+        assert (await client.post(POOLS, json=pool)).status_code == 200
+        got = await eventually(lambda: _scaled_from_zero(client), timeout=20,
+                               what="zero-decode at 1 replica")
+        assert got["status"]["lastScaleDecision"]["reason"].startswith(
+            "router holds 3 requests for a pool with no ready replica")
+    finally:
+        server.shutdown()
+
+
+async def _scaled_from_zero(client: httpx.AsyncClient) -> dict[str, Any] | None:
+    pool = (await client.get(f"{POOLS}/zero-decode")).json()
+    return pool if pool["spec"]["replicas"] == 1 else None
 
 
 IMS = f"/apis/kvpilot.dev/v1alpha1/namespaces/{NAMESPACE}/inferencemodels"
