@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import aiohttp
 import kopf
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.handlers.children import apply_all, prune
 from kvpilot.operator.handlers.events import record
-from kvpilot.operator.handlers.kube import Kube
+from kvpilot.operator.handlers.kube import Kube, KubeError, transient
 from kvpilot.operator.render.children import pool_name, pool_specs, render_children
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL
 from kvpilot.operator.render.router import endpoint_url
@@ -23,6 +24,7 @@ from kvpilot.operator.status import (
 )
 
 GROUP, VERSION = GROUP_VERSION.split("/")
+RETRY_SECONDS = 5
 OWNED_KINDS = [
     (GROUP_VERSION, "PrefillPool"), (GROUP_VERSION, "DecodePool"), ("v1", "ConfigMap"),
     ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ServiceAccount"),
@@ -72,10 +74,21 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
         return
     autoscaled = {pool_name(name, POOL_ROLES[kind]): [("spec", "replicas")]
                   for kind, pool in pool_specs(parsed, name) if pool.autoscaling is not None}
-    changes, stored = await apply_all(kube, children, keep=autoscaled)
-    if reason != "create":  # a new object has nothing stale to remove
-        changes += await prune(kube, OWNED_KINDS, namespace, {MODEL_LABEL: name}, meta["uid"],
-                               children)
+    try:
+        changes, stored = await apply_all(kube, children, keep=autoscaled)
+        if reason != "create":  # a new object has nothing stale to remove
+            changes += await prune(kube, OWNED_KINDS, namespace, {MODEL_LABEL: name}, meta["uid"],
+                                   children)
+    except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
+        if transient(exc):  # retry soon instead of kopf's default minute
+            raise kopf.TemporaryError(f"applying children: {exc}", delay=RETRY_SECONDS) from exc
+        # The API server refused a rendered object (e.g. an invalid override): say so.
+        patch.status["conditions"] = merge_conditions(
+            status.get("conditions"), invalid_spec_conditions("ApplyRejected", str(exc),
+                                                              generation, now))
+        patch.status["observedGeneration"] = generation
+        await record(kube, im, "ApplyRejected", str(exc), warning=True)
+        return
     if changes:
         await record(kube, im, "Reconciled", "; ".join(changes))
     counts = pool_counts(parsed, name, stored)

@@ -30,6 +30,13 @@ class KubeError(RuntimeError):
         super().__init__(f"{verb} {path} failed with HTTP {status}: {str(detail)[:300]}")
 
 
+def transient(exc: BaseException) -> bool:
+    """Gives whether an API failure is worth retrying soon (connection trouble, 409/429/5xx)."""
+    if isinstance(exc, KubeError):
+        return exc.status in (409, 429) or exc.status >= 500
+    return isinstance(exc, aiohttp.ClientError | TimeoutError)
+
+
 def resource_path(api_version: str, kind: str, namespace: str | None,
                   name: str | None = None, subresource: str | None = None) -> str:
     """Gives the REST path of a kind (plural = lower-case kind + 's', true for every kind used)."""
@@ -108,7 +115,10 @@ class Kube:
                     headers: Mapping[str, str] | None = None) -> tuple[int, str]:
         if self._session is None:  # created lazily: it must belong to the running loop
             self._session = aiohttp.ClientSession(
-                headers=self._headers, timeout=aiohttp.ClientTimeout(total=30),
+                # No total timeout: waiting for a free pooled connection under a burst of
+                # thousands of objects is not a failure; a silent server still is.
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=30),
                 connector=aiohttp.TCPConnector(limit=self._max_connections, ssl=self._ssl))
         data = None if body is None else json.dumps(body)
         all_headers = {"Content-Type": "application/json", **(headers or {})}

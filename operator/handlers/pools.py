@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import kopf
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import DecodePoolSpec, PoolSpec, PrefillPoolSpec
 from kvpilot.operator.handlers.children import apply_all, prune
 from kvpilot.operator.handlers.events import record
 from kvpilot.operator.handlers.indexes import first
-from kvpilot.operator.handlers.kube import Kube
+from kvpilot.operator.handlers.kube import Kube, KubeError, transient
 from kvpilot.operator.render.meta import GROUP_VERSION, POOL_LABEL, RenderConfig
 from kvpilot.operator.render.pool import pool_selector, render_pool
 from kvpilot.operator.render.workloads import LWS_API_VERSION
@@ -24,6 +25,7 @@ from kvpilot.operator.status import (
 )
 
 GROUP, VERSION = GROUP_VERSION.split("/")
+RETRY_SECONDS = 5
 SPEC_TYPES: dict[str, type[PoolSpec]] = {"PrefillPool": PrefillPoolSpec,
                                          "DecodePool": DecodePoolSpec}
 
@@ -75,11 +77,22 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
         patch.status["observedGeneration"] = generation
         await record(kube, pool, "InvalidSpec", message, warning=True)
         return
-    changes, current = await apply_all(kube, objects)
-    if reason != "create":  # scale-down of multi-node groups, or a single/multi-node switch
-        kinds = [*workload_kinds(config), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
-        changes += await prune(kube, kinds, namespace, {POOL_LABEL: meta["name"]}, meta["uid"],
-                               objects)
+    try:
+        changes, current = await apply_all(kube, objects)
+        if reason != "create":  # scale-down of multi-node groups, or a single/multi-node switch
+            kinds = [*workload_kinds(config), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
+            changes += await prune(kube, kinds, namespace, {POOL_LABEL: meta["name"]}, meta["uid"],
+                                   objects)
+    except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
+        if transient(exc):  # retry soon instead of kopf's default minute
+            raise kopf.TemporaryError(f"applying children: {exc}", delay=RETRY_SECONDS) from exc
+        # The API server refused a rendered object (e.g. an invalid override): say so.
+        patch.status["conditions"] = merge_conditions(
+            status.get("conditions"), invalid_spec_conditions("ApplyRejected", str(exc),
+                                                              generation, now))
+        patch.status["observedGeneration"] = generation
+        await record(kube, pool, "ApplyRejected", str(exc), warning=True)
+        return
     if changes:
         await record(kube, pool, "Reconciled", "; ".join(changes))
     workloads = {kind for _, kind in workload_kinds(config)}
