@@ -27,10 +27,9 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    write_tokenizer(path)
-    return path
+def tok_dir(tiny_checkpoints):
+    """A checkpoint dir as written by `write_checkpoint` (tokenizer files copied in)."""
+    return tiny_checkpoints("llama")
 
 
 @pytest.fixture(scope="module")
