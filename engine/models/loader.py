@@ -76,8 +76,12 @@ def load_safetensors(model: nn.Module, path: Path) -> None:
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     seen: set[str] = set()
+    tied_head = None
     for name, tensor in _checkpoint_tensors(path):
-        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if tied and name == "lm_head.weight":
+            tied_head = tensor  # checked against the embedding once that is loaded
             continue
         if name not in layout:
             raise ValueError(
@@ -91,6 +95,12 @@ def load_safetensors(model: nn.Module, path: Path) -> None:
                 f"implies {tuple(target.shape)}: the config and the weights disagree")
         target.copy_(tensor)
         seen.add(name)
+    if tied_head is not None and not torch.equal(
+            tied_head.to(model.lm_head.weight), model.lm_head.weight):
+        raise ValueError(
+            f"checkpoint {path} has its own lm_head.weight, but config.json ties it to the "
+            "embeddings (tie_word_embeddings is true or absent): set tie_word_embeddings "
+            "to false in config.json")
     missing = [name for name in layout if name not in seen]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

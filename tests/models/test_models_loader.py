@@ -209,3 +209,14 @@ def test_graph_safe_moe_path_equals_sparse_path():
     weights, experts = moe.route(x)
     assert experts.unique().numel() > 1
     torch.testing.assert_close(moe._dense(x, weights, experts), moe(x), rtol=1e-6, atol=1e-7)
+
+
+def test_untied_head_in_a_tied_config_is_a_clear_error(tmp_path, tiny_checkpoints):
+    """A config.json that omits tie_word_embeddings means tied (HF's default); a checkpoint
+    with a different lm_head must not be silently served with the embedding instead."""
+    path = copy_checkpoint(tiny_checkpoints("llama"), tmp_path / "ckpt", lambda t: None)
+    hf = json.loads((path / "config.json").read_text())
+    del hf["tie_word_embeddings"]
+    (path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=r"has its own lm_head\.weight, but config\.json ties"):
+        load_model(config_of(str(path)), "auto", "cpu")
