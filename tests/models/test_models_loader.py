@@ -9,6 +9,8 @@ import shutil
 import pytest
 import torch
 from helpers.paged import BlockAllocation, flat_positions
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
 from kvpilot.engine.models.config import ModelConfig
@@ -220,3 +222,33 @@ def test_untied_head_in_a_tied_config_is_a_clear_error(tmp_path, tiny_checkpoint
     (path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match=r"has its own lm_head\.weight, but config\.json ties"):
         load_model(config_of(str(path)), "auto", "cpu")
+
+
+@given(
+    arch=st.sampled_from(["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                          "MixtralForCausalLM"]),
+    kv_heads=st.sampled_from([1, 2, 4]),
+    layers=st.integers(1, 3),
+    experts=st.integers(1, 4),
+    tied=st.booleans(),
+    bias=st.booleans(),
+)
+@settings(max_examples=25, deadline=None)
+def test_weight_layout_covers_every_parameter_element_once(arch, kv_heads, layers, experts,
+                                                           tied, bias):
+    """Invariant of the loader's table: checkpoint tensors tile each parameter exactly, so
+    a complete checkpoint leaves nothing unset and nothing written twice."""
+    from kvpilot.engine.models.registry import model_class
+
+    hf = {"architectures": [arch], "vocab_size": 32, "hidden_size": 16,
+          "intermediate_size": 24, "num_hidden_layers": layers, "num_attention_heads": 4,
+          "num_key_value_heads": kv_heads, "max_position_embeddings": 64,
+          "tie_word_embeddings": tied, "attention_bias": bias, "mlp_bias": bias,
+          "num_local_experts": experts, "num_experts_per_tok": 1}
+    config = ModelConfig.from_hf(hf)
+    model = model_class(arch)(config)
+    coverage = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    for param_name, index in model.weight_layout().values():
+        coverage[param_name][index] += 1
+    for name, count in coverage.items():
+        assert torch.all(count == 1), name
