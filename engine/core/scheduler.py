@@ -131,7 +131,7 @@ class Scheduler:
                 continue
             planned[seq.seq_id] = (seq, num_new, copies)
             budget -= num_new
-        self._admit_waiting(budget, planned)
+        self._admit_waiting(budget, planned, out)
         for seq, num_new, copies in planned.values():
             out.scheduled.append((seq, num_new))
             out.block_copies.extend(copies)
@@ -139,26 +139,46 @@ class Scheduler:
         out.scheduled.sort(key=lambda item: item[1] != 1)
         return out
 
-    def _admit_waiting(self, budget: int, planned: dict) -> None:
+    def _admit_waiting(self, budget: int, planned: dict, out: SchedulerOutput) -> None:
         cfg = self.config
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            seq = self.waiting[0]
+        while self.waiting and budget > 0:
+            if len(self.running) >= cfg.max_num_seqs and not self._preempt_idle(out):
+                break
+            # a preempted beam that already has its candidates waits for selection, not compute
+            seq = next((s for s in self.waiting if s.beam_candidates is None), None)
+            if seq is None:
+                break
             hits = self.kv.get_computed_blocks(seq)
             num_new = seq.num_tokens - len(hits) * self.kv.block_size
             if self._must_wait_whole(num_new, budget):
                 break
             num_new = min(num_new, budget)
             copies = self.kv.allocate_slots(seq, num_new, hits)
+            while copies is None and self._preempt_idle(out):
+                copies = self.kv.allocate_slots(seq, num_new, hits)
             if copies is None:
                 break
             self.kv.record_prefix_lookup(seq, len(hits) * self.kv.block_size)
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.num_cached_tokens = len(hits) * self.kv.block_size
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             planned[seq.seq_id] = (seq, num_new, copies)
             budget -= num_new
+
+    def _preempt_idle(self, out: SchedulerOutput) -> bool:
+        """Preempts the least important running sequence with nothing to compute, if any.
+
+        Such a sequence is a beam holding blocks while it waits for its siblings;
+        left in place it could keep a sibling (or anything else) from ever being
+        admitted. Gives whether one was preempted.
+        """
+        idle = [s for s in self.running if s.num_pending_tokens == 0]
+        if not idle:
+            return False
+        self._preempt(max(idle, key=self._key), out)
+        return True
 
     def _must_wait_whole(self, num_new: int, budget: int) -> bool:
         """Gives whether an unchunked prefill must wait for a step with room for all of it.
