@@ -4,7 +4,7 @@ uvicorn's own signal handling would stop accepting and then cut open streams
 after its graceful timeout; we take SIGTERM/SIGINT ourselves: the first one
 starts a drain (`/ready` 503, new requests refused, in-flight ones finish
 within `--drain-timeout`), then uvicorn is asked to exit and the process
-returns 0. A second signal exits at once.
+returns 0. A second SIGINT (Ctrl+C) exits at once; a repeated SIGTERM is ignored.
 """
 
 from __future__ import annotations
@@ -69,8 +69,13 @@ def make_server(app: Any, server_args: ServerArgs) -> Any:
 
         def on_signal(self, sig: int) -> None:
             if self.drain_task is not None:
-                logger.warning("second signal %s: exiting without waiting", sig)
-                self.should_exit = self.force_exit = True
+                # Wrappers (timeout, some inits) may repeat SIGTERM: only a second
+                # Ctrl+C means "stop now".
+                if sig == signal.SIGINT:
+                    logger.warning("second SIGINT: exiting without waiting")
+                    self.should_exit = self.force_exit = True
+                else:
+                    logger.info("signal %s again: already draining", sig)
                 return
             logger.info("signal %s: draining for up to %.1fs", sig, server_args.drain_timeout)
             self.drain_task = asyncio.ensure_future(self.drain_then_exit())
