@@ -142,3 +142,21 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     _admit(s, again)
     assert ("b", 4) in scheduled_ids(s.schedule())  # block 2 is recomputed for the logits
     assert s.kv.prefix_cache_hits == 4
+
+
+def test_an_idle_beam_yields_its_blocks_and_waits_for_selection():
+    s = make_scheduler(num_blocks=4, block_size=4)
+    beam = make_request("beam", 12)  # 3 blocks
+    _admit(s, beam)
+    s.schedule()
+    idle = seq_of(beam)
+    idle.num_computed_tokens = 12  # computed; its next token waits for its sibling beams
+    idle.beam_candidates = [(-1.0, 5)]
+    _admit(s, make_request("other", list(range(200, 208))))  # 2 blocks, 1 free
+    plan = s.schedule()
+    assert scheduled_ids(plan) == [("other", 8)]
+    assert [p.request.request_id for p in plan.preempted] == ["beam"]
+    assert idle in s.waiting and idle.beam_candidates == [(-1.0, 5)]
+    # candidates ready: the preempted beam is not recomputed before selection
+    assert scheduled_ids(run_step(s)) == [("other", 8)]
+    assert scheduled_ids(s.schedule()) == [("other", 1)]
