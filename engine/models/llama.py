@@ -7,6 +7,7 @@ the paged KV cache through `model.attn_backend`, which the model runner may swap
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeAlias
 
 import torch
@@ -19,6 +20,8 @@ from torch import nn
 
 # checkpoint tensor name -> (parameter name, index into that parameter)
 WeightLayout: TypeAlias = dict[str, tuple[str, tuple]]
+# builds one layer's feed-forward block (dense MLP or mixture of experts)
+MakeMLP: TypeAlias = Callable[[ModelConfig], nn.Module]
 
 
 class Attention(nn.Module):
@@ -94,7 +97,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embeddings, the decoder layers and the final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, make_mlp) -> None:
+    def __init__(self, config: ModelConfig, make_mlp: MakeMLP) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -124,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM; also serves Mistral, Qwen2 and Qwen3 through config flags."""
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None,
-                 make_mlp=dense_mlp) -> None:
+                 make_mlp: MakeMLP = dense_mlp) -> None:
         super().__init__()
         if attn_backend is None:
             from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
