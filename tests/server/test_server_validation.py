@@ -89,9 +89,11 @@ def test_unknown_route_is_a_404_error_object(server: RunningServer) -> None:
     assert resp.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_api_key_and_queue_limit() -> None:
+def test_api_key_queue_limit_and_kv_refusal() -> None:
+    # A KV cache of 4 blocks (64 tokens) under a 512-token context.
+    engine = tiny_engine(num_kv_blocks=4)
     # max_queue_len=0: any request would wait, so every generation gets 429.
-    app = build_app(tiny_engine(), MODEL, max_queue_len=0, api_key="sesame")
+    app = build_app(engine, MODEL, max_queue_len=0, api_key="sesame")
     with serve_in_thread(app) as running:
         url = f"{running.base_url}/v1/completions"
         missing = httpx.post(url, json=OK_COMPLETION, timeout=10)
@@ -104,6 +106,15 @@ def test_api_key_and_queue_limit() -> None:
         assert full.headers["Retry-After"] == "1"
         assert full.json()["error"]["type"] == "rate_limit_error"
         assert httpx.get(f"{running.base_url}/health").status_code == 200  # probes need no key
+    # The same engine behind a second app (the first one's engine thread has stopped):
+    # a request that fits the context but never the KV cache is refused by the engine.
+    with serve_in_thread(build_app(engine, MODEL)) as running:
+        url = f"{running.base_url}/v1/completions"
+        fits = httpx.post(url, json={**OK_COMPLETION, "max_tokens": 8}, timeout=30)
+        assert fits.status_code == 200
+        too_big = httpx.post(url, json={**OK_COMPLETION, "max_tokens": 200}, timeout=30)
+        assert too_big.status_code == 400
+        assert "KV blocks" in too_big.json()["error"]["message"]
 
 
 @settings(max_examples=50, deadline=None)
