@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -125,3 +127,13 @@ def test_shared_prefix_dataset_cycles_its_prefixes() -> None:
     assert all(s.prompt_words == 16 and s.output_len == 8 for s in samples)
     with pytest.raises(ValueError, match="num_prefixes"):
         shared_prefix_dataset(1, 0, 4, 4, 4, 0.0, 0)
+
+
+def test_loadgen_and_serve_cli_stay_torch_free() -> None:
+    # The load generator runs in the router image, which has no torch.
+    code = ("import sys, kvpilot.engine.loadgen.runner, kvpilot.engine.loadgen.cli, "
+            "kvpilot.engine.loadgen.report, kvpilot.engine.server.cli; "
+            "print(sorted(m for m in ('torch', 'uvicorn', 'fastapi') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
