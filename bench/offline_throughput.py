@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import random
 import tempfile
@@ -118,8 +119,9 @@ def main() -> None:
         seq_s = float("nan") if args.skip_sequential else run_hf_sequential(hf, work)
     result = {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()} {platform.processor() or ''} CPU, "
-                   f"torch threads {torch.get_num_threads()}".replace("  ", " "),
+        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs "
+                   f"(load average {os.getloadavg()[0]:.1f} at the end), "
+                   f"torch threads {torch.get_num_threads()}",
         "model": "tiny-llama (2 layers, hidden 128, vocab 1024), fp32",
         "requests": args.requests,
         "output_tokens": out_tokens,
