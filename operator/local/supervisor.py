@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +17,13 @@ import httpx
 from kvpilot.operator.local.plan import LOCALHOST, LocalProcess
 
 KV_PORT_OFFSET = 1000  # engines put their KV agent at their HTTP port + 1000 (EngineArgs)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Has Linux SIGTERM this child if `kvpilot up` dies, even by SIGKILL (no orphans)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _bindable(port: int) -> bool:
@@ -48,7 +57,8 @@ class Supervisor:
         """Starts one process in its own session, so a terminal's Ctrl-C reaches only us."""
         log = open(self.log_dir / f"{process.name}.log", "wb")  # noqa: SIM115 (child owns it)
         popen = subprocess.Popen(process.argv, env={**os.environ, **process.env},
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                 preexec_fn=_die_with_parent)
         log.close()
         self.running.append((process, popen))
 

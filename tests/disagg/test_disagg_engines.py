@@ -111,3 +111,29 @@ def test_unpulled_lease_expires_without_leaking(engines):
     assert prefill.kv.pool.num_free_blocks == NUM_BLOCKS - 5  # pinned for the decode side
     assert wait_for_free_blocks(prefill, NUM_BLOCKS, 3) == NUM_BLOCKS
     assert len(prefill.connector.leases) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_blocks_round_trip_bit_exact():
+    import torch
+    from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
+
+    def cuda_engine():
+        args = EngineArgs(model="tiny-llama", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK,
+                          device="cuda", dtype="bfloat16")
+        return LLMEngine.from_engine_args(args)
+
+    source, target = cuda_engine(), cuda_engine()
+    prompt = [*SYSTEM, 5, 6]
+    run(source, "gpu-src", prompt, SamplingParams(temperature=0, max_tokens=1))
+    src, dst = EngineBlockStore(source), EngineBlockStore(target)
+    hashes, pinned = src.pin(prompt)
+    assert len(hashes) == 4
+    assert dst.import_blocks(list(zip(hashes, src.read(pinned, hashes), strict=True))) == 4
+    for block_hash in hashes:
+        a = source.kv.pool.lookup(block_hash).block_id
+        b = target.kv.pool.lookup(block_hash).block_id
+        for src_cache, dst_cache in zip(source.runner.kv_caches, target.runner.kv_caches,
+                                        strict=True):
+            assert torch.equal(src_cache[:, a], dst_cache[:, b])
+    src.unpin(pinned)
