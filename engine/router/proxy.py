@@ -143,13 +143,9 @@ class Forwarder:
 
     def _respond(self, attempt: Attempt, arrival: float, served: str) -> Response:
         content_type = attempt.response.headers.get("content-type", "application/json")
-        headers = {SERVED_BY_HEADER: served}
-        if not content_type.startswith("text/event-stream"):
-            return StreamingResponse(self._relay(attempt, arrival, sse=False),
-                                     attempt.response.status_code, headers,
-                                     media_type=content_type)
-        return StreamingResponse(self._relay(attempt, arrival, sse=True),
-                                 attempt.response.status_code, headers, media_type=content_type)
+        sse = content_type.startswith("text/event-stream")
+        return StreamingResponse(self._relay(attempt, arrival, sse), attempt.response.status_code,
+                                 {SERVED_BY_HEADER: served}, media_type=content_type)
 
     async def _relay(self, attempt: Attempt, arrival: float, sse: bool) -> AsyncIterator[bytes]:
         """Yields the upstream bytes; a failure after the first byte ends in an error event."""
@@ -158,16 +154,19 @@ class Forwarder:
         try:
             yield attempt.first
             while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"request_timeout={self.request_timeout}s exceeded")
                 try:
-                    chunk = await asyncio.wait_for(anext(attempt.chunks), remaining)
+                    chunk = await asyncio.wait_for(anext(attempt.chunks),
+                                                   max(deadline - time.monotonic(), 0.0))
                 except StopAsyncIteration:
                     break
                 yield chunk
             outcome = "ok"
-        except (httpx.HTTPError, TimeoutError, OSError) as exc:
+        except TimeoutError:
+            # The request outlived request_timeout: the client's budget, not the instance's fault.
+            outcome = "timeout"
+            if sse:
+                yield sse_error(f"request_timeout={self.request_timeout}s exceeded", 504)
+        except (httpx.HTTPError, OSError) as exc:
             outcome = "error"
             log.warning("stream from %s broke after the first byte: %r", attempt.instance.url,
                         exc)

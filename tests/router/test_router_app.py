@@ -210,3 +210,17 @@ async def test_kv_events_refine_the_index(fleet):
         removed = await client.post("/kv_events", json={"instance": urls["a"], "removed": [2]})
         unknown = await client.post("/kv_events", json={"instance": "http://x:1", "stored": [5]})
     assert [r.json()["entries"] for r in (stored, removed, unknown)] == [2, 1, 1]
+
+
+async def test_request_timeout_mid_stream_is_the_clients_budget_not_a_failure(fleet):
+    slow = FakeEngine("slow", chunks=20, stream_delay=0.1)
+    router, urls = await fleet([slow], request_timeout=0.5, eject_after_failures=1)
+    async with httpx.AsyncClient(base_url=router) as client:
+        response = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
+        events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+        metrics = (await client.get("/metrics")).text
+        again = await client.post("/v1/completions", json=COMPLETION)
+    assert 2 <= len(events) < 20
+    assert json.loads(events[-1])["error"]["code"] == 504
+    assert f'instance="{urls["slow"]}",outcome="timeout"' in metrics
+    assert again.status_code == 200  # not ejected
