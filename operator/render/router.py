@@ -57,6 +57,8 @@ def render_router(model: str, namespace: str, spec: InferenceModelSpec, owner: d
         "command": ["kvpilot", "route"],
         "args": router_args(model, namespace, spec),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        # /health, not /ready: the router must take requests while a pool scales from
+        # zero (it holds them until an engine is ready), so it is ready without engines.
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
