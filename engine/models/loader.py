@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from kvpilot.engine.models.registry import model_class
 from safetensors import safe_open
 from torch import nn
 
+logger = logging.getLogger(__name__)
 DUMMY_STD = 0.02
 # Checkpoint tensors that carry no weights the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -33,8 +35,13 @@ def load_model(config: ModelConfig, load_format: str, device: torch.device | str
         init_dummy_weights(model, seed)
     else:
         load_safetensors(model, Path(config.model_path))
-    if fused_kernels if fused_kernels is not None else device.type == "cuda":
+    if fused_kernels:
         use_fused_kernels(model)
+    elif fused_kernels is None and device.type == "cuda":
+        try:
+            use_fused_kernels(model)
+        except ImportError as exc:  # e.g. a CUDA build without Triton: torch ops still work
+            logger.warning("fused kernels unavailable (%s); the model runs torch ops", exc)
     return model.eval().requires_grad_(False)
 
 
