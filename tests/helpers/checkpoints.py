@@ -45,6 +45,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32}}),
     "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    # Llama's optional biases: q/k/v/o (attention_bias) and the MLP's (mlp_bias)
+    "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
     "mistral": ("MistralConfig", {"sliding_window": None, "head_dim": 16}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),

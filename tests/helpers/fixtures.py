@@ -3,7 +3,7 @@
     from helpers.fixtures import tiny_checkpoints  # noqa: F401
 
 `tiny_checkpoints(family)` writes a family's checkpoint on first use and gives its dir
-(families: llama, llama3, llama-tied, mistral, qwen2, qwen3, mixtral; mixtral is sharded).
+(families: see checkpoints.FAMILIES; mixtral is sharded).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.loader import load_model
 
-FAMILIES = ["llama", "llama3", "llama-tied", "mistral", "qwen2", "qwen3", "mixtral"]
+FAMILIES = ["llama", "llama3", "llama-tied", "llama-bias", "mistral", "qwen2", "qwen3",
+            "mixtral"]
 PROMPT_LENS = [1, 9, 23, 40]
 BLOCK_SIZE = 4
 REL_TOL = 1e-4
