@@ -167,3 +167,21 @@ def test_preemption_keeps_seeded_parallel_samples_identical():
     assert [[c.token_ids for c in o.outputs] for o in tight] == \
         [[c.token_ids for c in o.outputs] for o in roomy]
     assert tight_llm.get_stats().num_free_blocks == 8
+
+
+def test_stats_report_queue_and_cache_state(engine):
+    # 8 blocks of 16: two 30-token prompts (2 blocks each, 3 with output) fit, a third waits
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    stats = engine.get_stats()
+    assert (stats.num_running, stats.num_waiting) == (0, 3)
+    assert stats.num_waiting_prompt_tokens == 90
+    engine.step()
+    stats = engine.get_stats()
+    assert stats.num_running + stats.num_waiting == 3 and stats.num_running >= 1
+    assert stats.kv_cache_usage == 1 - stats.num_free_blocks / stats.num_total_blocks > 0
+    assert stats.prompt_tokens >= 30
+    run(engine)
+    stats = engine.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert stats.generation_tokens == 90
