@@ -61,6 +61,15 @@ def pool_labels(model: str, pool: str, role: str) -> dict[str, str]:
     return {MODEL_LABEL: model, POOL_LABEL: pool, ROLE_LABEL: role, COMPONENT_LABEL: "engine"}
 
 
+def selector_labels(labels: dict[str, str]) -> dict[str, str]:
+    """Gives the labels workload selectors match on: the ones that never change for a pool.
+
+    Deployment and StatefulSet selectors are immutable, so the role (which flips when a
+    model switches serving mode) and the component stay out of them.
+    """
+    return {k: v for k, v in labels.items() if k in (MODEL_LABEL, POOL_LABEL, REPLICA_LABEL)}
+
+
 def child_name(*parts: str) -> str:
     """Gives a DNS-1123 name from parts, shortened with a hash suffix past 63 characters."""
     name = "-".join(p for p in parts if p).lower()

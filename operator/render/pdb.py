@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpilot.operator.render.meta import object_meta
+from kvpilot.operator.render.meta import object_meta, selector_labels
 
 
 def pool_pdb(name: str, namespace: str, labels: dict[str, str],
@@ -13,5 +13,5 @@ def pool_pdb(name: str, namespace: str, labels: dict[str, str],
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
         "metadata": object_meta(name, namespace, labels, owner),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": dict(labels)}},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(labels)}},
     }

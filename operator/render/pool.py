@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from kvpilot.operator.api.pools import PoolSpec
-from kvpilot.operator.render.meta import RenderConfig, pool_labels
+from kvpilot.operator.render.meta import RenderConfig, pool_labels, selector_labels
 from kvpilot.operator.render.pdb import pool_pdb
 from kvpilot.operator.render.placement import plan_placement
 from kvpilot.operator.render.services import pool_service, rendezvous_service
@@ -46,5 +46,5 @@ def render_pool(pool: dict[str, Any], spec: PoolSpec, config: RenderConfig) -> l
 
 def pool_selector(pool: dict[str, Any], role: str) -> str:
     """Gives the pool's pod label selector as text (the scale subresource's status.selector)."""
-    labels = pool_labels(pool_model_name(pool), pool["metadata"]["name"], role)
+    labels = selector_labels(pool_labels(pool_model_name(pool), pool["metadata"]["name"], role))
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))

@@ -10,6 +10,7 @@ from kvpilot.operator.render.meta import (
     RENDEZVOUS_PORT,
     child_name,
     object_meta,
+    selector_labels,
 )
 from kvpilot.operator.render.pods import KV_TRANSFER_PORT
 
@@ -19,7 +20,7 @@ LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 def pool_service(name: str, namespace: str, labels: dict[str, str], owner: dict[str, Any],
                  multi_node: bool, leader_worker_set: bool) -> dict[str, Any]:
     """Gives the pool's Service; with multi-node replicas it selects only each group's leader."""
-    selector = dict(labels)
+    selector = selector_labels(labels)
     if multi_node:
         # Only rank 0 of a leader/worker group serves HTTP; workers join over the rendezvous.
         selector[LWS_WORKER_INDEX_LABEL if leader_worker_set else POD_INDEX_LABEL] = "0"
@@ -55,7 +56,7 @@ def rendezvous_service(pool: str, namespace: str, labels: dict[str, str],
             "clusterIP": "None",
             # Workers must resolve the leader before any of them is ready.
             "publishNotReadyAddresses": True,
-            "selector": dict(labels),
+            "selector": selector_labels(labels),
             "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT,
                        "targetPort": "rendezvous", "protocol": "TCP"}],
         },

@@ -18,6 +18,7 @@ from kvpilot.operator.render.meta import (
     RenderConfig,
     child_name,
     object_meta,
+    selector_labels,
 )
 from kvpilot.operator.render.placement import Placement
 from kvpilot.operator.render.pods import pod_template
@@ -52,7 +53,7 @@ def _deployment(name: str, namespace: str, replicas: int, labels: dict[str, str]
         "metadata": object_meta(name, namespace, labels, owner),
         "spec": {
             "replicas": replicas,
-            "selector": {"matchLabels": dict(labels)},
+            "selector": {"matchLabels": selector_labels(labels)},
             # Never drop below the desired count during a rollout; a new pod must be
             # ready (weights loaded) before an old one drains.
             "strategy": {"type": "RollingUpdate",
@@ -93,7 +94,7 @@ def _group(pool: str, namespace: str, replica: int, spec: PoolSpec, role: str,
             "serviceName": service,
             # All ranks start together: the collective init waits for every one of them.
             "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": group_labels},
+            "selector": {"matchLabels": selector_labels(group_labels)},
             "template": template,
         },
     }

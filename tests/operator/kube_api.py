@@ -41,6 +41,7 @@ CORE_RESOURCES: dict[str, dict[str, Any]] = {
     "apiextensions.k8s.io/v1/customresourcedefinitions": {
         "kind": "CustomResourceDefinition", "namespaced": False, "subresources": {"status"}},
 }
+IMMUTABLE_SELECTORS = {"deployments", "statefulsets"}  # as the real API server enforces
 VERBS = {"create", "delete", "get", "list", "patch", "update", "watch"}
 
 
@@ -202,6 +203,12 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
         if key in self.objects and not self.objects[key].deleted and "spec" in patch:
             current = self.objects[key].raw
             merged = dicts.merge_patch_dict(current, patch)
+            if request.resource.plural in IMMUTABLE_SELECTORS and \
+                    merged["spec"].get("selector") != current.get("spec", {}).get("selector"):
+                raise kmock.KubernetesError(
+                    status=422, reason="Invalid",
+                    message=f"{request.resource.plural} {request.name}: spec.selector: "
+                            "Invalid value: field is immutable")
             if merged.get("spec") != current.get("spec"):
                 generation = current.get("metadata", {}).get("generation", 1) + 1
                 patch.setdefault("metadata", {})["generation"] = generation

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import yaml
 from kube_api import ApiServer
-from operator_harness import IMS, NAMESPACE, eventually, running_operator
+from operator_harness import IMS, NAMESPACE, REPO, eventually, running_operator
 
 IM_PATH = f"/apis/kvpilot.dev/v1alpha1/namespaces/{NAMESPACE}/inferencemodels"
 MERGE = {"Content-Type": "application/merge-patch+json"}
@@ -138,9 +139,7 @@ async def test_ready_counts_roll_up_from_deployment_to_model(api, operator, clie
     assert im["status"]["decodeReplicas"] == "1/1"
     pool = api.get("kvpilot.dev/v1alpha1/decodepools", NAMESPACE, "up-decode")
     assert (pool["status"]["replicas"], pool["status"]["readyReplicas"]) == (1, 1)
-    assert pool["status"]["selector"] == ("app.kubernetes.io/component=engine,"
-                                          "kvpilot.dev/model=up,kvpilot.dev/pool=up-decode,"
-                                          "kvpilot.dev/role=both")
+    assert pool["status"]["selector"] == "kvpilot.dev/model=up,kvpilot.dev/pool=up-decode"
 
 
 async def test_scaling_a_pool_scales_its_deployment(api, operator, client):
@@ -199,3 +198,48 @@ async def test_restart_mid_reconcile_leaves_no_duplicates(api, client):
     async with running_operator():  # a third start (resume) changes nothing
         await eventually(lambda: True)
         assert census(api) == full
+
+
+async def test_standalone_pool_from_the_example_gets_its_workload(api, operator, client):
+    pool = yaml.safe_load((REPO / "examples" / "decode-pool-standalone.yaml").read_text())
+    pool["metadata"]["namespace"] = NAMESPACE
+    r = await client.post(f"/apis/kvpilot.dev/v1alpha1/namespaces/{NAMESPACE}/decodepools",
+                          json=pool)
+    assert r.status_code == 200, r.text
+    name = pool["metadata"]["name"]
+    deployment = await eventually(lambda: api.get("apps/v1/deployments", NAMESPACE, name),
+                                  what="standalone pool Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:4] == ["--model", "tiny-qwen3", "--served-model-name", "tiny-qwen3"]
+    stored = await eventually(lambda: (o := api.get("kvpilot.dev/v1alpha1/decodepools",
+                                                    NAMESPACE, name))
+                              and o.get("status", {}).get("observedGeneration") and o)
+    assert stored["status"]["selector"] == f"kvpilot.dev/model={name},kvpilot.dev/pool={name}"
+    assert stored["status"]["replicas"] == 2
+
+
+async def test_switching_to_aggregated_prunes_the_prefill_pool_and_delete_cascades(
+        api, operator, client):
+    await client.post(IM_PATH, json=tiny("sw", servingMode="disaggregated", prefill={}))
+    await eventually(lambda: api.get("apps/v1/deployments", NAMESPACE, "sw-prefill"),
+                     what="prefill Deployment")
+    r = await client.patch(f"{IM_PATH}/sw", headers=MERGE, json={
+        "spec": {"servingMode": "aggregated", "prefill": None}})
+    assert r.status_code == 200, r.text
+    await eventually(lambda: not api.live("kvpilot.dev/v1alpha1/prefillpools", NAMESPACE),
+                     what="PrefillPool pruned")
+    # Garbage collection (emulated here by owner uid) takes the pool's Deployment with it.
+    await eventually(lambda: api.get("apps/v1/deployments", NAMESPACE, "sw-prefill") is None)
+    pool = await eventually(lambda: (o := api.get("kvpilot.dev/v1alpha1/decodepools",
+                                                  NAMESPACE, "sw-decode"))
+                            and o["spec"]["role"] == "both" and o, what="decode role both")
+    assert pool["metadata"]["generation"] == 2
+    deployment = await eventually(
+        lambda: (d := api.get("apps/v1/deployments", NAMESPACE, "sw-decode"))
+        and d["spec"]["template"]["metadata"]["labels"]["kvpilot.dev/role"] == "both" and d)
+    # Selectors are immutable in Kubernetes: the role change must not touch them.
+    assert deployment["spec"]["selector"]["matchLabels"] == {
+        "kvpilot.dev/model": "sw", "kvpilot.dev/pool": "sw-decode"}
+    await client.delete(f"{IM_PATH}/sw")
+    await eventually(lambda: not census(api), what="every child collected")
