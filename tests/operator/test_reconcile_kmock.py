@@ -243,3 +243,15 @@ async def test_switching_to_aggregated_prunes_the_prefill_pool_and_delete_cascad
         "kvpilot.dev/model": "sw", "kvpilot.dev/pool": "sw-decode"}
     await client.delete(f"{IM_PATH}/sw")
     await eventually(lambda: not census(api), what="every child collected")
+
+
+async def test_emulator_rejects_selector_changes_like_the_api_server(api, client):
+    path = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments"
+    body = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"},
+            "spec": {"selector": {"matchLabels": {"a": "1"}}, "replicas": 1}}
+    assert (await client.post(path, json=body)).status_code == 200
+    ok = await client.patch(f"{path}/d", json={"spec": {"replicas": 2}}, headers=MERGE)
+    assert ok.status_code == 200 and ok.json()["metadata"]["generation"] == 2
+    bad = await client.patch(f"{path}/d", headers=MERGE,
+                             json={"spec": {"selector": {"matchLabels": {"a": "2"}}}})
+    assert bad.status_code == 422 and "immutable" in bad.json()["message"]
