@@ -31,6 +31,7 @@ class FakeEngine:
     kv_usage: float = 0.0
     chunks: int = 3
     stream_delay: float = 0.0
+    metrics_up: bool = True  # False: /metrics answers 503, as an engine still loading
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
     def app(self) -> FastAPI:
@@ -59,6 +60,8 @@ class FakeEngine:
 
         @app.get("/metrics")
         async def metrics() -> Response:
+            if not self.metrics_up:
+                return Response("loading", status_code=503)
             text = (f'vllm:num_requests_waiting{{model_name="tiny"}} {self.waiting}\n'
                     f'vllm:kv_cache_usage_perc{{model_name="tiny"}} {self.kv_usage}\n'
                     f'vllm:num_requests_running{{model_name="tiny"}} 0.0\n')

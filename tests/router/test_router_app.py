@@ -224,3 +224,18 @@ async def test_request_timeout_mid_stream_is_the_clients_budget_not_a_failure(fl
     assert json.loads(events[-1])["error"]["code"] == 504
     assert f'instance="{urls["slow"]}",outcome="timeout"' in metrics
     assert again.status_code == 200  # not ejected
+
+
+async def test_request_waits_for_a_starting_instance(fleet):
+    starting = FakeEngine("starting", metrics_up=False)
+    router, _ = await fleet([starting], hold_timeout=10, refresh_interval=0.05)
+    async with httpx.AsyncClient(base_url=router) as client:
+        request = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
+        await asyncio.sleep(0.5)
+        assert not request.done()
+        metrics = (await client.get("/metrics")).text
+        assert 'kvpilot_router_pending_requests{role="both"} 1.0' in metrics
+        assert 'kvpilot_router_instances{role="both",state="not_ready"} 1.0' in metrics
+        starting.metrics_up = True  # the engine finished loading
+        response = await asyncio.wait_for(request, 5)
+    assert response.status_code == 200 and starting.bodies
