@@ -118,12 +118,6 @@ class AsyncEngine:
         return self._stats
 
     @property
-    def num_in_flight(self) -> int:
-        """Requests accepted and not yet finished or aborted, plus those not yet added."""
-        with self._cond:
-            return len(self._streams) + len(self._inbox.adds)
-
-    @property
     def num_pending(self) -> int:
         """Requests enqueued but not yet handed to the engine."""
         with self._cond:
