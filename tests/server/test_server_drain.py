@@ -15,7 +15,9 @@ import httpx
 from server_harness import MODEL, TINY_ENGINE, wait_for
 
 NUM_STREAMS = 8
-MAX_TOKENS = 64
+# Long enough that the drain outlasts the refused-request check even on a fast CPU
+# (200 steps), short enough for CI.
+MAX_TOKENS = 200
 
 
 def start_server(log: Path, drain_timeout: float = 60,
@@ -66,7 +68,8 @@ def stream_one(base: str, started: threading.Barrier, results: list[dict], i: in
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_zero(tmp_path: Path) -> None:
-    proc, base = start_server(tmp_path / "serve.log")
+    proc, base = start_server(tmp_path / "serve.log",
+                              extra=("--max-model-len", "1024", "--num-kv-blocks", "256"))
     try:
         started = threading.Barrier(NUM_STREAMS + 1)
         results: list[dict] = [{} for _ in range(NUM_STREAMS)]

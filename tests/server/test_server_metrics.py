@@ -93,10 +93,11 @@ def test_disconnected_stream_is_aborted_and_frees_its_blocks(server: RunningServ
 def test_disconnected_non_streaming_request_is_aborted(server: RunningServer) -> None:
     idle_kv = server.metric(names.KV_CACHE_USAGE_PERC)
     aborts_before = server.metric(f"{names.REQUEST_SUCCESS}_total", finished_reason="abort")
-    body = {"model": MODEL, "prompt": "another long story", "max_tokens": 400,
+    # 3 x 480 tokens cannot finish within the client's 0.5 s, however fast the CPU.
+    body = {"model": MODEL, "prompt": "another long story", "max_tokens": 480, "n": 3,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=1.0)
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.5)
     assert wait_for(lambda: server.metric(f"{names.REQUEST_SUCCESS}_total",
                                           finished_reason="abort") == aborts_before + 1)
     assert wait_for(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 0)
