@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
             print(_once(router.url, model), flush=True)
             return 0
         print(f"kvpilot up: serving {model} at {endpoint} (Ctrl-C stops)", flush=True)
+        print(f"  try: curl {endpoint}/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
+              f"\"content\": \"hi\"}}]}}'", flush=True)
         while not stop.wait(0.5):
             exited = supervisor.first_exited()
             if exited is not None:
