@@ -9,7 +9,9 @@ import kopf
 from kvpilot.operator.handlers.kube import Kube
 from kvpilot.operator.render.meta import RenderConfig
 
-ANNOTATION_PREFIX = "kvpilot.dev"
+# kopf ignores every annotation under its storage prefix when diffing, so it must not be
+# the prefix of annotations that should trigger handlers (kvpilot.dev/model-generation).
+ANNOTATION_PREFIX = "kopf.kvpilot.dev"
 
 
 def connection(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
@@ -51,7 +53,7 @@ def operator_settings(fast: bool = False) -> kopf.OperatorSettings:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
-    settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
+    settings.persistence.finalizer = "kvpilot.dev/finalizer"
     # Handlers post their own decision events; kopf's per-handler log lines stay in the log.
     settings.posting.level = logging.WARNING
     settings.networking.request_timeout = 30

@@ -255,3 +255,14 @@ async def test_emulator_rejects_selector_changes_like_the_api_server(api, client
     bad = await client.patch(f"{path}/d", headers=MERGE,
                              json={"spec": {"selector": {"matchLabels": {"a": "2"}}}})
     assert bad.status_code == 422 and "immutable" in bad.json()["message"]
+
+
+async def test_engine_settings_reach_the_pool_deployment(api, operator, client):
+    await client.post(IM_PATH, json=tiny("en"))
+    await eventually(lambda: deployment_args(api, "en-decode"), what="decode Deployment")
+    assert "--max-num-seqs" not in deployment_args(api, "en-decode")
+    await client.patch(f"{IM_PATH}/en", json={"spec": {"engine": {"maxNumSeqs": 8}}},
+                       headers=MERGE)
+    args = await eventually(lambda: (a := deployment_args(api, "en-decode"))
+                            and "--max-num-seqs" in a and a, what="engine change rolled out")
+    assert args[args.index("--max-num-seqs") + 1] == "8"
