@@ -100,7 +100,7 @@ class TorchAttentionBackend:
 
 # Decodes sorted by length are split into up to this many groups, so a short sequence is
 # not padded to the longest one; more groups cost more calls.
-MAX_DECODE_GROUPS = 4
+MAX_DECODE_GROUPS = 8
 MIN_DECODE_GROUP = 8
 
 
