@@ -1,16 +1,25 @@
-"""Suite-wide markers: GPU tests skip without CUDA, cluster tests without KUBECONFIG."""
+"""Suite-wide set-up: Triton's CPU interpreter without CUDA; GPU tests skip without
+CUDA, cluster tests without KUBECONFIG."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 
 
+@functools.cache
 def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+# Triton picks the interpreter when `@triton.jit` decorates a kernel, so this must
+# happen before any test module imports kvpilot.kernels, whichever folder it is in.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
