@@ -1,6 +1,6 @@
 """How long the simulator takes for a 10,000-GPU fleet over a day (goal: under 60 s).
 
-    .venv/bin/python bench/sim_fleet.py [--models 48] [--peak-rps 102000] [--tick 1]
+    .venv/bin/python bench/sim_fleet.py [--models 32] [--peak-rps 196000] [--tick 1]
 
 Writes bench/results/sim_fleet.json and .md.
 """
@@ -23,8 +23,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=int, default=48)
-    parser.add_argument("--peak-rps", type=float, default=102_000.0)
+    parser.add_argument("--models", type=int, default=32)
+    parser.add_argument("--peak-rps", type=float, default=196_000.0)
     parser.add_argument("--tick", type=float, default=1.0)
     args = parser.parse_args()
     cfg = SimConfig(trace="diurnal", duration_s=86_400, tick_s=args.tick, models=args.models,

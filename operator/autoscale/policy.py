@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from kvpilot.operator.autoscale.signals import (
     PoolMetrics,
     Vote,
-    per_replica_values,
     smoothed_values,
     vote,
 )
@@ -78,7 +77,7 @@ def _missing(metrics: PoolMetrics | None, spec: PolicySpec, current: int,
         return f"metrics {age:.0f}s old (max {spec.max_metrics_age_seconds:.0f}s)"
     if metrics.replicas_reporting < current:
         return f"{metrics.replicas_reporting}/{current} replicas reported metrics"
-    values = per_replica_values(metrics)
+    values = metrics.per_replica
     # Latency signals only ever vote up, so an idle pool without latency samples
     # (no requests, no histogram observations) is not missing anything.
     absent = [s for s in spec.targets if values[s] is None and s not in LATENCY_SIGNALS]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from kvpilot.operator.autoscale.spec import (
     ITL,
@@ -34,6 +35,26 @@ class PoolMetrics:
     demand: int = 0
     """Requests the router holds for this pool because no replica is ready."""
 
+    @cached_property
+    def per_replica(self) -> dict[str, float | None]:
+        """Gives each signal's observed per-replica value (None where pods did not report it).
+
+        Cached: every sample is averaged into several decisions (the metrics window).
+        """
+        n = self.replicas_reporting
+
+        def per(total: float | None) -> float | None:
+            return None if total is None or n == 0 else total / n
+
+        return {
+            KV_CACHE: self.kv_cache_utilization if n else None,
+            QUEUE_DEPTH: per(self.requests_waiting),
+            WAITING_PROMPT_TOKENS: per(self.waiting_prompt_tokens),
+            RUNNING_REQUESTS: per(self.requests_running),
+            TTFT: self.ttft_p90_seconds,
+            ITL: self.itl_p90_seconds,
+        }
+
 
 @dataclass(frozen=True)
 class Vote:
@@ -44,23 +65,6 @@ class Vote:
     """Observed per-replica value (latency signals: seconds)."""
     target: float
     replicas: int
-
-
-def per_replica_values(metrics: PoolMetrics) -> dict[str, float | None]:
-    """Gives each signal's observed per-replica value (None where the pods did not report it)."""
-    n = metrics.replicas_reporting
-
-    def per(total: float | None) -> float | None:
-        return None if total is None or n == 0 else total / n
-
-    return {
-        KV_CACHE: metrics.kv_cache_utilization if n else None,
-        QUEUE_DEPTH: per(metrics.requests_waiting),
-        WAITING_PROMPT_TOKENS: per(metrics.waiting_prompt_tokens),
-        RUNNING_REQUESTS: per(metrics.requests_running),
-        TTFT: metrics.ttft_p90_seconds,
-        ITL: metrics.itl_p90_seconds,
-    }
 
 
 def smoothed_values(history: Sequence[PoolMetrics], window_s: float,
@@ -75,8 +79,8 @@ def smoothed_values(history: Sequence[PoolMetrics], window_s: float,
     same = [s for s in history
             if now - s.time <= window_s and s.replicas_reporting == latest.replicas_reporting]
     if len(same) <= 1:
-        return per_replica_values(latest)
-    samples = [per_replica_values(s) for s in same]
+        return latest.per_replica
+    samples = [s.per_replica for s in same]
     out: dict[str, float | None] = {}
     for name, value in samples[-1].items():
         if value is None:

@@ -29,7 +29,6 @@ from kvpilot.operator.autoscale.spec import PolicySpec, role_targets
 PREFILL, DECODE = 0, 1
 ROLES = ("prefill", "decode")
 EWMA_S = 10.0  # seconds over which the prefill utilisation metric is averaged
-HISTORY = 8  # samples kept per pool for the policy's metrics window
 
 
 @dataclass(frozen=True)
@@ -84,8 +83,8 @@ class SimTrace:
     events: list[tuple[float, int, int, int, int, str]] = field(default_factory=list)
     """(time, model, pool, from, to, signal) of every replica change."""
     gpus_per_replica: int = 1
-    peak_per_model: np.ndarray | None = None
-    """(2, M) most spec replicas each pool held: the static baseline's sizes."""
+    peak_rps_per_model: np.ndarray | None = None
+    """(M,) each model's peak request rate (its share of the fleet's)."""
 
 
 def initial_replicas(rate: np.ndarray, cfg: SimConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -97,6 +96,12 @@ def initial_replicas(rate: np.ndarray, cfg: SimConfig) -> tuple[np.ndarray, np.n
     step = cost.decode_step_s(running, w.prompt_tokens + w.output_tokens / 2)
     decode = np.ceil(rate * w.output_tokens * step / running)
     return np.maximum(prefill, 1).astype(np.int64), np.maximum(decode, 1).astype(np.int64)
+
+
+def static_for_peak(trace: SimTrace, cfg: SimConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Gives the static baseline: each pool sized at the policy's targets for its peak load."""
+    assert trace.peak_rps_per_model is not None
+    return initial_replicas(trace.peak_rps_per_model, cfg)
 
 
 def simulate(cfg: SimConfig) -> SimTrace:
@@ -111,16 +116,15 @@ class _Run:
         self.ticks = round(cfg.duration_s / cfg.tick_s)
         m = cfg.models
         shares = self.rng.lognormal(0.0, 0.5, size=m)
-        self.peak = cfg.peak_rps * shares / shares.sum()
+        self.peak_rps = cfg.peak_rps * shares / shares.sum()
         shape = profile(cfg.trace, self.ticks, cfg.tick_s, self.rng, cfg.step_at_s)
-        self.rate = shape[:, None] * self.peak[None, :]
+        self.rate = shape[:, None] * self.peak_rps[None, :]
         self.arrivals = self.rng.poisson(self.rate * cfg.tick_s).astype(np.float64)
         if cfg.static_replicas is not None:
             start = tuple(np.asarray(r, dtype=np.int64) for r in cfg.static_replicas)
         else:
             start = initial_replicas(self.rate[0], cfg)
         self.spec_r = np.stack(start).astype(np.int64)          # (2, M)
-        self.peak = self.spec_r.copy()
         self.ready = self.spec_r.astype(np.float64).copy()
         self.backlog = np.zeros(m)                               # prompt tokens
         self.rho = self.rate[0] * cfg.workload.prompt_tokens / (
@@ -132,8 +136,10 @@ class _Run:
         self.running_avg = self.running.copy()
         self.itl = np.full(m, cfg.cost.decode_step_base_s)
         self.states = [[PolicyState() for _ in range(m)] for _ in ROLES]
+        # Samples older than the policy's metrics window are never read: keep no more.
+        keep = [int(s.metrics_window_seconds // s.interval_seconds) + 2 for s in cfg.specs]
         self.history: list[list[deque[PoolMetrics]]] = [
-            [deque(maxlen=HISTORY) for _ in range(m)] for _ in ROLES]
+            [deque(maxlen=keep[p]) for _ in range(m)] for p in range(len(ROLES))]
         self.votes = np.ones((2, m))     # load/target of each pool's winning signal
         self.pending: list[list[deque[int]]] = [[deque() for _ in range(m)] for _ in ROLES]
         self.cancelled: set[int] = set()
@@ -179,7 +185,7 @@ class _Run:
             replicas[i] = self.spec_r.sum(axis=1)
             ready[i] = self.ready.sum(axis=1)
         return SimTrace(cfg.tick_s, self.arrivals, admitted_cum, sojourn_rec, itl_rec, replicas,
-                        ready, self.events, cfg.cost.gpus_per_replica, self.peak)
+                        ready, self.events, cfg.cost.gpus_per_replica, self.peak_rps)
 
     def _step(self, arrivals: np.ndarray) -> np.ndarray:
         """Advances every model one tick; gives the requests admitted to decode."""
@@ -286,4 +292,3 @@ class _Run:
                 else:
                     self.ready[pool, model] -= 1
         self.spec_r[pool, model] = desired
-        self.peak[pool, model] = max(self.peak[pool, model], desired)
