@@ -18,13 +18,16 @@ import triton.language as tl
 @triton.jit
 def _rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+    stride_xt, stride_xh, num_heads, stride_r, stride_o, stride_ro, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    # rows of a [T, heads, d] view (Qwen3's per-head q/k norm on a slice of the fused qkv
+    # output) are read in place, saving the copy a reshape would make
+    x_row = x_ptr + (row // num_heads) * stride_xt + (row % num_heads) * stride_xh
+    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         # the residual stream keeps the input dtype, as the unfused model would
@@ -39,22 +42,23 @@ def _rmsnorm_kernel(
 
 
 def rms_norm(
-    x: torch.Tensor,  # [T, hidden]
+    x: torch.Tensor,  # [T, hidden], or [T, heads, head_dim] normed per head
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, hidden]
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Gives norm(x) or, with a residual, (norm(x + residual), x + residual)."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    n_rows, n_cols = x2.shape
-    out = torch.empty_like(x2)
-    res2 = residual.reshape(-1, n_cols) if residual is not None else x2
-    res_out = torch.empty_like(x2) if residual is not None else out
+    shape, n_cols = x.shape, x.shape[-1]
+    x3 = x if x.dim() == 3 and x.stride(2) == 1 else x.reshape(-1, 1, n_cols)
+    n_rows = x3.shape[0] * x3.shape[1]
+    out = torch.empty(n_rows, n_cols, dtype=x.dtype, device=x.device)
+    res2 = residual.reshape(-1, n_cols) if residual is not None else out
+    res_out = torch.empty_like(out) if residual is not None else out
     if n_rows:
         _rmsnorm_kernel[(n_rows,)](
-            x2, res2, weight, out, res_out,
-            x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0), n_cols, eps,
+            x3, res2, weight, out, res_out,
+            x3.stride(0), x3.stride(1), x3.shape[1], res2.stride(0), out.stride(0),
+            res_out.stride(0), n_cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
             num_warps=4 if n_cols <= 2048 else 8,
         )

@@ -95,6 +95,23 @@ def test_silu_and_mul_matches_reference(rows, inter, dtype):
     assert rel_err(silu_and_mul(x), silu_and_mul_ref(x)) < tolerance(dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_a_strided_view(dtype):
+    """Qwen3's q/k norm: the heads of a slice of the fused qkv output, normed in place of a
+    copy; the input view is left unchanged."""
+    gen = torch.Generator().manual_seed(7)
+    qkv = rand(gen, 5, (4 + 2 + 2) * 32, dtype=dtype)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)
+    k = qkv[:, 4 * 32: 6 * 32].view(5, 2, 32)
+    w = rand(gen, 32, dtype=dtype)
+    before = qkv.clone()
+    for x in (q, k):
+        got = rms_norm(x, w, 1e-6)
+        assert got.shape == x.shape
+        assert rel_err(got, rms_norm_ref(x, w, 1e-6)) < tolerance(dtype)
+    assert torch.equal(qkv, before)
+
+
 @settings(max_examples=10, deadline=None)
 @given(rows=st.integers(1, 4), hidden=st.integers(1, 200))
 def test_rms_norm_output_has_unit_rms_when_weight_is_one(rows, hidden):
