@@ -58,6 +58,10 @@ def build_app(engine: Any, model_name: str, max_queue_len: int = 1024,
             yield
         finally:
             async_engine.shutdown()
+            # A role engine (prefill/decode) stops its KV agent here.
+            stop = getattr(engine, "shutdown", None)
+            if callable(stop):
+                stop()
 
     app = FastAPI(title="kvpilot engine", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ctx
