@@ -16,6 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     serve.add_argument("--model", required=True, help="the model name the server serves")
     serve.add_argument("--api-key", default=None)
+    serve.add_argument("--endpoint", choices=("/v1/completions", "/v1/chat/completions"),
+                       default="/v1/completions")
     serve.add_argument("--dataset", choices=("random", "shared-prefix"), default="random")
     serve.add_argument("--num-prompts", type=int, default=100)
     serve.add_argument("--random-input-len", type=int, default=128, help="words per prompt")
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = BenchConfig(base_url=args.base_url.rstrip("/"), model=args.model,
                           request_rate=args.request_rate, burstiness=args.burstiness,
                           max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
-                          api_key=args.api_key, timeout=args.timeout, seed=args.seed)
+                          api_key=args.api_key, timeout=args.timeout, seed=args.seed,
+                          endpoint=args.endpoint)
         results, duration = asyncio.run(run_benchmark(cfg, samples))
     except ValueError as exc:
         print(f"kvpilot bench serve: {exc}", file=sys.stderr)
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(summary))
     if args.result_json is not None:
         record = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-                  "base_url": args.base_url, "model": args.model, "dataset": args.dataset,
+                  "base_url": args.base_url, "model": args.model, "endpoint": args.endpoint,
+                  "dataset": args.dataset,
                   "num_prompts": args.num_prompts,
                   "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
                   "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,

@@ -1,7 +1,8 @@
 """Sends a dataset to an OpenAI-compatible server on a schedule and times every token.
 
-Requests stream `/v1/completions` with `stream_options.include_usage`, so
-token counts come from the server's own tokenizer. Send times follow a gamma
+Requests stream `/v1/completions` (or `/v1/chat/completions`, one user message)
+with `stream_options.include_usage`, so token counts come from the server's own
+tokenizer. Send times follow a gamma
 process (burstiness 1 = Poisson) at `request_rate`, or all at once when the
 rate is infinite; `max_concurrency` caps requests in flight.
 """
@@ -14,6 +15,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from kvpilot.engine.loadgen.datasets import SampleRequest
@@ -33,6 +35,10 @@ class BenchConfig:
     api_key: str | None = None
     timeout: float = 600.0
     seed: int = 0
+    endpoint: str = "/v1/completions"
+
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 def send_offsets(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -55,19 +61,34 @@ def send_offsets(num: int, rate: float, burstiness: float, seed: int) -> list[fl
 
 
 def _payload(cfg: BenchConfig, sample: SampleRequest) -> dict[str, object]:
-    return {"model": cfg.model, "prompt": sample.prompt, "max_tokens": sample.output_len,
-            "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": cfg.ignore_eos}
+    body: dict[str, object] = {"model": cfg.model, "max_tokens": sample.output_len,
+                               "stream": True, "stream_options": {"include_usage": True},
+                               "ignore_eos": cfg.ignore_eos}
+    if cfg.endpoint == CHAT:
+        body["messages"] = [{"role": "user", "content": sample.prompt}]
+    else:
+        body["prompt"] = sample.prompt
+    return body
+
+
+def carries_tokens(chunk: dict[str, Any]) -> bool:
+    """Gives whether a stream chunk brings output (text, or the finish), not only a role."""
+    for choice in chunk.get("choices") or []:
+        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get(
+            "content")
+        if text or choice.get("finish_reason"):
+            return True
+    return False
 
 
 async def send_one(client: httpx.AsyncClient, cfg: BenchConfig,
                    sample: SampleRequest) -> RequestResult:
-    """Gives the timings of one streamed completion (or why it failed)."""
+    """Gives the timings of one streamed completion or chat (or why it failed)."""
     result = RequestResult(success=False)
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream("POST", "/v1/completions", json=_payload(cfg, sample)) as resp:
+        async with client.stream("POST", cfg.endpoint, json=_payload(cfg, sample)) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {body[:200]}"
@@ -83,7 +104,7 @@ async def send_one(client: httpx.AsyncClient, cfg: BenchConfig,
                     result.error = str(chunk["error"].get("message", chunk["error"]))
                     return result
                 now = time.perf_counter()
-                if chunk.get("choices"):
+                if carries_tokens(chunk):
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:

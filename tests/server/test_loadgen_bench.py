@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 from kvpilot.cli.main import main
+from kvpilot.engine.loadgen.runner import carries_tokens
 from server_harness import MODEL, RunningServer
 
 
 @pytest.mark.parametrize(("dataset", "extra"), [
     ("random", ["--request-rate", "inf", "--max-concurrency", "4"]),
     ("shared-prefix", ["--request-rate", "40", "--num-prefixes", "2", "--prefix-len", "20"]),
+    ("random", ["--endpoint", "/v1/chat/completions", "--burstiness", "0.5",
+                "--request-rate", "40"]),
 ])
 def test_bench_serve_reports_every_request(server: RunningServer, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str], dataset: str,
@@ -43,3 +46,15 @@ def test_bench_serve_counts_refused_requests_as_failed(server: RunningServer,
     assert code == 1
     assert result["completed"] == 0 and result["failed"] == 3
     assert any("HTTP 404" in e for e in result["errors"])
+
+
+@pytest.mark.parametrize(("chunk", "expected"), [
+    ({"choices": [{"index": 0, "text": "a", "finish_reason": None}]}, True),
+    ({"choices": [{"index": 0, "text": "", "finish_reason": None}]}, False),
+    ({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}, True),
+    ({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, False),
+    ({"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}, True),
+    ({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}, False),
+])
+def test_only_chunks_with_output_count_as_token_arrivals(chunk: dict, expected: bool) -> None:
+    assert carries_tokens(chunk) is expected
