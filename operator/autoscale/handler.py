@@ -11,9 +11,10 @@ kopf's per-object memo; the loads the budget compares live in the operator's mem
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,7 +27,13 @@ from kvpilot.operator.autoscale.model import (
 )
 from kvpilot.operator.autoscale.pods import DELETION_COST, deletion_costs, metrics_targets
 from kvpilot.operator.autoscale.policy import Decision, PolicyState, decide
-from kvpilot.operator.autoscale.scrape import PodSample, pool_metrics, router_demand, scrape
+from kvpilot.operator.autoscale.scrape import (
+    PodSample,
+    pool_metrics,
+    prometheus_metrics,
+    router_demand,
+    scrape,
+)
 from kvpilot.operator.autoscale.signals import PoolMetrics
 from kvpilot.operator.autoscale.spec import PolicySpec, from_api
 from kvpilot.operator.handlers.kube import Kube
@@ -34,6 +41,9 @@ from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, POOL_LABEL
 from kvpilot.operator.render.router import router_labels
 
 GROUP, VERSION = GROUP_VERSION.split("/")
+PROMETHEUS_ENV = "KVPILOT_PROMETHEUS_URL"
+"""When set (e.g. http://prometheus.monitoring:9090), pools are read from its query API
+instead of scraping their pods (no TTFT/ITL then, and no pod-deletion-cost ordering)."""
 TICK_S = 1.0
 SCRAPE_TIMEOUT_S = 2.0
 HISTORY = 16
@@ -119,14 +129,21 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     current = int(spec.get("replicas", 1))
 
     pods = await kube.list("v1", "Pod", namespace, {POOL_LABEL: name})
-    samples = await scrape(metrics_targets(pods), SCRAPE_TIMEOUT_S)
     demand = 0
     if current == 0:
         owner = (meta.get("labels") or {}).get(MODEL_LABEL) or spec.get("modelRef") or name
         routers = await kube.list("v1", "Pod", namespace, router_labels(owner))
         demand = await router_demand(list(metrics_targets(routers).values()), role,
                                      SCRAPE_TIMEOUT_S)
-    metrics = pool_metrics(samples, runtime.samples, now, demand)
+    prometheus = os.environ.get(PROMETHEUS_ENV)
+    if prometheus:
+        # Deployment pods are named <pool>-<hash>-<id>: the pool's name is their prefix.
+        found = await prometheus_metrics(prometheus, namespace, f'pod=~"{name}-.*"', now)
+        samples: dict[str, PodSample] = {}
+        metrics = replace(found, demand=demand) if found else PoolMetrics(now, 0, demand=demand)
+    else:
+        samples = await scrape(metrics_targets(pods), SCRAPE_TIMEOUT_S)
+        metrics = pool_metrics(samples, runtime.samples, now, demand)
     runtime.samples = samples
     runtime.history.append(metrics)
     d = decide(pspec, runtime.state, runtime.history, current, now)

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
+from urllib.parse import parse_qs, urlparse
 
 import httpx
 from kvpilot.engine.metric_names import ROUTER_PENDING_REQUESTS
+from kvpilot.operator.autoscale.handler import PROMETHEUS_ENV
 from kvpilot.operator.autoscale.pods import DELETION_COST
 from kvpilot.operator.render.meta import POOL_LABEL
 from kvpilot.operator.render.router import router_labels
@@ -137,6 +140,51 @@ async def test_router_demand_scales_a_pool_from_zero(api, operator, client) -> N
 async def _scaled_from_zero(client: httpx.AsyncClient) -> dict[str, Any] | None:
     pool = (await client.get(f"{POOLS}/zero-decode")).json()
     return pool if pool["spec"]["replicas"] == 1 else None
+
+
+class _Prometheus(BaseHTTPRequestHandler):
+    """A Prometheus query API: one pod of the pool, 40 requests waiting."""
+
+    ANSWERS: ClassVar[dict[str, float]] = {
+        "avg(vllm:kv": 0.5, "sum(vllm:num_requests_waiting": 40.0,
+        "sum(vllm:num_requests_running": 2.0, "sum(kvpilot_num_waiting": 800.0, "count(": 1.0}
+    queries: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        query = parse_qs(urlparse(self.path).query)["query"][0]
+        self.queries.append(query)
+        value = next(v for k, v in self.ANSWERS.items() if query.startswith(k))
+        body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": [
+            {"metric": {}, "value": [0, str(value)]}]}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+async def test_prometheus_source_drives_the_pool(api, operator, client, monkeypatch) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Prometheus)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv(PROMETHEUS_ENV, f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        pool = decode_pool()
+        pool["metadata"]["name"] = "prom-decode"
+        assert (await client.post(POOLS, json=pool)).status_code == 200
+        got = await eventually(lambda: _replicas_of(client, "prom-decode", 2), timeout=20,
+                               what="prom-decode at 2 replicas")
+        assert got["status"]["lastScaleDecision"]["reason"].startswith(
+            "queueDepthPerReplica 40 vs target 1")
+        assert 'namespace="default",pod=~"prom-decode-.*"' in _Prometheus.queries[0]
+    finally:
+        server.shutdown()
+
+
+async def _replicas_of(client: httpx.AsyncClient, name: str, n: int) -> dict[str, Any] | None:
+    pool = (await client.get(f"{POOLS}/{name}")).json()
+    return pool if pool["spec"]["replicas"] == n else None
 
 
 IMS = f"/apis/kvpilot.dev/v1alpha1/namespaces/{NAMESPACE}/inferencemodels"
