@@ -3,6 +3,7 @@
 kopf updates an index from the watch stream before it runs handlers for the
 same event, so an object's own handler always sees it; a handler that reads
 another object's entry falls back to a GET when that object is not indexed yet.
+The index functions are async only to skip kopf's thread hop for sync handlers.
 """
 
 from __future__ import annotations
@@ -35,20 +36,20 @@ def _pool_keys(body: kopf.Body) -> dict[Any, dict[str, Any]]:
 
 
 @kopf.index(GROUP, VERSION, "inferencemodels")
-def models_by_name(body: kopf.Body, **_: Any) -> dict[Any, dict[str, Any]]:
+async def models_by_name(body: kopf.Body, **_: Any) -> dict[Any, dict[str, Any]]:
     """Indexes InferenceModels by (namespace, name)."""
     meta = body.get("metadata", {})
     return {(meta.get("namespace"), meta.get("name")): snapshot(body)}
 
 
 @kopf.index(GROUP, VERSION, "prefillpools")
-def prefill_pools(body: kopf.Body, **_: Any) -> dict[Any, dict[str, Any]]:
+async def prefill_pools(body: kopf.Body, **_: Any) -> dict[Any, dict[str, Any]]:
     """Indexes PrefillPools by ('uid', uid) and by ('model', owning InferenceModel uid)."""
     return _pool_keys(body)
 
 
 @kopf.index(GROUP, VERSION, "decodepools")
-def decode_pools(body: kopf.Body, **_: Any) -> dict[Any, dict[str, Any]]:
+async def decode_pools(body: kopf.Body, **_: Any) -> dict[Any, dict[str, Any]]:
     """Indexes DecodePools by ('uid', uid) and by ('model', owning InferenceModel uid)."""
     return _pool_keys(body)
 

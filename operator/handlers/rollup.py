@@ -60,13 +60,13 @@ def _ready_view(body: kopf.Body) -> dict[str, Any] | None:
 
 # In-memory indexes fed by the watch streams: ready counts roll up without listing workloads.
 @kopf.index("apps", "v1", "deployments", labels=MANAGED)
-def deployments_by_pool(body: kopf.Body, **_: Any) -> dict[str, Any] | None:
+async def deployments_by_pool(body: kopf.Body, **_: Any) -> dict[str, Any] | None:
     """Indexes pool-owned Deployments by their pool's uid."""
     return _ready_view(body)
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=MANAGED)
-def statefulsets_by_pool(body: kopf.Body, **_: Any) -> dict[str, Any] | None:
+async def statefulsets_by_pool(body: kopf.Body, **_: Any) -> dict[str, Any] | None:
     """Indexes pool-owned StatefulSets (multi-node groups) by their pool's uid."""
     return _ready_view(body)
 
