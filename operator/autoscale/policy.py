@@ -21,8 +21,6 @@ from kvpilot.operator.autoscale.signals import (
 )
 from kvpilot.operator.autoscale.spec import LATENCY_SIGNALS, PolicySpec
 
-UP, DOWN, HOLD = "up", "down", "hold"
-
 
 @dataclass(frozen=True)
 class PolicyState:
@@ -52,13 +50,6 @@ class Decision:
     """What kept `desired` from `recommendation`: window, rate limit, missing data, bounds."""
     votes: tuple[Vote, ...] = ()
     state: PolicyState = field(default_factory=PolicyState)
-
-    @property
-    def direction(self) -> str:
-        """Gives up, down or hold."""
-        if self.desired > self.current:
-            return UP
-        return DOWN if self.desired < self.current else HOLD
 
 
 def _clamp(n: int, spec: PolicySpec) -> int:
@@ -127,6 +118,28 @@ def _rate_limit(desired: int, current: int, spec: PolicySpec, changes: tuple[tup
     return max(desired, current + removed - rules.max_replicas_per_period)
 
 
+def _windows(history: tuple[tuple[float, int], ...], recommendation: int, spec: PolicySpec,
+             now: float) -> tuple[int, int, list[tuple[float, int]]]:
+    """Gives the lowest recommendation of the up window, the highest of the down window
+    (both counting this one), and the history still inside the longer window."""
+    up_window = spec.scale_up.stabilization_window_seconds
+    down_window = spec.scale_down.stabilization_window_seconds
+    horizon = max(up_window, down_window)
+    kept: list[tuple[float, int]] = []
+    up_to = down_to = recommendation
+    for t, r in history:
+        age = now - t
+        if age >= horizon:
+            continue
+        kept.append((t, r))
+        if age <= up_window and r < up_to:
+            up_to = r
+        if age <= down_window and r > down_to:
+            down_to = r
+    kept.append((now, recommendation))
+    return up_to, down_to, kept
+
+
 def _describe(v: Vote | None) -> str:
     if v is None:
         return "no signal"
@@ -164,19 +177,7 @@ def decide(spec: PolicySpec, state: PolicyState, history: Sequence[PoolMetrics],
 
     up_window = spec.scale_up.stabilization_window_seconds
     down_window = spec.scale_down.stabilization_window_seconds
-    horizon = max(up_window, down_window)
-    kept: list[tuple[float, int]] = []
-    up_to = down_to = recommendation
-    for t, r in state.recommendations:
-        age = now - t
-        if age >= horizon:
-            continue
-        kept.append((t, r))
-        if age <= up_window and r < up_to:
-            up_to = r
-        if age <= down_window and r > down_to:
-            down_to = r
-    kept.append((now, recommendation))
+    up_to, down_to, kept = _windows(state.recommendations, recommendation, spec, now)
     # After a restart the history is empty: a scale-down needs a full window of it.
     if now - since < down_window:
         down_to = max(down_to, current)
