@@ -110,7 +110,7 @@ def role_targets(role: str, given: Mapping[str, Any] | None = None) -> dict[str,
 
 
 def _rules(raw: Mapping[str, Any] | None, default: ScalingRules) -> ScalingRules:
-    raw = raw or {}
+    raw = {k: v for k, v in (raw or {}).items() if v is not None}
     return ScalingRules(
         stabilization_window_seconds=float(raw.get("stabilizationWindowSeconds",
                                                    default.stabilization_window_seconds)),
@@ -121,21 +121,24 @@ def _rules(raw: Mapping[str, Any] | None, default: ScalingRules) -> ScalingRules
 
 
 def from_api(autoscaling: Any, role: str, gpus_per_replica: int = 1) -> PolicySpec:
-    """Gives the PolicySpec of a CRD `autoscaling` block (pydantic model or camelCase dict)."""
-    raw: Mapping[str, Any] = (autoscaling.to_json() if hasattr(autoscaling, "to_json")
-                              else dict(autoscaling or {}))
+    """Gives the PolicySpec of a CRD `autoscaling` block (pydantic model or camelCase dict).
+
+    Unset (or null) fields take the CRD's defaults; `maxMetricsAgeSeconds` and
+    `metricsWindowSeconds` default to four intervals.
+    """
+    given = autoscaling.to_json() if hasattr(autoscaling, "to_json") else dict(autoscaling or {})
+    raw: Mapping[str, Any] = {k: v for k, v in given.items() if v is not None}
     base = PolicySpec()
+    interval = float(raw.get("intervalSeconds", base.interval_seconds))
     return PolicySpec(
         role=role,
         min_replicas=int(raw.get("minReplicas", base.min_replicas)),
         max_replicas=int(raw.get("maxReplicas", base.max_replicas)),
         targets=role_targets(role, raw.get("targets")),
         tolerance=float(raw.get("tolerance", base.tolerance)),
-        interval_seconds=float(raw.get("intervalSeconds", base.interval_seconds)),
-        metrics_window_seconds=float(raw.get("metricsWindowSeconds",
-                                             4 * float(raw.get("intervalSeconds", 15)))),
-        max_metrics_age_seconds=float(raw.get("maxMetricsAgeSeconds",
-                                              4 * float(raw.get("intervalSeconds", 15)))),
+        interval_seconds=interval,
+        metrics_window_seconds=float(raw.get("metricsWindowSeconds", 4 * interval)),
+        max_metrics_age_seconds=float(raw.get("maxMetricsAgeSeconds", 4 * interval)),
         scale_up=_rules(raw.get("scaleUp"), base.scale_up),
         scale_down=_rules(raw.get("scaleDown"), base.scale_down),
         gpus_per_replica=gpus_per_replica,

@@ -171,6 +171,24 @@ def test_from_api_dict_uses_crd_names_and_role_defaults() -> None:
     assert dec.max_metrics_age_seconds == 40
 
 
+def test_from_api_reads_the_crd_model() -> None:
+    """The operator API's pydantic model (defaults filled) maps field by field."""
+    from kvpilot.operator.api.autoscaling import AutoscalingSpec
+
+    model = AutoscalingSpec.model_validate({
+        "minReplicas": 2, "maxReplicas": 6, "tolerance": 0.2,
+        "targets": {"queueDepthPerReplica": 3, "runningRequestsPerReplica": 64,
+                    "itlSeconds": 0.04}})
+    got = from_api(model, "decode")
+    assert dict(got.targets) == {"kvCacheUtilization": 0.8, "runningRequestsPerReplica": 64.0,
+                                 "queueDepthPerReplica": 3.0, "itlSeconds": 0.04}
+    assert (got.min_replicas, got.max_replicas, got.tolerance) == (2, 6, 0.2)
+    assert (got.interval_seconds, got.max_metrics_age_seconds) == (15, 60)
+    assert got.scale_up == ScalingRules(0, 4, 60) and got.scale_down == ScalingRules(300, 1, 60)
+    nulls = from_api({"maxMetricsAgeSeconds": None, "scaleUp": {"periodSeconds": None}}, "both")
+    assert nulls.max_metrics_age_seconds == 60 and nulls.scale_up.period_seconds == 60
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"min_replicas": 3, "max_replicas": 2}, "autoscaling.minReplicas=3 and maxReplicas=2"),
     ({"targets": {"kvCacheUtilization": 0}}, "autoscaling.targets.kvCacheUtilization=0"),
