@@ -266,3 +266,26 @@ async def test_engine_settings_reach_the_pool_deployment(api, operator, client):
     args = await eventually(lambda: (a := deployment_args(api, "en-decode"))
                             and "--max-num-seqs" in a and a, what="engine change rolled out")
     assert args[args.index("--max-num-seqs") + 1] == "8"
+
+
+async def test_multi_node_replicas_are_statefulset_groups_pruned_on_scale_down(
+        api, operator, client):
+    manifest = tiny("mn", topology={"tensorParallel": 8, "pipelineParallel": 2},
+                    accelerator={"vendor": "nvidia"}, decode={"replicas": 2})
+    await client.post(IM_PATH, json=manifest)
+    sets = "apps/v1/statefulsets"
+    await eventually(lambda: len(api.live(sets, NAMESPACE)) == 2, what="two groups")
+    group = api.get(sets, NAMESPACE, "mn-decode-g0")
+    assert (group["spec"]["replicas"], group["spec"]["serviceName"]) == (2, "mn-decode-workers")
+    assert api.get("v1/services", NAMESPACE, "mn-decode-workers")["spec"]["clusterIP"] == "None"
+    # Rank 0 of one group becomes ready with its worker: one replica of two is ready.
+    await client.patch(f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/mn-decode-g0/status",
+                       json={"status": {"readyReplicas": 2}}, headers=MERGE)
+    await eventually(lambda: api.get(IMS, NAMESPACE, "mn").get("status", {})
+                     .get("decodeReplicas") == "1/2", what="1/2 ready")
+    await client.patch(f"{IM_PATH}/mn", json={"spec": {"decode": {"replicas": 1}}},
+                       headers=MERGE)
+    await eventually(lambda: [s["metadata"]["name"] for s in api.live(sets, NAMESPACE)]
+                     == ["mn-decode-g0"], what="group g1 pruned")
+    await eventually(lambda: api.get(IMS, NAMESPACE, "mn")["status"].get("decodeReplicas")
+                     == "1/1", what="1/1 ready")
