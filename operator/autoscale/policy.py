@@ -82,16 +82,25 @@ def _votes(history: Sequence[PoolMetrics], spec: PolicySpec, now: float) -> list
         return []
     metrics = history[-1]
     values = smoothed_values(history, spec.metrics_window_seconds, now)
+    draining = _draining(history)
     out = []
     for signal, target in spec.targets.items():
         value = values[signal]
         if value is None or metrics.replicas_reporting == 0:
             continue
         v = vote(signal, value, target, metrics.replicas_reporting, spec.tolerance,
-                 spec.running_knee)
+                 spec.running_knee, draining)
         if v is not None:
             out.append(v)
     return out
+
+
+def _draining(history: Sequence[PoolMetrics]) -> bool:
+    """Gives whether the pool's waiting requests shrank since the previous scrape."""
+    if len(history) < 2:
+        return False
+    now, before = history[-1].requests_waiting, history[-2].requests_waiting
+    return now is not None and before is not None and now < before
 
 
 def _starting(metrics: PoolMetrics | None, state: PolicyState, current: int, now: float,

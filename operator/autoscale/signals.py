@@ -135,18 +135,18 @@ def load_ratio(signal: str, value: float, target: float, knee: float) -> float:
 
 
 def vote(signal: str, value: float, target: float, replicas: int, tolerance: float,
-         knee: float = 64.0) -> Vote | None:
+         knee: float = 64.0, draining: bool = False) -> Vote | None:
     """Gives the signal's replica count: ceil(replicas × value / target) outside the tolerance.
-
-    Scaling down divides by (1 − 2·tolerance) instead, so the pool lands well inside
-    the band.
 
     Inside the band the signal votes for `replicas` (no change). Below target
     queue depth and running requests vote by the utilisation they imply
-    (`load_ratio`). Latency signals
-    and waiting prompt tokens only vote up: latency has a floor at the unloaded
-    step time and a token backlog is near zero below saturation, so a low value
-    says nothing about how many replicas could go; None means no opinion.
+    (`load_ratio`), and a scale-down aims at 1 − 1.5·tolerance of target, so the
+    pool lands well inside the band. Latency signals and waiting prompt tokens
+    only vote up: latency has a floor at the unloaded step time and a token
+    backlog is near zero below saturation, so a low value says nothing about how
+    many replicas could go; None means no opinion. A backlog above target that is
+    `draining` (smaller than at the previous scrape) holds: the replicas there are
+    already serve more than arrives, and adding more for it overshoots.
     """
     ratio = load_ratio(signal, value, target, knee)
     if abs(ratio - 1.0) <= tolerance:
@@ -159,4 +159,6 @@ def vote(signal: str, value: float, target: float, replicas: int, tolerance: flo
         # which small pools, where one replica is a large step, do most.
         landing = max(1.0 - 1.5 * tolerance, 0.5)
         return Vote(signal, value, target, min(replicas, _ceil(replicas * ratio / landing)))
+    if draining and signal in (QUEUE_DEPTH, WAITING_PROMPT_TOKENS):
+        return Vote(signal, value, target, replicas)
     return Vote(signal, value, target, _ceil(replicas * ratio))

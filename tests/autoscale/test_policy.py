@@ -139,6 +139,17 @@ def test_decide_table(case, pspec, state, metrics, current, desired, signal, hel
         assert any(held in h for h in d.held_by), (case, d.held_by)
 
 
+@pytest.mark.parametrize(("before", "expected"), [(120.0, 2), (60.0, 6), (None, 6)])
+def test_a_draining_backlog_adds_no_replicas(before, expected) -> None:
+    """80 waiting on 2 replicas asks for more, unless the backlog shrank since the last scrape."""
+    history = [m(2, waiting=80)]
+    if before is not None:
+        history.insert(0, replace(m(2, waiting=before), time=NOW - 15))
+    d = decide(spec("prefill"), SETTLED, history, 2, NOW)
+    assert d.desired == expected
+    assert d.vote is not None and d.vote.signal == "queueDepthPerReplica"
+
+
 def test_scale_from_zero_reason_names_demand() -> None:
     d = decide(spec(lo=0), SETTLED, [m(0, demand=3)], 0, NOW)
     assert d.reason == "router holds 3 requests for a pool with no ready replica"
