@@ -53,11 +53,20 @@ def resource_path(api_version: str, kind: str, namespace: str | None,
 
 
 def differs(current: Any, desired: Any) -> bool:
-    """Gives whether applying `desired` as a merge patch would change `current`."""
+    """Gives whether `current` lacks something `desired` asks for.
+
+    Keys only `current` has (server defaults, other writers) do not count, also inside
+    list items matched by position: a container the API server filled with defaults is
+    still the container we rendered. A list of another length always differs.
+    """
     if isinstance(desired, Mapping):
         if not isinstance(current, Mapping):
             return True
         return any(differs(current.get(k), v) for k, v in desired.items())
+    if isinstance(desired, list):
+        if not isinstance(current, list) or len(current) != len(desired):
+            return True
+        return any(differs(c, d) for c, d in zip(current, desired, strict=True))
     return current != desired
 
 

@@ -36,6 +36,9 @@ def test_resource_path(args, path):
     ({"a": {"x": 1, "y": 2}}, {"a": {"x": 1}}, False),
     ({"a": {"x": 1}}, {"a": {"x": 2}}, True),
     ({"a": [1, 2]}, {"a": [1]}, True),  # lists are replaced whole by a merge patch
+    ({"a": [{"x": 1, "default": 0}]}, {"a": [{"x": 1}]}, False),  # server-filled defaults
+    ({"a": [{"x": 1}]}, {"a": [{"x": 2}]}, True),
+    ({"a": [1, 2]}, {"a": [2, 1]}, True),
     ({}, {"a": None}, False),
     ({"a": 1}, {"b": 1}, True),
 ])
