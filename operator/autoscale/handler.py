@@ -36,7 +36,7 @@ from kvpilot.operator.autoscale.scrape import (
 )
 from kvpilot.operator.autoscale.signals import PoolMetrics
 from kvpilot.operator.autoscale.spec import PolicySpec, from_api
-from kvpilot.operator.handlers.kube import Kube
+from kvpilot.operator.handlers.kube import Kube, KubeError
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, POOL_LABEL
 from kvpilot.operator.render.router import router_labels
 
@@ -77,7 +77,7 @@ def decision_reason(d: Decision, budget: str | None) -> str:
     return "; ".join(parts)
 
 
-def status_fields(metrics: PoolMetrics, role: str) -> dict[str, Any]:
+def status_fields(metrics: PoolMetrics) -> dict[str, Any]:
     """Gives the KV% and QUEUE status fields from the latest sample."""
     out: dict[str, Any] = {}
     if metrics.kv_cache_utilization is not None:
@@ -95,9 +95,14 @@ async def _mark_for_removal(kube: Kube, namespace: str, samples: dict[str, PodSa
     by_name = {p["metadata"]["name"]: p for p in pods}
     for pod, cost in deletion_costs(samples).items():
         annotations = (by_name.get(pod, {}).get("metadata") or {}).get("annotations") or {}
-        if annotations.get(DELETION_COST) != str(cost):
+        if annotations.get(DELETION_COST) == str(cost):
+            continue
+        try:
             await kube.patch("v1", "Pod", namespace, pod,
                              {"metadata": {"annotations": {DELETION_COST: str(cost)}}})
+        except KubeError as exc:
+            if exc.status != 404:  # a pod gone since the listing needs no cost
+                raise
 
 
 @kopf.on.startup()
@@ -149,7 +154,7 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     d = decide(pspec, runtime.state, runtime.history, current, now)
     runtime.state = d.state
 
-    fields = status_fields(metrics, role)
+    fields = status_fields(metrics)
     shared: dict[tuple[str, str], PoolReport] = getattr(memo, "autoscale_pools", {})
     model = spec.get("modelRef")
     shared[(namespace, name)] = PoolReport(
