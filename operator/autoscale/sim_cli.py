@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="peak request rate of the whole fleet")
     parser.add_argument("--step-at", type=float, default=600.0, metavar="SECONDS",
                         help="when the step trace jumps 4x")
+    parser.add_argument("--aggregated", action="store_true",
+                        help='one pool of role "both" per model instead of prefill + decode')
     parser.add_argument("--gpu-budget", type=int, default=None,
                         help="GPUs each model's two pools may hold together")
     parser.add_argument("--calibration", default=None,
@@ -36,7 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Runs the simulation, prints the report; gives the exit code."""
     from kvpilot.operator.autoscale.sim.calibration import DEFAULT_PATH, load
-    from kvpilot.operator.autoscale.sim.fleet import SimConfig, simulate, static_for_peak
+    from kvpilot.operator.autoscale.sim.fleet import (
+        SimConfig,
+        aggregated_specs,
+        simulate,
+        static_for_peak,
+    )
     from kvpilot.operator.autoscale.sim.report import first_scale_up_after, summarize
 
     try:
@@ -46,7 +53,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     base = {"trace": args.trace, "duration_s": args.duration, "tick_s": args.tick,
             "models": args.models, "peak_rps": args.peak_rps, "seed": args.seed,
-            "step_at_s": args.step_at, "cost": cost, "gpu_budget": args.gpu_budget}
+            "step_at_s": args.step_at, "cost": cost, "gpu_budget": args.gpu_budget,
+            "aggregated": args.aggregated}
+    if args.aggregated:
+        base["specs"] = aggregated_specs()
     started = time.perf_counter()
     cfg = SimConfig(**base)
     trace = simulate(cfg)

@@ -7,7 +7,12 @@ import json
 import numpy as np
 import pytest
 from kvpilot.operator.autoscale.sim.calibration import load
-from kvpilot.operator.autoscale.sim.fleet import SimConfig, simulate, static_for_peak
+from kvpilot.operator.autoscale.sim.fleet import (
+    SimConfig,
+    aggregated_specs,
+    simulate,
+    static_for_peak,
+)
 from kvpilot.operator.autoscale.sim.report import (
     direction_changes,
     first_scale_up_after,
@@ -45,6 +50,22 @@ def test_diurnal_meets_slo_with_30_percent_fewer_gpu_hours_than_static_peak() ->
     assert static.slo_attainment >= 0.95, static  # the baseline is a fair one
     assert auto.gpu_hours <= 0.7 * static.gpu_hours, (auto, static)
     assert static.scale_events == 0
+
+
+def test_aggregated_pools_step_and_day() -> None:
+    """One "both" pool per model: the same step response and diurnal savings hold."""
+    step, _ = run(trace="step", duration_s=1200, peak_rps=400, aggregated=True,
+                  specs=aggregated_specs())
+    assert 0 <= first_scale_up_after(step.events, 600) <= 30
+    assert step.replicas[:, 0].max() == 0  # no prefill pool
+    cfg = SimConfig(trace="diurnal", tick_s=4.0, peak_rps=400, aggregated=True,
+                    specs=aggregated_specs())
+    trace = simulate(cfg)
+    auto = summarize(trace, cfg.workload, cfg.cost)
+    _, static = run(trace="diurnal", tick_s=4.0, peak_rps=400, aggregated=True,
+                    specs=aggregated_specs(), static_replicas=static_for_peak(trace, cfg))
+    assert auto.slo_attainment >= 0.95 and static.slo_attainment >= 0.95
+    assert auto.gpu_hours <= 0.7 * static.gpu_hours, (auto, static)
 
 
 def test_gpu_budget_caps_each_model() -> None:

@@ -13,7 +13,6 @@ set) on metrics derived from the pool's state.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,12 +22,11 @@ from kvpilot.operator.autoscale.policy import PolicyState, decide
 from kvpilot.operator.autoscale.signals import PoolMetrics
 from kvpilot.operator.autoscale.sim.calibration import CostModel
 from kvpilot.operator.autoscale.sim.calibration import load as load_calibration
+from kvpilot.operator.autoscale.sim.dataplane import DECODE, PREFILL, DataPlane
 from kvpilot.operator.autoscale.sim.traces import profile
 from kvpilot.operator.autoscale.spec import PolicySpec, role_targets
 
-PREFILL, DECODE = 0, 1
 ROLES = ("prefill", "decode")
-EWMA_S = 10.0  # seconds over which the prefill utilisation metric is averaged
 
 
 @dataclass(frozen=True)
@@ -39,6 +37,11 @@ class Workload:
     output_tokens: float = 200.0
     ttft_slo_s: float = 2.0
     itl_slo_s: float = 0.05
+
+
+def aggregated_specs(max_replicas: int = 10_000) -> tuple[PolicySpec, PolicySpec]:
+    """Gives the specs of an aggregated run: an unused prefill spec and a "both" pool."""
+    return default_spec("prefill", max_replicas), default_spec("both", max_replicas)
 
 
 def default_spec(role: str, max_replicas: int = 10_000) -> PolicySpec:
@@ -65,6 +68,9 @@ class SimConfig:
         default_factory=lambda: (default_spec("prefill"), default_spec("decode")))
     gpu_budget: int | None = None
     """GPUs each model's two pools may hold together (None: unlimited)."""
+    aggregated: bool = False
+    """One pool of role "both" per model (specs[1] then should be a "both" spec);
+    the prefill pool stays at zero replicas."""
     static_replicas: tuple[np.ndarray, np.ndarray] | None = None
     """Fixed replicas per model and pool: no autoscaler (the static baseline)."""
 
@@ -95,6 +101,11 @@ def initial_replicas(rate: np.ndarray, cfg: SimConfig) -> tuple[np.ndarray, np.n
     running = cfg.specs[DECODE].targets.get("runningRequestsPerReplica", 96.0)
     step = cost.decode_step_s(running, w.prompt_tokens + w.output_tokens / 2)
     decode = np.ceil(rate * w.output_tokens * step / running)
+    if cfg.aggregated:
+        # One pool does both: the prefill share of its time stretches every decode step.
+        both = np.ceil(rate * w.output_tokens * step / running
+                       + rate * w.prompt_tokens / (cost.prefill_tokens_per_s * rho))
+        return np.zeros_like(both, dtype=np.int64), np.maximum(both, 1).astype(np.int64)
     return np.maximum(prefill, 1).astype(np.int64), np.maximum(decode, 1).astype(np.int64)
 
 
@@ -126,15 +137,9 @@ class _Run:
             start = initial_replicas(self.rate[0], cfg)
         self.spec_r = np.stack(start).astype(np.int64)          # (2, M)
         self.ready = self.spec_r.astype(np.float64).copy()
-        self.backlog = np.zeros(m)                               # prompt tokens
-        self.rho = self.rate[0] * cfg.workload.prompt_tokens / (
-            np.maximum(self.ready[PREFILL], 1) * cfg.cost.prefill_tokens_per_s)
-        self.queue = np.zeros(m)  # M/M/1 waiting requests per prefill replica
-        self.waiting_decode = np.zeros(m)
-        self.running = self.rate[0] * cfg.workload.output_tokens * cfg.cost.decode_step_s(
-            100, cfg.workload.prompt_tokens)
-        self.running_avg = self.running.copy()
-        self.itl = np.full(m, cfg.cost.decode_step_base_s)
+        self.plane = DataPlane(cfg.cost, cfg.workload.prompt_tokens, cfg.workload.output_tokens,
+                               self.rate[0], self.ready[DECODE if cfg.aggregated else PREFILL],
+                               cfg.aggregated)
         self.states = [[PolicyState() for _ in range(m)] for _ in ROLES]
         # Samples older than the policy's metrics window are never read: keep no more.
         keep = [int(s.metrics_window_seconds // s.interval_seconds) + 2 for s in cfg.specs]
@@ -148,6 +153,8 @@ class _Run:
         self.events: list[tuple[float, int, int, int, int, str]] = []
         if cfg.static_replicas is None:
             for pool, spec in enumerate(cfg.specs):
+                if cfg.aggregated and pool == PREFILL:
+                    continue
                 offsets = self.rng.uniform(0, spec.interval_seconds, size=m)
                 for i in range(m):
                     self._push(float(offsets[i]), "decide", pool, i)
@@ -161,7 +168,6 @@ class _Run:
         cfg, t_count, m = self.cfg, self.ticks, self.cfg.models
         admitted_cum = np.empty((t_count, m))
         sojourn_rec = np.empty((t_count, m))
-        service = cfg.workload.prompt_tokens / cfg.cost.prefill_tokens_per_s
         itl_rec = np.empty((t_count, m))
         replicas = np.empty((t_count, 2), dtype=np.int64)
         ready = np.empty((t_count, 2))
@@ -178,81 +184,21 @@ class _Run:
                         self.ready[pool, model] += 1
                 else:
                     self._decide(time, pool, model)
-            admitted += self._step(self.arrivals[i])
+            admitted += self.plane.step(self.arrivals[i], self.ready, cfg.tick_s)
             admitted_cum[i] = admitted
-            sojourn_rec[i] = service * (1.0 + self.queue / np.maximum(self.rho, 1e-3))
-            itl_rec[i] = self.itl
+            sojourn_rec[i] = self.plane.sojourn_s()
+            itl_rec[i] = self.plane.itl
             replicas[i] = self.spec_r.sum(axis=1)
             ready[i] = self.ready.sum(axis=1)
         return SimTrace(cfg.tick_s, self.arrivals, admitted_cum, sojourn_rec, itl_rec, replicas,
                         ready, self.events, cfg.cost.gpus_per_replica, self.peak_rps)
-
-    def _step(self, arrivals: np.ndarray) -> np.ndarray:
-        """Advances every model one tick; gives the requests admitted to decode."""
-        cfg, cost, w = self.cfg, self.cfg.cost, self.cfg.workload
-        dt = cfg.tick_s
-        capacity = self.ready[PREFILL] * cost.prefill_tokens_per_s * dt
-        inflow = arrivals * w.prompt_tokens
-        inst = inflow / np.maximum(capacity, 1e-9)
-        self.rho += min(dt / EWMA_S, 1.0) * (inst - self.rho)
-        # The M/M/1 queue relaxes towards ρ²/(1 − ρ) with time constant
-        # S / (1 − √ρ)²: slowly near saturation, so a 10 s burst does not fill it.
-        rho = np.minimum(self.rho, 0.99)
-        steady = rho * rho / (1 - rho)
-        relax = w.prompt_tokens / cost.prefill_tokens_per_s / (1 - np.sqrt(rho)) ** 2
-        self.queue += (steady - self.queue) * (1 - np.exp(-dt / relax))
-        served = np.minimum(self.backlog + inflow, capacity)
-        self.backlog += inflow - served
-        slots = self.ready[DECODE] * cost.decode_slots(w.prompt_tokens + w.output_tokens)
-        candidates = self.waiting_decode + served / w.prompt_tokens
-        admit = np.minimum(candidates, np.maximum(slots - self.running, 0.0))
-        self.waiting_decode = candidates - admit
-        self.running += admit
-        # Each running request ends at rate 1/τ, τ = output tokens × step time: an
-        # exact exponential per tick, and the tick's time-average (which obeys Little's
-        # law, R = λτ, at any tick length) is what the pods report.
-        has_decode = self.ready[DECODE] > 0
-        batch = self.running_avg / np.maximum(self.ready[DECODE], 1)
-        self.itl = cost.decode_step_s(batch, w.prompt_tokens + w.output_tokens / 2)
-        x = np.where(has_decode, dt / (self.itl * w.output_tokens), 0.0)
-        keep = np.exp(-x)
-        self.running_avg = np.where(has_decode, self.running * (1 - keep) / np.maximum(x, 1e-12),
-                                    self.running)
-        self.running *= keep
-        return admit
-
-    def metrics(self, pool: int, model: int, now: float) -> PoolMetrics:
-        """Gives what the pool's pods would report now."""
-        w, cost = self.cfg.workload, self.cfg.cost
-        n = int(self.ready[pool, model])
-        if pool == PREFILL:
-            rho = min(float(self.rho[model]), 0.99)
-            backlog = float(self.backlog[model])
-            per_replica = float(self.queue[model])
-            queue = n * per_replica + backlog / w.prompt_tokens
-            service = w.prompt_tokens / cost.prefill_tokens_per_s
-            sojourn = service * (1 + per_replica / max(rho, 1e-3))
-            ttft = sojourn * math.log(10) + backlog / max(n * cost.prefill_tokens_per_s, 1e-9)
-            return PoolMetrics(
-                time=now, replicas_reporting=n,
-                kv_cache_utilization=rho * w.prompt_tokens / cost.kv_capacity_tokens,
-                requests_waiting=queue, requests_running=n * rho,
-                waiting_prompt_tokens=(queue + n * rho) * w.prompt_tokens,
-                ttft_p90_seconds=ttft)
-        running = float(self.running_avg[model])
-        kv = running * (w.prompt_tokens + w.output_tokens / 2)
-        return PoolMetrics(
-            time=now, replicas_reporting=n,
-            kv_cache_utilization=kv / max(n * cost.kv_capacity_tokens, 1),
-            requests_waiting=float(self.waiting_decode[model]), requests_running=running,
-            waiting_prompt_tokens=0.0, itl_p90_seconds=float(self.itl[model]))
 
     def _decide(self, now: float, pool: int, model: int) -> None:
         spec = self.cfg.specs[pool]
         self._push(now + spec.interval_seconds, "decide", pool, model)
         current = int(self.spec_r[pool, model])
         history = self.history[pool][model]
-        history.append(self.metrics(pool, model, now))
+        history.append(self.plane.metrics(pool, model, int(self.ready[pool, model]), now))
         d = decide(spec, self.states[pool][model], history, current, now)
         self.states[pool][model] = d.state
         desired = d.desired
@@ -270,6 +216,8 @@ class _Run:
         gpus = self.cfg.cost.gpus_per_replica
         demands = []
         for p, spec in enumerate(self.cfg.specs):
+            if self.cfg.aggregated and p == PREFILL:
+                continue
             current = int(self.spec_r[p, model])
             want = desired if p == pool else current
             demands.append(PoolDemand(ROLES[p], current=current, desired=want,
