@@ -49,12 +49,6 @@ def pool_specs(spec: InferenceModelSpec, model: str) -> list[tuple[str, PoolSpec
     return out
 
 
-def validate(spec: InferenceModelSpec, model: str) -> None:
-    """Raises ValueError, naming the field, when any pool of the spec cannot be planned."""
-    for _, pool in pool_specs(spec, model):
-        plan_placement(pool.resolved(spec))
-
-
 def render_children(im: dict[str, Any], spec: InferenceModelSpec,
                     config: RenderConfig) -> list[dict[str, Any]]:
     """Gives the pools, router objects and engine ConfigMap of one InferenceModel."""
