@@ -196,7 +196,7 @@ def bench_hf_throughput(config: dict, prompts, out_lens) -> dict:
 
 
 def bench_batch1_decode(path: Path, copy_gbps: float, prompt_len: int = 128,
-                        new_tokens: int = 256) -> dict:
+                        new_tokens: int = 256, profile_to: Path | None = None) -> dict:
     from kvpilot.engine.args import EngineArgs
     from kvpilot.engine.llm_engine import LLMEngine
     from kvpilot.engine.sampling_params import SamplingParams
@@ -220,6 +220,9 @@ def bench_batch1_decode(path: Path, copy_gbps: float, prompt_len: int = 128,
             steps += 1
         sync()
         elapsed = time.perf_counter() - t0
+    if profile_to is not None:
+        profile_host(engine, [rng.randint(0, 10000) for _ in range(prompt_len)], params,
+                     profile_to)
     graphs = engine.runner.decode_graphs
     replay_ms = float(do_bench(graphs.graphs[1].replay, warmup=25, rep=200,
                                return_mode="median")) if graphs else float("nan")
@@ -246,6 +249,23 @@ def phase_text(k: dict) -> str:
             f"graph replay {p.get('graph_replay', 0):.1f} + eager forward "
             f"{p.get('eager_forward', 0):.1f} + LM head {p.get('lm_head', 0):.1f} + other; "
             f"sampling, scheduling, outputs {rest:.1f} s")
+
+
+def profile_host(engine, prompt: list[int], params, path: Path) -> None:
+    """Writes where the host time of one batch-1 request goes (cProfile, top 30 by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    engine.add_request("profiled", prompt, params)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    while engine.has_unfinished_requests():
+        engine.step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    path.write_text(text.getvalue())
 
 
 def markdown(r: dict) -> str:
@@ -297,7 +317,8 @@ def main() -> None:
                                                                  out_lens[:n])
         if args.only in (None, "d"):
             path = model_dir(Path(tmp), "llama3-8b-shape", LLAMA3_8B)
-            result["batch1"] = bench_batch1_decode(path, result["copy_gbps"])
+            result["batch1"] = bench_batch1_decode(path, result["copy_gbps"],
+                                                   profile_to=out / "profile_d.txt")
     # c) and d) run as separate processes so that each gets the whole GPU
     stem = f"e2e_gpu_{args.only}" if args.only else "e2e_gpu"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
