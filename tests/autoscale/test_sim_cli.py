@@ -28,3 +28,10 @@ def test_sim_rejects_a_calibration_with_unknown_keys(tmp_path, capsys) -> None:
     bad.write_text(json.dumps({"prefill_tps": 1}))
     assert main(["sim", "--duration", "60", "--calibration", str(bad)]) == 2
     assert "unknown key(s) prefill_tps" in capsys.readouterr().err
+
+
+def test_sim_aggregated_has_no_prefill_pool(capsys) -> None:
+    assert main(["sim", "--aggregated", "--trace", "steady", "--duration", "600"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["autoscaled"]["peak_replicas"][0] == 0
+    assert printed["autoscaled"]["peak_replicas"][1] >= 1
