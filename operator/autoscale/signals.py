@@ -145,7 +145,7 @@ def vote(signal: str, value: float, target: float, replicas: int, tolerance: flo
     only vote up: latency has a floor at the unloaded step time and a token
     backlog is near zero below saturation, so a low value says nothing about how
     many replicas could go; None means no opinion. A backlog above target that is
-    `draining` (smaller than at the previous scrape) holds: the replicas there are
+    `draining` (smaller than at the previous scrape) holds: the replicas there
     already serve more than arrives, and adding more for it overshoots.
     """
     ratio = load_ratio(signal, value, target, knee)
