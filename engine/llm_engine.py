@@ -113,6 +113,8 @@ class LLMEngine:
             for seq in request.live_seqs():
                 self.scheduler.remove(seq)
                 seq.finish_reason = "abort"
+                if not self.stream_outputs:  # text is otherwise decoded at the finish
+                    seq.output_text = self.outputs.decode(seq, seq.output_token_ids)
             request.metrics.finished_time = time.monotonic()
             self._pending.append(self.outputs.build(request))
 

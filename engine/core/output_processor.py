@@ -44,11 +44,11 @@ class OutputProcessor:
         if seq.finish_reason == "stop":
             # an eos or stop token's own text is never part of the output (as in vLLM)
             if not decode and not params.stop:
-                seq.output_text = self._decode(seq, seq.token_ids[seq.num_prompt_tokens:-1])
+                seq.output_text = self.decode(seq, seq.token_ids[seq.num_prompt_tokens:-1])
             return
         if not decode and not params.stop:
             if seq.finish_reason is not None:
-                seq.output_text = self._decode(seq, seq.output_token_ids)
+                seq.output_text = self.decode(seq, seq.output_token_ids)
             return
         new_text = decode_new_text(self.tokenizer, seq, params.skip_special_tokens)
         reason = seq.finish_reason
@@ -56,7 +56,8 @@ class OutputProcessor:
         append_text(seq, new_text, params)
         seq.finish_reason = seq.finish_reason or reason
 
-    def _decode(self, seq: Sequence, token_ids: list[int]) -> str:
+    def decode(self, seq: Sequence, token_ids: list[int]) -> str:
+        """Gives the text of `token_ids` under `seq`'s skip_special_tokens setting."""
         return self.tokenizer.decode(token_ids,
                                      skip_special_tokens=seq.request.params.skip_special_tokens)
 
