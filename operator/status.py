@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+POOL_DEGRADED = "PoolDegraded"
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,20 @@ def is_true(conditions: Sequence[dict[str, Any]] | None, kind: str) -> bool:
     return any(c.get("type") == kind and c.get("status") == "True" for c in conditions or ())
 
 
+def own_problem(conditions: Sequence[dict[str, Any]] | None) -> bool:
+    """Gives whether the object is Degraded for its own spec (not for a pool's)."""
+    return any(c.get("type") == DEGRADED and c.get("status") == "True"
+               and c.get("reason") != POOL_DEGRADED for c in conditions or ())
+
+
+def problem(conditions: Sequence[dict[str, Any]] | None) -> str | None:
+    """Gives the Degraded message when condition Degraded is True, else None."""
+    for c in conditions or ():
+        if c.get("type") == DEGRADED and c.get("status") == "True":
+            return str(c.get("message") or c.get("reason") or "degraded")
+    return None
+
+
 def _summary(pools: dict[str, PoolCounts]) -> str:
     return ", ".join(f"{name} {c.text} ready" for name, c in sorted(pools.items()))
 
@@ -118,11 +133,19 @@ def pool_status(desired: int, ready: int, selector: str, generation: int | None,
 
 
 def model_status(pools: dict[str, PoolCounts], endpoint: str | None, generation: int | None,
-                 old_conditions: Sequence[dict[str, Any]] | None, now: str) -> dict[str, Any]:
-    """Gives a valid InferenceModel's status from its pools' counts ('prefill', 'decode')."""
+                 old_conditions: Sequence[dict[str, Any]] | None, now: str,
+                 pool_problems: dict[str, str] | None = None) -> dict[str, Any]:
+    """Gives a valid InferenceModel's status from its pools' counts ('prefill', 'decode').
+
+    `pool_problems` maps a pool's name to its Degraded message; any makes the model
+    Degraded with reason PoolDegraded (the model's own spec is fine, a pool's is not).
+    """
+    conditions = rollout_conditions(pools, generation, now)
+    if pool_problems:
+        message = "; ".join(f"{name}: {text}" for name, text in sorted(pool_problems.items()))
+        conditions = invalid_spec_conditions(POOL_DEGRADED, message, generation, now)
     status: dict[str, Any] = {
-        "conditions": merge_conditions(old_conditions,
-                                       rollout_conditions(pools, generation, now)),
+        "conditions": merge_conditions(old_conditions, conditions),
         "endpoint": endpoint,
     }
     for role in ("prefill", "decode"):

@@ -21,6 +21,7 @@ from kvpilot.operator.status import (
     merge_conditions,
     model_status,
     now_rfc3339,
+    problem,
 )
 
 GROUP, VERSION = GROUP_VERSION.split("/")
@@ -31,6 +32,16 @@ OWNED_KINDS = [
     ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
 ]
 POOL_ROLES = {"PrefillPool": "prefill", "DecodePool": "decode"}
+
+
+def pool_problems(pools: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """Gives {pool name: Degraded message} of the pools that are Degraded."""
+    out: dict[str, str] = {}
+    for pool in pools:
+        message = problem((pool.get("status") or {}).get("conditions"))
+        if message is not None:
+            out[pool["metadata"]["name"]] = message
+    return out
 
 
 def pool_counts(spec: InferenceModelSpec, model: str,
@@ -93,5 +104,7 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
         await record(kube, im, "Reconciled", "; ".join(changes))
     counts = pool_counts(parsed, name, stored)
     endpoint = endpoint_url(name, namespace) if parsed.router.replicas > 0 else None
-    patch.status.update(model_status(counts, endpoint, generation, status.get("conditions"), now))
+    pools = [o for o in stored if o.get("kind") in POOL_ROLES]
+    patch.status.update(model_status(counts, endpoint, generation, status.get("conditions"), now,
+                                     pool_problems(pools)))
     patch.status["observedGeneration"] = generation

@@ -12,7 +12,7 @@ from typing import Any
 import kopf
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.handlers.indexes import every, first
-from kvpilot.operator.handlers.inference_model import pool_counts
+from kvpilot.operator.handlers.inference_model import pool_counts, pool_problems
 from kvpilot.operator.handlers.kube import Kube, differs
 from kvpilot.operator.render.meta import GROUP_VERSION, MANAGED_BY
 from kvpilot.operator.render.pool import pool_selector
@@ -22,6 +22,7 @@ from kvpilot.operator.status import (
     is_true,
     model_status,
     now_rfc3339,
+    own_problem,
     pool_status,
     workload_ready,
 )
@@ -110,8 +111,8 @@ async def pool_changed(body: kopf.Body, type: str | None, memo: kopf.Memo,
     if im is None or im["metadata"]["uid"] != ref["uid"]:
         return
     status = im["status"]
-    if is_true(status.get("conditions"), DEGRADED) or "observedGeneration" not in status:
-        return
+    if own_problem(status.get("conditions")) or "observedGeneration" not in status:
+        return  # the model's handler owns the status until its own spec is fixed
     try:
         spec = InferenceModelSpec.model_validate(im["spec"])
     except ValueError:
@@ -120,5 +121,5 @@ async def pool_changed(body: kopf.Body, type: str | None, memo: kopf.Memo,
     counts = pool_counts(spec, ref["name"], pools)
     endpoint = endpoint_url(ref["name"], namespace) if spec.router.replicas > 0 else None
     new = model_status(counts, endpoint, status.get("observedGeneration"),
-                       status.get("conditions"), now_rfc3339())
+                       status.get("conditions"), now_rfc3339(), pool_problems(pools))
     await _patch_status_if_changed(memo.kube, im, new)

@@ -289,3 +289,21 @@ async def test_multi_node_replicas_are_statefulset_groups_pruned_on_scale_down(
                      == ["mn-decode-g0"], what="group g1 pruned")
     await eventually(lambda: api.get(IMS, NAMESPACE, "mn")["status"].get("decodeReplicas")
                      == "1/1", what="1/1 ready")
+
+
+async def test_a_degraded_pool_shows_on_its_model(api, operator, client):
+    await client.post(IM_PATH, json=tiny("dg"))
+    await eventually(lambda: conditions(api.get(IMS, NAMESPACE, "dg")).get("Ready") == "False")
+    pool_status = f"/apis/kvpilot.dev/v1alpha1/namespaces/{NAMESPACE}/decodepools/dg-decode/status"
+    broken = [{"type": "Degraded", "status": "True", "reason": "ApplyRejected",
+               "message": "spec.template: Invalid"}]
+    await client.patch(pool_status, json={"status": {"conditions": broken}}, headers=MERGE)
+    im = await eventually(lambda: (o := api.get(IMS, NAMESPACE, "dg"))
+                          and conditions(o).get("Degraded") == "True" and o, what="PoolDegraded")
+    degraded = next(c for c in im["status"]["conditions"] if c["type"] == "Degraded")
+    assert (degraded["reason"], degraded["message"]) == (
+        "PoolDegraded", "dg-decode: spec.template: Invalid")
+    fixed = [{"type": "Degraded", "status": "False", "reason": "SpecValid", "message": ""}]
+    await client.patch(pool_status, json={"status": {"conditions": fixed}}, headers=MERGE)
+    await eventually(lambda: conditions(api.get(IMS, NAMESPACE, "dg")).get("Degraded") == "False",
+                     what="recovery")

@@ -110,3 +110,13 @@ def test_describe_error_names_the_field(spec, message):
         InferenceModelSpec.model_validate(spec)
     assert message in describe_error(info.value)
     assert "\n" not in describe_error(info.value)
+
+
+def test_a_degraded_pool_degrades_the_model_until_it_recovers():
+    bad = model_status({"decode": PoolCounts(1, 0)}, None, 2, None, T0,
+                       {"m-decode": "ApplyRejected: spec.template: Invalid"})
+    assert summary(bad["conditions"])["Degraded"] == ("True", "PoolDegraded")
+    assert bad["conditions"][2]["message"] == "m-decode: ApplyRejected: spec.template: Invalid"
+    assert bad["decodeReplicas"] == "0/1"
+    good = model_status({"decode": PoolCounts(1, 1)}, None, 2, bad["conditions"], T1, {})
+    assert summary(good["conditions"])["Degraded"] == ("False", "SpecValid")
