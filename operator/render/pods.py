@@ -167,7 +167,9 @@ def _fetch_container(spec: PoolSpec, engine: dict[str, Any], repo: str) -> dict[
     command = ["huggingface-cli", "download", repo, "--local-dir", HF_DIR]
     if spec.model.revision:
         command += ["--revision", spec.model.revision]
-    env = [e for e in engine["env"] if e["name"] == "HF_TOKEN"]
+    # Non-root with no home directory: point the Hugging Face cache at the writable /tmp.
+    env = [e for e in engine["env"] if e["name"] == "HF_TOKEN"] + [
+        {"name": "HF_HOME", "value": "/tmp/hf-home"}]
     return {"name": "fetch-model", "image": engine["image"], "command": command, "env": env,
             "volumeMounts": [m for m in engine["volumeMounts"] if m["name"] in ("model", "tmp")],
             "securityContext": _container_security(False)}
