@@ -116,7 +116,8 @@ def _env(spec: PoolSpec, placement: Placement,
             "secretKeyRef": {"name": secret.name, "key": secret.key}}})
     env += extra_env or []
     taken = {e["name"] for e in env}
-    plain = {**placement.env, **spec.overrides.env}
+    # Non-root without a home directory: caches (Triton, Hugging Face) go to the writable /tmp.
+    plain = {"HOME": "/tmp", **placement.env, **spec.overrides.env}
     env += [{"name": k, "value": v} for k, v in sorted(plain.items()) if k not in taken]
     return env
 
