@@ -116,8 +116,7 @@ def _env(spec: PoolSpec, placement: Placement,
             "secretKeyRef": {"name": secret.name, "key": secret.key}}})
     env += extra_env or []
     taken = {e["name"] for e in env}
-    # Non-root without a home directory: caches (Triton, Hugging Face) go to the writable /tmp.
-    plain = {"HOME": "/tmp", **placement.env, **spec.overrides.env}
+    plain = {**placement.env, **spec.overrides.env}
     env += [{"name": k, "value": v} for k, v in sorted(plain.items()) if k not in taken]
     return env
 
@@ -168,9 +167,7 @@ def _fetch_container(spec: PoolSpec, engine: dict[str, Any], repo: str) -> dict[
     command = ["huggingface-cli", "download", repo, "--local-dir", HF_DIR]
     if spec.model.revision:
         command += ["--revision", spec.model.revision]
-    # Non-root with no home directory: point the Hugging Face cache at the writable /tmp.
-    env = [e for e in engine["env"] if e["name"] == "HF_TOKEN"] + [
-        {"name": "HF_HOME", "value": "/tmp/hf-home"}]
+    env = [e for e in engine["env"] if e["name"] == "HF_TOKEN"]
     return {"name": "fetch-model", "image": engine["image"], "command": command, "env": env,
             "volumeMounts": [m for m in engine["volumeMounts"] if m["name"] in ("model", "tmp")],
             "securityContext": _container_security(False)}
