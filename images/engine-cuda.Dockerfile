@@ -9,14 +9,16 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 FROM pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    HF_HOME=/cache/huggingface
+    HF_HOME=/cache/huggingface \
+    HOME=/cache \
+    TRITON_CACHE_DIR=/cache/triton
 COPY images/engine-requirements.txt /tmp/requirements.txt
 RUN pip install --no-cache-dir -r /tmp/requirements.txt
 COPY --from=build /wheels /wheels
 # --no-deps: torch and triton are the base image's; the rest came from the pinned list above.
 RUN pip install --no-cache-dir --no-deps /wheels/*.whl \
     && rm -rf /wheels /tmp/requirements.txt \
-    && mkdir -p /cache/huggingface \
+    && mkdir -p /cache/huggingface /cache/triton \
     && chown -R 1000:1000 /cache
 USER 1000:1000
 EXPOSE 8000
