@@ -10,22 +10,20 @@ import kopf
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.handlers.children import apply_all, prune
 from kvpilot.operator.handlers.events import record
-from kvpilot.operator.handlers.kube import Kube, KubeError, transient
+from kvpilot.operator.handlers.kube import Kube, KubeError
+from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.render.children import pool_name, pool_specs, render_children
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL
 from kvpilot.operator.render.router import endpoint_url
 from kvpilot.operator.status import (
     PoolCounts,
     describe_error,
-    invalid_spec_conditions,
-    merge_conditions,
     model_status,
     now_rfc3339,
     problem,
 )
 
 GROUP, VERSION = GROUP_VERSION.split("/")
-RETRY_SECONDS = 5
 OWNED_KINDS = [
     (GROUP_VERSION, "PrefillPool"), (GROUP_VERSION, "DecodePool"), ("v1", "ConfigMap"),
     ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ServiceAccount"),
@@ -75,13 +73,7 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
         parsed = InferenceModelSpec.model_validate(dict(spec))
         children = render_children(im, parsed, memo.render)
     except ValueError as exc:
-        # Retrying cannot fix a spec: say why in the status and wait for the next edit.
-        message = describe_error(exc)
-        patch.status["conditions"] = merge_conditions(
-            status.get("conditions"), invalid_spec_conditions("InvalidSpec", message,
-                                                              generation, now))
-        patch.status["observedGeneration"] = generation
-        await record(kube, im, "InvalidSpec", message, warning=True)
+        await reject(kube, im, patch, status, "InvalidSpec", describe_error(exc), now)
         return
     autoscaled = {pool_name(name, POOL_ROLES[kind]): [("spec", "replicas")]
                   for kind, pool in pool_specs(parsed, name) if pool.autoscaling is not None}
@@ -91,14 +83,7 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
             changes += await prune(kube, OWNED_KINDS, namespace, {MODEL_LABEL: name}, meta["uid"],
                                    children)
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
-        if transient(exc):  # retry soon instead of kopf's default minute
-            raise kopf.TemporaryError(f"applying children: {exc}", delay=RETRY_SECONDS) from exc
-        # The API server refused a rendered object (e.g. an invalid override): say so.
-        patch.status["conditions"] = merge_conditions(
-            status.get("conditions"), invalid_spec_conditions("ApplyRejected", str(exc),
-                                                              generation, now))
-        patch.status["observedGeneration"] = generation
-        await record(kube, im, "ApplyRejected", str(exc), warning=True)
+        await reject_apply_error(exc, kube, im, patch, status, now)
         return
     if changes:
         await record(kube, im, "Reconciled", "; ".join(changes))

@@ -11,21 +11,19 @@ from kvpilot.operator.api.pools import DecodePoolSpec, PoolSpec, PrefillPoolSpec
 from kvpilot.operator.handlers.children import apply_all, prune
 from kvpilot.operator.handlers.events import record
 from kvpilot.operator.handlers.indexes import first
-from kvpilot.operator.handlers.kube import Kube, KubeError, transient
+from kvpilot.operator.handlers.kube import Kube, KubeError
+from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.render.meta import GROUP_VERSION, POOL_LABEL, RenderConfig
 from kvpilot.operator.render.pool import pool_selector, render_pool
 from kvpilot.operator.render.workloads import LWS_API_VERSION
 from kvpilot.operator.status import (
     describe_error,
-    invalid_spec_conditions,
-    merge_conditions,
     now_rfc3339,
     pool_status,
     workload_ready,
 )
 
 GROUP, VERSION = GROUP_VERSION.split("/")
-RETRY_SECONDS = 5
 SPEC_TYPES: dict[str, type[PoolSpec]] = {"PrefillPool": PrefillPoolSpec,
                                          "DecodePool": DecodePoolSpec}
 
@@ -70,12 +68,7 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
         resolved = await resolve(kube, namespace, parsed, models_by_name)
         objects = render_pool(pool, resolved, config)
     except ValueError as exc:
-        message = describe_error(exc)
-        patch.status["conditions"] = merge_conditions(
-            status.get("conditions"), invalid_spec_conditions("InvalidSpec", message,
-                                                              generation, now))
-        patch.status["observedGeneration"] = generation
-        await record(kube, pool, "InvalidSpec", message, warning=True)
+        await reject(kube, pool, patch, status, "InvalidSpec", describe_error(exc), now)
         return
     try:
         changes, current = await apply_all(kube, objects)
@@ -84,14 +77,7 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
             changes += await prune(kube, kinds, namespace, {POOL_LABEL: meta["name"]}, meta["uid"],
                                    objects)
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
-        if transient(exc):  # retry soon instead of kopf's default minute
-            raise kopf.TemporaryError(f"applying children: {exc}", delay=RETRY_SECONDS) from exc
-        # The API server refused a rendered object (e.g. an invalid override): say so.
-        patch.status["conditions"] = merge_conditions(
-            status.get("conditions"), invalid_spec_conditions("ApplyRejected", str(exc),
-                                                              generation, now))
-        patch.status["observedGeneration"] = generation
-        await record(kube, pool, "ApplyRejected", str(exc), warning=True)
+        await reject_apply_error(exc, kube, pool, patch, status, now)
         return
     if changes:
         await record(kube, pool, "Reconciled", "; ".join(changes))
