@@ -11,10 +11,12 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
   --format=csv
 python3 -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | tail -2
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest-gpu.log" \
+# one log for everything: the device returns at most 8 files
+LOG="$OUT/gpu-run.log"
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$LOG" \
   | grep -E "^E |passed|failed"
 # c) and d) run as separate processes: each sizes its KV cache from the whole GPU
-timeout 200 python3 bench/e2e_gpu.py --only c --out "$OUT" > "$OUT/e2e_c.log" 2>&1
-timeout 120 python3 bench/e2e_gpu.py --only d --out "$OUT" > "$OUT/e2e_d.log" 2>&1
-timeout 150 python3 bench/kernels/attention_bench.py --out "$OUT" > "$OUT/attention.log" 2>&1
+timeout 200 python3 bench/e2e_gpu.py --only c --out "$OUT" >> "$LOG" 2>&1
+timeout 120 python3 bench/e2e_gpu.py --only d --out "$OUT" >> "$LOG" 2>&1
+timeout 150 python3 bench/kernels/attention_bench.py --out "$OUT" >> "$LOG" 2>&1
 cat "$OUT"/e2e_gpu_c.md "$OUT"/e2e_gpu_d.md "$OUT"/attention.md
