@@ -182,6 +182,10 @@ class ModelRunner:
         hidden = self.forward(input_ids, positions, meta, kv_caches)
         if not rows:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+        if len(rows) == hidden.shape[0]:
+            # every row samples (a decode step): rows are 0..T-1, so skip the gather and its
+            # host-to-device copy, which would stall the host until the forward finishes
+            return self.model.compute_logits(hidden)
         index = torch.tensor(rows, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, index))
 
