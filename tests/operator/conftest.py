@@ -2,44 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
-import kmock
-import pytest
-
 sys.path.insert(0, str(Path(__file__).parent))
-from kube_api import ApiServer
-from operator_harness import NAMESPACE, crd_manifests, running_operator, write_kubeconfig
-
-
-@pytest.fixture
-async def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[ApiServer]:
-    """Gives a running emulator with core resources, kvpilot's CRDs and KUBECONFIG set to it."""
-    async with ApiServer() as server, kmock.Server(server) as http:
-        server.add_core_resources()
-        for crd in crd_manifests():
-            server.add_crd(crd)
-        server.objects[kmock.resource("v1/namespaces"), None, NAMESPACE] = {
-            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
-        server.base_url = str(http.url).rstrip("/")
-        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig",
-                                                               str(http.url))))
-        yield server
-
-
-@pytest.fixture
-async def operator(api: ApiServer) -> AsyncIterator[asyncio.Task[None]]:
-    """Gives the operator running against `api`."""
-    async with running_operator() as task:
-        yield task
-
-
-@pytest.fixture
-async def client(api: ApiServer) -> AsyncIterator[httpx.AsyncClient]:
-    """Gives an HTTP client for the emulator (what `kubectl` would send)."""
-    async with httpx.AsyncClient(base_url=api.base_url) as http:
-        yield http
+from kube_fixtures import api, client, operator  # noqa: F401  (fixtures, found by name)

@@ -3,10 +3,11 @@
 kmock's `KubernetesEmulator` stores objects as plain JSON and merges patches.
 The operator also needs what a real API server adds: `metadata.uid`,
 `generation` (bumped only when `spec` changes), `resourceVersion`,
-`creationTimestamp`, a `status` subresource that ignores everything but
-`status`, and cascading deletion through owner references. This module adds
-those and nothing else; see docs/parts/operator-reconcile.md for what it still
-does not prove (admission, schema defaulting and validation, real controllers).
+`creationTimestamp`, `metadata.generateName`, a `status` subresource that ignores
+everything but `status`, HTTP 422 for a failed JSON-patch `test`, and cascading deletion
+through owner references. This module adds those and nothing else; see
+docs/parts/operator-reconcile.md for what it still does not prove (admission, schema
+defaulting and validation, real controllers).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import aiohttp.web
 import attrs
+import jsonpatch
 import kmock
 from kmock._internal import dicts, enums
 
@@ -191,8 +193,9 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == enums.action.CREATE:
                 meta = request.data.setdefault("metadata", {})
-                if "name" not in meta and "generateName" in meta:
-                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+                # kopf posts every event under one generateName: 8 hex digits keep them apart.
+                if not meta.get("name") and meta.get("generateName"):
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:8]
                 if request.namespace:
                     request.data.setdefault("metadata", {})["namespace"] = request.namespace
                 request.data.pop("status", None) if request.resource in self._with_status else None
@@ -201,6 +204,10 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
                 self._amend_patch(request)
         try:
             response = await super()._handle(request)
+        except jsonpatch.JsonPatchTestFailed as exc:
+            # A failed `test` of resourceVersion is a conflict the client retries, as a real
+            # API server's 422 says (kopf stalls the object for backed-off attempts on a 500).
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
         finally:
             # kmock keeps every request and matches each new one by scanning them all
             # (quadratic); keep only those in flight so thousands of requests stay cheap.
