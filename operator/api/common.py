@@ -166,6 +166,21 @@ class AcceleratorSpec(ApiModel):
         return self
 
 
+TP_FITS_NODE = ("topology.tensorParallel must fit one node: lower it to accelerator.gpusPerNode "
+                "or below")
+
+
+def check_fits_node(topology: TopologySpec | None, accelerator: AcceleratorSpec | None) -> None:
+    """Raises ValueError (TP_FITS_NODE) when tensorParallel exceeds accelerator.gpusPerNode.
+
+    The CEL twin of this check sits in each kind's rules (InferenceModel, pools).
+    """
+    per_node = accelerator.gpus_per_node if accelerator is not None else None
+    if topology is not None and per_node is not None and topology.tensor_parallel > per_node:
+        raise ValueError(f"topology.tensorParallel={topology.tensor_parallel} > "
+                         f"accelerator.gpusPerNode={per_node}: {TP_FITS_NODE}")
+
+
 class CommunicationSpec(ApiModel):
     """NCCL/RCCL settings; each typed field becomes one environment variable, env wins over all."""
 

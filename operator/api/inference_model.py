@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from kvpilot.operator.api.autoscaling import AutoscalingSpec
 from kvpilot.operator.api.common import (
-    CONDITIONS_LIST,
+    TP_FITS_NODE,
     AcceleratorSpec,
     ApiModel,
     CommunicationSpec,
-    Condition,
     EngineSpec,
     ModelSource,
     Overrides,
     ScaleDecision,
     TopologySpec,
     cel,
+    check_fits_node,
 )
+from kvpilot.operator.api.stored import ObservedStatus, StoredObject
 from pydantic import ConfigDict, Field, model_validator
 
 ServingMode = Literal["aggregated", "disaggregated"]
@@ -70,8 +71,7 @@ INFERENCE_MODEL_RULES = [
         ".prefill"),
     cel("!has(self.accelerator.gpusPerNode) || "
         "self.topology.tensorParallel <= self.accelerator.gpusPerNode",
-        "topology.tensorParallel must fit one node: lower it to accelerator.gpusPerNode or below",
-        ".topology.tensorParallel"),
+        TP_FITS_NODE, ".topology.tensorParallel"),
     cel(_budget_rule("self.topology"),
         "one replica needs tensorParallel*pipelineParallel GPUs, more than gpuBudget: "
         "raise gpuBudget or shrink the topology", ".gpuBudget"),
@@ -126,10 +126,7 @@ class InferenceModelSpec(ApiModel):
             raise ValueError(f"servingMode=disaggregated without spec.prefill: {rules[0]}")
         if self.serving_mode == "aggregated" and self.prefill is not None:
             raise ValueError(f"servingMode=aggregated with spec.prefill set: {rules[1]}")
-        per_node = self.accelerator.gpus_per_node
-        if per_node is not None and self.topology.tensor_parallel > per_node:
-            raise ValueError(f"topology.tensorParallel={self.topology.tensor_parallel} > "
-                             f"accelerator.gpusPerNode={per_node}: {rules[2]}")
+        check_fits_node(self.topology, self.accelerator)
         for topo, message in ((self.topology, rules[3]),
                               (self.decode.topology, rules[4]),
                               (self.prefill.topology if self.prefill else None, rules[5])):
@@ -164,13 +161,9 @@ class PoolReplicas(ApiModel):
     """Replicas passing readiness."""
 
 
-class InferenceModelStatus(ApiModel):
+class InferenceModelStatus(ObservedStatus):
     """Observed state, written by the operator and the autoscaler."""
 
-    conditions: list[Condition] = Field(default_factory=list, json_schema_extra=CONDITIONS_LIST)
-    """Ready, Progressing and Degraded."""
-    observed_generation: int | None = None
-    """metadata.generation this status reflects."""
     prefill: PoolReplicas | None = None
     """Prefill pool replicas (disaggregated only)."""
     decode: PoolReplicas | None = None
@@ -191,13 +184,9 @@ class InferenceModelStatus(ApiModel):
     """The autoscaler's latest decision."""
 
 
-class InferenceModel(ApiModel):
+class InferenceModel(StoredObject):
     """An InferenceModel object as stored by the API server."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    api_version: str = "kvpilot.dev/v1alpha1"
     kind: Literal["InferenceModel"] = "InferenceModel"
-    metadata: dict[str, Any] = Field(default_factory=dict)
     spec: InferenceModelSpec
     status: InferenceModelStatus | None = None

@@ -6,19 +6,20 @@ from typing import Any, Literal
 
 from kvpilot.operator.api.autoscaling import AutoscalingSpec
 from kvpilot.operator.api.common import (
-    CONDITIONS_LIST,
+    TP_FITS_NODE,
     AcceleratorSpec,
     ApiModel,
     CommunicationSpec,
-    Condition,
     EngineSpec,
     ModelSource,
     Overrides,
     ScaleDecision,
     TopologySpec,
     cel,
+    check_fits_node,
 )
 from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.api.stored import ObservedStatus, StoredObject
 from pydantic import ConfigDict, Field, model_validator
 
 POOL_RULES = [
@@ -29,8 +30,7 @@ POOL_RULES = [
         "engine applies: remove spec.engine", ".engine"),
     cel("!has(self.topology) || !has(self.accelerator) || !has(self.accelerator.gpusPerNode) || "
         "self.topology.tensorParallel <= self.accelerator.gpusPerNode",
-        "topology.tensorParallel must fit one node: lower it to accelerator.gpusPerNode or below",
-        ".topology.tensorParallel"),
+        TP_FITS_NODE, ".topology.tensorParallel"),
 ]
 
 
@@ -65,11 +65,7 @@ class PoolSpec(ApiModel):
                              f"{'set' if self.model else 'unset'}: {POOL_RULES[0]['message']}")
         if self.engine is not None and self.model is None:
             raise ValueError(POOL_RULES[1]["message"])
-        if self.topology and self.accelerator and self.accelerator.gpus_per_node is not None \
-                and self.topology.tensor_parallel > self.accelerator.gpus_per_node:
-            raise ValueError(f"topology.tensorParallel={self.topology.tensor_parallel} > "
-                             f"accelerator.gpusPerNode={self.accelerator.gpus_per_node}: "
-                             f"{POOL_RULES[2]['message']}")
+        check_fits_node(self.topology, self.accelerator)
         return self
 
     def resolved(self, owner: InferenceModelSpec | None) -> PoolSpec:
@@ -107,13 +103,9 @@ class DecodePoolSpec(PoolSpec):
     """Engine role: both serves whole requests (aggregated); decode takes KV from prefill."""
 
 
-class PoolStatus(ApiModel):
+class PoolStatus(ObservedStatus):
     """Observed state of a pool."""
 
-    conditions: list[Condition] = Field(default_factory=list, json_schema_extra=CONDITIONS_LIST)
-    """Ready, Progressing and Degraded."""
-    observed_generation: int | None = None
-    """metadata.generation this status reflects."""
     replicas: int = Field(default=0, ge=0)
     """Replicas that exist (scale subresource)."""
     ready_replicas: int = Field(default=0, ge=0)
@@ -130,25 +122,17 @@ class PoolStatus(ApiModel):
     """The autoscaler's latest decision."""
 
 
-class PrefillPool(ApiModel):
+class PrefillPool(StoredObject):
     """A PrefillPool object as stored by the API server."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    api_version: str = "kvpilot.dev/v1alpha1"
     kind: Literal["PrefillPool"] = "PrefillPool"
-    metadata: dict[str, Any] = Field(default_factory=dict)
     spec: PrefillPoolSpec
     status: PoolStatus | None = None
 
 
-class DecodePool(ApiModel):
+class DecodePool(StoredObject):
     """A DecodePool object as stored by the API server."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    api_version: str = "kvpilot.dev/v1alpha1"
     kind: Literal["DecodePool"] = "DecodePool"
-    metadata: dict[str, Any] = Field(default_factory=dict)
     spec: DecodePoolSpec
     status: PoolStatus | None = None

@@ -1,0 +1,33 @@
+"""Bases of the three stored kinds: the object envelope and the head of every status.
+
+Pydantic keeps an inherited field where the base declares it, even when a subclass narrows its
+type, so the CRDs list the fields in the same order as when each kind declared them all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpilot.operator.api.common import CONDITIONS_LIST, ApiModel, Condition
+from pydantic import ConfigDict, Field
+
+
+class ObservedStatus(ApiModel):
+    """Status fields every kind starts with; each kind's status adds its own after them."""
+
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra=CONDITIONS_LIST)
+    """Ready, Progressing and Degraded."""
+    observed_generation: int | None = None
+    """metadata.generation this status reflects."""
+
+
+class StoredObject(ApiModel):
+    """An object as stored by the API server; each kind narrows kind, spec and status."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: str = "kvpilot.dev/v1alpha1"
+    kind: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: ApiModel
+    status: ApiModel | None = None
