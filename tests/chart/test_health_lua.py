@@ -11,6 +11,12 @@ SCRIPTS = {"InferenceModel": "inferencemodel.lua", "PrefillPool": "pool.lua",
            "DecodePool": "pool.lua"}
 
 
+def script(kind: str) -> str:
+    """Gives the standalone script the chart renders for `kind`: its replicas() + health.lua."""
+    files = CHART / "files" / "argocd"
+    return (files / SCRIPTS[kind]).read_text() + "\n" + (files / "health.lua").read_text()
+
+
 def health(kind: str, obj: dict[str, Any]) -> tuple[str, str]:
     """Gives (status, message) of Argo CD's health script for `obj`.
 
@@ -29,8 +35,7 @@ def health(kind: str, obj: dict[str, Any]) -> tuple[str, str]:
         return value
 
     lua.globals().obj = to_lua(obj)
-    source = (CHART / "files" / "argocd" / SCRIPTS[kind]).read_text()
-    result = lua.execute(source)
+    result = lua.execute(script(kind))
     return result["status"], result["message"]
 
 
@@ -99,7 +104,6 @@ def test_health(kind: str, obj: dict[str, Any], status: str, message: str):
 def test_snippet_maps_each_kind_to_its_script(render):
     snippet = next(o for o in render(sets=("argocd.healthChecks=true",))
                    if o["metadata"]["name"].endswith("-argocd-health"))
-    for kind, script in SCRIPTS.items():
+    for kind in SCRIPTS:
         key = f"resource.customizations.health.kvpilot.dev_{kind}"
-        assert snippet["data"][key].strip() == (CHART / "files" / "argocd" / script) \
-            .read_text().strip()
+        assert snippet["data"][key].strip() == script(kind).strip()

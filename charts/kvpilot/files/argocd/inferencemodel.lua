@@ -1,29 +1,7 @@
--- Argo CD health of a kvpilot.dev InferenceModel.
+-- Argo CD health of a kvpilot.dev InferenceModel: replicas() for the shared checks in health.lua,
+-- which the chart appends to this file (Argo CD runs each key as one standalone script).
 -- Progressing: no status yet, status older than the spec, or Ready=False while Progressing=True.
 -- Degraded: Degraded=True, or Ready=False and not progressing. Healthy: Ready=True.
-local hs = {}
-
-local function condition(kind)
-  if obj.status == nil or obj.status.conditions == nil then
-    return nil
-  end
-  for _, c in ipairs(obj.status.conditions) do
-    if c.type == kind then
-      return c
-    end
-  end
-  return nil
-end
-
-local function describe(c, fallback)
-  if c ~= nil and c.message ~= nil and c.message ~= "" then
-    return c.message
-  end
-  if c ~= nil and c.reason ~= nil and c.reason ~= "" then
-    return c.reason
-  end
-  return fallback
-end
 
 local function replicas()
   local parts = {}
@@ -38,41 +16,3 @@ local function replicas()
   end
   return " (" .. table.concat(parts, ", ") .. ")"
 end
-
-if obj.status == nil then
-  hs.status = "Progressing"
-  hs.message = "Waiting for the operator to write status"
-  return hs
-end
-
-local generation = obj.metadata.generation
-local observed = obj.status.observedGeneration
-if generation ~= nil and (observed == nil or observed < generation) then
-  hs.status = "Progressing"
-  hs.message = "Waiting for the operator to observe generation " .. generation
-  return hs
-end
-
-local degraded = condition("Degraded")
-if degraded ~= nil and degraded.status == "True" then
-  hs.status = "Degraded"
-  hs.message = describe(degraded, "Degraded")
-  return hs
-end
-
-local ready = condition("Ready")
-local progressing = condition("Progressing")
-if ready ~= nil and ready.status == "True" then
-  hs.status = "Healthy"
-  hs.message = "Ready" .. replicas()
-  return hs
-end
-if ready ~= nil and ready.status == "False" and not (progressing ~= nil and progressing.status == "True") then
-  hs.status = "Degraded"
-  hs.message = describe(ready, "Not ready") .. replicas()
-  return hs
-end
-
-hs.status = "Progressing"
-hs.message = describe(progressing, "Waiting for replicas to become ready") .. replicas()
-return hs
