@@ -24,15 +24,15 @@ from kvpilot.engine.server.protocol import (
 from kvpilot.engine.server.serving import (
     GenerationStream,
     ServingContext,
+    StreamProgress,
+    admit_requests,
     cancel_on_disconnect,
     check_error,
     merge,
     new_logprobs,
-    new_request_id,
     ranked,
     sse,
     sse_error,
-    start_requests,
     token_text,
     usage_of,
 )
@@ -62,14 +62,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
     arrival = time.monotonic()
     prompt = chat_prompt(request, ctx.tokenizer, ctx.limits)
     params = sampling_params(request, len(prompt), ctx.limits)
-    ctx.gate.admit()
-    try:
-        request_id = new_request_id("chatcmpl")
-        streams = await start_requests(ctx, request_id, [prompt], [params], arrival,
-                                       request.priority)
-    except BaseException:
-        ctx.gate.release()
-        raise
+    request_id, streams = await admit_requests(ctx, "chatcmpl", [prompt], [params], arrival,
+                                               request.priority)
     if request.stream:
         return GenerationStream(_stream(request, ctx, request_id, streams, len(prompt)),
                                 ctx.gate, streams)
@@ -111,21 +105,18 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
         # OpenAI opens every choice with an empty assistant delta.
         yield chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                      for i in range(request.n)])
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
+        progress = StreamProgress()
         final: RequestOutput | None = None
         async for _, output in merge(streams):
             check_error(output)
             final = output
             choices = []
             for c in output.outputs:
-                start_text, start_tok = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                delta = c.text[start_text:]
-                if not delta and len(c.token_ids) == start_tok and c.finish_reason is None:
+                if (start := progress.advance(c.index, c)) is None:
                     continue
-                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                start_text, start_tok = start
                 choices.append(ChatStreamChoice(
-                    index=c.index, delta=ChatDelta(content=delta or None),
+                    index=c.index, delta=ChatDelta(content=c.text[start_text:] or None),
                     logprobs=chat_logprobs(ctx.tokenizer, c, start_tok, k)
                     if request.logprobs else None,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))

@@ -18,15 +18,15 @@ from kvpilot.engine.server.protocol import (
 from kvpilot.engine.server.serving import (
     GenerationStream,
     ServingContext,
+    StreamProgress,
+    admit_requests,
     cancel_on_disconnect,
     check_error,
     merge,
     new_logprobs,
-    new_request_id,
     ranked,
     sse,
     sse_error,
-    start_requests,
     token_text,
     usage_of,
 )
@@ -55,14 +55,8 @@ async def create_completion(request: CompletionRequest, raw: Request,
     arrival = time.monotonic()
     prompts = completion_prompts(request, ctx.tokenizer, ctx.limits)
     params = [sampling_params(request, len(ids), ctx.limits) for ids in prompts]
-    ctx.gate.admit()
-    try:
-        request_id = new_request_id("cmpl")
-        streams = await start_requests(ctx, request_id, prompts, params, arrival,
-                                       request.priority)
-    except BaseException:
-        ctx.gate.release()
-        raise
+    request_id, streams = await admit_requests(ctx, "cmpl", prompts, params, arrival,
+                                               request.priority)
     if request.stream:
         return GenerationStream(_stream(request, ctx, request_id, streams, prompts),
                                 ctx.gate, streams)
@@ -102,8 +96,7 @@ async def _stream(request: CompletionRequest, ctx: ServingContext, request_id: s
                   prompts: list[list[int]]) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
+    progress = StreamProgress()
     finals: list[RequestOutput | None] = [None] * len(streams)
     try:
         async for i, output in merge(streams):
@@ -112,15 +105,14 @@ async def _stream(request: CompletionRequest, ctx: ServingContext, request_id: s
             choices = []
             for c in output.outputs:
                 index = i * request.n + c.index
-                start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
-                delta = c.text[start_text:]
-                if not delta and len(c.token_ids) == start_tok and c.finish_reason is None:
+                if (start := progress.advance(index, c)) is None:
                     continue
+                start_text, start_tok = start
                 logprobs = (completion_logprobs(ctx.tokenizer, c, start_tok, request.logprobs,
                                                 start_text)
                             if request.logprobs is not None else None)
-                sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
-                choices.append(CompletionChoice(index=index, text=delta, logprobs=logprobs,
+                choices.append(CompletionChoice(index=index, text=c.text[start_text:],
+                                                logprobs=logprobs,
                                                 finish_reason=c.finish_reason,
                                                 stop_reason=c.stop_reason))
             if choices:

@@ -66,6 +66,44 @@ async def start_requests(ctx: ServingContext, request_id: str, prompts: list[lis
     return streams
 
 
+async def admit_requests(ctx: ServingContext, prefix: str, prompts: list[list[int]],
+                         params: list[SamplingParams], arrival_time: float, priority: int = 0
+                         ) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
+    """Gives (request id, one output stream per prompt) once the drain gate admits the request.
+
+    From here the gate slot is the caller's to give back (GenerationStream or a `finally`);
+    if starting the requests fails, it is given back here.
+    """
+    ctx.gate.admit()
+    try:
+        request_id = new_request_id(prefix)
+        return request_id, await start_requests(ctx, request_id, prompts, params, arrival_time,
+                                                priority)
+    except BaseException:
+        ctx.gate.release()
+        raise
+
+
+class StreamProgress:
+    """How far a stream has sent each choice: characters of text and tokens."""
+
+    def __init__(self) -> None:
+        self._text: dict[int, int] = {}
+        self._tokens: dict[int, int] = {}
+
+    def advance(self, index: int, completion: CompletionOutput) -> tuple[int, int] | None:
+        """Gives the (text, token) offsets where choice `index`'s unsent part starts, now sent.
+
+        None when `completion` adds neither text nor a token and has not finished: no chunk.
+        """
+        start_text, start_tok = self._text.get(index, 0), self._tokens.get(index, 0)
+        if not completion.text[start_text:] and len(completion.token_ids) == start_tok \
+                and completion.finish_reason is None:
+            return None
+        self._text[index], self._tokens[index] = len(completion.text), len(completion.token_ids)
+        return start_text, start_tok
+
+
 async def close_all(streams: list[AsyncIterator[RequestOutput]]) -> None:
     """Closes streams, which aborts their unfinished requests."""
     for stream in streams:
