@@ -10,14 +10,29 @@ PROMPTS = [list(range(10, 10 + n)) for n in (5, 40, 17, 90)]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def cpu_greedy(checkpoints) -> list[list[int]]:
+    llm = LLM(str(checkpoints["llama"]), device="cpu", num_kv_blocks=64)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
 @pytest.mark.gpu
-def test_cuda_engine_matches_cpu_engine(checkpoints):
-    path = str(checkpoints["llama"])  # real files: the same weights on both devices
-    cpu = LLM(path, device="cpu", num_kv_blocks=64).generate(PROMPTS, GREEDY)
-    gpu_llm = LLM(path, device="cuda", dtype="float32", gpu_memory_utilization=0.5,
-                  attention_backend="torch")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_engine_matches_cpu_engine(backend, checkpoints, cpu_greedy):
+    # real files, not dummy weights: the same weights on both devices
+    gpu_llm = LLM(str(checkpoints["llama"]), device="cuda", dtype="float32",
+                  gpu_memory_utilization=0.5, attention_backend=backend,
+                  max_num_batched_tokens=64)  # chunked prefill mixes with decodes
     gpu = gpu_llm.generate(PROMPTS, GREEDY)
-    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
+    assert [o.outputs[0].token_ids for o in gpu] == cpu_greedy
     stats = gpu_llm.get_stats()
-    assert stats.num_total_blocks > 1000  # half an 80 GB card holds far more than 1000 blocks
+    assert stats.num_total_blocks > 1000  # half a GPU holds far more than 1000 blocks
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.gpu
+def test_cuda_auto_backend_runs_bf16():
+    llm = LLM("tiny-llama", device="cuda", gpu_memory_utilization=0.5)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert type(llm.engine.runner.model.attn_backend).__name__ == "TritonAttentionBackend"
