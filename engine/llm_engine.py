@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from kvpilot.engine.args import EngineArgs
@@ -23,12 +24,15 @@ from kvpilot.engine.outputs import EngineStats, RequestOutput
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kvpilot.engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from kvpilot.engine.models.config import ModelConfig
+
 
 class LLMEngine:
     """A paged-KV engine over one model: continuous batching, prefix caching, preemption."""
 
-    def __init__(self, engine_args: EngineArgs, model_config, tokenizer, runner: ModelRunner
-                 ) -> None:
+    def __init__(self, engine_args: EngineArgs, model_config: ModelConfig, tokenizer: Any,
+                 runner: ModelRunner) -> None:
         self.engine_args = engine_args
         self.model_config = model_config
         self.tokenizer = tokenizer

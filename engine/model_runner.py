@@ -9,11 +9,16 @@ prompt logprobs) go through the LM head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from kvpilot.engine.args import EngineArgs, parse_size
+from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kvpilot.engine.models.config import ModelConfig
 
 CPU_KV_CACHE_DEFAULT = "256MiB"
 
@@ -28,7 +33,7 @@ class BatchEntry:
     logits: str = "last"  # "none" | "last" | "all" (prompt logprobs)
 
 
-def select_attention_backend(args: EngineArgs, device: torch.device):
+def select_attention_backend(args: EngineArgs, device: torch.device) -> AttentionBackend:
     """Gives the attention backend for `--attention-backend` on `device` (the kernels' seam)."""
     name = args.attention_backend
     if name == "auto":
@@ -61,7 +66,8 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     """Holds the model and its KV cache; executes steps and block copies."""
 
-    def __init__(self, args: EngineArgs, model_config, device: torch.device) -> None:
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, device: torch.device
+                 ) -> None:
         from kvpilot.engine.models.loader import load_model
 
         self.args = args
