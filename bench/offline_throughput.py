@@ -30,8 +30,9 @@ def write_model(root: Path) -> Path:
     """Gives a dir holding the tiny-llama built-in config saved as an HF checkpoint."""
     import shutil
 
-    from kvpilot.engine.models.builtin import BUILTIN_CONFIGS, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvpilot.engine.models.builtin import BUILTIN_CONFIGS, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
     hf = {k: v for k, v in BUILTIN_CONFIGS["tiny-llama"].items()
           if k not in ("architectures", "model_type")}

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from kvpilot.engine.loadgen.datasets import shared_prefix_dataset
 from kvpilot.engine.loadgen.report import summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark

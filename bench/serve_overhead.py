@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 import torch
+
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.loadgen.datasets import SampleRequest, random_dataset

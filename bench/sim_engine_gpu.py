@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from e2e_gpu import LLAMA3_8B, fast_dummy_weights, model_dir, sync
+
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.sampling_params import SamplingParams

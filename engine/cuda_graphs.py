@@ -17,6 +17,7 @@ makes one graph valid for every context length up to ``max_model_len``.
 from __future__ import annotations
 
 import torch
+
 from kvpilot.engine.attention.metadata import AttentionMetadata
 
 

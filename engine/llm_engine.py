@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.core.beam_search import apply_selection, select_beams
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager

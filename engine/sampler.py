@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kvpilot.engine.sampling_params import SamplingParams
 
 

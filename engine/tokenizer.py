@@ -11,8 +11,9 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from kvpilot.engine.models.builtin import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, is_builtin
 from tokenizers import Tokenizer as HFTokenizer
+
+from kvpilot.engine.models.builtin import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, is_builtin
 
 
 class Tokenizer:

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     import kopf
+
     from kvpilot.operator.handlers import register
     from kvpilot.operator.handlers.lifecycle import operator_settings
 

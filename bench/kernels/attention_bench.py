@@ -24,14 +24,15 @@ from pathlib import Path
 
 import torch
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
 from kvpilot.kernels.paged_decode_attention import (
     default_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
 from kvpilot.kernels.paged_prefill_attention import default_tiles, paged_prefill_attention
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
 
 BF16 = torch.bfloat16
 

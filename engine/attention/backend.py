@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
 from kvpilot.engine.attention.metadata import AttentionMetadata
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvpilot.engine.attention.metadata import AttentionMetadata
 from torch.nn import functional as F
+
+from kvpilot.engine.attention.metadata import AttentionMetadata
 
 
 @dataclass

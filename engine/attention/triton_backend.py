@@ -11,6 +11,7 @@ syncs), so one decode step can be captured in a CUDA graph.
 from __future__ import annotations
 
 import torch
+
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.kernels.kv_cache_write import kv_cache_write
 from kvpilot.kernels.paged_decode_attention import default_num_splits, paged_decode_attention

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from kvpilot.engine.block_hash import hash_prompt_blocks
 from kvpilot.engine.core.block_pool import KVCacheBlock
 

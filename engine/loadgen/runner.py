@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
 from kvpilot.engine.loadgen.datasets import SampleRequest
 from kvpilot.engine.loadgen.report import RequestResult
 

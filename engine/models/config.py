@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.models.builtin import BUILTIN_CONFIGS, is_builtin
 

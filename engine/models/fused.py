@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from kvpilot.engine.models.layers import RMSNorm
 from kvpilot.engine.models.rope import RotaryEmbedding
-from torch import nn
 
 
 def use_fused_kernels(model: nn.Module) -> list[str]:

@@ -11,12 +11,13 @@ from collections.abc import Callable
 from typing import TypeAlias
 
 import torch
+from torch import nn
+
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.layers import MergedLinear, RMSNorm, silu_and_mul
 from kvpilot.engine.models.rope import RotaryEmbedding, StepRope
-from torch import nn
 
 # checkpoint tensor name -> (parameter name, index into that parameter)
 WeightLayout: TypeAlias = dict[str, tuple[str, tuple]]

@@ -9,11 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from torch import nn
+
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.fused import use_fused_kernels
 from kvpilot.engine.models.registry import model_class
-from safetensors import safe_open
-from torch import nn
 
 logger = logging.getLogger(__name__)
 DUMMY_STD = 0.02

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.nn import functional as F
+
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.layers import silu_and_mul
 from kvpilot.engine.models.llama import LlamaForCausalLM, WeightLayout
-from torch import nn
-from torch.nn import functional as F
 
 
 class SparseMoE(nn.Module):

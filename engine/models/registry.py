@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from kvpilot.engine.models.config import SUPPORTED_ARCHITECTURES
 from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.models.mixtral import MixtralForCausalLM
-from torch import nn
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from kvpilot.engine.kv_transfer.protocol import ProtocolError, kv_address, request_pull
 from kvpilot.engine.router.args import INSTANCE_HEADER, PASSED_HEADERS, RouterArgs
 from kvpilot.engine.router.disagg import disaggregatable, run_prefill
@@ -25,7 +27,6 @@ from kvpilot.engine.router.policy import Weights, choose
 from kvpilot.engine.router.prefix_index import PrefixIndex
 from kvpilot.engine.router.prompt import PromptHasher
 from kvpilot.engine.router.proxy import Forwarder, NoInstance, error_body
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger("kvpilot.router")
 OPENAI_POST_PATHS = ("/v1/completions", "/v1/chat/completions")

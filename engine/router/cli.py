@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serves the router until SIGINT/SIGTERM; gives the exit code."""
     import uvicorn
+
     from kvpilot.engine.router.app import build_app
     from kvpilot.engine.router.prompt import PromptHasher
 

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+
 from kvpilot.engine.router.fleet import Instance
 from kvpilot.engine.router.proxy import RETRY_STATUSES, NoInstance
 

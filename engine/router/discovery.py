@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+
 from kvpilot.engine.router.args import ROLE_LABEL, RouterArgs, parse_instances
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")

@@ -9,12 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvpilot.engine import metric_names as names
 from kvpilot.engine.router.discovery import Discovery
 from kvpilot.engine.router.health import Health
 from kvpilot.engine.router.policy import InstanceView
 from kvpilot.engine.router.prefix_index import PrefixIndex
-from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger("kvpilot.router")
 

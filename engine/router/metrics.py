@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kvpilot.engine import metric_names as names
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvpilot.engine import metric_names as names
 
 
 class RouterMetrics:

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from kvpilot.engine.router.args import SERVED_BY_HEADER
 from kvpilot.engine.router.fleet import Fleet, Instance
 from kvpilot.engine.router.metrics import RouterMetrics

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
+
 from kvpilot.engine.outputs import CompletionOutput, RequestOutput
 from kvpilot.engine.server.params import completion_prompts, sampling_params
 from kvpilot.engine.server.protocol import (

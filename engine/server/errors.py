@@ -14,9 +14,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from kvpilot.engine.server.async_engine import EngineDeadError, RequestAbortedError
 from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 

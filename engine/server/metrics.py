@@ -13,11 +13,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvpilot.engine import metric_names as names
-from kvpilot.engine.outputs import EngineStats, RequestOutput
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvpilot.engine import metric_names as names
+from kvpilot.engine.outputs import EngineStats, RequestOutput
 
 # Buckets follow vLLM's so dashboards built for it read ours the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
 from kvpilot.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.async_engine import (
@@ -24,7 +26,6 @@ from kvpilot.engine.server.drain import Gate
 from kvpilot.engine.server.errors import ERROR_TYPES, OpenAIError, from_value_error
 from kvpilot.engine.server.params import Limits
 from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
-from pydantic import BaseModel
 
 T = TypeVar("T")
 

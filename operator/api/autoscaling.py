@@ -6,8 +6,9 @@ Field names are the ones `kvpilot.operator.autoscale.spec.from_api` reads; an
 
 from __future__ import annotations
 
-from kvpilot.operator.api.common import ApiModel, cel
 from pydantic import ConfigDict, Field, model_validator
+
+from kvpilot.operator.api.common import ApiModel, cel
 
 
 class ScalingRules(ApiModel):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import ConfigDict, Field, model_validator
+
 from kvpilot.operator.api.autoscaling import AutoscalingSpec
 from kvpilot.operator.api.common import (
     TP_FITS_NODE,
@@ -19,7 +21,6 @@ from kvpilot.operator.api.common import (
     check_fits_node,
 )
 from kvpilot.operator.api.stored import ObservedStatus, StoredObject
-from pydantic import ConfigDict, Field, model_validator
 
 ServingMode = Literal["aggregated", "disaggregated"]
 RoutingPolicy = Literal["round-robin", "least-load", "prefix-aware"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import ConfigDict, Field, model_validator
+
 from kvpilot.operator.api.autoscaling import AutoscalingSpec
 from kvpilot.operator.api.common import (
     TP_FITS_NODE,
@@ -20,7 +22,6 @@ from kvpilot.operator.api.common import (
 )
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.stored import ObservedStatus, StoredObject
-from pydantic import ConfigDict, Field, model_validator
 
 POOL_RULES = [
     cel("has(self.modelRef) != has(self.model)",

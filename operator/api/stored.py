@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpilot.operator.api.common import CONDITIONS_LIST, ApiModel, Condition
 from pydantic import ConfigDict, Field
+
+from kvpilot.operator.api.common import CONDITIONS_LIST, ApiModel, Condition
 
 
 class ObservedStatus(ApiModel):

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
+
 from kvpilot.operator.autoscale.model import (
     PoolReport,
     gpus_per_replica,

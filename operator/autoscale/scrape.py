@@ -15,9 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvpilot.engine import metric_names as names
 from kvpilot.operator.autoscale.signals import PoolMetrics
-from prometheus_client.parser import text_string_to_metric_families
 
 GAUGES = (names.KV_CACHE_USAGE_PERC, names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_RUNNING,
           names.NUM_WAITING_PROMPT_TOKENS, names.DRAINING, names.ROUTER_PENDING_REQUESTS)

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import kopf
+
 from kvpilot.operator.render.meta import GROUP_VERSION
 
 GROUP, VERSION = GROUP_VERSION.split("/")

@@ -7,6 +7,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.handlers.children import apply_all, prune
 from kvpilot.operator.handlers.events import record

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 import kopf
+
 from kvpilot.operator.handlers.kube import Kube
 from kvpilot.operator.render.meta import RenderConfig
 

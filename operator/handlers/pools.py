@@ -6,6 +6,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import DecodePoolSpec, PoolSpec, PrefillPoolSpec
 from kvpilot.operator.handlers.children import apply_all, prune

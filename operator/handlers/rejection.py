@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+
 from kvpilot.operator.handlers.events import record
 from kvpilot.operator.handlers.kube import Kube, transient
 from kvpilot.operator.status import invalid_spec_conditions, merge_conditions

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import kopf
+
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.handlers.indexes import every, first
 from kvpilot.operator.handlers.inference_model import pool_counts, pool_problems

@@ -41,6 +41,7 @@ def _once(url: str, model: str) -> str:
 def run(args: argparse.Namespace) -> int:
     """Runs the fleet until Ctrl-C/SIGTERM (or one request with --once); gives the exit code."""
     import yaml
+
     from kvpilot.operator.local.plan import plan_local
     from kvpilot.operator.local.supervisor import Supervisor, free_port
 

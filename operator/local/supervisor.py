@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
 from kvpilot.operator.local.plan import LOCALHOST, LocalProcess
 
 KV_PORT_OFFSET = 1000  # engines put their KV agent at their HTTP port + 1000 (EngineArgs)

@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 
 import yaml
+
 from kvpilot.engine.loadgen.datasets import random_dataset
 from kvpilot.engine.loadgen.report import summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvpilot.operator.autoscale.budget import PoolDemand
 from kvpilot.operator.autoscale.model import PoolReport, budget_demands, model_fields
 

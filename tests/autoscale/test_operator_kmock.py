@@ -17,12 +17,13 @@ from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlparse
 
 import httpx
+from operator_harness import NAMESPACE, eventually
+
 from kvpilot.engine.metric_names import ROUTER_PENDING_REQUESTS
 from kvpilot.operator.autoscale.handler import PROMETHEUS_ENV
 from kvpilot.operator.autoscale.pods import DELETION_COST
 from kvpilot.operator.render.meta import POOL_LABEL
 from kvpilot.operator.render.router import router_labels
-from operator_harness import NAMESPACE, eventually
 
 POOLS = f"/apis/kvpilot.dev/v1alpha1/namespaces/{NAMESPACE}/decodepools"
 PODS = f"/api/v1/namespaces/{NAMESPACE}/pods"

@@ -7,6 +7,7 @@ import math
 
 import httpx
 import pytest
+
 from kvpilot.engine import metric_names as names
 from kvpilot.engine.outputs import EngineStats
 from kvpilot.engine.server.metrics import ServerMetrics

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+
 from kvpilot.operator.autoscale.sim.calibration import load
 from kvpilot.operator.autoscale.sim.fleet import (
     SimConfig,

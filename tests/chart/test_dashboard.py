@@ -6,6 +6,7 @@ import json
 import re
 
 from chart_helpers import CHART
+
 from kvpilot.engine import metric_names
 
 DASHBOARD = json.loads((CHART / "files" / "dashboards" / "kvpilot.json").read_text())

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from chart_helpers import ROOT
+
 from kvpilot.operator.api import DecodePool, InferenceModel, PrefillPool
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

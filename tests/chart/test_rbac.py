@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from kvpilot.operator.rbac import RULES, verbs_by_resource
 
 
@@ -49,6 +50,7 @@ def test_table_covers_every_kopf_handler():
     """Each resource a kopf handler serves is listed with list+watch (+patch when kopf
     stores handler progress on it), read from kopf's registry after registering handlers."""
     import kopf
+
     from kvpilot.operator.handlers import register
 
     register()

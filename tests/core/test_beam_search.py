@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from helpers.checkpoints import load_hf_model
+
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.llm import LLM
 from kvpilot.engine.llm_engine import LLMEngine

@@ -8,6 +8,7 @@ import sys
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvpilot.engine.block_hash import hash_block_tokens, hash_prompt_blocks
 
 

@@ -8,6 +8,7 @@ import pytest
 from core_helpers import make_request, make_scheduler, run_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvpilot.engine.core.block_pool import BlockPool
 
 

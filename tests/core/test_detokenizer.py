@@ -7,6 +7,7 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.detokenizer import append_text, decode_new_text, init_offsets, visible_text
 from kvpilot.engine.sampling_params import SamplingParams

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.llm import LLM
 from kvpilot.engine.llm_engine import LLMEngine

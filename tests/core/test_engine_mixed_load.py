@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.sampling_params import SamplingParams

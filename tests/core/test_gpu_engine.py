@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvpilot.engine.llm import LLM
 from kvpilot.engine.sampling_params import SamplingParams
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.core.handoff import export_blocks, import_prefill, release
 from kvpilot.engine.llm_engine import LLMEngine

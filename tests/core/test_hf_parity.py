@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from core_helpers import FAMILIES, NEW_TOKENS
+
 from kvpilot.engine.llm import LLM
 from kvpilot.engine.sampling_params import SamplingParams
 

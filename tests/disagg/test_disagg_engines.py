@@ -9,6 +9,7 @@ import socket
 import time
 
 import pytest
+
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.block_hash import hash_prompt_blocks
 from kvpilot.engine.kv_transfer.protocol import request_pull
@@ -116,6 +117,7 @@ def test_unpulled_lease_expires_without_leaking(engines):
 @pytest.mark.gpu
 def test_gpu_blocks_round_trip_bit_exact():
     import torch
+
     from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
 
     def cuda_engine():

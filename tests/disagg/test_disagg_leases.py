@@ -8,6 +8,7 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvpilot.engine.kv_transfer import protocol
 from kvpilot.engine.kv_transfer.leases import LeaseTable
 from kvpilot.engine.kv_transfer.protocol import Frame

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from disagg_fake_store import FakeStore, block_data
+
 from kvpilot.engine.kv_transfer import protocol, tcp
 from kvpilot.engine.kv_transfer.protocol import (
     Frame,

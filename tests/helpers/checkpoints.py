@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from kvpilot.engine.models.builtin import (
     BOS_ID,
     ENDOFTEXT_ID,

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from kernel_testing import ON_GPU
+
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.cuda_graphs import batch_buckets
 from kvpilot.engine.sampling_params import SamplingParams

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_testing import ON_GPU, rel_err, tolerance
+from paged_fixtures import random_paged_cache
+
 from kvpilot.kernels.activation import silu_and_mul, silu_and_mul_ref
 from kvpilot.kernels.paged_decode_attention import (
     default_num_splits,
@@ -17,7 +19,6 @@ from kvpilot.kernels.paged_prefill_attention import (
 )
 from kvpilot.kernels.rmsnorm import rms_norm, rms_norm_ref
 from kvpilot.kernels.rotary import rotary_cos_sin_cache, rotary_embedding, rotary_embedding_ref
-from paged_fixtures import random_paged_cache
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,12 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_testing import DEVICE, DTYPES, rel_err, tolerance
+from paged_fixtures import random_paged_cache
+
 from kvpilot.kernels.paged_decode_attention import (
     default_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
-from paged_fixtures import random_paged_cache
 
 # (seq_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, block_n)
 CASES = [

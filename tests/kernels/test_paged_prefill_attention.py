@@ -7,11 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_testing import DEVICE, DTYPES, rel_err, tolerance
+from paged_fixtures import random_paged_cache
+
 from kvpilot.kernels.paged_prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
-from paged_fixtures import random_paged_cache
 
 
 def run_case(query_lens, prefix_lens, heads, kv_heads, head_dim, block_size, dtype, seed,

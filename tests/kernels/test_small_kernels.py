@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_testing import DEVICE, DTYPES, rel_err, tolerance
+
 from kvpilot.kernels.activation import silu_and_mul, silu_and_mul_ref
 from kvpilot.kernels.kv_cache_write import kv_cache_write, kv_cache_write_ref
 from kvpilot.kernels.rmsnorm import rms_norm, rms_norm_ref

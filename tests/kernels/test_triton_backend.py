@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, rel_err, tolerance
+
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
 from kvpilot.engine.attention.triton_backend import TritonAttentionBackend

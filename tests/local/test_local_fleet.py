@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
 from kvpilot.engine.kv_transfer.protocol import kv_address, request_stats
 from kvpilot.engine.roles import LEASE_SECONDS_ENV
 from kvpilot.operator.local.plan import plan_local

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from kvpilot.operator.local.plan import _set_flag, plan_local
 
 TINY = yaml.safe_load((Path(__file__).parents[2] / "examples" / "tiny-cpu.yaml").read_text())

@@ -9,6 +9,7 @@ import torch
 from helpers.paged import BlockAllocation
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 from kvpilot.engine.models.rope import inverse_frequencies
 

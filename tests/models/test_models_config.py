@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.models.config import ModelConfig, resolve_dtype
 

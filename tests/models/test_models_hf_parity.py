@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers.checkpoints import load_hf_model
 from helpers.paged import BlockAllocation, flat_positions
+
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.loader import load_model

@@ -11,11 +11,12 @@ import torch
 from helpers.paged import BlockAllocation, flat_positions
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.loader import load_model, resolve_load_format
-from safetensors.torch import load_file, save_file
 
 BUILTINS = ["tiny-llama", "tiny-qwen3", "tiny-mixtral"]
 

@@ -8,6 +8,7 @@ import pytest
 from helpers.checkpoints import write_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvpilot.engine.models.builtin import BOS_ID, ENDOFTEXT_ID, TINY_VOCAB_SIZE
 from kvpilot.engine.tokenizer import load_tokenizer
 

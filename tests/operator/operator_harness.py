@@ -38,6 +38,7 @@ def write_kubeconfig(path: Path, server: str) -> Path:
 async def running_operator(**memo: Any) -> AsyncIterator[asyncio.Task[None]]:
     """Runs the real kopf operator in this event loop until the block exits."""
     import kopf
+
     from kvpilot.operator.handlers import register
     from kvpilot.operator.handlers.lifecycle import operator_settings
     from kvpilot.operator.render.meta import RenderConfig

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvpilot.operator import cli, rbac
 from kvpilot.operator.handlers.events import event
 from kvpilot.operator.handlers.kube import KubeError, differs, resource_path, transient, without

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 import pytest
+
 from kvpilot.engine.args import EngineArgs, ServerArgs, from_namespace
 from kvpilot.engine.router import cli as route_cli
 from kvpilot.engine.router.args import RouterArgs

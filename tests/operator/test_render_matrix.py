@@ -6,6 +6,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import DecodePoolSpec, PrefillPoolSpec
 from kvpilot.operator.render.children import render_children

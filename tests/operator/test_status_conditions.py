@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
+
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.status import (
     PoolCounts,
@@ -16,7 +18,6 @@ from kvpilot.operator.status import (
     rollout_conditions,
     workload_ready,
 )
-from pydantic import ValidationError
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 

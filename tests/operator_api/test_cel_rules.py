@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 from crd_eval import api_server_errors, cel_sites, load_crds, openapi
-from kvpilot.operator.api import DecodePool, InferenceModel, PrefillPool
 from pydantic import ValidationError
+
+from kvpilot.operator.api import DecodePool, InferenceModel, PrefillPool
 
 MODEL = {"name": "llama", "source": "hf://meta-llama/Llama-3.1-8B"}
 PYDANTIC = {"InferenceModel": InferenceModel, "PrefillPool": PrefillPool, "DecodePool": DecodePool}

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvpilot.operator.api import AcceleratorSpec, CommunicationSpec, ModelSource, TopologySpec
 from kvpilot.operator.planning.comm import nccl_env, needs_ipc_lock
 from kvpilot.operator.planning.topology import plan

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 from crd_eval import CRD_DIR, load_crds, openapi
+
 from kvpilot.operator import crdgen
 from kvpilot.operator.api import GROUP, VERSION, crd_manifests
 

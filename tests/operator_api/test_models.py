@@ -8,6 +8,8 @@ import pytest
 from crd_eval import api_server_errors, load_crds
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
+
 from kvpilot.operator.api import (
     DecodePoolSpec,
     InferenceModel,
@@ -15,7 +17,6 @@ from kvpilot.operator.api import (
     PrefillPoolSpec,
     TopologySpec,
 )
-from pydantic import ValidationError
 
 MODEL = {"name": "llama", "source": "hf://meta-llama/Llama-3.1-8B"}
 

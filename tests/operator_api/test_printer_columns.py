@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from crd_eval import load_crds
+
 from kvpilot.operator.api import InferenceModelStatus, PoolStatus
 
 _STEP = re.compile(r'\.(\w+)|\[\?\(@\.(\w+)=="([^"]*)"\)\]')

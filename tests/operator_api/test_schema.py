@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import pytest
+from pydantic import ConfigDict, Field
+
 from kvpilot.operator.api.common import ApiModel, cel
 from kvpilot.operator.api.schema import structural
-from pydantic import ConfigDict, Field
 
 
 class Inner(ApiModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvpilot.operator.api import AcceleratorSpec, EngineSpec, ModelSource, TopologySpec
 from kvpilot.operator.planning.accelerators import AcceleratorError
 from kvpilot.operator.planning.topology import TopologyError, plan

@@ -7,9 +7,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from router_fake_engine import FakeEngine, serving
+
 from kvpilot.engine.router.app import build_app
 from kvpilot.engine.router.args import RouterArgs
-from router_fake_engine import FakeEngine, serving
 
 
 @pytest.fixture

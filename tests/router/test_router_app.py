@@ -8,9 +8,10 @@ import json
 
 import httpx
 import pytest
+from router_fake_engine import FakeEngine
+
 from kvpilot.engine.kv_transfer import protocol
 from kvpilot.engine.router.args import INSTANCE_HEADER, SERVED_BY_HEADER
-from router_fake_engine import FakeEngine
 
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 

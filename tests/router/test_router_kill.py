@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import httpx
+from router_fake_engine import FakeEngine, serving
+
 from kvpilot.engine.router.app import build_app
 from kvpilot.engine.router.args import INSTANCE_HEADER, SERVED_BY_HEADER, RouterArgs
-from router_fake_engine import FakeEngine, serving
 
 HERE = Path(__file__).parent
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvpilot.engine.router.policy import InstanceView, Weights, choose, score
 
 A, B, C = "http://a", "http://b", "http://c"

@@ -8,6 +8,7 @@ import tracemalloc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvpilot.engine.router.prefix_index import ENTRY_BYTES, PrefixIndex
 
 

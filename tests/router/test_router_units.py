@@ -7,11 +7,12 @@ import sys
 
 import pytest
 from fastapi import FastAPI, Request
+from router_fake_engine import serving
+
 from kvpilot.engine.router.args import RouterArgs, parse_instances
 from kvpilot.engine.router.discovery import EndpointSliceDiscovery, endpoints_from_slices
 from kvpilot.engine.router.fleet import parse_load
 from kvpilot.engine.router.health import Health
-from router_fake_engine import serving
 
 
 @pytest.mark.parametrize(("events", "eject_after", "ejected_at", "available_at_end"), [

@@ -6,8 +6,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kvpilot.engine.server.app import build_app
 from server_harness import MODEL, RunningServer, serve_in_thread, tiny_engine
+
+from kvpilot.engine.server.app import build_app
 
 
 @pytest.fixture(scope="session")

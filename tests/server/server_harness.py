@@ -12,8 +12,9 @@ from typing import Any
 
 import httpx
 import uvicorn
-from kvpilot.engine.args import EngineArgs
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.engine.args import EngineArgs
 
 MODEL = "tiny-llama"
 # Small enough for fast CPU steps, long enough for the drain and length tests.

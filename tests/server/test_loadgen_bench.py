@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from server_harness import MODEL, RunningServer
+
 from kvpilot.cli.main import main
 from kvpilot.engine.loadgen.runner import carries_tokens
-from server_harness import MODEL, RunningServer
 
 
 @pytest.mark.parametrize(("dataset", "extra"), [

@@ -9,6 +9,7 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvpilot.engine.loadgen.datasets import WORDS, random_dataset, shared_prefix_dataset
 from kvpilot.engine.loadgen.report import (
     RequestResult,

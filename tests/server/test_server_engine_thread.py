@@ -7,9 +7,10 @@ import time
 
 import httpx
 import pytest
-from kvpilot.engine.server.app import build_app
 from server_fake_engine import FakeEngine
 from server_harness import serve_in_thread, wait_for
+
+from kvpilot.engine.server.app import build_app
 
 BODY = {"model": "fake", "prompt": "hi", "max_tokens": 3}
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from kvpilot.engine import metric_names as names
 from server_harness import MODEL, RunningServer, wait_for
+
+from kvpilot.engine import metric_names as names
 
 MAX_TOKENS = 5
 PROMPTS = ["alpha", "beta gamma", "delta epsilon zeta"]  # distinct and under one block

@@ -8,8 +8,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvpilot.cli.main import main
 from server_harness import MODEL, RunningServer
+
+from kvpilot.cli.main import main
 
 PROMPTS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")),
                   min_size=1, max_size=40)

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from kvpilot.engine.server.app import build_app
 from schemathesis.generation import GenerationMode
 from server_harness import MODEL, serve_in_thread, tiny_engine
+
+from kvpilot.engine.server.app import build_app
 
 EXAMPLES = 15
 CAPS = {"n": 2, "max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 4}

@@ -8,9 +8,10 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from server_harness import MODEL, RunningServer, serve_in_thread, tiny_engine
+
 from kvpilot.engine.server.app import build_app
 from kvpilot.engine.server.errors import validation_message
-from server_harness import MODEL, RunningServer, serve_in_thread, tiny_engine
 
 OK_COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
 OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

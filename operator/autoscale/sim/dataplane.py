@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
 from kvpilot.operator.autoscale.signals import PoolMetrics
 from kvpilot.operator.autoscale.sim.calibration import CostModel
 

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from kvpilot.operator.autoscale.budget import PoolDemand, allocate
 from kvpilot.operator.autoscale.policy import PolicyState, decide
 from kvpilot.operator.autoscale.signals import PoolMetrics

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
 from kvpilot.operator.autoscale.sim.fleet import SimTrace
 
 MAX_POINTS = 2000

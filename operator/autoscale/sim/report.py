@@ -6,6 +6,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
 from kvpilot.operator.autoscale.sim.calibration import CostModel
 from kvpilot.operator.autoscale.sim.fleet import SimTrace, Workload
 
