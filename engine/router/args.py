@@ -33,6 +33,10 @@ class RouterArgs:
     instances: str | None = field(default=None, metadata={
         "help": "comma-separated engine URLs, each optionally prefixed by its role, e.g. "
                 "http://127.0.0.1:8001,prefill=http://127.0.0.1:8002,decode=http://127.0.0.1:8003"})
+    instances_file: str | None = field(default=None, metadata={
+        "help": "static discovery from a file re-read every --refresh-interval: the same "
+                "items as --instances, separated by commas or newlines (kvpilot up rewrites "
+                "it to scale); an unreadable file keeps the last list"})
     namespace: str = field(default="default", metadata={
         "help": "namespace of the EndpointSlices (kubernetes discovery)"})
     selector: str | None = field(default=None, metadata={
@@ -85,9 +89,13 @@ class RouterArgs:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is invalid: choose one of {', '.join(allowed)}")
-        if self.discovery == "static" and not self.instances:
+        if self.discovery == "static" and not (self.instances or self.instances_file):
             raise ValueError("instances=None is invalid with discovery=static: pass "
-                             "--instances http://HOST:PORT[,...] or --discovery kubernetes")
+                             "--instances http://HOST:PORT[,...], --instances-file PATH "
+                             "or --discovery kubernetes")
+        if self.instances and self.instances_file:
+            raise ValueError(f"instances_file={self.instances_file!r} is invalid together with "
+                             "--instances: pass one of them")
         if self.discovery == "kubernetes" and not self.selector:
             raise ValueError("selector=None is invalid with discovery=kubernetes: pass "
                              "--selector LABEL=VALUE")
@@ -104,10 +112,13 @@ class RouterArgs:
         return _to_cli(self)
 
 
-def parse_instances(text: str) -> list[tuple[str, str]]:
-    """Gives (role, url) pairs from 'URL' or 'ROLE=URL' items separated by commas."""
+def parse_instances(text: str, allow_empty: bool = False) -> list[tuple[str, str]]:
+    """Gives (role, url) pairs from 'URL' or 'ROLE=URL' items separated by commas or newlines.
+
+    `allow_empty` accepts a text naming no instance (an instances file of a pool at zero).
+    """
     out: list[tuple[str, str]] = []
-    for item in (part.strip() for part in text.split(",")):
+    for item in (part.strip() for part in text.replace("\n", ",").split(",")):
         if not item:
             continue
         role, sep, url = item.partition("=")
@@ -120,7 +131,7 @@ def parse_instances(text: str) -> list[tuple[str, str]]:
             raise ValueError(f"instances item {item!r} is not an http(s) URL: "
                              "write e.g. http://127.0.0.1:8001")
         out.append((role, url.rstrip("/")))
-    if not out:
+    if not out and not allow_empty:
         raise ValueError(f"instances={text!r} names no instance: write e.g. http://127.0.0.1:8001")
     return out
 

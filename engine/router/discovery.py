@@ -1,4 +1,4 @@
-"""Where the engines are: a static list, or Kubernetes EndpointSlices by label selector.
+"""Where the engines are: a static list, a re-read file, or Kubernetes EndpointSlices by label selector.
 
 Both give (role, url) pairs; the fleet diffs them against what it knows. In
 cluster the router lists EndpointSlices through the API server with the pod's
@@ -34,6 +34,21 @@ class StaticDiscovery:
 
     async def list(self) -> list[tuple[str, str]]:
         return list(self.pairs)
+
+
+class FileDiscovery:
+    """The list in `--instances-file`, re-read on every refresh (kvpilot up rewrites it).
+
+    The writer replaces the file atomically (write, then rename), so a read sees
+    the old list or the new one, never half of one. A missing or malformed file
+    raises, and the fleet keeps its last list.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    async def list(self) -> list[tuple[str, str]]:
+        return parse_instances(self.path.read_text(), allow_empty=True)
 
 
 def endpoints_from_slices(slices: dict[str, Any], port_name: str) -> list[tuple[str, str]]:
@@ -90,5 +105,7 @@ def make_discovery(args: RouterArgs) -> Discovery:
     if args.discovery == "kubernetes":
         assert args.selector is not None  # RouterArgs validated it
         return EndpointSliceDiscovery(args.namespace, args.selector, args.port_name)
+    if args.instances_file:
+        return FileDiscovery(args.instances_file)
     assert args.instances is not None
     return StaticDiscovery(args.instances)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
@@ -25,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds every process gets to become ready")
     parser.add_argument("--log-dir", default=None,
                         help="where each process's log goes (default: a temporary directory)")
+    parser.add_argument("--drain-timeout", type=float, default=120.0,
+                        help="seconds a removed replica gets to finish its requests on a "
+                             "scale-down before it is killed")
 
 
 def _once(url: str, model: str) -> str:
@@ -38,31 +42,56 @@ def _once(url: str, model: str) -> str:
     return response.json()["choices"][0]["message"]["content"]
 
 
+def _reload(scaler: Any, file: str, interrupted: Any) -> None:
+    """Re-reads the manifest and scales the fleet to it; a bad edit is reported, not fatal."""
+    import yaml
+
+    try:
+        manifest = yaml.safe_load(Path(file).read_text())
+        lines = scaler.reload(manifest, interrupted)
+    except (OSError, ValueError, yaml.YAMLError, RuntimeError, TimeoutError) as exc:
+        print(f"kvpilot up: reload of {file} refused: {exc}", file=sys.stderr, flush=True)
+        return
+    for line in lines or ["no replica count changed"]:
+        print(f"kvpilot up: reloaded {file}: {line}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Runs the fleet until Ctrl-C/SIGTERM (or one request with --once); gives the exit code."""
+    """Runs the fleet until Ctrl-C/SIGTERM (or one request with --once); gives the exit code.
+
+    SIGHUP re-reads the manifest and scales its pools to the new replica counts.
+    """
     import yaml
 
     from kvpilot.operator.local.plan import plan_local
+    from kvpilot.operator.local.scaler import Scaler
     from kvpilot.operator.local.supervisor import Supervisor, free_port
 
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpilot-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    instances_file = log_dir / "router-instances"
     try:
         manifest: dict[str, Any] = yaml.safe_load(Path(args.file).read_text())
-        engines, router = plan_local(manifest, free_port, args.port)
+        engines, router = plan_local(manifest, free_port, args.port,
+                                     instances_file=str(instances_file))
     except (OSError, ValueError, yaml.YAMLError) as exc:
         print(f"kvpilot up: {args.file}: {exc}", file=sys.stderr)
         return 2
     model = manifest["spec"]["model"]["name"]
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpilot-up-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor(log_dir)
-    stop = threading.Event()
+    scaler = Scaler(supervisor, manifest, router, instances_file, args.timeout,
+                    args.drain_timeout)
+    stop, reload = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: reload.set())
     try:
-        print(f"kvpilot up: starting {len(engines)} engine(s) and a router; logs in {log_dir}",
-              file=sys.stderr, flush=True)
-        for process in [*engines, router]:
+        print(f"kvpilot up: pid {os.getpid()}; starting {len(engines)} engine(s) and a router; "
+              f"logs in {log_dir}", file=sys.stderr, flush=True)
+        for process in engines:
             supervisor.start(process)
+        scaler.publish()
+        supervisor.start(router)
         supervisor.wait_ready(args.timeout, {"router": "/ready"}, stop.is_set)
         endpoint = f"{router.url}/v1"
         if args.once:
@@ -72,7 +101,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"  try: curl {endpoint}/chat/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"hi\"}}]}}'", flush=True)
+        print(f"  scale: edit the pools' replicas in {args.file}, then: kill -HUP {os.getpid()}",
+              flush=True)
         while not stop.wait(0.5):
+            if reload.is_set():
+                reload.clear()
+                _reload(scaler, args.file, stop.is_set)
             exited = supervisor.first_exited()
             if exited is not None:
                 print(f"kvpilot up: {exited.name} exited:\n{supervisor.log_tail(exited)}",

@@ -4,7 +4,8 @@ Pure: a manifest in, a list of processes out. Each pool's Deployment becomes
 `replicas` engine processes with the container's command, args and env, the
 host and ports rewritten to free 127.0.0.1 ports; the router Deployment
 becomes one router process whose Kubernetes discovery is rewritten to the
-static list of those engines. Nothing else differs from what a pod runs.
+static list of those engines (or to a file of them, which `kvpilot up`
+rewrites when it scales). Nothing else differs from what a pod runs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ POOL_KINDS: dict[str, type[PoolSpec]] = {"PrefillPool": PrefillPoolSpec,
                                          "DecodePool": DecodePoolSpec}
 # Flags whose values a local process gets instead of the pod's.
 ROUTER_DROPPED = ("--discovery", "--namespace", "--selector", "--port-name", "--host", "--port",
-                  "--instances")
+                  "--instances", "--instances-file")
 
 
 @dataclass
@@ -37,6 +38,7 @@ class LocalProcess:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     port: int = 0
+    pool: str = ""  # the Deployment whose replica this is (engines only)
 
     @property
     def url(self) -> str:
@@ -99,9 +101,19 @@ def manifest_objects(manifest: dict[str, Any], config: RenderConfig) -> tuple[
     return spec, render_children(im, spec, config)
 
 
+def instances_text(engines: list[LocalProcess]) -> str:
+    """Gives the router's instance list ('ROLE=URL,...') of these engines."""
+    return ",".join(f"{e.role}={e.url}" for e in engines)
+
+
 def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_port: int,
-               config: RenderConfig | None = None) -> tuple[list[LocalProcess], LocalProcess]:
-    """Gives (engine processes, router process) running the manifest's fleet on this machine."""
+               config: RenderConfig | None = None, instances_file: str | None = None,
+               ) -> tuple[list[LocalProcess], LocalProcess]:
+    """Gives (engine processes, router process) running the manifest's fleet on this machine.
+
+    With `instances_file` the router reads its engines from that file (which the
+    caller writes and may rewrite to scale) instead of a fixed `--instances`.
+    """
     config = config or RenderConfig()
     spec, children = manifest_objects(manifest, config)
     engines: list[LocalProcess] = []
@@ -124,7 +136,8 @@ def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_po
                 port = free_port()
                 argv = _set_flag(_set_flag(_command(container), "--host", LOCALHOST),
                                  "--port", str(port))
-                engines.append(LocalProcess(name, role, argv, _env(container, name), port))
+                engines.append(LocalProcess(name, role, argv, _env(container, name), port,
+                                            workload["metadata"]["name"]))
     routers = [o for o in children if o["kind"] == "Deployment"
                and o["metadata"]["labels"].get(COMPONENT_LABEL) == "router"]
     if not routers:
@@ -134,9 +147,9 @@ def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_po
     argv = _command(container)
     for flag in ROUTER_DROPPED:
         argv = _set_flag(argv, flag, None)
-    instances = ",".join(f"{e.role}={e.url}" for e in engines)
-    argv += ["--host", LOCALHOST, "--port", str(router_port), "--discovery", "static",
-             "--instances", instances]
+    source = (["--instances-file", instances_file] if instances_file
+              else ["--instances", instances_text(engines)])
+    argv += ["--host", LOCALHOST, "--port", str(router_port), "--discovery", "static", *source]
     router = LocalProcess(routers[0]["metadata"]["name"], "router", argv,
                           _env(container, routers[0]["metadata"]["name"]), router_port)
     return engines, router

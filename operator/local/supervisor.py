@@ -56,7 +56,8 @@ class Supervisor:
 
     def start(self, process: LocalProcess) -> None:
         """Starts one process in its own session, so a terminal's Ctrl-C reaches only us."""
-        log = open(self.log_dir / f"{process.name}.log", "wb")  # noqa: SIM115 (child owns it)
+        # Appends: a replica name reused after a scale-down keeps its predecessor's log.
+        log = open(self.log_dir / f"{process.name}.log", "ab")  # noqa: SIM115 (child owns it)
         popen = subprocess.Popen(process.argv, env={**os.environ, **process.env},
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                  preexec_fn=_die_with_parent)
@@ -69,11 +70,19 @@ class Supervisor:
         text = path.read_text(errors="replace") if path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def engines(self) -> list[LocalProcess]:
+        """Gives the running engine processes (everything but the router)."""
+        return [p for p, _ in self.running if p.role != "router"]
+
     def wait_ready(self, timeout: float, path_for: dict[str, str],
-                   interrupted: Callable[[], bool] = lambda: False) -> None:
-        """Waits until every process answers its readiness path; raises naming the laggard."""
+                   interrupted: Callable[[], bool] = lambda: False,
+                   only: list[LocalProcess] | None = None) -> None:
+        """Waits until every process (or those in `only`) answers its readiness path.
+
+        Raises naming the laggard.
+        """
         deadline = time.monotonic() + timeout
-        pending = list(self.running)
+        pending = [item for item in self.running if only is None or item[0] in only]
         with httpx.Client(timeout=2.0) as client:
             while pending:
                 process, popen = pending[0]
@@ -97,6 +106,27 @@ class Supervisor:
     def first_exited(self) -> LocalProcess | None:
         """Gives a process that exited on its own, if any."""
         return next((p for p, popen in self.running if popen.poll() is not None), None)
+
+    def retire(self, names: list[str], grace: float) -> dict[str, int]:
+        """SIGTERMs these processes (engines drain), waits, gives each one's exit code.
+
+        What outlives `grace` is SIGKILLed (its code is then -9). Retired processes
+        leave `running`, so their exit is not mistaken for a crash.
+        """
+        retired = [(p, popen) for p, popen in self.running if p.name in names]
+        for _, popen in retired:
+            with contextlib.suppress(ProcessLookupError):
+                popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        codes: dict[str, int] = {}
+        for process, popen in retired:
+            try:
+                codes[process.name] = popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                codes[process.name] = popen.wait()
+        self.running = [item for item in self.running if item[0].name not in names]
+        return codes
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERMs the router first, then the engines; SIGKILLs what outlives `grace`."""

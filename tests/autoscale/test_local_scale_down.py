@@ -1,61 +1,123 @@
-"""`kvpilot up`'s fleet scaled from 3 decode replicas to 1 under steady load: no request fails.
+"""`kvpilot up` scaled by editing its manifest and sending SIGHUP, under steady load.
 
-The two replicas to remove are picked as the operator would order them (least
-requests in flight first, from their own /metrics), then SIGTERMed: each engine
-drains (finishes what it holds, refuses new work) and exits, and the router
-retries refused requests on the replica that stays.
+The real CLI runs as a subprocess; `kvpilot bench serve` drives load through its
+router. Scaling the decode pool from 3 replicas to 1 mid-load loses no request
+(0 failed in the load generator's report): `kvpilot up` drops the two least
+loaded replicas from the router's instances file, waits until the router has
+re-read it, then SIGTERMs them and each drains and exits 0. Scaling back up to 2
+starts a fresh engine that the router then sends requests to.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
+import re
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
+import psutil
 import yaml
 
-from kvpilot.engine.loadgen.datasets import random_dataset
-from kvpilot.engine.loadgen.report import summarize
-from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
-from kvpilot.operator.autoscale.pods import removal_order
-from kvpilot.operator.autoscale.scrape import scrape
-from kvpilot.operator.local.plan import plan_local
-from kvpilot.operator.local.supervisor import Supervisor, free_port
+from kvpilot.engine.router.args import SERVED_BY_HEADER
+from kvpilot.operator.local.supervisor import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+KVPILOT = [sys.executable, "-m", "kvpilot.cli.main"]
+NUM_PROMPTS = 100
 
 
-async def test_decode_pool_3_to_1_under_steady_load_loses_nothing(tmp_path) -> None:
+def engine_pids(up: subprocess.Popen) -> list[int]:
+    """Gives the pids of the `kvpilot serve` processes `kvpilot up` runs."""
+    return [c.pid for c in psutil.Process(up.pid).children()
+            if "serve" in c.cmdline() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_for(predicate, timeout: float, what: str, up: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert up.poll() is None, f"kvpilot up exited {up.returncode}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout}s:\n{log.read_text()}"
+        time.sleep(0.2)
+
+
+def ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def scale(manifest_path: Path, manifest: dict, replicas: int, up: subprocess.Popen) -> None:
+    manifest["spec"]["decode"]["replicas"] = replicas
+    manifest_path.write_text(yaml.safe_dump(manifest))
+    up.send_signal(signal.SIGHUP)
+
+
+def test_up_scales_decode_3_to_1_under_load_losing_nothing_then_back_to_2(tmp_path) -> None:
     manifest = yaml.safe_load(EXAMPLE.read_text())
     manifest["spec"]["decode"]["replicas"] = 3
-    engines, router = plan_local(manifest, free_port, free_port())
-    assert len(engines) == 3
-    supervisor = Supervisor(tmp_path)
+    path, log, port = tmp_path / "fleet.yaml", tmp_path / "up.log", free_port()
+    path.write_text(yaml.safe_dump(manifest))
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        up = subprocess.Popen([*KVPILOT, "up", str(path), "--port", str(port), "--log-dir",
+                               str(tmp_path / "logs"), "--timeout", "120"],
+                              stdout=out, stderr=subprocess.STDOUT)
     try:
-        for process in [*engines, router]:
-            supervisor.start(process)
-        await asyncio.to_thread(supervisor.wait_ready, 120, {"router": "/ready"})
-        popen = {p.name: proc for p, proc in supervisor.running}
-        cfg = BenchConfig(base_url=router.url, model=manifest["spec"]["model"]["name"],
-                          request_rate=8.0, max_concurrency=8, ignore_eos=True, timeout=120)
-        samples = random_dataset(num_prompts=80, input_len=24, output_len=24,
-                                 range_ratio=0.0, seed=1)
-        load = asyncio.create_task(run_benchmark(cfg, samples))
+        wait_for(lambda: ready(url), 150, "ready router", up, log)
+        assert f"pid {up.pid}" in log.read_text()
+        assert len(engine_pids(up)) == 3
 
-        await asyncio.sleep(3.0)  # steady state: every replica has served some requests
-        metrics = await scrape({e.name: f"{e.url}/metrics" for e in engines})
-        victims = removal_order(metrics)[:2]
-        for name in victims:
-            popen[name].send_signal(signal.SIGTERM)
-        codes = await asyncio.to_thread(
-            lambda: [popen[name].wait(60) for name in victims])
+        # 3 -> 1 while `kvpilot bench serve` keeps 8 requests/s going through the router.
+        report = tmp_path / "bench.json"
+        bench = subprocess.Popen([*KVPILOT, "bench", "serve", "--base-url", url, "--model",
+                                  manifest["spec"]["model"]["name"], "--num-prompts",
+                                  str(NUM_PROMPTS), "--random-input-len", "24",
+                                  "--random-output-len", "24", "--request-rate", "8",
+                                  "--max-concurrency", "8", "--ignore-eos", "--timeout", "120",
+                                  "--result-json", str(report)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        time.sleep(4.0)  # the load generator is up and every replica serves
+        scale(path, manifest, 1, up)
+        scaled_down = re.compile(r"reloaded .*: (\S+): 3 -> 1 replica\(s\); (.*)")
+        wait_for(lambda: scaled_down.search(log.read_text()), 60, "scale-down", up, log)
+        assert bench.poll() is None, "the load ended before the scale-down: nothing was tested"
+        output, _ = bench.communicate(timeout=120)
+        summary = json.loads(report.read_text())
+        assert summary["failed"] == 0, (summary["errors"], output.decode())
+        assert summary["completed"] == NUM_PROMPTS
+        pool, exits = scaled_down.search(log.read_text()).groups()
+        assert re.fullmatch(rf"{pool}-\d exited 0, {pool}-\d exited 0", exits), exits
+        assert len(engine_pids(up)) == 1
 
-        results, duration = await asyncio.wait_for(load, 90)
-        report = summarize(results, duration)
-        assert report["failed"] == 0, report["errors"]
-        assert report["completed"] == len(samples)
-        assert codes == [0, 0], [supervisor.log_tail(e) for e in engines if e.name in victims]
-        survivor = next(e for e in engines if e.name not in victims)
-        assert popen[survivor.name].poll() is None
+        # 1 -> 2: the new engine starts, joins the router's file, and gets requests.
+        scale(path, manifest, 2, up)
+        wait_for(lambda: "1 -> 2 replica(s)" in log.read_text(), 120, "scale-up", up, log)
+        assert len(engine_pids(up)) == 2
+        served: set[str] = set()
+        body = {"model": manifest["spec"]["model"]["name"], "max_tokens": 2}
+        for i in range(40):  # bounded: until the router has used both engines
+            response = httpx.post(f"{url}/v1/completions", timeout=30,
+                                  json={**body, "prompt": f"request {i} " * 8})
+            assert response.status_code == 200, response.text
+            served.add(response.headers[SERVED_BY_HEADER])
+            if len(served) == 2:
+                break
+            time.sleep(0.25)  # the router adds the new engine within a refresh interval
+        assert len(served) == 2, served
+
+        # An edit beyond replica counts is refused by name; the fleet keeps running.
+        manifest["spec"]["engine"]["maxNumSeqs"] = 8
+        path.write_text(yaml.safe_dump(manifest))
+        up.send_signal(signal.SIGHUP)
+        wait_for(lambda: "restart for spec.engine.maxNumSeqs" in log.read_text(), 10,
+                 "refusal", up, log)
+        assert len(engine_pids(up)) == 2
     finally:
-        await asyncio.to_thread(supervisor.stop)
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(30)
+    assert code == 0, log.read_text()
