@@ -14,6 +14,7 @@ import json
 import math
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,21 @@ def carries_tokens(chunk: dict[str, Any]) -> bool:
     return False
 
 
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Gives the stream's lines split on "\n" only.
+
+    Servers write JSON with raw non-ASCII text, which may hold U+2028, U+0085 or
+    \x1c: `str.splitlines` (and so httpx's `aiter_lines`) would cut a data line there.
+    """
+    buffer = ""
+    async for text in chunks:
+        *lines, buffer = (buffer + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if buffer:
+        yield buffer
+
+
 async def send_one(client: httpx.AsyncClient, cfg: BenchConfig,
                    sample: SampleRequest) -> RequestResult:
     """Gives the timings of one streamed completion or chat (or why it failed)."""
@@ -94,7 +110,7 @@ async def send_one(client: httpx.AsyncClient, cfg: BenchConfig,
                 body = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {body[:200]}"
                 return result
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp.aiter_text()):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
