@@ -9,17 +9,14 @@ pull; E2E_READY_TIMEOUT (seconds, default 900) bounds the wait for Ready.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from e2e.kube import REPO, kubectl, kubectl_path
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -32,37 +29,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if reason:
         for item in items:
             item.add_marker(pytest.mark.skip(reason=reason))
-
-
-def kubectl_path() -> str | None:
-    """Gives the kubectl binary to use."""
-    local = REPO / ".tools" / "bin" / "kubectl"
-    return str(local) if local.exists() else shutil.which("kubectl")
-
-
-def kubectl(*args: str, namespace: str | None = None, check: bool = True,
-            input_text: str | None = None, timeout: float = 120) -> str:
-    """Runs kubectl; gives its stdout."""
-    command = [kubectl_path() or "kubectl", *args]
-    if namespace:
-        command += ["-n", namespace]
-    done = subprocess.run(command, capture_output=True, text=True, check=False,
-                          input=input_text, timeout=timeout)
-    if check and done.returncode:
-        raise AssertionError(f"{' '.join(command)} failed: {done.stderr.strip()}")
-    return done.stdout
-
-
-def wait_for(check, timeout: float, what: str, interval: float = 3.0):
-    """Gives the first truthy result of `check` within `timeout` seconds, else fails."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"{what} did not happen within {timeout} s (last: {last!r})")
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,8 @@ import os
 
 import pytest
 import yaml
-from conftest import REPO, kubectl, wait_for
+
+from e2e.kube import REPO, kubectl, wait_for
 
 pytestmark = pytest.mark.cluster
 READY_TIMEOUT = float(os.environ.get("E2E_READY_TIMEOUT", "900"))
