@@ -81,8 +81,9 @@ def measure(case: str, steps: int) -> dict:
     engine = make_engine(num_seqs, stream_outputs)
     rng = random.Random(0)
     # enough output that nobody finishes while timed; the no-op model makes prefill free
-    params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=steps + 64,
-                            seed=None)
+    split_steps = min(steps, 100)
+    params = SamplingParams(temperature=temperature, ignore_eos=True,
+                            max_tokens=steps + split_steps + 64)
     for i in range(num_seqs):
         prompt = [rng.randint(5, 1000) for _ in range(rng.randint(500, 900))]
         engine.add_request(f"r{i}", prompt, params)
@@ -114,7 +115,6 @@ def measure(case: str, steps: int) -> dict:
         timed(engine.scheduler, "schedule", "schedule")
         timed(engine.runner, "execute", "execute")
         timed(engine, "sampler", "sampler")
-        split_steps = min(steps, 100)
         t0 = time.perf_counter()
         for _ in range(split_steps):
             engine.step()
@@ -219,6 +219,7 @@ def main() -> None:
             print(case, {k: round(v["median_us"]) for k, v in row.items()}, flush=True)
     stem = args.out or f"host_overhead-cpu-{result['date']}"
     RESULTS.mkdir(exist_ok=True)
+    assert not os.path.isabs(stem), "--out is a file stem under bench/results"
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
     table = markdown(result)
     (RESULTS / f"{stem}.md").write_text(table)

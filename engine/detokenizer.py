@@ -40,15 +40,18 @@ def decode_new_text(tokenizer: Any, seq: Sequence, skip_special_tokens: bool) ->
 def check_stop_token(seq: Sequence, params: SamplingParams, eos_token_ids: list[int],
                      max_model_len: int) -> None:
     """Finishes `seq` on eos, a stop token id, max_tokens or max_model_len (not stop strings)."""
-    token = seq.token_ids[-1]
-    if seq.num_output_tokens >= params.min_tokens:
+    token_ids = seq.token_ids
+    token = token_ids[-1]
+    num_output = len(token_ids) - len(seq.request.prompt_token_ids)  # once: runs every token
+    if num_output >= params.min_tokens:
         if not params.ignore_eos and token in eos_token_ids:
             seq.finish_reason = "stop"
             return
         if token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
             return
-    if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or seq.num_tokens >= max_model_len:
+    if ((params.max_tokens is not None and num_output >= params.max_tokens)
+            or len(token_ids) >= max_model_len):
         seq.finish_reason = "length"
 
 

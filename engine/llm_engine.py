@@ -141,38 +141,52 @@ class LLMEngine:
             return results
         now = time.monotonic()
         entries: list[BatchEntry] = []
+        # this loop and the ones after it run once per sequence per step (256 at full batch):
+        # plain attribute reads, no per-sequence helper calls where one line does
+        block_id_array = self.kv.block_id_array
         for seq, num_new in plan.scheduled:
-            metrics = seq.request.metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            request = seq.request
+            metrics = request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
             start = seq.num_computed_tokens
-            samples = start + num_new == seq.num_tokens
-            lps = seq.request.prompt_logprobs
-            want_prompt_lp = lps is not None and len(lps) < seq.num_prompt_tokens
-            mode = "all" if want_prompt_lp else ("last" if samples else "none")
-            entries.append(BatchEntry(seq.token_ids[start:start + num_new], start,
-                                      self.kv.block_ids(seq), mode))
-            self.prompt_tokens += max(min(start + num_new, seq.num_prompt_tokens) - start, 0)
+            end = start + num_new
+            num_prompt = len(request.prompt_token_ids)
+            lps = request.prompt_logprobs
+            if lps is not None and len(lps) < num_prompt:
+                mode = "all"
+            else:
+                mode = "last" if end == len(seq.token_ids) else "none"
+            entries.append(BatchEntry(seq.token_ids[start:end], start, block_id_array(seq), mode))
+            if start < num_prompt:
+                self.prompt_tokens += min(end, num_prompt) - start
         logits = self.runner.execute(entries, plan.block_copies)
         to_sample: list[tuple[Sequence, int]] = []
         row = 0
+        cache_full_blocks = self.kv.cache_full_blocks
         for (seq, num_new), entry in zip(plan.scheduled, entries, strict=True):
             start = seq.num_computed_tokens
-            seq.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(seq)
-            if entry.logits == "all":
+            seq.num_computed_tokens = start + num_new
+            cache_full_blocks(seq)
+            if entry.logits == "last":
+                row += 1
+            elif entry.logits == "all":
                 self._record_prompt_logprobs(seq, start, logits[row:row + num_new])
                 row += num_new
-            elif entry.logits == "last":
-                row += 1
-            if seq.num_pending_tokens == 0:
-                to_sample.extend(self._branches(seq, row - 1))
+            if seq.num_computed_tokens == len(seq.token_ids):
+                request = seq.request
+                if request.forked or request.params.n == 1 or request.is_beam_search:
+                    to_sample.append((seq, row - 1))
+                else:
+                    to_sample.extend(self._branches(seq, row - 1))
         touched = self._sample(to_sample, logits)
         finished_time = time.monotonic()
         for request in touched:
-            if request.finished:
+            finished = request.finished
+            if finished:
                 request.metrics.finished_time = finished_time
                 self.requests.pop(request.request_id, None)
-            if request.finished or (self.stream_outputs and not request.is_beam_search):
+            if finished or (self.stream_outputs and not request.is_beam_search):
                 results.append(self.outputs.build(request))
         return results
 
@@ -208,13 +222,17 @@ class LLMEngine:
         for seq, _ in to_sample:
             params = seq.request.params
             banned = None
-            if seq.num_output_tokens < params.min_tokens:
+            if params.min_tokens and seq.num_output_tokens < params.min_tokens:
                 banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos))
             num_lp = 2 * params.beam_width if params.beam_width > 1 else (params.logprobs or 0)
             rows.append(SamplingRow(params, seq.token_ids, seq.num_prompt_tokens, seq.generator,
                                     banned, num_lp))
-        index = torch.tensor([r for _, r in to_sample], device=logits.device)
-        out = self.sampler(logits.index_select(0, index), rows)
+        row_ids = [r for _, r in to_sample]
+        if row_ids != list(range(logits.shape[0])):
+            # forks share a row, prompt-logprob rows are skipped: gather the rows that sample
+            # (only then: the index copy to the device waits for the forward to finish)
+            logits = logits.index_select(0, torch.tensor(row_ids, device=logits.device))
+        out = self.sampler(logits, rows)
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for i, (seq, _) in enumerate(to_sample):

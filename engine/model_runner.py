@@ -8,6 +8,7 @@ prompt logprobs) go through the LM head.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,7 @@ class BatchEntry:
 
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
+    block_ids: list[int] | np.ndarray
     logits: str = "last"  # "none" | "last" | "all" (prompt logprobs)
 
 
@@ -78,6 +79,10 @@ class ModelRunner:
         self.model = load_model(model_config, args.load_format, device, seed=args.seed)
         self.model.attn_backend = select_attention_backend(args, device)
         self.decode_graphs = None  # set once the KV cache exists (engine/cuda_graphs.py)
+        # the pinned host buffer of build_batch and the event of its last copy (CUDA only)
+        self._pinned: torch.Tensor | None = None
+        self._pinned_np: np.ndarray | None = None
+        self._copied: torch.cuda.Event | None = None
         self.num_blocks = self._num_kv_blocks()
         shape = (2, self.num_blocks, self.block_size, model_config.num_kv_heads,
                  model_config.head_dim)
@@ -129,42 +134,87 @@ class ModelRunner:
                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Gives input ids, positions, attention metadata and the logits rows of `entries`."""
         bs = self.block_size
-        query_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64,
-                                 count=len(entries))
-        starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=len(entries))
+        n = len(entries)
+        query_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
+        starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=n)
         seq_lens = starts + query_lens
-        qsl = np.zeros(len(entries) + 1, dtype=np.int64)
+        total = int(query_lens.sum())
+        # everything travels in one int64 host buffer and one host-to-device copy
+        num_blocks = np.fromiter((len(e.block_ids) for e in entries), dtype=np.int64, count=n)
+        max_blocks = int(num_blocks.max())
+        # sections start at even offsets: 16-byte aligned device views for the kernels
+        t2, n2 = total + total % 2, n + 1 + (n + 1) % 2
+        at_lens, at_tables = 3 * t2 + n2, 3 * t2 + 2 * n2
+        size = at_tables + n * max_blocks
+        host = self._host_buffer(size)
+        ids, positions, slots = host[:total], host[t2:t2 + total], host[2 * t2:2 * t2 + total]
+        qsl = host[3 * t2:3 * t2 + n + 1]
+        lens = host[at_lens:at_lens + n]
+        tables = host[at_tables:size].reshape(n, max_blocks)
+        qsl[0] = 0
         np.cumsum(query_lens, out=qsl[1:])
-        total = int(qsl[-1])
-        seq_of_token = np.repeat(np.arange(len(entries)), query_lens)
-        positions = np.arange(total, dtype=np.int64) - qsl[:-1][seq_of_token] + starts[seq_of_token]
-        max_blocks = max(len(e.block_ids) for e in entries)
-        tables = np.full((len(entries), max_blocks), -1, dtype=np.int64)
-        for i, e in enumerate(entries):
-            tables[i, :len(e.block_ids)] = e.block_ids
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
-        input_ids = [t for e in entries for t in e.token_ids]
+        lens[:] = seq_lens
+        tables.fill(-1)
+        tables[np.arange(max_blocks) < num_blocks[:, None]] = np.concatenate(
+            [e.block_ids for e in entries])
+        if total == n:  # a decode step: one token per sequence, at position start
+            seq_of_token = np.arange(n)
+            positions[:] = starts
+            ids[:] = np.fromiter((e.token_ids[0] for e in entries), dtype=np.int64, count=n)
+        else:
+            seq_of_token = np.repeat(np.arange(n), query_lens)
+            positions[:] = np.arange(total) - qsl[:-1][seq_of_token] + starts[seq_of_token]
+            ids[:] = np.fromiter(itertools.chain.from_iterable(e.token_ids for e in entries),
+                                 dtype=np.int64, count=total)
+        slots[:] = tables[seq_of_token, positions // bs] * bs + positions % bs
         logits_rows: list[int] = []
         for i, e in enumerate(entries):
             if e.logits == "last":
                 logits_rows.append(int(qsl[i + 1]) - 1)
             elif e.logits == "all":
                 logits_rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
-        dev = self.device
-        num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else len(entries)
+        num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else n
+        dev_buf = self._to_device(host)
+        i32 = torch.int32
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
+            slot_mapping=dev_buf[2 * t2:2 * t2 + total],
+            query_start_loc=dev_buf[3 * t2:3 * t2 + n + 1].to(i32),
+            seq_lens=dev_buf[at_lens:at_lens + n].to(i32),
+            block_tables=dev_buf[at_tables:size].view(n, max_blocks).to(i32),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             num_decode_tokens=num_decodes,
             query_lens_cpu=query_lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        ids = torch.tensor(input_ids, dtype=torch.long).to(dev)
-        return ids, torch.from_numpy(positions).to(dev), meta, logits_rows
+        return dev_buf[:total], dev_buf[t2:t2 + total], meta, logits_rows
+
+    def _host_buffer(self, size: int) -> np.ndarray:
+        """Gives an int64 host array of `size` to fill with the step's batch.
+
+        On CUDA it is a view of one persistent pinned buffer, so the step's single
+        copy to the device is asynchronous; the previous step's copy must have
+        read it before it is refilled (an event, almost always already passed).
+        On CPU it is a fresh array: the step's tensors alias it.
+        """
+        if self.device.type != "cuda":
+            return np.empty(size, dtype=np.int64)
+        if self._pinned is None or self._pinned.numel() < size:
+            self._pinned = torch.empty(max(size, 1 << 16), dtype=torch.int64, pin_memory=True)
+            self._pinned_np = self._pinned.numpy()
+        elif self._copied is not None:
+            self._copied.synchronize()
+        return self._pinned_np[:size]
+
+    def _to_device(self, host: np.ndarray) -> torch.Tensor:
+        """Gives the filled host batch buffer on the model's device (one non-blocking copy)."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(host)
+        out = self._pinned[:host.shape[0]].to(self.device, non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()
+        return out
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copies whole blocks src -> dst on every layer (copy-on-write before a step writes)."""

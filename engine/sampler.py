@@ -91,7 +91,6 @@ class Sampler:
         """Gives the sampled tokens (and logprobs where any row asks) for `rows`."""
         logits = logits.float()
         raw = logits
-        dev = logits.device
         params = [r.params for r in rows]
         if any(r.banned_token_ids for r in rows):
             logits = logits.clone()
@@ -102,24 +101,28 @@ class Sampler:
                for p in params):
             logits = _apply_penalties(logits, rows)
         greedy = [p.greedy or p.beam_width > 1 for p in params]
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=dev)
-        greedy_mask = torch.tensor(greedy, device=dev)
         if all(greedy):
             token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = self._sample_random(logits, rows, greedy_mask)
+            token_ids = self._sample_random(logits, rows, greedy)
+        # one device-to-host copy per step: the only point where the host waits for the GPU
         out = SamplerOutput(token_ids=token_ids.tolist())
-        num_logprobs = max(r.num_logprobs for r in rows)
         if any(r.params.logprobs is not None or r.num_logprobs for r in rows):
-            self._add_logprobs(out, raw, token_ids, num_logprobs)
+            self._add_logprobs(out, raw, token_ids, max(r.num_logprobs for r in rows))
         return out
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow],
-                       greedy_mask: torch.Tensor) -> torch.Tensor:
+                       greedy: list[bool]) -> torch.Tensor:
         dev = logits.device
         params = [r.params for r in rows]
-        greedy_ids = logits.argmax(dim=-1)
-        temperature = torch.tensor([max(p.temperature, 1e-5) for p in params], device=dev)
+        greedy_logits = logits
+        temperatures = [max(p.temperature, 1e-5) for p in params]
+        if all(t == temperatures[0] for t in temperatures):
+            # one temperature (the common case): a device-side fill, no blocking host copy;
+            # the same float32 divisor as the per-row tensor, so the same quotients
+            temperature = torch.full((len(rows),), temperatures[0], device=dev)
+        else:
+            temperature = torch.tensor(temperatures, device=dev)
         logits = logits / temperature[:, None]
         if any(p.min_p > 0 for p in params):
             probs = logits.softmax(dim=-1)
@@ -131,15 +134,23 @@ class Sampler:
             top_p = torch.tensor([p.top_p for p in params], device=dev)
             logits = _apply_top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_()
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+        if len(unseeded) == len(rows):
+            # no seeded row: the one draw is the noise (same values as scattering it row by row)
+            noise = torch.empty(len(rows), probs.shape[1], device=dev).exponential_()
+        else:
+            noise = torch.empty_like(probs)
+            if unseeded:
+                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1],
+                                              device=dev).exponential_()
+            for i, r in enumerate(rows):
+                if r.generator is not None:
+                    noise[i].exponential_(generator=r.generator)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy_mask, greedy_ids, sampled)
+        if not any(greedy):
+            return sampled
+        greedy_ids = greedy_logits.argmax(dim=-1)
+        return torch.where(torch.tensor(greedy, device=dev), greedy_ids, sampled)
 
     def _add_logprobs(self, out: SamplerOutput, raw: torch.Tensor, token_ids: torch.Tensor,
                       num_logprobs: int) -> None:

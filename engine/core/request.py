@@ -45,6 +45,7 @@ class Sequence:
     stop_reason: int | str | None = None
     beam_candidates: list[tuple[float, int]] | None = None  # (logprob, token) awaiting selection
     generator: Any = None  # torch.Generator of a seeded request's branch
+    sched_key: tuple[int, float, int] | None = None  # the scheduler's order, set on first use
 
     @property
     def num_tokens(self) -> int:

@@ -56,8 +56,11 @@ class Scheduler:
 
     def _key(self, seq: Sequence) -> tuple[int, float, int]:
         """Gives the importance order: smaller is more important."""
-        priority = seq.request.priority if self.config.policy == "priority" else 0
-        return (priority, seq.request.arrival_time, seq.seq_id)
+        key = seq.sched_key  # fixed per sequence; every step sorts the running list by it
+        if key is None:
+            priority = seq.request.priority if self.config.policy == "priority" else 0
+            key = seq.sched_key = (priority, seq.request.arrival_time, seq.seq_id)
+        return key
 
     def never_fits(self, request: Request) -> str | None:
         """Gives why `request` can never be scheduled, or None when it can."""
@@ -108,14 +111,16 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         planned: dict[int, tuple[Sequence, int, list[tuple[int, int]]]] = {}
         out = SchedulerOutput()
-        order = sorted(self.running, key=lambda s: (not s.is_decode, self._key(s)))
+        key = self._key
+        order = sorted(self.running, key=lambda s: (not s.is_decode, key(s)))
+        running = SequenceStatus.RUNNING
         for seq in order:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.num_pending_tokens == 0:
+            num_new = len(seq.token_ids) - seq.num_computed_tokens
+            if seq.status is not running or num_new == 0:
                 continue  # preempted above, or a beam waiting for its siblings
-            num_new = seq.num_pending_tokens
-            if self._must_wait_whole(num_new, budget):
+            if not cfg.enable_chunked_prefill and self._must_wait_whole(num_new, budget):
                 continue
             num_new = min(num_new, budget)
             copies = self.kv.allocate_slots(seq, num_new)
