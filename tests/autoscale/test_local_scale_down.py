@@ -27,7 +27,7 @@ from kvpilot.operator.local.supervisor import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 KVPILOT = [sys.executable, "-m", "kvpilot.cli.main"]
-NUM_PROMPTS = 100
+NUM_PROMPTS = 120
 
 
 def engine_pids(up: subprocess.Popen) -> list[int]:
