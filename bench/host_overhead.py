@@ -150,6 +150,15 @@ def run_child(case: str, steps: int, pythonpath: Path | None) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def engine_rev() -> str:
+    """Gives the last commit touching engine/, with "+edits" when engine/ has uncommitted ones."""
+    rev = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h", "--", "engine"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", "engine"],
+                           check=False).returncode
+    return rev + ("+edits" if dirty else "")
+
+
 def rev_of(rev: str) -> str:
     return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], check=True,
                           capture_output=True, text=True).stdout.strip()
@@ -166,7 +175,9 @@ def markdown(result: dict) -> str:
              "CPU, 1 torch thread, tiny-qwen3, forward and LM head replaced by no-ops (fixed "
              f"logits {LOGITS_WIDTH} wide); prompts 500-900 tokens, block size 16. Medians of "
              f"{result['repeats']} alternating runs of {result['steps']} decode steps. "
-             f"Load average at start {result['load']}.", "",
+             f"Load average at start {result['load']}. The phase split comes from a separate "
+             "100-step pass with timers around each phase (later, longer sequences): it shows "
+             "where time goes, not totals.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for case, row in result["cases"].items():
         after = row["after"]
@@ -198,7 +209,7 @@ def main() -> None:
     result = {"machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
               "date": datetime.date.today().isoformat(), "steps": args.steps,
               "repeats": args.repeats, "load": round(os.getloadavg()[0], 2),
-              "after": f"{rev_of('HEAD')}+worktree", "baseline": None, "cases": {}}
+              "after": f"engine at {engine_rev()}", "baseline": None, "cases": {}}
     with tempfile.TemporaryDirectory() as tmp:
         base_path = None
         if args.baseline:
