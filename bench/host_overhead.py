@@ -55,6 +55,8 @@ def make_engine(num_seqs: int, stream_outputs: bool):
         model="tiny-qwen3", device="cpu", max_model_len=4096, max_num_seqs=max(num_seqs, 1),
         max_num_batched_tokens=16384, num_kv_blocks=num_seqs * 100 + 64))
     engine.stream_outputs = stream_outputs
+    if hasattr(engine, "freeze_gc_heap"):
+        engine.freeze_gc_heap()  # what from_engine_args does on CUDA (absent before 5918aac)
     runner = engine.runner
     hidden_size = runner.config.hidden_size
     gen = torch.Generator().manual_seed(0)
@@ -166,26 +168,27 @@ def rev_of(rev: str) -> str:
 
 def markdown(result: dict) -> str:
     base = result.get("baseline")
-    head = ["case", f"after ({result['after']}) µs/step"]
+    head = ["case", f"after ({result['after']}) µs/step, median / mean"]
     if base:
-        head += [f"before ({base}) µs/step", "before / after"]
+        head += [f"before ({base}) µs/step, median / mean", "before / after (mean)"]
     head.append("after: schedule / execute / sampler / other µs")
     lines = [f"# Engine host time per decode step, no model ({result['machine']}, "
              f"{result['date']})", "",
              "CPU, 1 torch thread, tiny-qwen3, forward and LM head replaced by no-ops (fixed "
              f"logits {LOGITS_WIDTH} wide); prompts 500-900 tokens, block size 16. Medians of "
-             f"{result['repeats']} alternating runs of {result['steps']} decode steps. "
+             f"{result['repeats']} alternating runs of {result['steps']} decode steps (the run "
+             "with the middle median); the mean counts the GC pauses a median hides. "
              f"Load average at start {result['load']}. The phase split comes from a separate "
              "100-step pass with timers around each phase (later, longer sequences): it shows "
              "where time goes, not totals.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for case, row in result["cases"].items():
         after = row["after"]
-        cells = [case, f"{after['median_us']:.0f}"]
+        cells = [case, f"{after['median_us']:.0f} / {after['mean_us']:.0f}"]
         if base:
             before = row["before"]
-            cells += [f"{before['median_us']:.0f}",
-                      f"{before['median_us'] / after['median_us']:.2f}x"]
+            cells += [f"{before['median_us']:.0f} / {before['mean_us']:.0f}",
+                      f"{before['mean_us'] / after['mean_us']:.2f}x"]
         p = after["phase_us"]
         cells.append(f"{p['schedule']:.0f} / {p['execute']:.0f} / {p['sampler']:.0f} / "
                      f"{p['other']:.0f}")
@@ -227,7 +230,8 @@ def main() -> None:
                     best = sorted(rs, key=lambda r: r["median_us"])[len(rs) // 2]
                     row[side] = {**best, "all_median_us": [r["median_us"] for r in rs]}
             result["cases"][case] = row
-            print(case, {k: round(v["median_us"]) for k, v in row.items()}, flush=True)
+            print(case, {k: (round(v["median_us"]), round(v["mean_us"])) for k, v in row.items()},
+                  flush=True)
     stem = args.out or f"host_overhead-cpu-{result['date']}"
     RESULTS.mkdir(exist_ok=True)
     assert not os.path.isabs(stem), "--out is a file stem under bench/results"
