@@ -242,8 +242,8 @@ class LLMEngine:
             if params.min_tokens and seq.num_output_tokens < params.min_tokens:
                 banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos))
             num_lp = 2 * params.beam_width if params.beam_width > 1 else (params.logprobs or 0)
-            rows.append(SamplingRow(params, seq.token_ids, seq.num_prompt_tokens, seq.generator,
-                                    banned, num_lp))
+            rows.append(SamplingRow(params, seq.token_ids, len(seq.request.prompt_token_ids),
+                                    seq.generator, banned, num_lp))
         row_ids = [r for _, r in to_sample]
         if row_ids != list(range(logits.shape[0])):
             # forks share a row, prompt-logprob rows are skipped: gather the rows that sample
