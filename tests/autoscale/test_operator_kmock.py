@@ -139,8 +139,10 @@ async def test_router_demand_scales_a_pool_from_zero(api, operator, client) -> N
 
 
 async def _scaled_from_zero(client: httpx.AsyncClient) -> dict[str, Any] | None:
+    # spec.replicas and the status are two patches: wait for both.
     pool = (await client.get(f"{POOLS}/zero-decode")).json()
-    return pool if pool["spec"]["replicas"] == 1 else None
+    decided = pool.get("status", {}).get("lastScaleDecision")
+    return pool if pool["spec"]["replicas"] == 1 and decided else None
 
 
 class _Prometheus(BaseHTTPRequestHandler):
