@@ -6,7 +6,7 @@ JSON; a BLOCK frame carries one KV block: its 8-byte hash, an 8-byte blake2b
 checksum of the data, then the data (every layer's K and V for the block).
 One block per frame keeps memory flat and lets a long prompt stream.
 
-Conversation (the decode side pulls; see docs/parts/router-disagg.md for why):
+Conversation (the decode side pulls; see the router section of docs/architecture.md for why):
 
     router -> decode agent : PULL {"remote": "host:port", "lease_id", "timeout"}
     decode -> prefill agent: FETCH {"lease_id"}

@@ -6,7 +6,7 @@ The operator also needs what a real API server adds: `metadata.uid`,
 `creationTimestamp`, `metadata.generateName`, a `status` subresource that ignores
 everything but `status`, HTTP 422 for a failed JSON-patch `test`, and cascading deletion
 through owner references. This module adds those and nothing else; see
-docs/parts/operator-reconcile.md for what it still does not prove (admission, schema
+the reconcile section of docs/architecture.md for what it still does not prove (admission, schema
 defaulting and validation, real controllers).
 """
 
