@@ -262,8 +262,11 @@ class LLMEngine:
             if out.logprobs is not None and request.params.logprobs is not None:
                 lp = out.logprobs[i]
                 k = request.params.logprobs
+                # logprobs=0 (or every row asking for 0): only the sampled token's logprob
+                top_ids = out.top_ids[i][:k] if out.top_ids is not None else []
+                top_lps = out.top_logprobs[i][:k] if out.top_logprobs is not None else []
                 lp_map = self.outputs.token_logprobs(out.token_ids[i], lp, out.ranks[i],
-                                                     out.top_ids[i][:k], out.top_logprobs[i][:k])
+                                                     top_ids, top_lps)
             self._append(seq, out.token_ids[i], lp, lp_map, now)
         for request in touched.values():
             if request.is_beam_search:

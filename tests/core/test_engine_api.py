@@ -149,6 +149,19 @@ def test_logprobs_and_prompt_logprobs(llm):
     assert all(PROMPT[i] in out.prompt_logprobs[i] for i in range(1, len(PROMPT)))
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_logprobs_zero_gives_only_the_sampled_token(llm, mixed):
+    """logprobs=0 asks for the chosen token's logprob and no alternatives (OpenAI's meaning),
+    alone in the batch or beside a request that wants alternatives."""
+    zero = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
+    three = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=3)
+    outs = llm.generate([PROMPT, PROMPT] if mixed else [PROMPT], [zero, three] if mixed else zero)
+    completion = outs[0].outputs[0]
+    assert [list(p) for p in completion.logprobs] == [[t] for t in completion.token_ids]
+    assert all(p[t].rank == 1 for t, p in zip(completion.token_ids, completion.logprobs,
+                                              strict=True))
+
+
 def test_text_prompts_and_outputs_in_order(llm):
     outs = llm.generate(["Hello there", "The quick brown fox"], GREEDY)
     assert [o.prompt for o in outs] == ["Hello there", "The quick brown fox"]
