@@ -17,6 +17,7 @@ import torch
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.core.beam_search import apply_selection, select_beams
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.kv_events import KVEventLog
 from kvpilot.engine.core.output_processor import OutputProcessor
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -309,6 +310,11 @@ class LLMEngine:
             lps.append(self.outputs.token_logprobs(token, lp, rank, ids, top))
 
     # ---- stats and seams ------------------------------------------------------------------
+
+    @property
+    def kv_events(self) -> KVEventLog:
+        """Gives the prefix cache's event log (blocks stored/evicted) that GET /kv_events reads."""
+        return self.kv.pool.events
 
     def get_stats(self) -> EngineStats:
         """Gives the gauges and counters the server exports."""

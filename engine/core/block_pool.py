@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvpilot.engine.core.kv_events import DEFAULT_CAPACITY, KVEventLog
+
 
 @dataclass
 class KVCacheBlock:
@@ -25,7 +27,8 @@ class KVCacheBlock:
 class BlockPool:
     """Hands out and takes back blocks; finds cached full blocks by their hash."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 event_capacity: int = DEFAULT_CAPACITY) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} is invalid: the KV cache needs at least "
                              "one block; raise kv_cache_memory or num_kv_blocks")
@@ -36,6 +39,8 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks)
         self.cached: dict[int, KVCacheBlock] = {}
+        # what the router polls (GET /kv_events): hashes cached and evicted, in order
+        self.events = KVEventLog(event_capacity)
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,11 +95,13 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        self.events.stored(block_hash)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                self.events.removed(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> None:
@@ -102,3 +109,4 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        self.events.cleared()

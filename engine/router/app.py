@@ -43,6 +43,7 @@ class Router:
         self.fleet = Fleet(discovery, self.index, eject_after=args.eject_after_failures,
                            eject_seconds=args.eject_seconds)
         self.hasher = hasher
+        self.fleet.poll_kv_events = hasher.tokenizer is not None
         self.metrics = RouterMetrics()
         self.fleet.on_eject = lambda instance: self.metrics.ejections.labels(instance.url).inc()
         self.weights = Weights(args.load_weight, args.kv_usage_weight, args.cache_weight)
@@ -250,11 +251,10 @@ def build_app(args: RouterArgs, discovery: Discovery | None = None,
         """Takes an engine's KV events: {"instance", "stored": [hash], "removed": [hash], "cleared"}."""
         event = await request.json()
         instance = str(event.get("instance", "")).rstrip("/")
-        if event.get("cleared"):
-            router.index.remove_instance(instance)
-        router.index.remove(instance, [int(h) for h in event.get("removed") or []])
         if instance in router.fleet.instances:
-            router.index.insert(instance, [int(h) for h in event.get("stored") or []])
+            router.index.apply_event(instance, event)
+        else:  # a departed instance: only forget, never add
+            router.index.apply_event(instance, {**event, "stored": []})
         return {"entries": len(router.index)}
 
     return app

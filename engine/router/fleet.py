@@ -19,6 +19,8 @@ from kvpilot.engine.router.prefix_index import PrefixIndex
 
 log = logging.getLogger("kvpilot.router")
 
+KV_EVENTS_TIMEOUT = 2.0  # seconds; a poll never holds a refresh longer than this
+
 
 @dataclass
 class Instance:
@@ -33,6 +35,7 @@ class Instance:
     # False until its /metrics first answers: a starting engine is not ready, not failing.
     ready: bool = False
     health: Health = field(default_factory=Health)
+    kv_events_next: int = 0  # the `since` of the next GET /kv_events
 
     def view(self, cached_blocks: int = 0) -> InstanceView:
         return InstanceView(self.url, self.waiting, self.in_flight, self.kv_usage, cached_blocks)
@@ -60,6 +63,9 @@ class Fleet:
         self.instances: dict[str, Instance] = {}
         self.changed = asyncio.Event()  # set whenever instances appear or come back
         self.on_eject: Callable[[Instance], None] = lambda instance: None
+        # Poll engines' GET /kv_events only when the router hashes prompts as the engines do
+        # (a tokenizer): otherwise their hashes never match and would only churn the index.
+        self.poll_kv_events = False
 
     def update(self, pairs: list[tuple[str, str]]) -> None:
         """Adds new instances and drops (and forgets the cache of) vanished ones."""
@@ -102,7 +108,7 @@ class Fleet:
         return ejected
 
     async def refresh(self, client: httpx.AsyncClient) -> None:
-        """Re-reads discovery, then scrapes every instance's /metrics concurrently."""
+        """Re-reads discovery, then scrapes every instance's /metrics (and KV events) concurrently."""
         try:
             self.update(await self.discovery.list())
         except (httpx.HTTPError, OSError, ValueError) as exc:
@@ -126,3 +132,28 @@ class Fleet:
             self.changed.set()
         if not was_available and instance.health.available(time.monotonic()):
             self.changed.set()
+        if self.poll_kv_events:
+            await self._poll_kv_events(client, instance)
+
+    async def _poll_kv_events(self, client: httpx.AsyncClient, instance: Instance) -> None:
+        """Applies the instance's new KV events to the prefix index; failures only log.
+
+        The engine bounds an answer to its ring (65,536 events); a gap arrives as a
+        `cleared` event, which resets the instance's entries.
+        """
+        try:
+            response = await client.get(f"{instance.url}/kv_events",
+                                        params={"since": instance.kv_events_next},
+                                        timeout=KV_EVENTS_TIMEOUT)
+            response.raise_for_status()
+            body = response.json()
+            events, next_seq = body["events"], int(body["next"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            # An engine without events (404) or a slow one is not unhealthy: /metrics says that.
+            log.debug("GET %s/kv_events failed: %r", instance.url, exc)
+            return
+        if self.instances.get(instance.url) is not instance:
+            return  # it left (or changed role) while we waited
+        for event in events:
+            self.index.apply_event(instance.url, event)
+        instance.kv_events_next = next_seq

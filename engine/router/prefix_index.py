@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 # What one entry costs in CPython (OrderedDict node + key tuple + two ints),
 # measured with tracemalloc (about 215 bytes with dict slack) in tests/router/test_prefix_index.py.
@@ -62,6 +63,17 @@ class PrefixIndex:
         for key in [key for key in self._entries if key[0] == instance]:
             del self._entries[key]
         self._per_instance.pop(instance, None)
+
+    def apply_event(self, instance: str, event: dict[str, Any]) -> None:
+        """Applies one KV event of `instance`: {"cleared": bool, "removed": [h], "stored": [h]}.
+
+        `cleared` comes first (the engine forgot everything, or the reader fell behind
+        its event ring), then removals, then stores, as in `POST /kv_events`.
+        """
+        if event.get("cleared"):
+            self.remove_instance(instance)
+        self.remove(instance, [int(h) for h in event.get("removed") or []])
+        self.insert(instance, [int(h) for h in event.get("stored") or []])
 
     def match(self, instance: str, block_hashes: Sequence[int]) -> int:
         """Gives how many leading blocks of the prompt the instance holds (and touches them)."""

@@ -101,6 +101,19 @@ def build_app(engine: Any, model_name: str, max_queue_len: int = 1024,
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/kv_events")
+    async def kv_events(since: int = 0) -> Response:
+        """Gives the prefix cache's events since `since`: {"next": M, "events": [...]}.
+
+        The router polls this with `since` = the last answer's `next`. The log is read
+        without the engine lock (see `kvpilot.engine.core.kv_events`).
+        """
+        log = getattr(engine, "kv_events", None)
+        if log is None:
+            return JSONResponse({"error": {"message": "this engine publishes no KV events"}},
+                                status_code=404)
+        return JSONResponse(log.read(since))
+
     @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(check_api_key)],
              responses=ERRORS)
     async def models() -> ModelList:

@@ -19,6 +19,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvpilot.engine.core.kv_events import KVEventLog
+
 
 @dataclass
 class FakeEngine:
@@ -33,6 +35,7 @@ class FakeEngine:
     stream_delay: float = 0.0
     metrics_up: bool = True  # False: /metrics answers 503, as an engine still loading
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    kv_events: KVEventLog = field(default_factory=lambda: KVEventLog(1024))  # GET /kv_events
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -66,6 +69,10 @@ class FakeEngine:
                     f'vllm:kv_cache_usage_perc{{model_name="tiny"}} {self.kv_usage}\n'
                     f'vllm:num_requests_running{{model_name="tiny"}} 0.0\n')
             return Response(text, media_type="text/plain")
+
+        @app.get("/kv_events")
+        async def kv_events(since: int = 0) -> dict[str, Any]:
+            return self.kv_events.read(since)
 
         return app
 
