@@ -80,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         from kvpilot.operator.autoscale.sim.plot import draw
 
-        draw(trace, args.png, f"{args.trace}: {args.models} model(s), peak {args.peak_rps:g} rps")
+        try:
+            draw(trace, args.png,
+                 f"{args.trace}: {args.models} model(s), peak {args.peak_rps:g} rps")
+        except RuntimeError as exc:
+            print(f"kvpilot sim: error: --png: {exc}", file=sys.stderr)
+            return 2
     return 0
 

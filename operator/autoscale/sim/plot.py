@@ -17,7 +17,11 @@ def _bins(ticks: int) -> int:
 
 def draw(trace: SimTrace, path: str | Path, title: str = "") -> Path:
     """Writes the run's load (requests/s) and prefill/decode replicas to `path`; gives it."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise RuntimeError("drawing the simulation needs matplotlib: "
+                           "pip install 'kvpilot[sim]' (or drop --png)") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
