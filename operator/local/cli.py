@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         supervisor.wait_ready(args.timeout, {"router": "/ready"}, stop.is_set)
         endpoint = f"{router.url}/v1"
         if args.once:
+            print(f"kvpilot up: serving {model} at {endpoint}; POST /chat/completions "
+                  f"{ONCE_PROMPT!r}", file=sys.stderr, flush=True)
             print(_once(router.url, model), flush=True)
             return 0
         print(f"kvpilot up: serving {model} at {endpoint} (Ctrl-C stops)", flush=True)
