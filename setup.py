@@ -15,7 +15,7 @@ ROOTS = {
     "kernels": "kvpilot.kernels",
     "cli": "kvpilot.cli",
 }
-DATA = ["*.json", "*.yaml", "*.jinja", "*.txt", "*.lua"]
+DATA = ["*.json"]  # the bundled tokenizer and the simulator's calibration
 
 
 def _packages() -> tuple[list[str], dict[str, str]]:
