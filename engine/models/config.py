@@ -83,7 +83,6 @@ class ModelConfig:
                 f"max_model_len={max_model_len} exceeds the model's limit {model_limit} "
                 "(max_position_embeddings, or sliding_window when set): pass a smaller "
                 "--max-model-len")
-        eos = hf.get("eos_token_id")
         is_moe = architecture == "MixtralForCausalLM"
         return cls(
             architecture=architecture,
@@ -102,7 +101,7 @@ class ModelConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", True),
             num_experts=hf.get("num_local_experts", 0) if is_moe else 0,
             num_experts_per_tok=hf.get("num_experts_per_tok", 0) if is_moe else 0,
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            eos_token_ids=_as_list(hf.get("eos_token_id")),
             bos_token_id=hf.get("bos_token_id"),
             dtype=dtype,
             max_model_len=max_model_len or model_limit,
