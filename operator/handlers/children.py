@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from kvpilot.operator.handlers.events import record
 from kvpilot.operator.handlers.kube import Kube
 
 
@@ -44,3 +45,22 @@ async def prune(kube: Kube, kinds: Iterable[tuple[str, str]], namespace: str,
             if await kube.delete(api_version, kind, namespace, name):
                 deleted.append(f"{kind}/{name} deleted")
     return deleted
+
+
+async def sync_children(kube: Kube, owner: Mapping[str, Any], objects: Sequence[Mapping[str, Any]],
+                        kinds: Iterable[tuple[str, str]], labels: Mapping[str, str], *,
+                        prune_stale: bool,
+                        keep: Mapping[str, Iterable[tuple[str, ...]]] | None = None,
+                        ) -> list[dict[str, Any]]:
+    """Gives `objects` as the server holds them after applying them, deleting `owner`'s stale
+    children of `kinds` (when `prune_stale`) and posting one Reconciled event listing the changes.
+
+    API errors propagate: the caller decides between retrying and rejecting.
+    """
+    meta = owner["metadata"]
+    changes, current = await apply_all(kube, objects, keep=keep)
+    if prune_stale:
+        changes += await prune(kube, kinds, meta["namespace"], labels, meta["uid"], objects)
+    if changes:
+        await record(kube, owner, "Reconciled", "; ".join(changes))
+    return current

@@ -9,8 +9,7 @@ import aiohttp
 import kopf
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
-from kvpilot.operator.handlers.children import apply_all, prune
-from kvpilot.operator.handlers.events import record
+from kvpilot.operator.handlers.children import sync_children
 from kvpilot.operator.handlers.kube import Kube, KubeError
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.render.children import pool_name, pool_specs, render_children
@@ -79,15 +78,12 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     autoscaled = {pool_name(name, POOL_ROLES[kind]): [("spec", "replicas")]
                   for kind, pool in pool_specs(parsed, name) if pool.autoscaling is not None}
     try:
-        changes, stored = await apply_all(kube, children, keep=autoscaled)
-        if reason != "create":  # a new object has nothing stale to remove
-            changes += await prune(kube, OWNED_KINDS, namespace, {MODEL_LABEL: name}, meta["uid"],
-                                   children)
+        # A new object has nothing stale to remove.
+        stored = await sync_children(kube, im, children, OWNED_KINDS, {MODEL_LABEL: name},
+                                     prune_stale=reason != "create", keep=autoscaled)
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
         await reject_apply_error(exc, kube, im, patch, status, now)
         return
-    if changes:
-        await record(kube, im, "Reconciled", "; ".join(changes))
     counts = pool_counts(parsed, name, stored)
     endpoint = endpoint_url(name, namespace) if parsed.router.replicas > 0 else None
     pools = [o for o in stored if o.get("kind") in POOL_ROLES]

@@ -9,8 +9,7 @@ import kopf
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import DecodePoolSpec, PoolSpec, PrefillPoolSpec
-from kvpilot.operator.handlers.children import apply_all, prune
-from kvpilot.operator.handlers.events import record
+from kvpilot.operator.handlers.children import sync_children
 from kvpilot.operator.handlers.indexes import first
 from kvpilot.operator.handlers.kube import Kube, KubeError
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
@@ -71,17 +70,14 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
     except ValueError as exc:
         await reject(kube, pool, patch, status, "InvalidSpec", describe_error(exc), now)
         return
+    kinds = [*workload_kinds(config), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
     try:
-        changes, current = await apply_all(kube, objects)
-        if reason != "create":  # scale-down of multi-node groups, or a single/multi-node switch
-            kinds = [*workload_kinds(config), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
-            changes += await prune(kube, kinds, namespace, {POOL_LABEL: meta["name"]}, meta["uid"],
-                                   objects)
+        # Pruning covers scale-down of multi-node groups and a single/multi-node switch.
+        current = await sync_children(kube, pool, objects, kinds, {POOL_LABEL: meta["name"]},
+                                      prune_stale=reason != "create")
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
         await reject_apply_error(exc, kube, pool, patch, status, now)
         return
-    if changes:
-        await record(kube, pool, "Reconciled", "; ".join(changes))
     workloads = {kind for _, kind in workload_kinds(config)}
     ready = workload_ready([o for o in current if o.get("kind") in workloads])
     role = getattr(parsed, "role", "both")
