@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -76,4 +76,3 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens computed (hits excluded)
     generation_tokens: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
