@@ -155,12 +155,13 @@ async def router_demand(router_urls: Sequence[str], role: str, timeout_s: float 
 
 
 PROMQL = {
-    "kv": 'avg(vllm:kv_cache_usage_perc{{namespace="{ns}",{sel}}})',
-    "waiting": 'sum(vllm:num_requests_waiting{{namespace="{ns}",{sel}}})',
-    "running": 'sum(vllm:num_requests_running{{namespace="{ns}",{sel}}})',
-    "tokens": 'sum(kvpilot_num_waiting_prompt_tokens{{namespace="{ns}",{sel}}})',
-    "pods": 'count(vllm:num_requests_running{{namespace="{ns}",{sel}}})',
+    "kv": ("avg", names.KV_CACHE_USAGE_PERC),
+    "waiting": ("sum", names.NUM_REQUESTS_WAITING),
+    "running": ("sum", names.NUM_REQUESTS_RUNNING),
+    "tokens": ("sum", names.NUM_WAITING_PROMPT_TOKENS),
+    "pods": ("count", names.NUM_REQUESTS_RUNNING),
 }
+"""Each PoolMetrics field's (aggregation, metric) over the pool's pods."""
 
 
 async def prometheus_metrics(base_url: str, namespace: str, pod_selector: str, now: float,
@@ -174,8 +175,8 @@ async def prometheus_metrics(base_url: str, namespace: str, pod_selector: str, n
     http = client or httpx.AsyncClient(timeout=timeout_s)
     try:
         values: dict[str, float | None] = {}
-        for key, template in PROMQL.items():
-            query = template.format(ns=namespace, sel=pod_selector)
+        for key, (aggregation, metric) in PROMQL.items():
+            query = f'{aggregation}({metric}{{namespace="{namespace}",{pod_selector}}})'
             response = await http.get(f"{base_url.rstrip('/')}/api/v1/query",
                                       params={"query": query})
             response.raise_for_status()
