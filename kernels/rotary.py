@@ -51,6 +51,13 @@ def _rotary_kernel(
             IS_NEOX)
 
 
+def supports_rotary_dim(rotary_dim: int) -> bool:
+    """Gives whether the kernel can rotate this many dims: half of them tile with tl.arange,
+    which needs a power of two (every common rotary_dim, 32..256, is one)."""
+    half = rotary_dim // 2
+    return half > 0 and half & (half - 1) == 0
+
+
 def rotary_embedding(
     positions: torch.Tensor,  # [T] int
     q: torch.Tensor,  # [T, num_heads, head_dim]
@@ -61,8 +68,7 @@ def rotary_embedding(
     """Gives (q, k) rotated in place by each token's position."""
     rotary_dim = cos_sin_cache.shape[1]
     half = rotary_dim // 2
-    # tl.arange needs a power of two; every common rotary_dim (32..256) is one
-    assert half == triton.next_power_of_2(half), f"rotary_dim={rotary_dim} must be 2 * 2^n"
+    assert supports_rotary_dim(rotary_dim), f"rotary_dim={rotary_dim} must be 2 * 2^n"
     assert q.stride(2) == 1 and k.stride(2) == 1, "q and k need a dense head_dim"
     if positions.shape[0]:
         _rotary_kernel[(positions.shape[0],)](

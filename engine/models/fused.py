@@ -13,23 +13,18 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
     gives the names of the seams it swapped."""
     from kvpilot.kernels.activation import silu_and_mul
     from kvpilot.kernels.rmsnorm import rms_norm
-    from kvpilot.kernels.rotary import rotary_embedding
+    from kvpilot.kernels.rotary import rotary_embedding, supports_rotary_dim
 
     swapped: set[str] = set()
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernel = rms_norm
             swapped.add("rms_norm")
-        elif isinstance(module, RotaryEmbedding) and _is_power_of_two(
-                module.cos_sin.shape[1] // 2):
-            # the kernel tiles half a head with tl.arange, which needs a power of two
+        elif isinstance(module, RotaryEmbedding) and supports_rotary_dim(
+                module.cos_sin.shape[1]):
             module.kernel = rotary_embedding
             swapped.add("rotary")
         elif hasattr(module, "act"):
             module.act = silu_and_mul
             swapped.add("silu_and_mul")
     return sorted(swapped)
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
