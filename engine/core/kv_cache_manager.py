@@ -26,10 +26,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.block_tables: dict[int, list[KVCacheBlock]] = {}
-        # seq_id -> the same table as block ids, kept in step with block_tables so each step
-        # reads ids without walking every block of every sequence
-        self._block_ids: dict[int, list[int]] = {}
-        self._id_arrays: dict[int, np.ndarray] = {}  # numpy copies, dropped when a table changes
+        # seq_id -> the table's block ids as numpy, built on a step's first read and dropped
+        # when the table changes, so steady decode steps never walk a sequence's blocks
+        self._id_arrays: dict[int, np.ndarray] = {}
         self._num_hashed_blocks: dict[int, int] = {}  # full blocks already in the hash map
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -44,14 +43,13 @@ class KVCacheManager:
 
     def block_ids(self, seq: Sequence) -> list[int]:
         """Gives the block ids of `seq`'s table, in position order (a copy)."""
-        return list(self._block_ids.get(seq.seq_id, ()))
+        return [b.block_id for b in self.block_tables.get(seq.seq_id, ())]
 
     def block_id_array(self, seq: Sequence) -> np.ndarray:
         """Gives `seq`'s block ids as an int64 array; cached between steps, do not modify."""
         arr = self._id_arrays.get(seq.seq_id)
         if arr is None:
-            arr = self._id_arrays[seq.seq_id] = np.array(self._block_ids.get(seq.seq_id, ()),
-                                                         dtype=np.int64)
+            arr = self._id_arrays[seq.seq_id] = np.array(self.block_ids(seq), dtype=np.int64)
         return arr
 
     def num_blocks_needed(self, num_tokens: int) -> int:
@@ -101,8 +99,6 @@ class KVCacheManager:
         computed = computed or []
         if table is None:
             table = self.block_tables[seq.seq_id] = []
-            self._block_ids[seq.seq_id] = []
-        ids = self._block_ids[seq.seq_id]
         self._id_arrays.pop(seq.seq_id, None)
         num_hit_tokens = len(computed) * self.block_size
         start = seq.num_computed_tokens + num_hit_tokens
@@ -113,13 +109,11 @@ class KVCacheManager:
         if max(num_new_blocks, 0) + int(cow) + num_revived > self.pool.num_free_blocks:
             if not table:
                 del self.block_tables[seq.seq_id]
-                del self._block_ids[seq.seq_id]
             return None
         copies: list[tuple[int, int]] = []
         if computed:
             self.pool.touch(computed)
             table.extend(computed)
-            ids.extend(b.block_id for b in computed)
             seq.num_computed_tokens = num_hit_tokens
             self._num_hashed_blocks[seq.seq_id] = len(computed)
         if cow:
@@ -127,11 +121,8 @@ class KVCacheManager:
             copies.append((table[first].block_id, fresh.block_id))
             self.pool.free([table[first]])
             table[first] = fresh
-            ids[first] = fresh.block_id
         if num_new_blocks > 0:
-            fresh_blocks = self.pool.allocate(num_new_blocks)
-            table.extend(fresh_blocks)
-            ids.extend(b.block_id for b in fresh_blocks)
+            table.extend(self.pool.allocate(num_new_blocks))
         return copies
 
     def record_prefix_lookup(self, seq: Sequence, num_hit_tokens: int) -> None:
@@ -162,13 +153,11 @@ class KVCacheManager:
             return  # a waiting parent owns no blocks yet
         self.pool.touch(table)
         self.block_tables[child.seq_id] = list(table)
-        self._block_ids[child.seq_id] = list(self._block_ids[parent.seq_id])
         self._num_hashed_blocks[child.seq_id] = self._num_hashed_blocks.get(parent.seq_id, 0)
 
     def free(self, seq: Sequence) -> None:
         """Releases `seq`'s blocks, tail first so the prefix stays cached longest."""
         table = self.block_tables.pop(seq.seq_id, [])
-        self._block_ids.pop(seq.seq_id, None)
         self._id_arrays.pop(seq.seq_id, None)
         self._num_hashed_blocks.pop(seq.seq_id, None)
         self.pool.free(table[::-1])
