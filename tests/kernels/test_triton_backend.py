@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from helpers.paged import BlockAllocation
 from kernel_testing import DEVICE, DTYPES, rel_err, tolerance
 
-from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
 from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
 
 
-def make_step(query_lens, prefix_lens, block_size, num_blocks, gen):
-    """Gives the metadata of one step whose sequences own disjoint shuffled blocks."""
+def make_step(query_lens, prefix_lens, block_size, seed):
+    """Gives (allocation, metadata on DEVICE) of one step over shuffled blocks; the leading
+    query_len-1 rows are marked as decodes."""
     seq_lens = [q + p for q, p in zip(query_lens, prefix_lens, strict=True)]
-    width = max(-(-n // block_size) for n in seq_lens)
-    order = torch.randperm(num_blocks, generator=gen)
-    tables = order[: len(seq_lens) * width].view(len(seq_lens), width).int()
-    slots, starts = [], [0]
-    for i, (q, p) in enumerate(zip(query_lens, prefix_lens, strict=True)):
-        pos = torch.arange(p, p + q)
-        slots.append(tables[i, pos // block_size].long() * block_size + pos % block_size)
-        starts.append(starts[-1] + q)
+    alloc = BlockAllocation.shuffled(seq_lens, block_size, seed=seed)
+    meta = alloc.step(seq_lens, query_lens)
     decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
-    return AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(DEVICE),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=tables.to(DEVICE), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), num_decode_tokens=decodes,
-        query_lens_cpu=list(query_lens), seq_lens_cpu=seq_lens)
+    on_device = {name: getattr(meta, name).to(DEVICE)
+                 for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")}
+    return alloc, replace(meta, num_decode_tokens=decodes, **on_device)
 
 
 # (query_lens, prefix_lens, heads, kv_heads, head_dim, block_size): decodes first
@@ -47,14 +40,13 @@ CASES = [
 def test_triton_backend_matches_torch_backend(query_lens, prefix_lens, heads, kv_heads,
                                               head_dim, block_size, dtype):
     gen = torch.Generator().manual_seed(sum(query_lens) + head_dim)
-    num_blocks = 64
-    meta = make_step(query_lens, prefix_lens, block_size, num_blocks, gen)
+    alloc, meta = make_step(query_lens, prefix_lens, block_size, seed=sum(query_lens) + head_dim)
     total = sum(query_lens)
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
 
-    cache = rand(2, num_blocks, block_size, kv_heads, head_dim)
+    cache = rand(2, alloc.num_blocks, block_size, kv_heads, head_dim)
     q, k, v = rand(total, heads, head_dim), rand(total, kv_heads, head_dim), rand(
         total, kv_heads, head_dim)
     cache_ref = cache.clone()
