@@ -209,10 +209,11 @@ class LLMEngine:
         return results
 
     def _branches(self, seq: Sequence, row: int) -> list[tuple[Sequence, int]]:
-        """Gives the sequences sampling from logits row `row`: forks n > 1 on the first one."""
+        """Gives the n sequences sampling from logits row `row`, forking the n - 1 new ones.
+
+        Called once per n > 1 request, when its prompt is done (step() checks `forked`).
+        """
         request = seq.request
-        if request.forked or request.params.n == 1 or request.is_beam_search:
-            return [(seq, row)]
         request.forked = True
         out = [(seq, row)]
         for index in range(1, request.params.n):
