@@ -18,6 +18,8 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# With --kv-transfer-port 0 an engine's KV agent listens on its HTTP port plus this.
+KV_PORT_OFFSET = 1000
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
@@ -76,7 +78,7 @@ class EngineArgs:
     role: str = field(default="both", metadata={"choices": ROLES,
         "help": "both: aggregated; prefill/decode: disaggregated roles"})
     kv_transfer_port: int = field(default=0, metadata={
-        "help": "TCP port of the KV-transfer listener (0: the server port + 1000)"})
+        "help": f"TCP port of the KV-transfer listener (0: the server port + {KV_PORT_OFFSET})"})
 
     def __post_init__(self) -> None:
         for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),

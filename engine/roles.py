@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from kvpilot.engine.args import KV_PORT_OFFSET
 from kvpilot.engine.kv_transfer.connector import KVConnector
 from kvpilot.engine.outputs import RequestOutput
 
@@ -64,8 +65,8 @@ class RoleEngine:
 
 
 def kv_port(engine_args: Any, http_port: int) -> int:
-    """Gives the KV agent's port: --kv-transfer-port, else the HTTP port + 1000."""
-    return engine_args.kv_transfer_port or http_port + 1000
+    """Gives the KV agent's port: --kv-transfer-port, else the HTTP port + KV_PORT_OFFSET."""
+    return engine_args.kv_transfer_port or http_port + KV_PORT_OFFSET
 
 
 def attach_role(engine: Any, host: str, http_port: int) -> Any:

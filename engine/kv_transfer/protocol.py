@@ -28,6 +28,8 @@ import struct
 from enum import IntEnum
 from typing import Any
 
+from kvpilot.engine.args import KV_PORT_OFFSET
+
 MAGIC = b"KVP1"
 HEADER = struct.Struct("<4sBQ")
 BLOCK_HEAD = struct.Struct("<Q8s")
@@ -110,7 +112,8 @@ def decode_block(payload: bytes) -> tuple[int, memoryview]:
     return block_hash, data
 
 
-def kv_address(engine_url: str, kv_port: int = 0, offset: int = 1000) -> tuple[str, int]:
+def kv_address(engine_url: str, kv_port: int = 0,
+               offset: int = KV_PORT_OFFSET) -> tuple[str, int]:
     """Gives the (host, port) of an engine's KV agent: `kv_port`, else its HTTP port + offset
     (the engine's `--kv-transfer-port 0` default)."""
     rest = engine_url.split("://", 1)[-1].split("/", 1)[0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpilot.engine.args import ROLES, _to_cli
+from kvpilot.engine.args import KV_PORT_OFFSET, ROLES, _to_cli
 
 POLICIES = ("round-robin", "least-load", "prefix-aware")
 DISCOVERIES = ("static", "kubernetes")
@@ -74,7 +74,7 @@ class RouterArgs:
         "help": "how long an instance stays ejected (doubles on repeat, at most 8x)"})
     hold_timeout: float = field(default=30.0, metadata={
         "help": "seconds a request waits for a ready instance (scale from zero) before 503"})
-    kv_port_offset: int = field(default=1000, metadata={
+    kv_port_offset: int = field(default=KV_PORT_OFFSET, metadata={
         "help": "disaggregated: an engine's KV agent listens on its HTTP port plus this "
                 "(the engines' --kv-transfer-port 0 default)"})
     transfer_timeout: float = field(default=10.0, metadata={
