@@ -9,6 +9,7 @@ tensors of a step are built once and reused by every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch.nn import functional as F
@@ -91,7 +92,6 @@ class TorchAttentionBackend:
         batch = group.mask.shape[0]
         return tokens.view(batch, -1, *cache.shape[2:]).transpose(1, 2)
 
-
     def _plan_for(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
         """Gives the step plan of `meta`, building it on the first layer of the step."""
         if self._plan is None or self._plan[0] is not meta:
@@ -108,7 +108,7 @@ MIN_DECODE_GROUP = 8
 def _build_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
     query_lens = meta.query_lens_cpu or meta.query_start_loc.diff().tolist()
     seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
-    starts = _cumsum(query_lens)
+    starts = [0, *accumulate(query_lens)]  # first query row of each sequence
     prefills = [(i, starts[i], n) for i, n in enumerate(query_lens) if n > 1]
     decodes = sorted((i for i, n in enumerate(query_lens) if n == 1), key=seq_lens.__getitem__)
     num_groups = min(MAX_DECODE_GROUPS, -(-len(decodes) // MIN_DECODE_GROUP))
@@ -169,11 +169,3 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
         q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
-
-
-def _cumsum(lengths: list[int]) -> list[int]:
-    starts, total = [], 0
-    for n in lengths:
-        starts.append(total)
-        total += n
-    return starts
