@@ -123,11 +123,6 @@ class Request:
         return self.params.beam_width > 1
 
     @property
-    def num_branches(self) -> int:
-        """Gives how many sequences the request runs once forked."""
-        return self.params.beam_width if self.is_beam_search else self.params.n
-
-    @property
     def finished(self) -> bool:
         return all(seq.finished for seq in self.seqs)
 
