@@ -30,9 +30,11 @@ class PoolCounts:
         return f"{self.ready}/{self.desired}"
 
 
-def now_rfc3339() -> str:
-    """Gives the current UTC time in the RFC 3339 form conditions use."""
-    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def now_rfc3339(at: float | None = None) -> str:
+    """Gives the UTC time `at` (epoch seconds; now when None) in the RFC 3339 form conditions use."""
+    moment = datetime.datetime.now(tz=datetime.UTC) if at is None else \
+        datetime.datetime.fromtimestamp(at, datetime.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def condition(kind: str, status: bool | None, reason: str, message: str,

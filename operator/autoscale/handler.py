@@ -15,7 +15,6 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any
 
 import kopf
@@ -40,6 +39,7 @@ from kvpilot.operator.autoscale.spec import PolicySpec, from_api
 from kvpilot.operator.handlers.kube import Kube, KubeError
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, POOL_LABEL
 from kvpilot.operator.render.router import router_labels
+from kvpilot.operator.status import now_rfc3339
 
 GROUP, VERSION = GROUP_VERSION.split("/")
 PROMETHEUS_ENV = "KVPILOT_PROMETHEUS_URL"
@@ -134,7 +134,6 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     namespace, name = meta["namespace"], meta["name"]
     current = int(spec.get("replicas", 1))
 
-    pods = await kube.list("v1", "Pod", namespace, {POOL_LABEL: name})
     demand = 0
     if current == 0:
         owner = (meta.get("labels") or {}).get(MODEL_LABEL) or spec.get("modelRef") or name
@@ -146,8 +145,10 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
         # Deployment pods are named <pool>-<hash>-<id>: the pool's name is their prefix.
         found = await prometheus_metrics(prometheus, namespace, f'pod=~"{name}-.*"', now)
         samples: dict[str, PodSample] = {}
+        pods: list[dict[str, Any]] = []  # without samples there are no deletion costs to set
         metrics = replace(found, demand=demand) if found else PoolMetrics(now, 0, demand=demand)
     else:
+        pods = await kube.list("v1", "Pod", namespace, {POOL_LABEL: name})
         samples = await scrape(metrics_targets(pods), SCRAPE_TIMEOUT_S)
         metrics = pool_metrics(samples, runtime.samples, now, demand)
     runtime.samples = samples
@@ -184,8 +185,7 @@ async def _decide_and_report(body: kopf.Body, d: Decision, current: int, desired
                                or hold_key == runtime.last_hold):
         return None
     runtime.last_hold = hold_key
-    stamp = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    decision = {"time": stamp, "pool": name, "fromReplicas": current, "toReplicas": desired,
+    decision = {"time": now_rfc3339(now), "pool": name, "fromReplicas": current, "toReplicas": desired,
                 "reason": hold[:1000]}
     patch.status["lastScaleDecision"] = decision
     if desired == current:
