@@ -124,24 +124,24 @@ def kv_address(engine_url: str, kv_port: int = 0,
 async def request_pull(decode_agent: tuple[str, int], remote: tuple[str, int], lease_id: str,
                        timeout: float) -> dict[str, Any]:
     """Asks a decode agent to pull a lease from a prefill agent; gives its DONE message."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(*decode_agent), timeout)
-    try:
-        writer.write(encode(Frame.PULL, {"remote": f"{remote[0]}:{remote[1]}",
-                                         "lease_id": lease_id, "timeout": timeout}))
-        await writer.drain()
-        _, message = await asyncio.wait_for(expect(reader, Frame.DONE), timeout)
-        return message
-    finally:
-        writer.close()
+    return await _ask(decode_agent, Frame.PULL, {"remote": f"{remote[0]}:{remote[1]}",
+                                                 "lease_id": lease_id, "timeout": timeout},
+                      Frame.DONE, timeout)
 
 
 async def request_stats(agent: tuple[str, int], timeout: float = 5.0) -> dict[str, Any]:
     """Gives an agent's lease and block counts (STATS)."""
+    return await _ask(agent, Frame.STATS, {}, Frame.STATS, timeout)
+
+
+async def _ask(agent: tuple[str, int], kind: Frame, message: dict[str, Any], reply: Frame,
+               timeout: float) -> dict[str, Any]:
+    """Gives the agent's `reply` to one control frame, each step bounded by `timeout`."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(*agent), timeout)
     try:
-        writer.write(encode(Frame.STATS))
+        writer.write(encode(kind, message))
         await writer.drain()
-        _, message = await asyncio.wait_for(expect(reader, Frame.STATS), timeout)
-        return message
+        _, answer = await asyncio.wait_for(expect(reader, reply), timeout)
+        return answer
     finally:
         writer.close()
