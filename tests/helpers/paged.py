@@ -44,9 +44,11 @@ class BlockAllocation:
         shape = (2, self.num_blocks, self.block_size, num_kv_heads, head_dim)
         return [torch.full(shape, float("nan"), dtype=dtype) for _ in range(num_layers)]
 
-    def step(self, seq_lens: list[int], query_lens: list[int]) -> AttentionMetadata:
-        """Gives the metadata of one step: sequence i adds positions
-        [seq_lens[i] - query_lens[i], seq_lens[i])."""
+    def step(self, seq_lens: list[int], query_lens: list[int],
+             device: torch.device | str = "cpu") -> AttentionMetadata:
+        """Gives the metadata of one step on `device`: sequence i adds positions
+        [seq_lens[i] - query_lens[i], seq_lens[i]); the leading query_len-1 rows count as
+        decodes, as the model runner orders them."""
         slots, starts = [], [0]
         for i, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
             for pos in range(seq_len - q_len, seq_len):
@@ -54,13 +56,14 @@ class BlockAllocation:
                 slots.append(block * self.block_size + pos % self.block_size)
             starts.append(starts[-1] + q_len)
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=self.block_tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=self.block_tables.to(device),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
-            num_decode_tokens=0,
+            num_decode_tokens=next(
+                (i for i, q in enumerate(query_lens) if q != 1), len(query_lens)),
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
         )

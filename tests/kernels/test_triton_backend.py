@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from helpers.paged import BlockAllocation
@@ -14,15 +12,10 @@ from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
 
 
 def make_step(query_lens, prefix_lens, block_size, seed):
-    """Gives (allocation, metadata on DEVICE) of one step over shuffled blocks; the leading
-    query_len-1 rows are marked as decodes."""
+    """Gives (allocation, metadata on DEVICE) of one step over shuffled blocks."""
     seq_lens = [q + p for q, p in zip(query_lens, prefix_lens, strict=True)]
     alloc = BlockAllocation.shuffled(seq_lens, block_size, seed=seed)
-    meta = alloc.step(seq_lens, query_lens)
-    decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
-    on_device = {name: getattr(meta, name).to(DEVICE)
-                 for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")}
-    return alloc, replace(meta, num_decode_tokens=decodes, **on_device)
+    return alloc, alloc.step(seq_lens, query_lens, DEVICE)
 
 
 # (query_lens, prefix_lens, heads, kv_heads, head_dim, block_size): decodes first

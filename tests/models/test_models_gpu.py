@@ -22,7 +22,6 @@ def paged_logits(model, prompts: list[torch.Tensor], device: str) -> list[torch.
     then a flat step mixing decode rows with prefill chunks."""
     cfg = model.config
     alloc = BlockAllocation.shuffled(SEQ_LENS, block_size=16)
-    alloc.block_tables = alloc.block_tables.to(device)
     caches = [c.to(device) for c in alloc.new_kv_caches(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)]
     first = [s - q for s, q in zip(SEQ_LENS, QUERY_LENS, strict=True)]
@@ -33,10 +32,7 @@ def paged_logits(model, prompts: list[torch.Tensor], device: str) -> list[torch.
         seq_lens = [done[i] + added[i] for i in active]
         qlens = [added[i] for i in active]
         sub = BlockAllocation(alloc.block_tables[active], 16, alloc.num_blocks)
-        meta = sub.step(seq_lens, qlens)
-        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
-            setattr(meta, name, getattr(meta, name).to(device))
-        meta.num_decode_tokens = sum(1 for q in qlens if q == 1)
+        meta = sub.step(seq_lens, qlens, device)
         ids = torch.cat([prompts[i][done[i]:done[i] + added[i]] for i in active]).to(device)
         hidden = model(ids, flat_positions(seq_lens, qlens).to(device), caches, meta)
         for i, out in zip(active, model.compute_logits(hidden).split(qlens), strict=True):
@@ -106,10 +102,8 @@ def test_decode_step_replays_in_a_cuda_graph(tiny_checkpoints, family):
     model.attn_backend = TritonAttentionBackend()
     seq_lens = [9, 33, 17]
     alloc = BlockAllocation.shuffled(seq_lens, block_size=16)
-    meta = alloc.step(seq_lens, [1, 1, 1])
-    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
-        setattr(meta, name, getattr(meta, name).cuda())
-    meta.num_decode_tokens = 3
+    meta = alloc.step(seq_lens, [1, 1, 1], "cuda")
+    assert meta.num_decode_tokens == 3
     caches = [torch.randn(2, alloc.num_blocks, 16, config.num_kv_heads, config.head_dim,
                           dtype=config.dtype, device="cuda") for _ in range(config.num_layers)]
     ids = torch.tensor([5, 6, 7], device="cuda")
