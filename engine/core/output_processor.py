@@ -70,10 +70,8 @@ class OutputProcessor:
             seqs = sorted(seqs, key=lambda s: -beam_score(s, params.length_penalty))
         completions = []
         for i, seq in enumerate(seqs):
-            text = visible_text(seq, params)
-            if request.is_beam_search:
-                text = self.tokenizer.decode(seq.output_token_ids,
-                                             skip_special_tokens=params.skip_special_tokens)
+            text = (self.decode(seq, seq.output_token_ids) if request.is_beam_search
+                    else visible_text(seq, params))
             completions.append(CompletionOutput(
                 index=i if request.is_beam_search else seq.index,
                 text=text,
