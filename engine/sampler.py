@@ -41,12 +41,10 @@ class SamplerOutput:
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    return out.to(device)
+    """Gives `rows` as one [len(rows), max(longest, 1)] long tensor, right-padded with `pad`."""
+    width = max(max((len(r) for r in rows), default=0), 1)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long,
+                        device=device)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
