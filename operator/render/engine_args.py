@@ -54,7 +54,7 @@ def serve_args(spec: PoolSpec, role: str, drain_timeout: int) -> list[str]:
         max_model_len=engine.max_model_len,
         block_size=engine.block_size,
         kv_cache_memory=engine.kv_cache_memory,
-        gpu_memory_utilization=engine.gpu_memory_utilization or 0.9,
+        gpu_memory_utilization=engine.gpu_memory_utilization or EngineArgs.gpu_memory_utilization,
         enable_prefix_caching=engine.enable_prefix_caching,
         max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
