@@ -19,7 +19,7 @@ from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.chat import create_chat_completion
 from kvpilot.engine.server.completions import create_completion
 from kvpilot.engine.server.drain import Gate
-from kvpilot.engine.server.errors import OpenAIError, install_error_handlers
+from kvpilot.engine.server.errors import OpenAIError, error_response, install_error_handlers
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.params import Limits
 from kvpilot.engine.server.protocol import (
@@ -110,8 +110,7 @@ def build_app(engine: Any, model_name: str, max_queue_len: int = 1024,
         """
         log = getattr(engine, "kv_events", None)
         if log is None:
-            return JSONResponse({"error": {"message": "this engine publishes no KV events"}},
-                                status_code=404)
+            return error_response(404, "this engine publishes no KV events")
         return JSONResponse(log.read(since))
 
     @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(check_api_key)],

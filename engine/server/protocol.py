@@ -17,7 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field
 # OpenAI's own limits; they also keep generated requests bounded.
 MAX_N = 128
 MAX_LOGPROBS = 20
-MAX_STOP = 4
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
