@@ -111,9 +111,10 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params,
                           time.monotonic() if arrival_time is None else arrival_time, priority,
                           hold_blocks=hold_blocks)
-        reason = self.scheduler.never_fits(request)
-        if reason is not None and "max_model_len" in reason:
+        reason = self.scheduler.exceeds_model_len(request)
+        if reason is not None:
             raise ValueError(reason)
+        reason = self.scheduler.never_fits(request)
         seq = request.seqs[0]
         init_offsets(seq)
         self._seed(seq)

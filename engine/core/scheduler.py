@@ -58,15 +58,29 @@ class Scheduler:
             key = seq.sched_key = (priority, seq.request.arrival_time, seq.seq_id)
         return key
 
+    def _max_total_tokens(self, request: Request) -> int:
+        """Gives the prompt plus the most tokens `request` may generate."""
+        max_model_len = self.config.max_model_len
+        max_tokens = (request.params.max_tokens
+                      or max(max_model_len - request.num_prompt_tokens, 1))
+        return request.num_prompt_tokens + max_tokens
+
+    def exceeds_model_len(self, request: Request) -> str | None:
+        """Gives why `request` is longer than the model allows, or None when it is not."""
+        total, max_model_len = self._max_total_tokens(request), self.config.max_model_len
+        if total <= max_model_len:
+            return None
+        return (f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({total - request.num_prompt_tokens}) = {total} exceeds max_model_len="
+                f"{max_model_len}: shorten the prompt or lower max_tokens")
+
     def never_fits(self, request: Request) -> str | None:
-        """Gives why `request` can never be scheduled, or None when it can."""
-        params, cfg = request.params, self.config
-        max_tokens = params.max_tokens or max(cfg.max_model_len - request.num_prompt_tokens, 1)
-        total = request.num_prompt_tokens + max_tokens
-        if total > cfg.max_model_len:
-            return (f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                    f"{total} exceeds max_model_len={cfg.max_model_len}: shorten the prompt or "
-                    "lower max_tokens")
+        """Gives why `request` can never be scheduled (model length, pool, budget), or None."""
+        reason = self.exceeds_model_len(request)
+        if reason is not None:
+            return reason
+        cfg = self.config
+        total = self._max_total_tokens(request)
         need = self.kv.num_blocks_needed(total)
         if need > self.kv.num_blocks:
             return (f"the request needs {need} KV blocks ({total} tokens) but the cache has only "
