@@ -40,7 +40,7 @@ class BenchConfig:
     endpoint: str = "/v1/completions"
 
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+CHAT = "/v1/chat/completions"
 
 
 def send_offsets(num: int, rate: float, burstiness: float, seed: int) -> list[float]:

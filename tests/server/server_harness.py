@@ -29,12 +29,6 @@ def tiny_engine(**overrides: Any) -> Any:
     return LLMEngine.from_engine_args(EngineArgs(**{**TINY_ENGINE, **overrides}))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class RunningServer:
     """A server running in a background thread of the test process."""
