@@ -72,3 +72,28 @@ class BlockAllocation:
 def flat_positions(seq_lens: list[int], query_lens: list[int]) -> torch.Tensor:
     """Gives the positions [T] of a step's query rows, sequences laid end to end."""
     return torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens, strict=True)])
+
+
+def step_logits(model, prompts: list[torch.Tensor], alloc: BlockAllocation,
+                steps: list[list[int]], device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Gives each prompt's logits (on the CPU) for every position it fed, concatenated over
+    `steps`: step s feeds the next `steps[s][i]` tokens of prompt i, all prompts as one flat
+    batch over caches in the model's dtype; a prompt adding nothing sits the step out, as
+    the scheduler would do."""
+    cfg = model.config
+    caches = [c.to(device) for c in alloc.new_kv_caches(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)]
+    done = [0] * len(prompts)
+    pieces: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for added in steps:
+        active = [i for i, n in enumerate(added) if n > 0]
+        seq_lens = [done[i] + added[i] for i in active]
+        qlens = [added[i] for i in active]
+        sub = BlockAllocation(alloc.block_tables[active], alloc.block_size, alloc.num_blocks)
+        meta = sub.step(seq_lens, qlens, device)
+        ids = torch.cat([prompts[i][done[i]:done[i] + added[i]] for i in active]).to(device)
+        hidden = model(ids, flat_positions(seq_lens, qlens).to(device), caches, meta)
+        for i, out in zip(active, model.compute_logits(hidden).split(qlens), strict=True):
+            pieces[i].append(out.cpu())
+            done[i] += added[i]
+    return [torch.cat(p) for p in pieces]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.checkpoints import load_hf_model
-from helpers.paged import BlockAllocation, flat_positions
+from helpers.paged import BlockAllocation, step_logits
 
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.models.config import ModelConfig
@@ -20,25 +20,9 @@ SEQ_LENS, QUERY_LENS = [30, 17, 41, 12], [1, 1, 41, 5]
 def paged_logits(model, prompts: list[torch.Tensor], device: str) -> list[torch.Tensor]:
     """Gives every prompt's logits from two steps: all but the last QUERY_LENS tokens first,
     then a flat step mixing decode rows with prefill chunks."""
-    cfg = model.config
-    alloc = BlockAllocation.shuffled(SEQ_LENS, block_size=16)
-    caches = [c.to(device) for c in alloc.new_kv_caches(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)]
     first = [s - q for s, q in zip(SEQ_LENS, QUERY_LENS, strict=True)]
-    steps = [([i for i, n in enumerate(first) if n], first),
-             (list(range(len(SEQ_LENS))), QUERY_LENS)]
-    done, pieces = [0] * len(prompts), [[] for _ in prompts]
-    for active, added in steps:
-        seq_lens = [done[i] + added[i] for i in active]
-        qlens = [added[i] for i in active]
-        sub = BlockAllocation(alloc.block_tables[active], 16, alloc.num_blocks)
-        meta = sub.step(seq_lens, qlens, device)
-        ids = torch.cat([prompts[i][done[i]:done[i] + added[i]] for i in active]).to(device)
-        hidden = model(ids, flat_positions(seq_lens, qlens).to(device), caches, meta)
-        for i, out in zip(active, model.compute_logits(hidden).split(qlens), strict=True):
-            pieces[i].append(out.cpu())
-            done[i] += added[i]
-    return [torch.cat(p) for p in pieces]
+    alloc = BlockAllocation.shuffled(SEQ_LENS, block_size=16)
+    return step_logits(model, prompts, alloc, [first, QUERY_LENS], device)
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 from helpers.checkpoints import load_hf_model
-from helpers.paged import BlockAllocation, flat_positions
+from helpers.paged import BlockAllocation, step_logits
 
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.models.config import ModelConfig
@@ -51,27 +51,10 @@ def pair(request, tiny_checkpoints):
 def run_steps(model, steps: list[list[int]]) -> list[torch.Tensor]:
     """Runs the prompts through `steps` (tokens added per sequence per step) and gives
     each prompt's logits for every position, concatenated over steps."""
-    config = model.config
-    seqs = prompts(config.vocab_size)
-    alloc = BlockAllocation.shuffled([len(s) for s in seqs], BLOCK_SIZE, seed=7)
-    caches = alloc.new_kv_caches(config.num_layers, config.num_kv_heads, config.head_dim)
-    done = [0] * len(seqs)
-    pieces: list[list[torch.Tensor]] = [[] for _ in seqs]
-    for query_lens in steps:
-        # Sequences with nothing to add sit this step out, as the scheduler would do.
-        active = [i for i, q in enumerate(query_lens) if q > 0]
-        seq_lens = [done[i] + query_lens[i] for i in active]
-        qlens = [query_lens[i] for i in active]
-        sub = BlockAllocation(alloc.block_tables[active], BLOCK_SIZE, alloc.num_blocks)
-        meta = sub.step(seq_lens, qlens)
-        ids = torch.cat([seqs[i][done[i]:done[i] + query_lens[i]] for i in active])
-        hidden = model(ids, flat_positions(seq_lens, qlens), caches, meta)
-        logits = model.compute_logits(hidden).split(qlens)
-        for i, out in zip(active, logits, strict=True):
-            pieces[i].append(out)
-            done[i] += query_lens[i]
-    assert done == PROMPT_LENS
-    return [torch.cat(p) for p in pieces]
+    alloc = BlockAllocation.shuffled(PROMPT_LENS, BLOCK_SIZE, seed=7)
+    got = step_logits(model, prompts(model.config.vocab_size), alloc, steps)
+    assert [len(g) for g in got] == PROMPT_LENS
+    return got
 
 
 def two_chunks() -> list[list[int]]:
