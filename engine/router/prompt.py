@@ -17,16 +17,25 @@ from kvpilot.engine.block_hash import hash_prompt_blocks
 BYTES_PER_TOKEN = 4
 
 
+def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """Gives the chat's messages as {"role", "content"} with text parts joined.
+
+    The engine server renders exactly these (`ChatMessage.text()`) through the chat
+    template, so with a tokenizer the router's hashes match the engines'.
+    """
+    out = []
+    for message in body.get("messages") or []:
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        out.append({"role": str(message.get("role", "")), "content": content or ""})
+    return out
+
+
 def prompt_text(body: dict[str, Any]) -> str | list[int]:
     """Gives the prompt of a completions or chat body: text, or token ids when given as ids."""
     if "messages" in body:
-        parts = []
-        for message in body.get("messages") or []:
-            content = message.get("content")
-            if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"<{message.get('role', '')}>{content or ''}\n")
-        return "".join(parts)
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in chat_messages(body))
     prompt = body.get("prompt", "")
     if isinstance(prompt, list):
         if prompt and all(isinstance(t, int) for t in prompt):
@@ -60,7 +69,7 @@ class PromptHasher:
         tok = self.tokenizer
         assert tok is not None
         if "messages" in body:
-            text = tok.apply_chat_template(body["messages"], add_generation_prompt=True)
+            text = tok.apply_chat_template(chat_messages(body), add_generation_prompt=True)
             # The template writes any BOS itself (the engine server encodes it the same way).
             return list(tok.encode(text, add_special_tokens=False))
         prompt = prompt_text(body)

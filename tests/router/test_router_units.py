@@ -9,10 +9,12 @@ import pytest
 from fastapi import FastAPI, Request
 from router_fake_engine import serving
 
+from kvpilot.engine.block_hash import hash_prompt_blocks
 from kvpilot.engine.router.args import RouterArgs, parse_instances
 from kvpilot.engine.router.discovery import EndpointSliceDiscovery, endpoints_from_slices
 from kvpilot.engine.router.fleet import parse_load
 from kvpilot.engine.router.health import Health
+from kvpilot.engine.router.prompt import PromptHasher
 
 
 @pytest.mark.parametrize(("events", "eject_after", "ejected_at", "available_at_end"), [
@@ -110,6 +112,32 @@ def test_router_args_round_trip_through_the_cli():
 ])
 def test_parse_load(text, expected):
     assert parse_load(text) == expected
+
+
+class TemplateTokenizer:
+    """A chat template over plain-string contents (as the engine server renders them)."""
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = False) -> str:
+        assert set().union(*messages) <= {"role", "content"}, messages
+        return "".join(f"[{m['role']}]{m['content'] + ''}" for m in messages) + "[assistant]"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize(("messages", "rendered"), [
+    ([{"role": "user", "content": "hi"}], "[user]hi[assistant]"),
+    ([{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}],
+     "[user]hi[assistant]"),
+    ([{"role": "user", "content": "hi", "name": "ann"}], "[user]hi[assistant]"),
+    ([{"role": "system", "content": None}, {"role": "user", "content": "q"}],
+     "[system][user]q[assistant]"),
+])
+def test_chat_hashes_render_messages_as_the_engine_server_does(messages, rendered):
+    hasher = PromptHasher(2, TemplateTokenizer())
+    assert hasher.hashes({"messages": messages}) == hash_prompt_blocks(
+        [ord(c) for c in rendered], 2)
 
 
 def test_router_import_leaves_torch_out():
