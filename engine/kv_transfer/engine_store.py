@@ -32,15 +32,20 @@ class EngineBlockStore:
 
     def pin(self, token_ids: Sequence[int]) -> tuple[list[int], list[KVCacheBlock]]:
         """Gives (hashes, blocks) of the prompt's cached leading full blocks, now pinned."""
-        hashes, blocks = [], []
-        for block_hash in hash_prompt_blocks(list(token_ids), self.block_size):
+        hashes = hash_prompt_blocks(list(token_ids), self.block_size)
+        blocks = self._cached_prefix(hashes)
+        self.pool.touch(blocks)
+        return hashes[:len(blocks)], blocks
+
+    def _cached_prefix(self, hashes: Sequence[int]) -> list[KVCacheBlock]:
+        """Gives the cached blocks of the leading hashes, up to the first miss."""
+        blocks = []
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
-            hashes.append(block_hash)
             blocks.append(block)
-        self.pool.touch(blocks)
-        return hashes, blocks
+        return blocks
 
     def unpin(self, handle: list[KVCacheBlock]) -> None:
         """Drops the pins, tail first so the prompt's head stays cached longest."""
@@ -62,12 +67,7 @@ class EngineBlockStore:
 
     def num_cached_prefix(self, hashes: Sequence[int]) -> int:
         """Gives how many leading hashes the prefix cache holds."""
-        count = 0
-        for block_hash in hashes:
-            if self.pool.lookup(block_hash) is None:
-                break
-            count += 1
-        return count
+        return len(self._cached_prefix(hashes))
 
     def import_blocks(self, blocks: Sequence[tuple[int, bytes | memoryview]],
                       prefix_hashes: Sequence[int] = ()) -> int:
