@@ -207,8 +207,9 @@ def build_app(args: RouterArgs, discovery: Discovery | None = None,
     async def openai_post(request: Request) -> Response:
         try:
             body = json.loads(await request.body())
-            assert isinstance(body, dict)
-        except (json.JSONDecodeError, UnicodeDecodeError, AssertionError):
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):  # not an assert: `python -O` would drop the check
             return JSONResponse(error_body("the body must be a JSON object", 400,
                                            "invalid_request_error"), 400)
         headers = {k: v for k, v in request.headers.items() if k in PASSED_HEADERS}

@@ -240,3 +240,15 @@ async def test_request_waits_for_a_starting_instance(fleet):
         starting.metrics_up = True  # the engine finished loading
         response = await asyncio.wait_for(request, 5)
     assert response.status_code == 200 and starting.bodies
+
+
+@pytest.mark.parametrize("content", [b"[1, 2]", b'"text"', b"null", b"{not json", b"\xff\xfe"])
+async def test_a_body_that_is_not_a_json_object_is_a_400_without_forwarding(fleet, content):
+    engine = FakeEngine("a")
+    router, _ = await fleet([engine])
+    async with httpx.AsyncClient(base_url=router) as client:
+        response = await client.post("/v1/completions", content=content,
+                                     headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "the body must be a JSON object"
+    assert engine.bodies == []
