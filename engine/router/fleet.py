@@ -97,14 +97,12 @@ class Fleet:
 
         A refused connection ejects at once: nothing listens there any more.
         """
-        ejected = instance.health.record_failure(time.monotonic(),
-                                                 1 if refused else self.eject_after,
-                                                 self.eject_seconds)
+        threshold = 1 if refused else self.eject_after
+        ejected = instance.health.record_failure(time.monotonic(), threshold, self.eject_seconds)
         if ejected:
             self.on_eject(instance)
             log.warning("ejecting %s for %.0fs after %d failures (last: %s)", instance.url,
-                        instance.health.ejected_until - time.monotonic(),
-                        self.eject_after, reason)
+                        instance.health.ejected_until - time.monotonic(), threshold, reason)
         return ejected
 
     async def refresh(self, client: httpx.AsyncClient) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 # What one entry costs in CPython (OrderedDict node + key tuple + two ints),
-# measured with tracemalloc (about 215 bytes with dict slack) in tests/router/test_prefix_index.py.
+# measured with tracemalloc (about 215 bytes with dict slack) in tests/router/test_router_prefix_index.py.
 ENTRY_BYTES = 256
 
 
