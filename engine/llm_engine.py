@@ -58,9 +58,6 @@ class LLMEngine:
         # False: step() returns finished requests only and text is decoded once at the end
         # (the offline LLM); the server keeps True to stream
         self.stream_outputs = True
-        # request id -> finished sequence whose blocks stay allocated for a KV export
-        # (see engine/core/handoff.py); released by handoff.release
-        self.held: dict[str, Sequence] = {}
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -93,8 +90,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0,
-                    hold_blocks: bool = False) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         """Queues a request; raises ValueError naming the field when it is invalid."""
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already running: use a unique id")
@@ -109,8 +105,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab}): got "
                              f"{[t for t in token_ids if not 0 <= t < vocab][:5]}")
         request = Request(request_id, text, token_ids, params,
-                          time.monotonic() if arrival_time is None else arrival_time, priority,
-                          hold_blocks=hold_blocks)
+                          time.monotonic() if arrival_time is None else arrival_time, priority)
         reason = self.scheduler.exceeds_model_len(request)
         if reason is not None:
             raise ValueError(reason)
@@ -286,12 +281,7 @@ class LLMEngine:
         self.generation_tokens += 1
         self.outputs.append_token(seq, token, lp_map, lp, decode=self.stream_outputs)
         if seq.finish_reason is not None:
-            if seq.request.hold_blocks and seq.index == 0:
-                self.scheduler.running.remove(seq)  # finished, but its blocks stay for export
-                seq.status = SequenceStatus.FINISHED
-                self.held[seq.request.request_id] = seq
-            else:
-                self.scheduler.remove(seq)
+            self.scheduler.remove(seq)
 
     def _drop_beam(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)

@@ -104,7 +104,6 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on first admission
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     forked: bool = False  # whether the n / beam branches exist yet
-    hold_blocks: bool = False  # keep the first sequence's blocks after it finishes (KV export)
 
     def __post_init__(self) -> None:
         if self.metrics is None:
