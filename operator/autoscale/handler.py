@@ -38,6 +38,7 @@ from kvpilot.operator.autoscale.signals import PoolMetrics
 from kvpilot.operator.autoscale.spec import PolicySpec, from_api
 from kvpilot.operator.handlers.kube import Kube, KubeError
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, POOL_LABEL
+from kvpilot.operator.render.pool import pool_role
 from kvpilot.operator.render.router import router_labels
 from kvpilot.operator.status import now_rfc3339
 
@@ -59,13 +60,6 @@ class PoolRuntime:
     samples: dict[str, PodSample] = field(default_factory=dict)
     next_run: float = 0.0
     last_hold: str = ""
-
-
-def role_of(body: kopf.Body) -> str:
-    """Gives the pool's engine role."""
-    if body["kind"] == "PrefillPool":
-        return "prefill"
-    return (body.get("spec") or {}).get("role", "both")
 
 
 def decision_reason(d: Decision, budget: str | None) -> str:
@@ -124,7 +118,7 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     now = time.time()
     if now < runtime.next_run:
         return
-    role = role_of(body)
+    role = pool_role(body)
     try:
         pspec: PolicySpec = from_api(spec["autoscaling"], role, gpus_per_replica(spec))
     except (ValueError, TypeError) as exc:

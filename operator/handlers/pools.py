@@ -80,7 +80,6 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
         return
     workloads = {kind for _, kind in workload_kinds(config)}
     ready = workload_ready([o for o in current if o.get("kind") in workloads])
-    role = getattr(parsed, "role", "both")
-    patch.status.update(pool_status(parsed.replicas, ready, pool_selector(pool, role),
+    patch.status.update(pool_status(parsed.replicas, ready, pool_selector(pool),
                                     generation, status.get("conditions"), now))
     patch.status["observedGeneration"] = generation

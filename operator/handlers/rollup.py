@@ -91,9 +91,8 @@ async def workload_changed(body: kopf.Body, type: str | None, memo: kopf.Memo,
         return  # the pool handler owns the status until the spec is valid and handled
     workloads = [*deployments_by_pool.get(ref["uid"], []),
                  *statefulsets_by_pool.get(ref["uid"], [])]
-    role = pool["spec"].get("role", "prefill" if ref["kind"] == "PrefillPool" else "both")
     new = pool_status(pool["spec"].get("replicas", 1), workload_ready(workloads),
-                      pool_selector(pool, role), status.get("observedGeneration"),
+                      pool_selector(pool), status.get("observedGeneration"),
                       status.get("conditions"), now_rfc3339())
     await _patch_status_if_changed(memo.kube, pool, new)
 

@@ -44,7 +44,14 @@ def render_pool(pool: dict[str, Any], spec: PoolSpec, config: RenderConfig) -> l
     return objects
 
 
-def pool_selector(pool: dict[str, Any], role: str) -> str:
+def pool_role(pool: dict[str, Any]) -> str:
+    """Gives a stored pool's engine role: its spec.role, else its kind's default."""
+    default = "prefill" if pool["kind"] == "PrefillPool" else "both"
+    return (pool.get("spec") or {}).get("role", default)
+
+
+def pool_selector(pool: dict[str, Any]) -> str:
     """Gives the pool's pod label selector as text (the scale subresource's status.selector)."""
-    labels = selector_labels(pool_labels(pool_model_name(pool), pool["metadata"]["name"], role))
+    labels = selector_labels(pool_labels(pool_model_name(pool), pool["metadata"]["name"],
+                                         pool_role(pool)))
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
