@@ -22,6 +22,7 @@ import kopf
 from kvpilot.operator.autoscale.model import (
     PoolReport,
     gpus_per_replica,
+    load_fields,
     report_to_model,
     within_budget,
 )
@@ -70,18 +71,6 @@ def decision_reason(d: Decision, budget: str | None) -> str:
     if budget:
         parts.append(budget)
     return "; ".join(parts)
-
-
-def status_fields(metrics: PoolMetrics) -> dict[str, Any]:
-    """Gives the KV% and QUEUE status fields from the latest sample."""
-    out: dict[str, Any] = {}
-    if metrics.kv_cache_utilization is not None:
-        kv = min(max(metrics.kv_cache_utilization, 0.0), 1.0)
-        out["kvCacheUtilization"] = round(kv, 3)
-        out["kvCachePercent"] = round(kv * 100)
-    if metrics.requests_waiting is not None:
-        out["queueDepth"] = round(metrics.requests_waiting)
-    return out
 
 
 async def _mark_for_removal(kube: Kube, namespace: str, samples: dict[str, PodSample],
@@ -150,7 +139,7 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     d = decide(pspec, runtime.state, runtime.history, current, now)
     runtime.state = d.state
 
-    fields = status_fields(metrics)
+    fields = load_fields(metrics.kv_cache_utilization, metrics.requests_waiting)
     shared: dict[tuple[str, str], PoolReport] = getattr(memo, "autoscale_pools", {})
     model = spec.get("modelRef")
     shared[(namespace, name)] = PoolReport(

@@ -72,20 +72,26 @@ async def within_budget(kube: Kube, im: Mapping[str, Any] | None, namespace: str
     return grant.replicas.get(name, desired), grant.message if grant.binds else None
 
 
+def load_fields(kv: float | None, queue: float | None) -> dict[str, Any]:
+    """Gives the KV% and QUEUE status fields (kvCacheUtilization, kvCachePercent, queueDepth)
+    of a KV-cache fraction and a queue depth; a None leaves its fields out."""
+    out: dict[str, Any] = {}
+    if kv is not None:
+        kv = min(max(kv, 0.0), 1.0)
+        out["kvCacheUtilization"] = round(kv, 3)
+        out["kvCachePercent"] = round(kv * 100)
+    if queue is not None:
+        out["queueDepth"] = round(queue)
+    return out
+
+
 def model_fields(model: str, namespace: str,
                  shared: Mapping[tuple[str, str], PoolReport]) -> dict[str, Any]:
     """Gives the model's KV% (mean of its decode pools) and QUEUE (sum of all its pools)."""
     reports = [r for (ns, _), r in shared.items() if ns == namespace and r.model == model]
     kvs = [r.kv for r in reports if r.role != "prefill" and r.kv is not None]
     queues = [r.queue for r in reports if r.queue is not None]
-    out: dict[str, Any] = {}
-    if kvs:
-        kv = min(max(sum(kvs) / len(kvs), 0.0), 1.0)
-        out["kvCacheUtilization"] = round(kv, 3)
-        out["kvCachePercent"] = round(kv * 100)
-    if queues:
-        out["queueDepth"] = round(sum(queues))
-    return out
+    return load_fields(sum(kvs) / len(kvs) if kvs else None, sum(queues) if queues else None)
 
 
 async def report_to_model(kube: Kube, im: Mapping[str, Any] | None, namespace: str,
