@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,18 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvpilot.operator.local.supervisor import free_port
+
 OPERATOR_TESTS = Path(__file__).resolve().parents[1] / "operator"
 sys.path.insert(0, str(OPERATOR_TESTS))
 from kube_fixtures import api, client, operator  # noqa: E402, F401  (fixtures, found by name)
 
 ENGINE_FLAGS = ["--model", "tiny-llama", "--max-num-seqs", "2", "--num-kv-blocks", "256",
                 "--log-level", "warning"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import httpx
 from operator_harness import IMS, NAMESPACE, eventually
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from kvpilot.operator.local.supervisor import free_port
 
 
 async def test_operator_command_reconciles_and_stops_cleanly(api, client):
