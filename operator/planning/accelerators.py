@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvpilot.engine.args import EngineArgs
 from kvpilot.operator.api.common import AcceleratorSpec
 
 GIB = 2**30
@@ -157,8 +158,8 @@ def bytes_per_param(dtype: str, vendor: str) -> int:
 
 
 def check_memory_fit(weight_bytes: int, gpus: int, memory_bytes_per_gpu: int, *,
-                     utilization: float = 0.9, kv_headroom: float = 0.1,
-                     where: str = "this accelerator") -> None:
+                     utilization: float = EngineArgs.gpu_memory_utilization,
+                     kv_headroom: float = 0.1, where: str = "this accelerator") -> None:
     """Raises AcceleratorError unless each GPU's weight share leaves `kv_headroom` for KV cache.
 
     Each of `gpus` GPUs holds weight_bytes / gpus; the engine may use

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvpilot.engine.args import EngineArgs
 from kvpilot.operator.api.common import AcceleratorSpec, EngineSpec, ModelSource, TopologySpec
 from kvpilot.operator.planning.accelerators import (
     Placement,
@@ -142,5 +143,6 @@ def _check_fit(model: ModelSource, engine: EngineSpec, acc: AcceleratorSpec, gpu
     mode = f" {acc.compute_partition}/{acc.memory_partition or 'NPS1'}" \
         if acc.compute_partition else ""
     check_memory_fit(weight_bytes, gpus, where.memory_bytes_per_gpu,
-                     utilization=engine.gpu_memory_utilization or 0.9,
+                     utilization=engine.gpu_memory_utilization
+                     or EngineArgs.gpu_memory_utilization,
                      where=f"{acc.model or acc.vendor}{mode}")
