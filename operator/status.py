@@ -31,7 +31,7 @@ class PoolCounts:
 
 
 def now_rfc3339(at: float | None = None) -> str:
-    """Gives the UTC time `at` (epoch seconds; now when None) in the RFC 3339 form conditions use."""
+    """Gives the UTC time `at` (epoch seconds; now when None) in conditions' RFC 3339 form."""
     moment = datetime.datetime.now(tz=datetime.UTC) if at is None else \
         datetime.datetime.fromtimestamp(at, datetime.UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -168,8 +168,8 @@ async def _decide_and_report(body: kopf.Body, d: Decision, current: int, desired
                                or hold_key == runtime.last_hold):
         return None
     runtime.last_hold = hold_key
-    decision = {"time": now_rfc3339(now), "pool": name, "fromReplicas": current, "toReplicas": desired,
-                "reason": hold[:1000]}
+    decision = {"time": now_rfc3339(now), "pool": name, "fromReplicas": current,
+                "toReplicas": desired, "reason": hold[:1000]}
     patch.status["lastScaleDecision"] = decision
     if desired == current:
         kopf.event(body, type="Normal", reason="ScaleHeld",
