@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 
+from kvpilot.engine.args import KV_PORT_OFFSET
 from kvpilot.operator.local.plan import LOCALHOST, LocalProcess
 
-KV_PORT_OFFSET = 1000  # engines put their KV agent at their HTTP port + 1000 (EngineArgs)
 PR_SET_PDEATHSIG = 1
 
 

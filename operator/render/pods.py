@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.engine.args import KV_PORT_OFFSET
 from kvpilot.operator.api.pools import PoolSpec
 from kvpilot.operator.render.engine_args import HF_DIR, MODEL_DIR, model_location, serve_args
 from kvpilot.operator.render.meta import ENGINE_PORT, RENDEZVOUS_PORT, RenderConfig
@@ -15,7 +16,7 @@ RDMA_RESOURCE = "rdma/rdma_shared_device_a"
 PRESTOP_SLEEP_SECONDS = 5
 # The engine loads weights before /health answers; big models need minutes.
 STARTUP_BUDGET_SECONDS = 1800
-KV_TRANSFER_PORT = ENGINE_PORT + 1000  # the engine's default: server port + 1000
+KV_TRANSFER_PORT = ENGINE_PORT + KV_PORT_OFFSET  # where the engine puts it by default
 
 
 def pod_template(spec: PoolSpec, role: str, placement: Placement, labels: dict[str, str],
