@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine import metric_names as names
+from kvpilot.engine.metrics_text import read_metrics
 from kvpilot.engine.router.discovery import Discovery
 from kvpilot.engine.router.health import Health
 from kvpilot.engine.router.policy import InstanceView
@@ -43,13 +43,10 @@ class Instance:
 
 def parse_load(text: str) -> tuple[float, float, float]:
     """Gives (waiting, running, kv_usage) summed over models from Prometheus text."""
-    wanted = {names.NUM_REQUESTS_WAITING: 0.0, names.NUM_REQUESTS_RUNNING: 0.0,
-              names.KV_CACHE_USAGE_PERC: 0.0}
-    for family in text_string_to_metric_families(text):
-        if family.name in wanted:
-            wanted[family.name] += sum(sample.value for sample in family.samples)
-    return (wanted[names.NUM_REQUESTS_WAITING], wanted[names.NUM_REQUESTS_RUNNING],
-            wanted[names.KV_CACHE_USAGE_PERC])
+    load, _ = read_metrics(text, (names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_RUNNING,
+                                  names.KV_CACHE_USAGE_PERC))
+    return (load.get(names.NUM_REQUESTS_WAITING, 0.0), load.get(names.NUM_REQUESTS_RUNNING, 0.0),
+            load.get(names.KV_CACHE_USAGE_PERC, 0.0))
 
 
 class Fleet:

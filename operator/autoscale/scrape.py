@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine import metric_names as names
+from kvpilot.engine.metrics_text import read_metrics
 from kvpilot.operator.autoscale.signals import PoolMetrics
 
 GAUGES = (names.KV_CACHE_USAGE_PERC, names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_RUNNING,
@@ -44,21 +44,7 @@ def parse_metrics(text: str, pod: str = "",
     Only samples whose labels include `labels` count (e.g. {"role": "decode"}
     on the router's page).
     """
-    wanted = dict(labels or {})
-    gauges: dict[str, float] = {}
-    buckets: dict[str, dict[float, float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name not in GAUGES and family.name not in HISTOGRAMS:
-            continue
-        for sample in family.samples:
-            if not wanted.items() <= sample.labels.items():
-                continue
-            if family.name in GAUGES:
-                gauges[family.name] = gauges.get(family.name, 0.0) + sample.value
-            elif sample.name.endswith("_bucket"):
-                bound = float(sample.labels["le"])
-                per = buckets.setdefault(family.name, {})
-                per[bound] = per.get(bound, 0.0) + sample.value
+    gauges, buckets = read_metrics(text, GAUGES, HISTOGRAMS, labels)
     histograms = {name: tuple(sorted(per.items())) for name, per in buckets.items()}
     return PodSample(pod, gauges, histograms)
 
