@@ -18,6 +18,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 # With --kv-transfer-port 0 an engine's KV agent listens on its HTTP port plus this.
 KV_PORT_OFFSET = 1000
 
@@ -75,6 +76,10 @@ class EngineArgs:
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS,
         "help": "auto: triton on CUDA, torch elsewhere"})
     enforce_eager: bool = field(default=False, metadata={"help": "disable CUDA graphs"})
+    async_scheduling: str = field(default="auto", metadata={"choices": ASYNC_SCHEDULING,
+        "help": "schedule and launch step n+1 while the GPU runs step n (one step of lag on "
+                "stop checks); auto: on for CUDA. Requests with penalties, logprobs, n > 1, "
+                "beam search or min_tokens run those steps synchronously"})
     role: str = field(default="both", metadata={"choices": ROLES,
         "help": "both: aggregated; prefill/decode: disaggregated roles"})
     kv_transfer_port: int = field(default=0, metadata={
@@ -83,7 +88,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
-                              ("scheduling_policy", SCHEDULING_POLICIES), ("role", ROLES)):
+                              ("scheduling_policy", SCHEDULING_POLICIES), ("role", ROLES),
+                              ("async_scheduling", ASYNC_SCHEDULING)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is invalid: choose one of {', '.join(allowed)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +21,7 @@ from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_events import KVEventLog
 from kvpilot.engine.core.output_processor import OutputProcessor
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
-from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig
+from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.detokenizer import init_offsets
 from kvpilot.engine.model_runner import BatchEntry, ModelRunner, resolve_device
 from kvpilot.engine.outputs import EngineStats, RequestOutput
@@ -29,6 +30,33 @@ from kvpilot.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
+
+# a sampled token the host has not read back yet (async scheduling); never fed to the model:
+# the runner patches it on the device from the step in flight
+PLACEHOLDER = -1
+
+
+def needs_host_sampling(params: SamplingParams) -> bool:
+    """Gives whether a request's sampling needs the previous token on the host.
+
+    Penalties count output tokens, min_tokens bans stop ids by output length,
+    logprobs, n > 1 and beam search fork or read back per-step values: their
+    steps run synchronously even under async scheduling.
+    """
+    return bool(params.n > 1 or params.beam_width > 1 or params.logprobs is not None
+                or params.prompt_logprobs is not None or params.min_tokens
+                or params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0)
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]  # in sampled-row order
+    tokens: torch.Tensor  # [len(seqs)] long, on the model's device
+    host: torch.Tensor  # the tokens' host copy (pinned on CUDA), valid once `ready` passed
+    ready: torch.cuda.Event | None
 
 
 class LLMEngine:
@@ -58,6 +86,12 @@ class LLMEngine:
         # False: step() returns finished requests only and text is decoded once at the end
         # (the offline LLM); the server keeps True to stream
         self.stream_outputs = True
+        mode = engine_args.async_scheduling
+        self.async_scheduling = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
+        self._inflight: _InFlight | None = None
+        self._host_sampling: set[str] = set()  # live request ids that need host sampling
+        self._token_buffers: list[torch.Tensor] = []  # two pinned buffers, one per flight
+        self._num_flights = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -121,6 +155,8 @@ class LLMEngine:
             self._pending.append(self.outputs.build(request))
             return
         self.requests[request_id] = request
+        if needs_host_sampling(params):
+            self._host_sampling.add(request_id)
         self.scheduler.add(seq)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
@@ -129,7 +165,11 @@ class LLMEngine:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
+            self._host_sampling.discard(request_id)
             for seq in request.live_seqs():
+                if seq.inflight_row >= 0:  # drop the placeholder of the step in flight
+                    seq.token_ids.pop()
+                    seq.inflight_row = -1
                 self.scheduler.remove(seq)
                 seq.finish_reason = "abort"
                 if not self.stream_outputs:  # text is otherwise decoded at the finish
@@ -138,7 +178,7 @@ class LLMEngine:
             self._pending.append(self.outputs.build(request))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending)
+        return bool(self.requests) or bool(self._pending) or self._inflight is not None
 
     def _seed(self, seq: Sequence) -> None:
         seed = seq.request.params.seed
@@ -148,33 +188,34 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled step; gives the outputs of requests that progressed or ended."""
+        """Runs one scheduled step; gives the outputs of requests that progressed or ended.
+
+        Under async scheduling the step launched here is read back by the next
+        call: this call returns the outputs of the previous step, computed by
+        the host while the GPU runs this one.
+        """
         results, self._pending = self._pending, []
+        flight = self._inflight
+        if flight is not None and self._host_sampling:
+            # a request that samples on the host needs its previous token first
+            self._resolve(flight, results)
+            self._inflight = flight = None
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            if flight is not None:
+                self._resolve(flight, results)
+                self._inflight = None
             return results
-        now = time.monotonic()
-        entries: list[BatchEntry] = []
-        # this loop and the ones after it run once per sequence per step (256 at full batch):
-        # plain attribute reads, no per-sequence helper calls where one line does
-        block_id_array = self.kv.block_id_array
-        for seq, num_new in plan.scheduled:
-            request = seq.request
-            metrics = request.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-            start = seq.num_computed_tokens
-            end = start + num_new
-            num_prompt = len(request.prompt_token_ids)
-            lps = request.prompt_logprobs
-            if lps is not None and len(lps) < num_prompt:
-                mode = "all"
-            else:
-                mode = "last" if end == len(seq.token_ids) else "none"
-            entries.append(BatchEntry(seq.token_ids[start:end], start, block_id_array(seq), mode))
-            if start < num_prompt:
-                self.prompt_tokens += min(end, num_prompt) - start
-        logits = self.runner.execute(entries, plan.block_copies)
+        entries = self._entries(plan, flight)
+        logits = self.runner.execute(entries, plan.block_copies,
+                                     flight.tokens if flight is not None else None)
+        if self.async_scheduling and not self._host_sampling:
+            launched = self._launch(plan, entries, logits)
+            if flight is not None:
+                self._resolve(flight, results)
+            self._advance(plan, launched.seqs)
+            self._inflight = launched
+            return results
         to_sample: list[tuple[Sequence, int]] = []
         row = 0
         cache_full_blocks = self.kv.cache_full_blocks
@@ -193,16 +234,109 @@ class LLMEngine:
                     to_sample.append((seq, row - 1))
                 else:
                     to_sample.extend(self._branches(seq, row - 1))
-        touched = self._sample(to_sample, logits)
+        self._collect(self._sample(to_sample, logits), results)
+        return results
+
+    def _entries(self, plan: SchedulerOutput, flight: _InFlight | None) -> list[BatchEntry]:
+        """Gives the runner's batch entries of `plan` (one per scheduled sequence)."""
+        now = time.monotonic()
+        entries: list[BatchEntry] = []
+        # this loop and the ones after it run once per sequence per step (256 at full batch):
+        # plain attribute reads, no per-sequence helper calls where one line does
+        block_id_array = self.kv.block_id_array
+        for seq, num_new in plan.scheduled:
+            request = seq.request
+            metrics = request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            start = seq.num_computed_tokens
+            end = start + num_new
+            num_prompt = len(request.prompt_token_ids)
+            lps = request.prompt_logprobs
+            if lps is not None and len(lps) < num_prompt:
+                mode = "all"
+            else:
+                mode = "last" if end == len(seq.token_ids) else "none"
+            entry = BatchEntry(seq.token_ids[start:end], start, block_id_array(seq), mode)
+            if seq.inflight_row >= 0 and end == len(seq.token_ids):
+                entry.patch_row = seq.inflight_row  # its last token is still being sampled
+            entries.append(entry)
+            if start < num_prompt:
+                self.prompt_tokens += min(end, num_prompt) - start
+        return entries
+
+    def _launch(self, plan: SchedulerOutput, entries: list[BatchEntry], logits: torch.Tensor
+                ) -> _InFlight:
+        """Queues sampling of a step's last rows and the copy of the tokens to the host."""
+        seqs: list[Sequence] = []
+        rows: list[SamplingRow] = []
+        for (seq, _), entry in zip(plan.scheduled, entries, strict=True):
+            if entry.logits == "last":
+                seqs.append(seq)
+                rows.append(SamplingRow(seq.request.params, seq.token_ids,
+                                        seq.request.num_prompt_tokens, seq.generator))
+        if len(seqs) != logits.shape[0]:  # rows that finish a prompt chunk only, not sampled
+            raise AssertionError("async steps sample every logits row")
+        tokens = self.sampler.sample_ids(logits, rows) if seqs else logits.new_empty(
+            0, dtype=torch.long)
+        if tokens.device.type != "cuda":
+            return _InFlight(seqs, tokens, tokens, None)
+        if not self._token_buffers:
+            size = self.engine_args.max_num_seqs
+            self._token_buffers = [torch.empty(size, dtype=torch.long, pin_memory=True)
+                                   for _ in range(2)]
+        self._num_flights += 1
+        host = self._token_buffers[self._num_flights % 2][:len(seqs)]
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _InFlight(seqs, tokens, host, ready)
+
+    def _advance(self, plan: SchedulerOutput, sampled: list[Sequence]) -> None:
+        """Books a launched step: computed counts, full blocks, a placeholder per sampled row."""
+        cache_full_blocks = self.kv.cache_full_blocks
+        finished = SequenceStatus.FINISHED
+        for seq, num_new in plan.scheduled:
+            if seq.status is finished:
+                continue  # stopped by the step just resolved: its row here is discarded
+            seq.num_computed_tokens += num_new
+            cache_full_blocks(seq)
+        for row, seq in enumerate(sampled):
+            if seq.status is not finished:
+                seq.token_ids.append(PLACEHOLDER)
+                seq.inflight_row = row
+
+    def _resolve(self, flight: _InFlight, results: list[RequestOutput]) -> None:
+        """Reads a launched step's tokens back and applies them (stop checks, text, outputs).
+
+        Every sampled sequence ends with the step's placeholder; one that
+        finished or was aborted meanwhile has none and its token is dropped.
+        """
+        if flight.ready is not None:
+            flight.ready.synchronize()
+        token_ids = flight.host.tolist()
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, token in zip(flight.seqs, token_ids, strict=True):
+            if seq.inflight_row < 0:
+                continue  # finished or aborted since the launch
+            seq.inflight_row = -1
+            seq.token_ids.pop()
+            self._append(seq, token, None, None, now)
+            touched[seq.request.request_id] = seq.request
+        self._collect(touched.values(), results)
+
+    def _collect(self, touched: Iterable[Request], results: list[RequestOutput]) -> None:
+        """Adds the outputs of requests that got tokens; forgets the finished ones."""
         finished_time = time.monotonic()
         for request in touched:
             finished = request.finished
             if finished:
                 request.metrics.finished_time = finished_time
                 self.requests.pop(request.request_id, None)
+                self._host_sampling.discard(request.request_id)
             if finished or (self.stream_outputs and not request.is_beam_search):
                 results.append(self.outputs.build(request))
-        return results
 
     def _branches(self, seq: Sequence, row: int) -> list[tuple[Sequence, int]]:
         """Gives the n sequences sampling from logits row `row`, forking the n - 1 new ones.

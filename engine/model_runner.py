@@ -33,6 +33,9 @@ class BatchEntry:
     start_pos: int
     block_ids: list[int] | np.ndarray
     logits: str = "last"  # "none" | "last" | "all" (prompt logprobs)
+    # >= 0: the last token is still being sampled by the step in flight (async scheduling);
+    # its id is row `patch_row` of that step's sampled tokens, read on the device
+    patch_row: int = -1
 
 
 def select_attention_backend(args: EngineArgs, device: torch.device) -> AttentionBackend:
@@ -83,6 +86,7 @@ class ModelRunner:
         self._pinned: torch.Tensor | None = None
         self._pinned_np: np.ndarray | None = None
         self._copied: torch.cuda.Event | None = None
+        self._patches: torch.Tensor | None = None  # build_batch's [2, k] (position, row) pairs
         self.num_blocks = self._num_kv_blocks()
         shape = (2, self.num_blocks, self.block_size, model_config.num_kv_heads,
                  model_config.head_dim)
@@ -145,12 +149,14 @@ class ModelRunner:
         # sections start at even offsets: 16-byte aligned device views for the kernels
         t2, n2 = total + total % 2, n + 1 + (n + 1) % 2
         at_lens, at_tables = 3 * t2 + n2, 3 * t2 + 2 * n2
-        size = at_tables + n * max_blocks
+        at_patch = at_tables + n * max_blocks
+        patched = [i for i, e in enumerate(entries) if e.patch_row >= 0]
+        size = at_patch + 2 * len(patched)
         host = self._host_buffer(size)
         ids, positions, slots = host[:total], host[t2:t2 + total], host[2 * t2:2 * t2 + total]
         qsl = host[3 * t2:3 * t2 + n + 1]
         lens = host[at_lens:at_lens + n]
-        tables = host[at_tables:size].reshape(n, max_blocks)
+        tables = host[at_tables:at_patch].reshape(n, max_blocks)
         qsl[0] = 0
         np.cumsum(query_lens, out=qsl[1:])
         lens[:] = seq_lens
@@ -174,13 +180,18 @@ class ModelRunner:
             elif e.logits == "all":
                 logits_rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
         num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else n
+        if patched:  # (flat position, sampled row) pairs of the tokens still being sampled
+            pairs = host[at_patch:size].reshape(2, len(patched))
+            pairs[0] = qsl[1:][patched] - 1
+            pairs[1] = [entries[i].patch_row for i in patched]
         dev_buf = self._to_device(host)
+        self._patches = dev_buf[at_patch:size].view(2, len(patched)) if patched else None
         i32 = torch.int32
         meta = AttentionMetadata(
             slot_mapping=dev_buf[2 * t2:2 * t2 + total],
             query_start_loc=dev_buf[3 * t2:3 * t2 + n + 1].to(i32),
             seq_lens=dev_buf[at_lens:at_lens + n].to(i32),
-            block_tables=dev_buf[at_tables:size].view(n, max_blocks).to(i32),
+            block_tables=dev_buf[at_tables:at_patch].view(n, max_blocks).to(i32),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             num_decode_tokens=num_decodes,
@@ -234,8 +245,14 @@ class ModelRunner:
         return self.model(input_ids, positions, kv_caches, meta)
 
     @torch.inference_mode()
-    def _run(self, entries: list[BatchEntry], kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def _run(self, entries: list[BatchEntry], kv_caches: list[torch.Tensor],
+             prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         input_ids, positions, meta, rows = self.build_batch(entries)
+        if self._patches is not None:
+            if prev_tokens is None:
+                raise ValueError("entries have patch_row set but no prev_tokens were given")
+            positions_to_patch, sampled_rows = self._patches
+            input_ids[positions_to_patch] = prev_tokens[sampled_rows]
         hidden = self.forward(input_ids, positions, meta, kv_caches)
         if not rows:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
@@ -246,8 +263,13 @@ class ModelRunner:
         index = torch.tensor(rows, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, index))
 
-    def execute(self, entries: list[BatchEntry], copies: list[tuple[int, int]]) -> torch.Tensor:
-        """Runs one step; gives float32 logits for the rows `entries` ask for, in entry order."""
+    def execute(self, entries: list[BatchEntry], copies: list[tuple[int, int]],
+                prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs one step; gives float32 logits for the rows `entries` ask for, in entry order.
+
+        `prev_tokens` are the sampled ids of the step still in flight; entries with
+        `patch_row` take their last input token from it on the device.
+        """
         with torch.inference_mode():
             self.copy_blocks(copies)
-        return self._run(entries, self.kv_caches)
+        return self._run(entries, self.kv_caches, prev_tokens)

@@ -40,24 +40,35 @@ class SamplerOutput:
     top_logprobs: list[list[float]] | None = None
 
 
+def _to_device(values: list, device: torch.device, dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """Gives a small host list as a tensor on `device` without waiting for the device's queue.
+
+    `torch.tensor(values, device="cuda")` is a synchronous copy: it waits until
+    every kernel queued before it has run. Built on the host first and copied
+    with `non_blocking`, the copy is staged and queued instead.
+    """
+    tensor = torch.tensor(values, dtype=dtype)
+    return tensor.to(device, non_blocking=True) if device.type == "cuda" else tensor
+
+
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     """Gives `rows` as one [len(rows), max(longest, 1)] long tensor, right-padded with `pad`."""
     width = max(max((len(r) for r in rows), default=0), 1)
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long,
-                        device=device)
+    return _to_device([r + [pad] * (width - len(r)) for r in rows], device, torch.long)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     n, vocab = logits.shape
     dev = logits.device
-    presence = torch.tensor([r.params.presence_penalty for r in rows], device=dev)
-    frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)
-    repetition = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)
+    presence = _to_device([r.params.presence_penalty for r in rows], dev)
+    frequency = _to_device([r.params.frequency_penalty for r in rows], dev)
+    repetition = _to_device([r.params.repetition_penalty for r in rows], dev)
     # one spare column absorbs the padding index
     out_ids = _padded([r.token_ids[r.num_prompt_tokens:] for r in rows], vocab, dev)
     counts = torch.zeros(n, vocab + 1, device=dev).scatter_add_(
         1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))[:, :vocab]
-    if bool((repetition != 1.0).any()):
+    if any(r.params.repetition_penalty != 1.0 for r in rows):
         prompt_ids = _padded([r.token_ids[:r.num_prompt_tokens] for r in rows], vocab, dev)
         seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=dev)
         seen.scatter_(1, prompt_ids, True)
@@ -87,8 +98,21 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Gives the sampled tokens (and logprobs where any row asks) for `rows`."""
+        token_ids = self.sample_ids(logits, rows)
+        # one device-to-host copy per step: the only point where the host waits for the GPU
+        out = SamplerOutput(token_ids=token_ids.tolist())
+        if any(r.params.logprobs is not None or r.num_logprobs for r in rows):
+            self._add_logprobs(out, logits.float(), token_ids, max(r.num_logprobs for r in rows))
+        return out
+
+    def sample_ids(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Gives the sampled token per row as a long tensor on the logits' device.
+
+        Nothing here waits for the GPU: per-row parameters travel with
+        non-blocking copies, so async scheduling can launch a step's sampling
+        and read the tokens back one step later.
+        """
         logits = logits.float()
-        raw = logits
         params = [r.params for r in rows]
         if any(r.banned_token_ids for r in rows):
             logits = logits.clone()
@@ -100,14 +124,8 @@ class Sampler:
             logits = _apply_penalties(logits, rows)
         greedy = [p.greedy or p.beam_width > 1 for p in params]
         if all(greedy):
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = self._sample_random(logits, rows, greedy)
-        # one device-to-host copy per step: the only point where the host waits for the GPU
-        out = SamplerOutput(token_ids=token_ids.tolist())
-        if any(r.params.logprobs is not None or r.num_logprobs for r in rows):
-            self._add_logprobs(out, raw, token_ids, max(r.num_logprobs for r in rows))
-        return out
+            return logits.argmax(dim=-1)
+        return self._sample_random(logits, rows, greedy)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow],
                        greedy: list[bool]) -> torch.Tensor:
@@ -120,16 +138,16 @@ class Sampler:
             # the same float32 divisor as the per-row tensor, so the same quotients
             temperature = torch.full((len(rows),), temperatures[0], device=dev)
         else:
-            temperature = torch.tensor(temperatures, device=dev)
+            temperature = _to_device(temperatures, dev)
         logits = logits / temperature[:, None]
         if any(p.min_p > 0 for p in params):
             probs = logits.softmax(dim=-1)
-            min_p = torch.tensor([p.min_p for p in params], device=dev)
+            min_p = _to_device([p.min_p for p in params], dev)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=dev)
-            top_p = torch.tensor([p.top_p for p in params], device=dev)
+            top_k = _to_device([p.top_k for p in params], dev)
+            top_p = _to_device([p.top_p for p in params], dev)
             logits = _apply_top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(dim=-1)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
@@ -148,7 +166,7 @@ class Sampler:
         if not any(greedy):
             return sampled
         greedy_ids = greedy_logits.argmax(dim=-1)
-        return torch.where(torch.tensor(greedy, device=dev), greedy_ids, sampled)
+        return torch.where(_to_device(greedy, dev), greedy_ids, sampled)
 
     def _add_logprobs(self, out: SamplerOutput, raw: torch.Tensor, token_ids: torch.Tensor,
                       num_logprobs: int) -> None:

@@ -46,6 +46,9 @@ class Sequence:
     beam_candidates: list[tuple[float, int]] | None = None  # (logprob, token) awaiting selection
     generator: Any = None  # torch.Generator of a seeded request's branch
     sched_key: tuple[int, float, int] | None = None  # the scheduler's order, set on first use
+    # >= 0 while the last token id is a placeholder for row `inflight_row` of the step in
+    # flight (async scheduling); the engine replaces it when it reads that step back
+    inflight_row: int = -1
 
     @property
     def num_tokens(self) -> int:

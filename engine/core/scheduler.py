@@ -130,6 +130,8 @@ class Scheduler:
             num_new = len(seq.token_ids) - seq.num_computed_tokens
             if seq.status is not running or num_new == 0:
                 continue  # preempted above, or a beam waiting for its siblings
+            if seq.inflight_row >= 0 and len(seq.token_ids) >= self._max_total_tokens(seq.request):
+                continue  # its token in flight is its last (async scheduling): nothing to run
             if not cfg.enable_chunked_prefill and self._must_wait_whole(num_new, budget):
                 continue
             num_new = min(num_new, budget)

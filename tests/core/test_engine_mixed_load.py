@@ -40,10 +40,11 @@ def draw_params(rng: random.Random, i: int) -> SamplingParams:
     return SamplingParams(**p)
 
 
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
 @pytest.mark.parametrize("seed", [7, 14, 15, 18])
-def test_mixed_requests_on_tight_pools_all_finish(seed):
+def test_mixed_requests_on_tight_pools_all_finish(seed, async_scheduling):
     rng = random.Random(seed)
-    engine = LLMEngine.from_engine_args(EngineArgs(
+    engine = LLMEngine.from_engine_args(EngineArgs(async_scheduling=async_scheduling,
         model="tiny-llama", num_kv_blocks=rng.choice([12, 20, 64]),
         block_size=rng.choice([4, 16]), max_num_batched_tokens=rng.choice([8, 32, 512]),
         enable_prefix_caching=rng.random() < 0.5, enable_chunked_prefill=rng.random() < 0.8,

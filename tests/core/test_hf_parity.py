@@ -20,6 +20,11 @@ CONFIGS = {
                                 num_kv_blocks=14),
     "small-pool-cache-off": dict(enable_prefix_caching=False, max_num_batched_tokens=8192,
                                  num_kv_blocks=14),
+    # async scheduling (the CUDA default) forced on: placeholders patched on the device
+    "small-pool-cache-on-async": dict(enable_prefix_caching=True, max_num_batched_tokens=64,
+                                      num_kv_blocks=14, async_scheduling="on"),
+    "cache-on-chunk16-async": dict(enable_prefix_caching=True, max_num_batched_tokens=16,
+                                   async_scheduling="on"),
 }
 
 
