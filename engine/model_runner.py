@@ -18,6 +18,7 @@ import torch
 from kvpilot.engine.args import EngineArgs, parse_size
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.sampler import to_device
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
@@ -231,8 +232,8 @@ class ModelRunner:
         """Copies whole blocks src -> dst on every layer (copy-on-write before a step writes)."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src = self._index([s for s, _ in copies])
+        dst = self._index([d for _, d in copies])
         for cache in self.kv_caches:
             cache[:, dst] = cache[:, src]
 
@@ -260,8 +261,10 @@ class ModelRunner:
             # every row samples (a decode step): rows are 0..T-1, so skip the gather and its
             # host-to-device copy, which would stall the host until the forward finishes
             return self.model.compute_logits(hidden)
-        index = torch.tensor(rows, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, index))
+        return self.model.compute_logits(hidden.index_select(0, self._index(rows)))
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return to_device(values, self.device, torch.long)
 
     def execute(self, entries: list[BatchEntry], copies: list[tuple[int, int]],
                 prev_tokens: torch.Tensor | None = None) -> torch.Tensor:

@@ -40,8 +40,8 @@ class SamplerOutput:
     top_logprobs: list[list[float]] | None = None
 
 
-def _to_device(values: list, device: torch.device, dtype: torch.dtype | None = None
-               ) -> torch.Tensor:
+def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
     """Gives a small host list as a tensor on `device` without waiting for the device's queue.
 
     `torch.tensor(values, device="cuda")` is a synchronous copy: it waits until
@@ -55,15 +55,15 @@ def _to_device(values: list, device: torch.device, dtype: torch.dtype | None = N
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     """Gives `rows` as one [len(rows), max(longest, 1)] long tensor, right-padded with `pad`."""
     width = max(max((len(r) for r in rows), default=0), 1)
-    return _to_device([r + [pad] * (width - len(r)) for r in rows], device, torch.long)
+    return to_device([r + [pad] * (width - len(r)) for r in rows], device, torch.long)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     n, vocab = logits.shape
     dev = logits.device
-    presence = _to_device([r.params.presence_penalty for r in rows], dev)
-    frequency = _to_device([r.params.frequency_penalty for r in rows], dev)
-    repetition = _to_device([r.params.repetition_penalty for r in rows], dev)
+    presence = to_device([r.params.presence_penalty for r in rows], dev)
+    frequency = to_device([r.params.frequency_penalty for r in rows], dev)
+    repetition = to_device([r.params.repetition_penalty for r in rows], dev)
     # one spare column absorbs the padding index
     out_ids = _padded([r.token_ids[r.num_prompt_tokens:] for r in rows], vocab, dev)
     counts = torch.zeros(n, vocab + 1, device=dev).scatter_add_(
@@ -138,16 +138,16 @@ class Sampler:
             # the same float32 divisor as the per-row tensor, so the same quotients
             temperature = torch.full((len(rows),), temperatures[0], device=dev)
         else:
-            temperature = _to_device(temperatures, dev)
+            temperature = to_device(temperatures, dev)
         logits = logits / temperature[:, None]
         if any(p.min_p > 0 for p in params):
             probs = logits.softmax(dim=-1)
-            min_p = _to_device([p.min_p for p in params], dev)
+            min_p = to_device([p.min_p for p in params], dev)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = _to_device([p.top_k for p in params], dev)
-            top_p = _to_device([p.top_p for p in params], dev)
+            top_k = to_device([p.top_k for p in params], dev)
+            top_p = to_device([p.top_p for p in params], dev)
             logits = _apply_top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(dim=-1)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
@@ -166,7 +166,7 @@ class Sampler:
         if not any(greedy):
             return sampled
         greedy_ids = greedy_logits.argmax(dim=-1)
-        return torch.where(_to_device(greedy, dev), greedy_ids, sampled)
+        return torch.where(to_device(greedy, dev), greedy_ids, sampled)
 
     def _add_logprobs(self, out: SamplerOutput, raw: torch.Tensor, token_ids: torch.Tensor,
                       num_logprobs: int) -> None:
