@@ -160,3 +160,14 @@ def test_async_scheduling_flag_defaults_to_cuda_only():
     assert make_engine("auto").async_scheduling is False  # device cpu
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(async_scheduling="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_cuda_async_outputs_equal_sync_outputs(seed):
+    """On CUDA (graphs, pinned read-back, device-side patches) the two modes agree too."""
+    flags = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3, num_kv_blocks=None)
+    sync, overlap = make_engine("off", **flags), make_engine("on", **flags)
+    assert overlap.async_scheduling and overlap.runner.decode_graphs is not None
+    assert run_workload(overlap, seed) == run_workload(sync, seed)
+    assert overlap.kv.pool.num_free_blocks == overlap.kv.num_blocks
