@@ -3,7 +3,7 @@
 # Order on, off, off, on (ABBA) for each so Triton's warm cache and clocks favour neither side;
 # then HF generate once for c)'s baseline. GPU tests of the engine first.
 # Results: $OUT/summary.txt, $OUT/gpu_runs.json, $OUT/gpu_log.txt.
-#   OUT=/tmp/out bash bench/e2e_gpu_async_ab.sh      # about 7 minutes on one H100
+#   OUT=/tmp/out bash bench/e2e_gpu_async_ab.sh      # about 8 minutes on one H100
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
 for d in operator engine kernels cli; do ln -sfn "$PWD/$d" /tmp/kvp/kvpilot/$d; done
 export PYTHONPATH=/tmp/kvp${PYTHONPATH:+:$PYTHONPATH}
 LOG=$OUT/gpu_log.txt
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/core/test_gpu_engine.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/core/test_gpu_engine.py -rf \
   tests/core/test_async_scheduling.py tests/kernels/test_cuda_graphs.py 2>&1 | tail -15 | tee -a "$LOG"
 run() { # name only mode
   [ $SECONDS -lt 480 ] || { echo "$1 skipped (time)" | tee -a "$LOG"; return; }
@@ -22,7 +22,7 @@ run() { # name only mode
 }
 run c_on1 c on; run c_off1 c off; run c_off2 c off; run c_on2 c on
 run d_on1 d on; run d_off1 d off; run d_off2 d off; run d_on2 d on
-[ $SECONDS -lt 500 ] && timeout 100 python3 bench/e2e_gpu.py --only c --requests 64 --hf-requests 64 \
+[ $SECONDS -lt 480 ] && timeout 240 python3 bench/e2e_gpu.py --only c --requests 64 --hf-requests 64 \
   --out /tmp/res/c_hf >> "$LOG" 2>&1
 python3 - <<'PY' | tee "$OUT/summary.txt"
 import glob, json, os
