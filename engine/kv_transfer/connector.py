@@ -8,11 +8,47 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 
+class PendingRead(Protocol):
+    """Blocks `BlockStore.read` is copying into a host buffer."""
+
+    def ready(self) -> bool:
+        """Gives whether the copy has finished, so `wait` would not block."""
+        ...
+
+    def wait(self) -> list[memoryview]:
+        """Blocks until copied (call without the lock); gives each block's wire data."""
+        ...
+
+    def release(self) -> None:
+        """Gives the host buffer back for reuse, once the data `wait` gave is sent."""
+        ...
+
+
+class ReceiveBuffer(Protocol):
+    """A host buffer for the blocks of one pull, filled as they arrive."""
+
+    def block(self, index: int) -> memoryview:
+        """Gives block `index`'s bytes (`block_bytes` long), writable."""
+        ...
+
+
+class StagedBlocks(Protocol):
+    """Received blocks on their way to the cache (`BlockStore.stage`)."""
+
+    def wait(self) -> None:
+        """Blocks until the cache writes `import_blocks` enqueued have run (without the lock)."""
+        ...
+
+
 class BlockStore(Protocol):
     """The engine's KV cache as the connector sees it: pin, read, probe and import by hash.
 
-    Every method must be called with `lock` held: the engine thread holds it
-    while it steps, so the connector's thread never races a forward pass.
+    The engine thread holds `lock` while it steps. `pin`, `unpin`, `read`,
+    `num_cached_prefix`, `owned_blocks` and `import_blocks` must be called with it
+    held, so the connector's thread never races the engine's bookkeeping; `read` and
+    `import_blocks` only enqueue their copies there (on a GPU), so the lock is held
+    for bookkeeping, not for moving data. `receive_buffer`, `stage` and the waits of
+    what `read` and `stage` give are called without it.
     """
 
     lock: threading.RLock
@@ -26,8 +62,8 @@ class BlockStore(Protocol):
         """Drops the pins `pin` took."""
         ...
 
-    def read(self, handle: Any, hashes: Sequence[int]) -> list[bytes]:
-        """Gives the data of the pinned blocks with these hashes, in order."""
+    def read(self, handle: Any, hashes: Sequence[int]) -> PendingRead:
+        """Starts copying the pinned blocks with these hashes, in order, into a host buffer."""
         ...
 
     def num_cached_prefix(self, hashes: Sequence[int]) -> int:
@@ -38,10 +74,19 @@ class BlockStore(Protocol):
         """Gives how many blocks something holds (requests or leases): 0 when idle."""
         ...
 
-    def import_blocks(self, blocks: Sequence[tuple[int, bytes | memoryview]],
-                      prefix_hashes: Sequence[int] = ()) -> int:
-        """Writes blocks into free slots as cached (keeping `prefix_hashes` cached meanwhile);
-        gives how many it wrote."""
+    def receive_buffer(self, num_blocks: int) -> ReceiveBuffer:
+        """Gives a host buffer for `num_blocks` incoming blocks (no lock)."""
+        ...
+
+    def stage(self, buffer: ReceiveBuffer, start: int, hashes: Sequence[int]) -> StagedBlocks:
+        """Starts moving blocks `start..` of `buffer`, which hold `hashes`, toward the cache's
+        device (no lock)."""
+        ...
+
+    def import_blocks(self, staged: StagedBlocks, prefix_hashes: Sequence[int] = ()) -> int:
+        """Writes staged blocks into free slots as cached (keeping `prefix_hashes` cached
+        meanwhile), skipping those already cached; only the leading ones that fit go in.
+        Gives how many it wrote."""
         ...
 
 

@@ -3,6 +3,22 @@
 A block's data on the wire is every layer's K and V for that block, layer-major:
 [num_layers, 2, block_size, num_kv_heads, head_dim] in the cache dtype, copied
 through host memory so CPU and GPU engines interoperate.
+
+The engine lock is held only to look blocks up and to *enqueue* copies:
+
+- read (prefill side): under the lock, the pinned blocks' ids are resolved and
+  one gather per layer plus one device-to-host copy into a reusable host buffer
+  (pinned on CUDA) are enqueued on a side stream, ordered after the engine's
+  stream; the agent waits for the copy's event off the lock and sends
+  memoryviews of that buffer.
+- import (decode side): the agent receives every block into one host buffer
+  (pinned on CUDA) and `stage` copies it to the device on a side stream, both
+  without the lock; under the lock only the pool bookkeeping runs and one
+  `index_copy_` per layer is enqueued, on the engine's stream (after waiting for
+  the side stream), so the write lands after any step already in flight there.
+
+On CPU every copy is synchronous: the same code runs, the "enqueued" copies run
+at once (the gather and the per-layer `index_copy_` under the lock).
 """
 
 from __future__ import annotations
@@ -16,6 +32,64 @@ import torch
 from kvpilot.engine.block_hash import hash_prompt_blocks
 from kvpilot.engine.core.block_pool import KVCacheBlock
 
+READ_BUFFER_BLOCKS = 32  # blocks per reusable host buffer of `read` (tcp.py reads 32 at a time)
+SPARE_READ_BUFFERS = 4  # host buffers kept for reuse; more in flight at once are dropped after
+
+
+class PendingRead:
+    """Blocks being copied into a host buffer; `wait` gives their data, `release` recycles it."""
+
+    def __init__(self, store: EngineBlockStore, buffer: torch.Tensor, count: int,
+                 event: Any) -> None:
+        self._store, self._buffer, self._count, self._event = store, buffer, count, event
+
+    def ready(self) -> bool:
+        """Gives whether the copy has finished (`wait` would not block)."""
+        return self._event is None or self._event.query()
+
+    def wait(self) -> list[memoryview]:
+        """Blocks until the copy has finished (call without the lock); gives each block's data.
+
+        The views alias the host buffer: use them before `release`.
+        """
+        if self._event is not None:
+            self._event.synchronize()
+        size = self._store.block_bytes
+        data = memoryview(self._buffer.view(-1).numpy())
+        return [data[i * size:(i + 1) * size] for i in range(self._count)]
+
+    def release(self) -> None:
+        """Gives the host buffer back for reuse; the views `wait` gave must not be used after."""
+        if self._buffer is not None:
+            self._store._recycle(self._buffer)
+            self._buffer = None  # type: ignore[assignment]
+
+
+class ReceiveBuffer:
+    """One host buffer (pinned on CUDA) for the blocks of one pull, block i at row i."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor  # uint8 [num_blocks, block_bytes]
+        self._view = memoryview(tensor.view(-1).numpy())
+        self._size = tensor.shape[1]
+
+    def block(self, index: int) -> memoryview:
+        """Gives block `index`'s bytes, writable."""
+        return self._view[index * self._size:(index + 1) * self._size]
+
+
+class StagedBlocks:
+    """Blocks on their way to the cache's device (uint8 [n, block_bytes]) and their hashes."""
+
+    def __init__(self, hashes: list[int], data: torch.Tensor, copied: Any) -> None:
+        self.hashes, self.data, self.copied = hashes, data, copied
+        self.written: Any = None  # event after the cache writes, recorded by import_blocks
+
+    def wait(self) -> None:
+        """Blocks until `import_blocks`' writes into the cache have run (call without the lock)."""
+        if self.written is not None:
+            self.written.synchronize()
+
 
 class EngineBlockStore:
     """Pins, reads and imports blocks of one engine by content hash."""
@@ -27,8 +101,20 @@ class EngineBlockStore:
         self.block_bytes: int = engine.runner.bytes_per_block
         self.lock = threading.RLock()
         first = self.caches[0]
+        self.device = first.device
         self._shape = (len(self.caches), 2, *first.shape[2:])
         self._dtype = first.dtype
+        self._cuda = first.is_cuda
+        # The engine enqueues its steps on this thread's current stream (the default one);
+        # imported cache writes go there too, so they are ordered after any step in flight.
+        # An engine that steps on another stream must set `engine_stream` to it.
+        self.engine_stream = torch.cuda.current_stream(self.device) if self._cuda else None
+        self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        self._last_read: Any = None  # event of the last read enqueued on the side stream
+        self._spare: list[torch.Tensor] = []
+        self._spare_lock = threading.Lock()
+
+    # ---- with the lock held -------------------------------------------------------------
 
     def pin(self, token_ids: Sequence[int]) -> tuple[list[int], list[KVCacheBlock]]:
         """Gives (hashes, blocks) of the prompt's cached leading full blocks, now pinned."""
@@ -48,18 +134,44 @@ class EngineBlockStore:
         return blocks
 
     def unpin(self, handle: list[KVCacheBlock]) -> None:
-        """Drops the pins, tail first so the prompt's head stays cached longest."""
+        """Drops the pins, tail first so the prompt's head stays cached longest.
+
+        On CUDA the engine's stream first waits for the reads enqueued so far (no host
+        wait), so a step that reuses a freed block cannot overwrite it before a read of
+        it still in flight (a lease expiring mid-transfer) has run.
+        """
+        if self._last_read is not None:
+            self.engine_stream.wait_event(self._last_read)
         self.pool.free(handle[::-1])
 
-    def read(self, handle: list[KVCacheBlock], hashes: Sequence[int]) -> list[bytes]:
-        """Gives the wire data of the pinned blocks with these hashes."""
+    def read(self, handle: list[KVCacheBlock], hashes: Sequence[int]) -> PendingRead:
+        """Enqueues the copy of the pinned blocks with these hashes into a host buffer.
+
+        One gather per layer into a device tensor laid out [n, layers, 2, block_size,
+        kv_heads, head_dim] (the wire layout, block after block), then one copy to the
+        host buffer, on the side stream after what the engine's stream has enqueued.
+        """
         by_hash = {b.block_hash: b for b in handle}
-        out = []
-        for block_hash in hashes:
-            block_id = by_hash[block_hash].block_id
-            data = torch.stack([cache[:, block_id] for cache in self.caches]).cpu()
-            out.append(data.contiguous().view(torch.uint8).numpy().tobytes())
-        return out
+        ids = [by_hash[h].block_id for h in hashes]
+        buffer = self._host_buffer(len(ids))
+        out = buffer[:len(ids)].view(self._dtype).view(len(ids), *self._shape)
+        if not self._cuda:
+            self._gather(torch.tensor(ids), out)
+            return PendingRead(self, buffer, len(ids), None)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+            index = _to_device(ids, self.device)
+            self._side.wait_stream(self.engine_stream)
+            staging = torch.empty(out.shape, dtype=self._dtype, device=self.device)
+            self._gather(index, staging)
+            out.copy_(staging, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._side)
+        self._last_read = event
+        return PendingRead(self, buffer, len(ids), event)
+
+    def _gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        torch.stack([cache.index_select(1, index).transpose(0, 1) for cache in self.caches],
+                    dim=1, out=out)
 
     def owned_blocks(self) -> int:
         """Gives how many blocks have a reference (running requests or leases)."""
@@ -69,33 +181,97 @@ class EngineBlockStore:
         """Gives how many leading hashes the prefix cache holds."""
         return len(self._cached_prefix(hashes))
 
-    def import_blocks(self, blocks: Sequence[tuple[int, bytes | memoryview]],
-                      prefix_hashes: Sequence[int] = ()) -> int:
-        """Writes blocks into free slots as cached, unowned blocks; gives how many it wrote.
+    def import_blocks(self, staged: StagedBlocks, prefix_hashes: Sequence[int] = ()) -> int:
+        """Writes staged blocks into free slots as cached, unowned blocks; gives how many.
 
         They join the free queue's tail like a finished request's blocks, so the
         request that follows finds them as prefix hits. Blocks already cached are
         skipped; when the pool is short, only the leading blocks that fit go in.
         The locally cached `prefix_hashes` are pinned meanwhile, so allocating
-        room for the new blocks cannot evict the prefix they extend.
+        room for the new blocks cannot evict the prefix they extend. The data is
+        written by one `index_copy_` per layer, enqueued on the engine's stream.
         """
         held = [b for b in (self.pool.lookup(h) for h in prefix_hashes) if b is not None]
         self.pool.touch(held)
         try:
-            new = [(h, d) for h, d in blocks if self.pool.lookup(h) is None]
-            new = new[:self.pool.num_free_blocks]
-            if new:
-                self._write(new)
+            rows = [i for i, h in enumerate(staged.hashes) if self.pool.lookup(h) is None]
+            rows = rows[:self.pool.num_free_blocks]
+            if rows:
+                self._write(staged, rows)
         finally:
             self.pool.free(held[::-1])
-        return len(new)
+        return len(rows)
 
-    def _write(self, new: list[tuple[int, bytes | memoryview]]) -> None:
-        slots = self.pool.allocate(len(new))
-        for slot, (block_hash, data) in zip(slots, new, strict=True):
-            tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            tensor = tensor.view(self._dtype).view(self._shape)
-            for layer, cache in enumerate(self.caches):
-                cache[:, slot.block_id].copy_(tensor[layer], non_blocking=False)
-            self.pool.cache(slot, block_hash)
-        self.pool.free(slots[::-1])
+    def _write(self, staged: StagedBlocks, rows: list[int]) -> None:
+        slots = self.pool.allocate(len(rows))
+        try:
+            if self._cuda:
+                with torch.cuda.device(self.device), torch.cuda.stream(self.engine_stream):
+                    self.engine_stream.wait_event(staged.copied)
+                    staged.data.record_stream(self.engine_stream)
+                    self._scatter(staged, rows, [s.block_id for s in slots])
+                    staged.written = torch.cuda.Event()
+                    staged.written.record(self.engine_stream)
+            else:
+                self._scatter(staged, rows, [s.block_id for s in slots])
+            for slot, row in zip(slots, rows, strict=True):
+                self.pool.cache(slot, staged.hashes[row])
+        finally:
+            self.pool.free(slots[::-1])
+
+    def _scatter(self, staged: StagedBlocks, rows: list[int], block_ids: list[int]) -> None:
+        data = staged.data.view(self._dtype).view(len(staged.hashes), *self._shape)
+        if len(rows) != len(staged.hashes):
+            data = data.index_select(0, _to_device(rows, self.device))
+        index = _to_device(block_ids, self.device)
+        for layer, cache in enumerate(self.caches):
+            cache.index_copy_(1, index, data[:, layer].transpose(0, 1))
+
+    # ---- without the lock ---------------------------------------------------------------
+
+    def receive_buffer(self, num_blocks: int) -> ReceiveBuffer:
+        """Gives a host buffer (pinned on CUDA) for `num_blocks` incoming blocks."""
+        return ReceiveBuffer(torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8,
+                                         pin_memory=self._cuda))
+
+    def stage(self, buffer: ReceiveBuffer, start: int, hashes: Sequence[int]) -> StagedBlocks:
+        """Starts copying blocks start.. of `buffer` (they hold `hashes`) to the cache's device.
+
+        On CUDA the copy is enqueued on the side stream; `import_blocks` orders the
+        cache writes after it. On CPU the buffer's rows are used as they are.
+        """
+        rows = buffer.tensor[start:start + len(hashes)]
+        if not self._cuda:
+            return StagedBlocks(list(hashes), rows, None)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+            data = rows.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._side)
+        return StagedBlocks(list(hashes), data, copied)
+
+    # ---- host buffers of `read` ---------------------------------------------------------
+
+    def _host_buffer(self, num_blocks: int) -> torch.Tensor:
+        """Gives a uint8 [>= num_blocks, block_bytes] host buffer, reused when one is spare."""
+        if num_blocks <= READ_BUFFER_BLOCKS:
+            with self._spare_lock:
+                if self._spare:
+                    return self._spare.pop()
+            num_blocks = READ_BUFFER_BLOCKS
+        return torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8,
+                           pin_memory=self._cuda)
+
+    def _recycle(self, buffer: torch.Tensor) -> None:
+        if buffer.shape[0] != READ_BUFFER_BLOCKS:
+            return
+        with self._spare_lock:
+            if len(self._spare) < SPARE_READ_BUFFERS:
+                self._spare.append(buffer)
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """Gives an int64 index tensor on `device`; on CUDA copied from pinned memory, no host sync."""
+    index = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)

@@ -4,9 +4,10 @@ One agent per engine serves both conversations of protocol.py: as a prefill
 agent it answers FETCH (lease's hashes), WANT (stream the blocks) and RELEASE;
 as a decode agent it answers the router's PULL by fetching from the prefill
 agent, checking every block's checksum, and importing the blocks into the
-engine's prefix cache. Blocks are buffered until END and imported in one locked
-step, so a peer that vanishes mid-transfer leaves nothing allocated here; on
-the prefill side the lease expires and unpins.
+engine's prefix cache. Blocks are buffered in host memory until END, then
+imported (the lock held only for the pool bookkeeping and enqueueing the
+cache writes), so a peer that vanishes mid-transfer leaves nothing allocated
+here; on the prefill side the lease expires and unpins.
 """
 
 from __future__ import annotations
@@ -19,8 +20,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvpilot.engine.kv_transfer.connector import BlockStore, KVConnector
-from kvpilot.engine.kv_transfer.leases import LeaseTable
+from kvpilot.engine.kv_transfer.connector import (
+    BlockStore,
+    KVConnector,
+    PendingRead,
+    ReceiveBuffer,
+)
+from kvpilot.engine.kv_transfer.leases import Lease, LeaseTable
 from kvpilot.engine.kv_transfer.protocol import (
     Frame,
     ProtocolError,
@@ -33,7 +39,8 @@ from kvpilot.engine.kv_transfer.protocol import (
 
 log = logging.getLogger("kvpilot.kv_transfer")
 EXPIRY_TICK = 0.5
-READ_CHUNK_BLOCKS = 32
+READ_CHUNK_BLOCKS = 32  # blocks per locked read on the prefill side
+IMPORT_GROUP_BYTES = 256 * 2**20  # received bytes staged on the device per locked import
 
 
 class TcpConnector(KVConnector):
@@ -111,19 +118,37 @@ class TcpConnector(KVConnector):
         unknown = set(wanted) - set(lease.hashes)
         if unknown:
             raise ProtocolError(f"WANT names {len(unknown)} hashes outside lease {lease_id}")
-        # A few blocks per lock hold: the engine steps in between, memory stays flat, and a
-        # long prompt streams instead of being copied whole first.
-        for start in range(0, len(wanted), READ_CHUNK_BLOCKS):
-            chunk = wanted[start:start + READ_CHUNK_BLOCKS]
-            with self.store.lock:
-                datas = self.store.read(lease.pinned, chunk)
+        # A few blocks per lock hold, which only enqueues their copy to host memory: the
+        # engine steps in between, memory stays flat, and a long prompt streams. The next
+        # chunk's copy runs while this one is sent. drain() returns once the transport has
+        # handed every byte to the kernel, so a host buffer is never reused while queued.
+        writer.transport.set_write_buffer_limits(high=0)
+        chunks = [wanted[i:i + READ_CHUNK_BLOCKS] for i in range(0, len(wanted),
+                                                                 READ_CHUNK_BLOCKS)]
+        pending: list[PendingRead] = []
+        for index, chunk in enumerate(chunks):
+            if not pending:
+                pending.append(self._read(lease, chunk))
+            if index + 1 < len(chunks):
+                pending.append(self._read(lease, chunks[index + 1]))
+            read = pending[0]
+            datas = read.wait() if read.ready() else await asyncio.to_thread(read.wait)
             for block_hash, data in zip(chunk, datas, strict=True):
-                writer.writelines(encode_block(block_hash, data))
+                for part in encode_block(block_hash, data):
+                    writer.write(part)
                 await writer.drain()
+            pending.pop(0).release()
         writer.write(encode(Frame.END))
         await writer.drain()
         await expect(reader, Frame.RELEASE)
         self._release(lease_id)
+
+    def _read(self, lease: Lease[Any], hashes: list[int]) -> PendingRead:
+        """Starts copying a chunk of a live lease's blocks (under the lock, enqueue only)."""
+        with self.store.lock:
+            if self.leases.get(lease.lease_id, time.monotonic()) is not lease:
+                raise ProtocolError(f"lease {lease.lease_id!r} expired mid-transfer")
+            return self.store.read(lease.pinned, hashes)
 
     def _release(self, lease_id: str) -> None:
         with self.store.lock:
@@ -158,9 +183,15 @@ class TcpConnector(KVConnector):
             with self.store.lock:
                 have = self.store.num_cached_prefix(hashes)
             wanted = hashes[have:]
+            size = self.store.block_bytes
+            if wanted and lease["block_bytes"] != size:
+                raise ProtocolError(f"the peer's blocks are {lease['block_bytes']} bytes, this "
+                                    f"engine's {size}: a different model, dtype or block size")
             writer.write(encode(Frame.WANT, {"hashes": wanted}))
             await writer.drain()
-            blocks: list[tuple[int, memoryview]] = []
+            # Buffered until END outside the lock: a peer that vanishes leaves nothing allocated.
+            buffer = self.store.receive_buffer(len(wanted))
+            count = 0
             while True:
                 frame, payload = await read_frame(reader)
                 if frame is Frame.END:
@@ -168,11 +199,11 @@ class TcpConnector(KVConnector):
                 if frame is not Frame.BLOCK:
                     raise ProtocolError(f"expected BLOCK or END, got {frame.name}")
                 block_hash, data = decode_block(payload)
-                if block_hash != wanted[len(blocks)] or len(data) != lease["block_bytes"]:
-                    raise ProtocolError(f"block {len(blocks)} is not the one asked for")
-                blocks.append((block_hash, data))
-            with self.store.lock:
-                imported = self.store.import_blocks(blocks, hashes[:have])
+                if count >= len(wanted) or block_hash != wanted[count] or len(data) != size:
+                    raise ProtocolError(f"block {count} is not the one asked for")
+                buffer.block(count)[:] = data
+                count += 1
+            imported = await self._import(buffer, hashes[:have], wanted[:count])
             writer.write(encode(Frame.RELEASE, {"lease_id": lease_id}))
             await writer.drain()
             return {"imported": imported, "skipped": have, "blocks": len(hashes)}
@@ -180,6 +211,26 @@ class TcpConnector(KVConnector):
             writer.close()
             with contextlib.suppress(OSError, ConnectionError):
                 await writer.wait_closed()
+
+    async def _import(self, buffer: ReceiveBuffer, prefix: list[int], hashes: list[int]) -> int:
+        """Imports received blocks after the cached `prefix`; gives how many went in.
+
+        Each group is copied toward the device without the lock; the lock is held only
+        for the pool bookkeeping and enqueueing the cache writes. Groups bound the device
+        memory a long prompt's staging takes; a group that did not fit ends the import.
+        """
+        group = max(1, IMPORT_GROUP_BYTES // self.store.block_bytes)
+        imported = 0
+        for start in range(0, len(hashes), group):
+            end = min(start + group, len(hashes))
+            staged = self.store.stage(buffer, start, hashes[start:end])
+            with self.store.lock:
+                imported += self.store.import_blocks(staged, [*prefix, *hashes[:start]])
+                last = end == len(hashes)
+                if last or self.store.num_cached_prefix(hashes[start:end]) < end - start:
+                    break  # done, or the pool is full: later blocks would not extend the prefix
+            await asyncio.to_thread(staged.wait)  # one group's staging on the device at a time
+        return imported
 
     # ---- dispatch ---------------------------------------------------------------------
 

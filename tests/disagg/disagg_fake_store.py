@@ -55,9 +55,9 @@ class FakeStore:
             if not self.pins[h]:
                 del self.pins[h]
 
-    def read(self, handle: list[int], hashes: Sequence[int]) -> list[bytes]:
+    def read(self, handle: list[int], hashes: Sequence[int]) -> FakeRead:
         assert set(hashes) <= set(handle), "read of an unpinned block"
-        return [self.blocks[h] for h in hashes]
+        return FakeRead([self.blocks[h] for h in hashes])
 
     def num_cached_prefix(self, hashes: Sequence[int]) -> int:
         count = 0
@@ -67,8 +67,48 @@ class FakeStore:
             count += 1
         return count
 
-    def import_blocks(self, blocks, prefix_hashes=()) -> int:
+    def receive_buffer(self, num_blocks: int) -> FakeBuffer:
+        return FakeBuffer(num_blocks, self.block_bytes)
+
+    def stage(self, buffer: FakeBuffer, start: int, hashes: Sequence[int]) -> FakeStaged:
+        return FakeStaged([(h, bytes(buffer.block(start + i))) for i, h in enumerate(hashes)])
+
+    def import_blocks(self, staged: FakeStaged, prefix_hashes=()) -> int:
         room = self.capacity - len(self.blocks)
-        new = [(h, bytes(d)) for h, d in blocks if h not in self.blocks][:max(room, 0)]
+        new = [(h, d) for h, d in staged.blocks if h not in self.blocks][:max(room, 0)]
         self.blocks.update(new)
         return len(new)
+
+
+class FakeRead:
+    """Data that is ready at once."""
+
+    def __init__(self, data: list[bytes]) -> None:
+        self.data = data
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> list[memoryview]:
+        return [memoryview(d) for d in self.data]
+
+    def release(self) -> None:
+        pass
+
+
+class FakeBuffer:
+    """A bytearray of `num_blocks` blocks."""
+
+    def __init__(self, num_blocks: int, block_bytes: int) -> None:
+        self.data, self.size = bytearray(num_blocks * block_bytes), block_bytes
+
+    def block(self, index: int) -> memoryview:
+        return memoryview(self.data)[index * self.size:(index + 1) * self.size]
+
+
+class FakeStaged:
+    def __init__(self, blocks: list[tuple[int, bytes]]) -> None:
+        self.blocks = blocks
+
+    def wait(self) -> None:
+        pass

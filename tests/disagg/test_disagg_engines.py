@@ -91,6 +91,16 @@ def test_disaggregated_equals_aggregated(engines, name, prompt, decode_warmup, i
     assert wait_for_free_blocks(prefill, NUM_BLOCKS, 2) == NUM_BLOCKS
 
 
+def import_data(store, blocks: list[tuple[int, bytes]]) -> int:
+    """Imports (hash, data) blocks the way the decode agent does; gives how many went in."""
+    buffer = store.receive_buffer(len(blocks))
+    for index, (_, data) in enumerate(blocks):
+        buffer.block(index)[:] = data
+    staged = store.stage(buffer, 0, [h for h, _ in blocks])
+    with store.lock:
+        return store.import_blocks(staged)
+
+
 def test_corrupt_kv_changes_the_answer(engines):
     # The equality above is only meaningful if imported KV is actually used.
     both, _, decode = engines
@@ -99,8 +109,7 @@ def test_corrupt_kv_changes_the_answer(engines):
     store = decode.connector.store
     hashes = hash_prompt_blocks(prompt, BLOCK)
     noise = bytes(range(256)) * (store.block_bytes // 256)
-    with store.lock:
-        assert store.import_blocks([(h, noise) for h in hashes]) == 3
+    assert import_data(store, [(h, noise) for h in hashes]) == 3
     assert run(decode, "dec-corrupt", prompt).outputs[0].token_ids != expected
 
 
@@ -131,7 +140,10 @@ def test_gpu_blocks_round_trip_bit_exact():
     src, dst = EngineBlockStore(source), EngineBlockStore(target)
     hashes, pinned = src.pin(prompt)
     assert len(hashes) == 4
-    assert dst.import_blocks(list(zip(hashes, src.read(pinned, hashes), strict=True))) == 4
+    read = src.read(pinned, hashes)
+    assert import_data(dst, list(zip(hashes, read.wait(), strict=True))) == 4
+    read.release()
+    torch.cuda.synchronize()
     for block_hash in hashes:
         a = source.kv.pool.lookup(block_hash).block_id
         b = target.kv.pool.lookup(block_hash).block_id

@@ -1,0 +1,299 @@
+"""EngineBlockStore over real per-layer KV tensors: bit-exact read -> import for every cache
+dtype, the wire layout, multi-block chunks and import groups, and what runs under the lock
+(enqueueing a constant number of ops, never a copy per block)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from disagg_fake_store import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvpilot.engine.block_hash import hash_prompt_blocks
+from kvpilot.engine.core.block_pool import BlockPool
+from kvpilot.engine.kv_transfer import engine_store, tcp
+from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
+from kvpilot.engine.kv_transfer.protocol import ProtocolError, request_pull
+from kvpilot.engine.kv_transfer.tcp import TcpConnector
+
+BLOCK, LAYERS, KV_HEADS, HEAD_DIM = 4, 3, 2, 8
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+BITS = {2: torch.int16, 4: torch.int32}
+
+
+def make_store(num_blocks: int, dtype: torch.dtype = torch.float16, device: str = "cpu",
+               seed: int = 0) -> EngineBlockStore:
+    """Gives a store over a bare pool and per-layer caches full of random bit patterns."""
+    generator = torch.Generator().manual_seed(seed)
+    bits = BITS[torch.tensor([], dtype=dtype).element_size()]
+    shape = (2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    caches = [torch.randint(-2**31, 2**31 - 1, shape, generator=generator, dtype=torch.int64)
+              .to(bits).view(dtype).to(device) for _ in range(LAYERS)]
+    block_bytes = caches[0][:, 0].numel() * caches[0].element_size() * LAYERS
+    engine = SimpleNamespace(kv=SimpleNamespace(pool=BlockPool(num_blocks)),
+                             runner=SimpleNamespace(kv_caches=caches, bytes_per_block=block_bytes),
+                             engine_args=SimpleNamespace(block_size=BLOCK))
+    return EngineBlockStore(engine)
+
+
+def prompt(num_blocks: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + num_blocks * BLOCK + 1))  # plus one partial token
+
+
+def compute(store: EngineBlockStore, tokens: list[int], seed: int = 1) -> list[int]:
+    """Plays a prefill: caches the prompt's full blocks in shuffled slots; gives their hashes."""
+    pool = store.pool
+    everything = pool.allocate(pool.num_free_blocks)
+    random.Random(seed).shuffle(everything)
+    pool.free(everything)
+    hashes = hash_prompt_blocks(tokens, BLOCK)
+    blocks = pool.allocate(len(hashes))
+    for block, block_hash in zip(blocks, hashes, strict=True):
+        pool.cache(block, block_hash)
+    pool.free(blocks[::-1])
+    return hashes
+
+
+def block_bits(store: EngineBlockStore, block_hash: int) -> torch.Tensor:
+    block_id = store.pool.lookup(block_hash).block_id
+    bits = BITS[store.caches[0].element_size()]
+    return torch.stack([cache[:, block_id].view(bits).cpu() for cache in store.caches])
+
+
+def import_data(store: EngineBlockStore, hashes: list[int], datas, prefix=()) -> int:
+    buffer = store.receive_buffer(len(hashes))
+    for index, data in enumerate(datas):
+        buffer.block(index)[:] = data
+    staged = store.stage(buffer, 0, hashes)
+    with store.lock:
+        imported = store.import_blocks(staged, prefix)
+    staged.wait()
+    return imported
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk", [1, 7, 32, 40])  # 40 > the reusable buffer's 32 blocks
+def test_read_then_import_is_bit_exact(dtype, device, chunk):
+    src, dst = make_store(48, dtype, device, seed=0), make_store(48, dtype, device, seed=9)
+    tokens = prompt(40)
+    compute(src, tokens)
+    with src.lock:
+        hashes, pinned = src.pin(tokens)
+    assert len(hashes) == 40
+    datas = []
+    for start in range(0, 40, chunk):
+        with src.lock:
+            read = src.read(pinned, hashes[start:start + chunk])
+        datas += [bytes(view) for view in read.wait()]
+        read.release()
+    for block_hash, data in zip(hashes, datas, strict=True):
+        # the wire layout is layer-major [layers, 2, block_size, kv_heads, head_dim]
+        block_id = src.pool.lookup(block_hash).block_id
+        wire = torch.stack([cache[:, block_id] for cache in src.caches]).cpu()
+        assert data == wire.contiguous().view(torch.uint8).numpy().tobytes()
+    assert import_data(dst, hashes, datas) == 40
+    for block_hash in hashes:
+        assert torch.equal(block_bits(src, block_hash), block_bits(dst, block_hash))
+    with src.lock:
+        src.unpin(pinned)
+    assert src.owned_blocks() == 0 and dst.owned_blocks() == 0
+
+
+def test_import_skips_cached_blocks_and_keeps_their_data():
+    src, dst = make_store(16), make_store(16, seed=5)
+    tokens = prompt(6)
+    hashes = compute(src, tokens)
+    compute(dst, prompt(2, start=1000))  # the same first 2 blocks, other (stale) contents
+    before = [block_bits(dst, h) for h in hashes[:2]]
+    with src.lock:
+        _, pinned = src.pin(tokens)
+        read = src.read(pinned, hashes)
+    assert import_data(dst, hashes, read.wait()) == 4
+    assert [torch.equal(block_bits(dst, h), b) for h, b in zip(hashes, before, strict=False)] \
+        == [True, True]
+    for block_hash in hashes[2:]:
+        assert torch.equal(block_bits(src, block_hash), block_bits(dst, block_hash))
+
+
+def test_read_reuses_its_host_buffer():
+    store = make_store(16)
+    hashes = compute(store, prompt(8))
+    with store.lock:
+        _, pinned = store.pin(prompt(8))
+    addresses = []
+    for _ in range(3):
+        with store.lock:
+            read = store.read(pinned, hashes)
+        addresses.append(np.frombuffer(read.wait()[0], np.uint8).ctypes.data)
+        read.release()
+    assert len(set(addresses)) == 1
+
+
+class CountingLock:
+    """An RLock that records, per outermost hold, its duration and the torch ops run in it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0
+        self.holds: list[tuple[float, int]] = []  # (seconds, aten ops)
+
+    def __enter__(self) -> CountingLock:
+        self._lock.acquire()
+        self._depth += 1
+        if self._depth == 1:
+            self._ops = _OpCounter()
+            self._ops.__enter__()
+            self._since = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            seconds = time.perf_counter() - self._since
+            self._ops.__exit__(None, None, None)
+            self.holds.append((seconds, self._ops.count))
+        self._lock.release()
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+async def pull_between(src: EngineBlockStore, dst: EngineBlockStore, tokens: list[int]):
+    """Offers `tokens` on an agent over `src`, pulls it into `dst`; gives DONE."""
+    prefill = TcpConnector(src, "127.0.0.1", 0)
+    decode = TcpConnector(dst, "127.0.0.1", 0)
+    prefill.start()
+    decode.start()
+    try:
+        with src.lock:
+            prefill.offer("cmpl-1", tokens)
+        return await request_pull(("127.0.0.1", decode.port), ("127.0.0.1", prefill.port),
+                                  "cmpl-1", timeout=10)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+async def test_pull_between_engine_stores_chunks_and_groups(dtype, monkeypatch):
+    monkeypatch.setattr(tcp, "READ_CHUNK_BLOCKS", 4)  # 9 chunks, two in flight at a time
+    src, dst = make_store(48, dtype), make_store(48, dtype, seed=3)
+    monkeypatch.setattr(tcp, "IMPORT_GROUP_BYTES", 3 * dst.block_bytes)  # 12 groups
+    tokens = prompt(40)
+    hashes = compute(src, tokens)
+    with src.lock, dst.lock:  # the decode side already holds the first 5 blocks
+        _, pinned = src.pin(tokens[:5 * BLOCK])
+        read = src.read(pinned, hashes[:5])
+        src.unpin(pinned)
+    assert import_data(dst, hashes[:5], read.wait()) == 5
+    done = await pull_between(src, dst, tokens)
+    assert done == {"imported": 35, "skipped": 5, "blocks": 40}
+    for block_hash in hashes:
+        assert torch.equal(block_bits(src, block_hash), block_bits(dst, block_hash))
+    assert src.owned_blocks() == 0 and dst.owned_blocks() == 0
+
+
+async def test_lock_holds_do_not_grow_with_the_blocks_moved():
+    """Under the lock only bookkeeping and a constant number of enqueued ops per hold run:
+    the import does one index_copy_ per layer (not a copy per block and layer), a read one
+    gather per layer; receiving and staging happen outside. Pulls of 8 and 40 blocks (one
+    read, two reads of up to 32) must run the same torch ops under each lock hold."""
+    ops: dict[int, tuple[list[int], list[int]]] = {}
+    for num_blocks in (8, 40):
+        src, dst = make_store(48), make_store(48, seed=2)
+        src.lock, dst.lock = CountingLock(), CountingLock()
+        tokens = prompt(num_blocks)
+        compute(src, tokens)
+        done = await pull_between(src, dst, tokens)
+        assert done["imported"] == num_blocks
+        ops[num_blocks] = ([n for _, n in src.lock.holds if n],
+                           [n for _, n in dst.lock.holds if n])
+    prefill_small, decode_small = ops[8]
+    prefill_large, decode_large = ops[40]
+    assert (len(prefill_small), len(prefill_large), len(decode_small)) == (1, 2, 1)
+    assert decode_small == decode_large
+    assert max(decode_large) <= 6 * LAYERS + 20
+    assert set(prefill_small) == set(prefill_large)  # each read: the same ops, whatever the size
+    assert max(prefill_large) <= 4 * LAYERS + 20
+
+
+@pytest.mark.parametrize("group_blocks", [2, 4, 1000])
+def test_short_pool_takes_the_leading_blocks_that_fit(group_blocks, monkeypatch):
+    src, dst = make_store(16), make_store(7, seed=4)
+    running = dst.pool.allocate(1)  # a running request: 6 blocks free
+    tokens = prompt(10)
+    hashes = compute(src, tokens)
+    with src.lock:
+        _, pinned = src.pin(tokens)
+        datas = [bytes(v) for v in src.read(pinned, hashes).wait()]
+    connector = TcpConnector(dst, "127.0.0.1", 0)
+    monkeypatch.setattr(tcp, "IMPORT_GROUP_BYTES", group_blocks * dst.block_bytes)
+    buffer = dst.receive_buffer(10)
+    for index, data in enumerate(datas):
+        buffer.block(index)[:] = data
+    import asyncio
+
+    assert asyncio.run(connector._import(buffer, [], hashes)) == 6
+    assert dst.num_cached_prefix(hashes) == 6
+    for block_hash in hashes[:6]:
+        assert torch.equal(block_bits(src, block_hash), block_bits(dst, block_hash))
+    dst.pool.free(running)
+
+
+def test_read_of_an_expired_lease_fails_instead_of_sending():
+    store = FakeStore()
+    tokens = list(range(1, 42))
+    store.compute(tokens)
+    agent = TcpConnector(store, "127.0.0.1", 0, lease_seconds=30)
+    with store.lock:
+        agent.offer("cmpl-1", tokens)
+    lease = agent.leases.get("cmpl-1", time.monotonic())
+    assert agent._read(lease, lease.hashes[:2]).wait()
+    with store.lock:
+        for expired in agent.leases.expire(float("inf")):
+            store.unpin(expired.pinned)
+    with pytest.raises(ProtocolError, match="expired mid-transfer"):
+        agent._read(lease, lease.hashes[:2])
+
+
+async def test_block_size_mismatch_is_a_clean_error():
+    prefill_store, decode_store = FakeStore(block_bytes=64), FakeStore(block_bytes=32)
+    tokens = list(range(1, 42))
+    prefill_store.compute(tokens)
+    prefill = TcpConnector(prefill_store, "127.0.0.1", 0)
+    decode = TcpConnector(decode_store, "127.0.0.1", 0)
+    prefill.start()
+    decode.start()
+    try:
+        with prefill_store.lock:
+            prefill.offer("cmpl-1", tokens)
+        with pytest.raises(ProtocolError, match="different model, dtype or block size"):
+            await request_pull(("127.0.0.1", decode.port), ("127.0.0.1", prefill.port),
+                               "cmpl-1", timeout=5)
+        assert decode_store.blocks == {}
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_spare_read_buffers_are_bounded():
+    store = make_store(8)
+    buffers = [store._host_buffer(1) for _ in range(engine_store.SPARE_READ_BUFFERS + 3)]
+    for buffer in buffers:
+        store._recycle(buffer)
+    assert len(store._spare) == engine_store.SPARE_READ_BUFFERS
