@@ -7,10 +7,17 @@ Workload: steady decodes (short prompts, long outputs) mixed with long prompts
 batch with them. Reports ITL p99 of the steady decodes and total throughput.
 Goal (issue 6): ITL p99 >= 2x lower with A at <= 10% throughput cost.
 
-The model is a Llama-3.2-1B-shaped config with dummy weights (no downloads) and the
-bundled tiny tokenizer, so token counts are exact and nothing leaves the machine.
+The model is a Llama-3.2-1B-shaped (`--shape 1b`) or Llama-3-8B-shaped (`--shape 8b`)
+config with dummy weights (no downloads) and the bundled tiny tokenizer, so token counts
+are exact and nothing leaves the machine. Every engine of both configs runs with the same
+`--max-num-batched-tokens` (default 2048, vLLM's online default).
 
-    python bench/disagg_gpu.py [--long-rate 0.5] [--decode-rate 4] [--seconds 60]
+    PYTHONPATH=<dir with a kvpilot package> python bench/disagg_gpu.py --seconds 30 \
+        [--shape 8b] [--long-rate 0.5] [--decode-rate 4] [--max-num-batched-tokens 2048]
+
+Results: bench/results/disagg_gpu-<shape>.{json,md} (`--out` to change the folder), naming
+the GPUs and the flags. `--device cpu --shape tiny` is a smoke test of the script itself
+(two CPU engine processes per config, short long prompts), not a measurement.
 """
 
 from __future__ import annotations
@@ -23,11 +30,15 @@ import random
 import shutil
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine.loadgen.datasets import SampleRequest, random_dataset
 from kvpilot.engine.loadgen.report import summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
+from kvpilot.engine.metric_names import ROUTER_REQUESTS, ROUTER_TRANSFERRED_BLOCKS
 from kvpilot.engine.models.builtin import TINY_VOCAB_SIZE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from kvpilot.operator.local.plan import LocalProcess
 from kvpilot.operator.local.supervisor import Supervisor, free_port
@@ -40,26 +51,38 @@ LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "head_dim": 64, "max_position_embeddings": 16384, "rms_norm_eps": 1e-5,
             "rope_theta": 500000.0, "tie_word_embeddings": True, "bos_token_id": 1,
             "eos_token_id": [0, 3]}
+SHAPES = {
+    "1b": LLAMA_1B,
+    "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+           "tie_word_embeddings": False},
+    # smoke test of the script on CPU only
+    "tiny": {**LLAMA_1B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+}
 
 
-def write_model(root: Path) -> Path:
-    """Gives a model dir: the 1B-shaped config plus the bundled tokenizer files."""
-    path = root / "llama-1b-shape"
+def write_model(root: Path, shape: str) -> Path:
+    """Gives a model dir: the shape's config plus the bundled tokenizer files."""
+    path = root / f"llama-{shape}-shape"
     path.mkdir()
-    (path / "config.json").write_text(json.dumps(LLAMA_1B))
+    (path / "config.json").write_text(json.dumps(SHAPES[shape]))
     shutil.copy(TOKENIZER_FILE, path / "tokenizer.json")
     shutil.copy(TOKENIZER_CONFIG_FILE, path / "tokenizer_config.json")
     return path
 
 
-def engine(name: str, role: str, gpu: int, model: Path) -> LocalProcess:
+def engine(name: str, role: str, gpu: int, model: Path, args: argparse.Namespace
+           ) -> LocalProcess:
     port = free_port()
+    cuda = args.device == "cuda"
     return LocalProcess(name, role, [
         *KVPILOT, "serve", "--model", str(model), "--served-model-name", "bench",
-        "--load-format", "dummy", "--dtype", "bfloat16", "--device", "cuda",
-        "--max-model-len", "12288", "--max-num-batched-tokens", "8192", "--role", role,
+        "--load-format", "dummy", "--dtype", "bfloat16" if cuda else "float32",
+        "--device", args.device, "--max-model-len", "12288",
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--role", role,
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-        {"CUDA_VISIBLE_DEVICES": str(gpu)}, port)
+        {"CUDA_VISIBLE_DEVICES": str(gpu)} if cuda else {}, port)
 
 
 def router(engines: list[LocalProcess], policy: str) -> LocalProcess:
@@ -75,7 +98,7 @@ def workloads(args: argparse.Namespace) -> tuple[list[SampleRequest], list[Sampl
     n_long = max(1, int(args.long_rate * args.seconds))
     n_decode = max(1, int(args.decode_rate * args.seconds))
     # ~2 tokens per word with the tiny tokenizer: 2-4k words is 4-8k tokens
-    long = random_dataset(n_long, 3000, 16, 1 / 3, args.seed)
+    long = random_dataset(n_long, args.long_words, 16, 1 / 3, args.seed)
     decode = random_dataset(n_decode, 64, 256, 0.0, args.seed + 1)
     return long, decode
 
@@ -103,54 +126,132 @@ def run_config(name: str, processes: list[LocalProcess], log_dir: Path,
         supervisor.wait_ready(600, {"router": "/ready"})
         warm = random_dataset(4, 100, 8, 0.0, 99)  # compile/warm-up both engines
         asyncio.run(run_benchmark(BenchConfig(processes[-1].url, "bench"), warm))
-        return asyncio.run(drive(processes[-1].url, args))
+        before = router_outcomes(processes[-1].url)
+        result = asyncio.run(drive(processes[-1].url, args))
+        after = router_outcomes(processes[-1].url)
+        # e.g. transfer_fallback: a pull failed and the decode engine prefilled itself
+        result["router_outcomes"] = {k: v - before.get(k, 0) for k, v in after.items()
+                                     if v - before.get(k, 0)}
+        return result
     finally:
         supervisor.stop()
 
 
-def main() -> None:
+def router_outcomes(url: str) -> dict[str, int]:
+    """Gives the router's request counts by outcome, summed over instances, and the KV
+    blocks decode instances imported (`transferred_blocks`)."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if family.name == ROUTER_REQUESTS and sample.name.endswith("_total"):
+                key = sample.labels["outcome"]
+            elif family.name == ROUTER_TRANSFERRED_BLOCKS and sample.name.endswith("_total"):
+                key = "transferred_blocks"
+            else:
+                continue
+            out[key] = out.get(key, 0) + int(sample.value)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b",
+                        help="model shape: 1b (Llama-3.2-1B), 8b (Llama-3-8B); tiny is for "
+                             "the CPU smoke test")
     parser.add_argument("--long-rate", type=float, default=0.5, help="long prompts per second")
     parser.add_argument("--decode-rate", type=float, default=4.0, help="decodes per second")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="every engine of both configs (vLLM's online default)")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    random.seed(args.seed)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the results")
+    # smoke test of the script: --device cpu --shape tiny (shorter long prompts)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--long-words", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.long_words is None:
+        args.long_words = 3000 if args.device == "cuda" else 200
+    return args
+
+
+def device_names(args: argparse.Namespace) -> str:
+    """Gives the engines' devices in words, e.g. `2x NVIDIA H100 80GB HBM3`."""
+    if args.device == "cpu":
+        return "CPU (smoke test, not a measurement)"
     import torch
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    report: dict = {"date": datetime.date.today().isoformat(), "gpu": f"2x {gpu}",
-                    "args": vars(args), "configs": {}}
+    if torch.cuda.device_count() < 2:
+        raise SystemExit(f"needs 2 CUDA GPUs, torch sees {torch.cuda.device_count()}")
+    names = [torch.cuda.get_device_name(i) for i in (0, 1)]
+    return f"2x {names[0]}" if names[0] == names[1] else " + ".join(names)
+
+
+def flags(args: argparse.Namespace) -> str:
+    """Gives the command line that reproduces the run."""
+    out = (f"--shape {args.shape} --seconds {args.seconds:g} --long-rate {args.long_rate:g} "
+           f"--decode-rate {args.decode_rate:g} "
+           f"--max-num-batched-tokens {args.max_num_batched_tokens} --seed {args.seed}")
+    if args.device != "cuda":
+        out += f" --device {args.device} --long-words {args.long_words}"
+    return out
+
+
+def failed(config: dict) -> int:
+    return config["decodes"]["failed"] + config["long_prompts"]["failed"]
+
+
+def report_failed(name: str, config: dict) -> None:
+    print(f"{name}: {failed(config)} requests failed; router outcomes "
+          f"{config['router_outcomes']}", flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    random.seed(args.seed)
+    gpu = device_names(args)
+    report: dict = {"date": datetime.date.today().isoformat(), "gpu": gpu,
+                    "flags": flags(args), "args": {k: str(v) if isinstance(v, Path) else v
+                                                   for k, v in vars(args).items()},
+                    "model_shape": SHAPES[args.shape], "configs": {}}
     with tempfile.TemporaryDirectory(prefix="disagg-bench-") as tmp:
-        model = write_model(Path(tmp))
-        pd = [engine("prefill", "prefill", 0, model), engine("decode", "decode", 1, model)]
-        agg = [engine("agg-0", "both", 0, model), engine("agg-1", "both", 1, model)]
+        model = write_model(Path(tmp), args.shape)
+        pd = [engine("prefill", "prefill", 0, model, args),
+              engine("decode", "decode", 1, model, args)]
+        agg = [engine("agg-0", "both", 0, model, args), engine("agg-1", "both", 1, model, args)]
         report["configs"]["disaggregated"] = run_config(
             "disaggregated", [*pd, router(pd, "prefix-aware")], Path(tmp) / "pd", args)
+        report_failed("disaggregated", report["configs"]["disaggregated"])
         report["configs"]["aggregated"] = run_config(
             "aggregated", [*agg, router(agg, "least-load")], Path(tmp) / "agg", args)
+        report_failed("aggregated", report["configs"]["aggregated"])
     d, a = report["configs"]["disaggregated"], report["configs"]["aggregated"]
     report["ratios"] = {
         "itl_p99_agg_over_disagg": a["decodes"]["p99_itl_ms"] / max(d["decodes"]["p99_itl_ms"],
                                                                     1e-9),
         "throughput_disagg_over_agg": d["all"]["output_throughput"] / max(
             a["all"]["output_throughput"], 1e-9)}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "disagg_gpu.json").write_text(json.dumps(report, indent=2))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"disagg_gpu-{args.shape}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     lines = [f"# Disaggregated vs aggregated on {report['gpu']} ({report['date']})", "",
+             f"`python bench/disagg_gpu.py {report['flags']}` (Llama-{args.shape}-shaped dummy "
+             "model)", "",
              "| config | decode ITL p50 (ms) | decode ITL p99 (ms) | long-prompt TTFT p50 (ms) "
-             "| output tok/s |", "|---|---|---|---|---|"]
+             "| output tok/s | failed |", "|---|---|---|---|---|---|"]
     for name, c in report["configs"].items():
         lines.append(f"| {name} | {c['decodes']['median_itl_ms']:.1f} | "
                      f"{c['decodes']['p99_itl_ms']:.1f} | "
                      f"{c['long_prompts']['median_ttft_ms']:.0f} | "
-                     f"{c['all']['output_throughput']:.0f} |")
+                     f"{c['all']['output_throughput']:.0f} | {failed(c)} |")
     r = report["ratios"]
     lines += ["", f"ITL p99 aggregated / disaggregated: {r['itl_p99_agg_over_disagg']:.2f}x; "
               f"throughput disaggregated / aggregated: {r['throughput_disagg_over_agg']:.2f}x "
               "(goal: >= 2x and >= 0.9x)", ""]
-    (RESULTS / "disagg_gpu.md").write_text("\n".join(lines))
+    stem.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
+    print(f"wrote {stem}.json and {stem}.md")
 
 
 if __name__ == "__main__":
