@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 6's GPU benchmark in one device call on a 2-GPU host: the disagg GPU tests, then
+# bench/disagg_gpu.py for the 1B and the 8B shape. Server dependencies come from wheels in .whl/
+# (pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn ... -d .whl) when the
+# machine has no index. Results land in $OUT.
+#   OUT=/tmp/out bash bench/disagg_gpu_run.sh        # about 9 minutes on 2x H100
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/kvp/kvpilot /tmp/site
+nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader | tee "$OUT/log.txt"
+for d in operator engine kernels cli; do ln -sfn "$PWD/$d" /tmp/kvp/kvpilot/$d; done
+python3 -c "import fastapi, uvicorn" 2>/dev/null || \
+  pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl/extra/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/kvp:/tmp/site
+timeout 150 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/disagg 2>&1 | tail -4 | tee -a "$OUT/log.txt"
+run() { # shape long_rate decode_rate
+  [ $SECONDS -lt 420 ] || { echo "$1 skipped (time)" | tee -a "$OUT/log.txt"; return; }
+  timeout 300 python3 bench/disagg_gpu.py --shape "$1" --long-rate "$2" --decode-rate "$3" \
+    --seconds 30 --out "$OUT" 2>&1 | tail -25 | tee -a "$OUT/log.txt"
+}
+run 1b 3 8
+run 8b 1 4
