@@ -166,6 +166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the results")
+    parser.add_argument("--logs", type=Path, default=None,
+                        help="keep the processes' logs here (default: a temporary folder)")
     # smoke test of the script: --device cpu --shape tiny (shorter long prompts)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help=argparse.SUPPRESS)
@@ -221,10 +223,12 @@ def main() -> None:
               engine("decode", "decode", 1, model, args)]
         agg = [engine("agg-0", "both", 0, model, args), engine("agg-1", "both", 1, model, args)]
         report["configs"]["disaggregated"] = run_config(
-            "disaggregated", [*pd, router(pd, "prefix-aware")], Path(tmp) / "pd", args)
+            "disaggregated", [*pd, router(pd, "prefix-aware")], (args.logs or Path(tmp)) / "pd",
+            args)
         report_failed("disaggregated", report["configs"]["disaggregated"])
         report["configs"]["aggregated"] = run_config(
-            "aggregated", [*agg, router(agg, "least-load")], Path(tmp) / "agg", args)
+            "aggregated", [*agg, router(agg, "least-load")], (args.logs or Path(tmp)) / "agg",
+            args)
         report_failed("aggregated", report["configs"]["aggregated"])
     d, a = report["configs"]["disaggregated"], report["configs"]["aggregated"]
     report["ratios"] = {

@@ -17,7 +17,7 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/disagg 2>&
 run() { # shape long_rate decode_rate
   [ $SECONDS -lt 420 ] || { echo "$1 skipped (time)" | tee -a "$OUT/log.txt"; return; }
   timeout 300 python3 bench/disagg_gpu.py --shape "$1" --long-rate "$2" --decode-rate "$3" \
-    --seconds 30 --out "$OUT" 2>&1 | tail -25 | tee -a "$OUT/log.txt"
+    --seconds 30 --out "$OUT" --logs "$OUT/logs-$1" 2>&1 | tail -25 | tee -a "$OUT/log.txt"
 }
 run 1b 3 8
 run 8b 1 4

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -51,8 +50,9 @@ class BlockStore(Protocol):
     what `read` and `stage` give are called without it.
     """
 
-    lock: threading.RLock
+    lock: Any  # reentrant; FairLock in engines (a waiting agent is not starved by steps)
     block_bytes: int
+    read_chunk_blocks: int  # most blocks one `read` should be asked for
 
     def pin(self, token_ids: Sequence[int]) -> tuple[list[int], Any]:
         """Gives (hashes, handle) of the prompt's cached leading full blocks, now pinned."""

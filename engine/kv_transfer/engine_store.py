@@ -31,8 +31,12 @@ import torch
 
 from kvpilot.engine.block_hash import hash_prompt_blocks
 from kvpilot.engine.core.block_pool import KVCacheBlock
+from kvpilot.engine.kv_transfer.fair_lock import FairLock
 
-READ_BUFFER_BLOCKS = 32  # blocks per reusable host buffer of `read` (tcp.py reads 32 at a time)
+# one reusable host buffer of `read` holds up to this many bytes (and at most 256 blocks): each
+# read takes the lock once, and on a busy prefill engine the lock comes once per step
+READ_BUFFER_BYTES = 128 * 2**20
+READ_BUFFER_MAX_BLOCKS = 256
 SPARE_READ_BUFFERS = 4  # host buffers kept for reuse; more in flight at once are dropped after
 
 
@@ -99,7 +103,9 @@ class EngineBlockStore:
         self.caches: list[torch.Tensor] = engine.runner.kv_caches
         self.block_size: int = engine.engine_args.block_size
         self.block_bytes: int = engine.runner.bytes_per_block
-        self.lock = threading.RLock()
+        self.lock = FairLock()  # the engine thread retakes it every step: FIFO, not RLock
+        self.read_chunk_blocks = max(1, min(READ_BUFFER_MAX_BLOCKS,
+                                            READ_BUFFER_BYTES // self.block_bytes))
         first = self.caches[0]
         self.device = first.device
         self._shape = (len(self.caches), 2, *first.shape[2:])
@@ -253,16 +259,16 @@ class EngineBlockStore:
 
     def _host_buffer(self, num_blocks: int) -> torch.Tensor:
         """Gives a uint8 [>= num_blocks, block_bytes] host buffer, reused when one is spare."""
-        if num_blocks <= READ_BUFFER_BLOCKS:
+        if num_blocks <= self.read_chunk_blocks:
             with self._spare_lock:
                 if self._spare:
                     return self._spare.pop()
-            num_blocks = READ_BUFFER_BLOCKS
+            num_blocks = self.read_chunk_blocks
         return torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8,
                            pin_memory=self._cuda)
 
     def _recycle(self, buffer: torch.Tensor) -> None:
-        if buffer.shape[0] != READ_BUFFER_BLOCKS:
+        if buffer.shape[0] != self.read_chunk_blocks:
             return
         with self._spare_lock:
             if len(self._spare) < SPARE_READ_BUFFERS:

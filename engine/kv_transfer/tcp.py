@@ -39,7 +39,8 @@ from kvpilot.engine.kv_transfer.protocol import (
 
 log = logging.getLogger("kvpilot.kv_transfer")
 EXPIRY_TICK = 0.5
-READ_CHUNK_BLOCKS = 32  # blocks per locked read on the prefill side
+READ_CHUNK_BLOCKS = 256  # most blocks per locked read on the prefill side (the store's
+# read_chunk_blocks, sized by bytes, is usually fewer)
 IMPORT_GROUP_BYTES = 256 * 2**20  # received bytes staged on the device per locked import
 
 
@@ -123,8 +124,8 @@ class TcpConnector(KVConnector):
         # chunk's copy runs while this one is sent. drain() returns once the transport has
         # handed every byte to the kernel, so a host buffer is never reused while queued.
         writer.transport.set_write_buffer_limits(high=0)
-        chunks = [wanted[i:i + READ_CHUNK_BLOCKS] for i in range(0, len(wanted),
-                                                                 READ_CHUNK_BLOCKS)]
+        size = min(READ_CHUNK_BLOCKS, self.store.read_chunk_blocks)
+        chunks = [wanted[i:i + size] for i in range(0, len(wanted), size)]
         pending: list[PendingRead] = []
         for index, chunk in enumerate(chunks):
             if not pending:

@@ -21,6 +21,7 @@ class FakeStore:
     def __init__(self, block_bytes: int = 64, capacity: int = 1000) -> None:
         self.lock = threading.RLock()
         self.block_bytes = block_bytes
+        self.read_chunk_blocks = 32
         self.capacity = capacity
         self.blocks: dict[int, bytes] = {}
         self.pins: dict[int, int] = {}

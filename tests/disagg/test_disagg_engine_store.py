@@ -217,6 +217,7 @@ async def test_lock_holds_do_not_grow_with_the_blocks_moved():
     for num_blocks in (8, 40):
         src, dst = make_store(48), make_store(48, seed=2)
         src.lock, dst.lock = CountingLock(), CountingLock()
+        src.read_chunk_blocks = 32
         tokens = prompt(num_blocks)
         compute(src, tokens)
         done = await pull_between(src, dst, tokens)
