@@ -14,6 +14,7 @@ python3 -c "import fastapi, uvicorn" 2>/dev/null || \
   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl/extra/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/kvp:/tmp/site
 timeout 150 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/disagg 2>&1 | tail -4 | tee -a "$OUT/log.txt"
+for shape in 1b 8b; do timeout 60 python3 bench/kv_transfer_rate.py --shape $shape --repeat 3 2>&1 | grep MB/s | tee -a "$OUT/log.txt"; done
 run() { # shape long_rate decode_rate
   [ $SECONDS -lt 420 ] || { echo "$1 skipped (time)" | tee -a "$OUT/log.txt"; return; }
   timeout 300 python3 bench/disagg_gpu.py --shape "$1" --long-rate "$2" --decode-rate "$3" \

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,6 +25,7 @@ from kvpilot.engine.outputs import RequestOutput
 log = logging.getLogger("kvpilot.roles")
 LEASE_SECONDS_ENV = "KVPILOT_KV_LEASE_SECONDS"
 DEFAULT_LEASE_SECONDS = 30.0
+ROLE_SWITCH_INTERVAL_S = 0.001
 
 
 class RoleEngine:
@@ -77,6 +79,11 @@ def attach_role(engine: Any, host: str, http_port: int) -> Any:
     from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
     from kvpilot.engine.kv_transfer.tcp import TcpConnector
 
+    # The KV agent's threads need the GIL after each socket call; the engine thread runs
+    # Python almost without pause. CPython makes a waiting thread wait up to the switch
+    # interval (5 ms by default) for the GIL, per block received: at 1 ms a pull is not
+    # paced by the engine's host work (and the engine gives the GIL up sooner).
+    sys.setswitchinterval(min(sys.getswitchinterval(), ROLE_SWITCH_INTERVAL_S))
     store = EngineBlockStore(engine)
     lease_seconds = float(os.environ.get(LEASE_SECONDS_ENV, DEFAULT_LEASE_SECONDS))
     connector = TcpConnector(store, host, kv_port(engine.engine_args, http_port), lease_seconds)

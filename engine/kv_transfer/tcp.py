@@ -13,8 +13,10 @@ here; on the prefill side the lease expires and unpins.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -30,14 +32,16 @@ from kvpilot.engine.kv_transfer.leases import Lease, LeaseTable
 from kvpilot.engine.kv_transfer.protocol import (
     Frame,
     ProtocolError,
-    decode_block,
     encode,
     encode_block,
     expect,
-    read_frame,
+    expect_sync,
+    read_block_into,
+    send_buffers,
 )
 
 log = logging.getLogger("kvpilot.kv_transfer")
+FETCH_IO_TIMEOUT = 30.0  # a decode peer silent this long mid-transfer is gone (the lease expires)
 EXPIRY_TICK = 0.5
 READ_CHUNK_BLOCKS = 256  # most blocks per locked read on the prefill side (the store's
 # read_chunk_blocks, sized by bytes, is usually fewer)
@@ -103,45 +107,48 @@ class TcpConnector(KVConnector):
                                 lease.lease_id, len(lease.hashes))
                     self.store.unpin(lease.pinned)
 
-    async def _serve_fetch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           message: dict[str, Any]) -> None:
+    def _serve_fetch(self, sock: socket.socket, message: dict[str, Any]) -> None:
+        """Answers one FETCH conversation on a blocking socket (a worker thread).
+
+        Chunks of blocks are read from the engine under the lock (which only enqueues
+        their copy to host memory; the next chunk copies while this one is sent) and
+        sent by scatter-gather writes straight from the host buffer.
+        """
         lease_id = str(message.get("lease_id"))
-        lease = self.leases.get(lease_id, time.monotonic())
+        with self.store.lock:
+            lease = self.leases.get(lease_id, time.monotonic())
         if lease is None:
-            writer.write(encode(Frame.ERROR, {"message": f"lease {lease_id!r} is unknown or "
-                                                         "expired"}))
+            sock.sendall(encode(Frame.ERROR, {"message": f"lease {lease_id!r} is unknown or "
+                                                        "expired"}))
             return
-        writer.write(encode(Frame.LEASE, {"hashes": lease.hashes,
+        sock.sendall(encode(Frame.LEASE, {"hashes": lease.hashes,
                                           "block_bytes": self.store.block_bytes}))
-        await writer.drain()
-        _, want = await expect(reader, Frame.WANT)
+        _, want = expect_sync(sock, Frame.WANT)
         wanted = [int(h) for h in want.get("hashes") or []]
         unknown = set(wanted) - set(lease.hashes)
         if unknown:
             raise ProtocolError(f"WANT names {len(unknown)} hashes outside lease {lease_id}")
-        # A few blocks per lock hold, which only enqueues their copy to host memory: the
-        # engine steps in between, memory stays flat, and a long prompt streams. The next
-        # chunk's copy runs while this one is sent. drain() returns once the transport has
-        # handed every byte to the kernel, so a host buffer is never reused while queued.
-        writer.transport.set_write_buffer_limits(high=0)
         size = min(READ_CHUNK_BLOCKS, self.store.read_chunk_blocks)
         chunks = [wanted[i:i + size] for i in range(0, len(wanted), size)]
         pending: list[PendingRead] = []
-        for index, chunk in enumerate(chunks):
-            if not pending:
-                pending.append(self._read(lease, chunk))
-            if index + 1 < len(chunks):
-                pending.append(self._read(lease, chunks[index + 1]))
-            read = pending[0]
-            datas = read.wait() if read.ready() else await asyncio.to_thread(read.wait)
-            for block_hash, data in zip(chunk, datas, strict=True):
-                for part in encode_block(block_hash, data):
-                    writer.write(part)
-                await writer.drain()
-            pending.pop(0).release()
-        writer.write(encode(Frame.END))
-        await writer.drain()
-        await expect(reader, Frame.RELEASE)
+        try:
+            for index, chunk in enumerate(chunks):
+                if not pending:
+                    pending.append(self._read(lease, chunk))
+                if index + 1 < len(chunks):
+                    pending.append(self._read(lease, chunks[index + 1]))
+                datas = pending[0].wait()
+                frames: list[bytes | memoryview] = []
+                for block_hash, data in zip(chunk, datas, strict=True):
+                    frames += encode_block(block_hash, data)
+                send_buffers(sock, frames)  # returns once the kernel has every byte
+                pending.pop(0).release()
+        finally:
+            for read in pending:
+                read.wait()  # the copy must land before its buffer is reused
+                read.release()
+        sock.sendall(encode(Frame.END))
+        expect_sync(sock, Frame.RELEASE)
         self._release(lease_id)
 
     def _read(self, lease: Lease[Any], hashes: list[int]) -> PendingRead:
@@ -162,24 +169,41 @@ class TcpConnector(KVConnector):
     async def _serve_pull(self, message: dict[str, Any]) -> dict[str, Any]:
         host, _, port = str(message["remote"]).rpartition(":")
         lease_id, timeout = str(message["lease_id"]), float(message.get("timeout", 10.0))
+        deadline = time.monotonic() + timeout
         error: Exception | None = None
         for attempt in range(self.pull_attempts):
+            if time.monotonic() >= deadline:
+                break
             try:
-                return await asyncio.wait_for(self._pull(host, int(port), lease_id), timeout)
+                return await asyncio.to_thread(self._pull, host, int(port), lease_id, deadline)
             except (OSError, ProtocolError, TimeoutError) as exc:
                 error = exc
                 log.warning("pull of lease %s from %s, attempt %d: %r", lease_id,
                             message["remote"], attempt + 1, exc)
                 if isinstance(exc, ProtocolError) and "unknown or expired" in str(exc):
                     break  # retrying cannot bring it back
-        raise ProtocolError(f"pull of lease {lease_id} from {message['remote']} failed: {error!r}")
+        raise ProtocolError(f"pull of lease {lease_id} from {message['remote']} failed: "
+                            f"{error or TimeoutError()!r}")
 
-    async def _pull(self, host: str, port: int, lease_id: str) -> dict[str, Any]:
-        reader, writer = await asyncio.open_connection(host, port)
-        try:
-            writer.write(encode(Frame.FETCH, {"lease_id": lease_id}))
-            await writer.drain()
-            _, lease = await expect(reader, Frame.LEASE)
+    def _pull(self, host: str, port: int, lease_id: str, deadline: float) -> dict[str, Any]:
+        """Pulls one lease on a blocking socket (a worker thread), by `deadline`.
+
+        Every block lands by one scatter read straight in its row of the (pinned)
+        receive buffer; each socket call waits at most until the deadline.
+        """
+        def remaining() -> float:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"pull of lease {lease_id} ran past its timeout")
+            return left
+
+        with socket.create_connection((host, port), timeout=remaining()) as sock:
+            # blocking, with the deadline as kernel timeouts: a Python-level timeout makes the
+            # socket non-blocking and MSG_WAITALL would return after every partial read
+            sock.settimeout(None)
+            _kernel_timeouts(sock, remaining())
+            sock.sendall(encode(Frame.FETCH, {"lease_id": lease_id}))
+            _, lease = expect_sync(sock, Frame.LEASE)
             hashes = [int(h) for h in lease["hashes"]]
             with self.store.lock:
                 have = self.store.num_cached_prefix(hashes)
@@ -188,32 +212,22 @@ class TcpConnector(KVConnector):
             if wanted and lease["block_bytes"] != size:
                 raise ProtocolError(f"the peer's blocks are {lease['block_bytes']} bytes, this "
                                     f"engine's {size}: a different model, dtype or block size")
-            writer.write(encode(Frame.WANT, {"hashes": wanted}))
-            await writer.drain()
+            sock.sendall(encode(Frame.WANT, {"hashes": wanted}))
             # Buffered until END outside the lock: a peer that vanishes leaves nothing allocated.
             buffer = self.store.receive_buffer(len(wanted))
-            count = 0
-            while True:
-                frame, payload = await read_frame(reader)
-                if frame is Frame.END:
-                    break
-                if frame is not Frame.BLOCK:
-                    raise ProtocolError(f"expected BLOCK or END, got {frame.name}")
-                block_hash, data = decode_block(payload)
-                if count >= len(wanted) or block_hash != wanted[count] or len(data) != size:
+            for count, expected in enumerate(wanted):
+                if count % 64 == 0:
+                    _kernel_timeouts(sock, remaining())
+                if read_block_into(sock, buffer.block(count)) != expected:
                     raise ProtocolError(f"block {count} is not the one asked for")
-                buffer.block(count)[:] = data
-                count += 1
-            imported = await self._import(buffer, hashes[:have], wanted[:count])
-            writer.write(encode(Frame.RELEASE, {"lease_id": lease_id}))
-            await writer.drain()
+            _kernel_timeouts(sock, remaining())
+            expect_sync(sock, Frame.END)
+            remaining()
+            imported = self._import(buffer, hashes[:have], wanted)
+            sock.sendall(encode(Frame.RELEASE, {"lease_id": lease_id}))
             return {"imported": imported, "skipped": have, "blocks": len(hashes)}
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError, ConnectionError):
-                await writer.wait_closed()
 
-    async def _import(self, buffer: ReceiveBuffer, prefix: list[int], hashes: list[int]) -> int:
+    def _import(self, buffer: ReceiveBuffer, prefix: list[int], hashes: list[int]) -> int:
         """Imports received blocks after the cached `prefix`; gives how many went in.
 
         Each group is copied toward the device without the lock; the lock is held only
@@ -230,7 +244,7 @@ class TcpConnector(KVConnector):
                 last = end == len(hashes)
                 if last or self.store.num_cached_prefix(hashes[start:end]) < end - start:
                     break  # done, or the pool is full: later blocks would not extend the prefix
-            await asyncio.to_thread(staged.wait)  # one group's staging on the device at a time
+            staged.wait()  # one group's staging on the device at a time
         return imported
 
     # ---- dispatch ---------------------------------------------------------------------
@@ -255,9 +269,29 @@ class TcpConnector(KVConnector):
                 else:
                     writer.write(encode(Frame.DONE, done))
             else:
-                await self._serve_fetch(reader, writer, message)
+                # the rest of the conversation runs in a worker thread on a blocking copy of
+                # the socket; the transport stops reading so it cannot take those bytes
+                writer.transport.pause_reading()
+                with _blocking_copy(writer) as sock:
+                    await asyncio.to_thread(self._serve_fetch, sock, message)
             await writer.drain()
         except (OSError, ProtocolError, ValueError, KeyError) as exc:
             log.warning("KV agent connection failed: %r", exc)
         finally:
             writer.close()
+
+
+def _blocking_copy(writer: asyncio.StreamWriter) -> socket.socket:
+    """Gives a blocking socket on a duplicate of the connection's descriptor (close it after)."""
+    raw = writer.get_extra_info("socket")
+    sock = socket.socket(fileno=os.dup(raw.fileno()))
+    sock.settimeout(FETCH_IO_TIMEOUT)  # blocking with a timeout, on the shared non-blocking fd
+    return sock
+
+
+def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Bounds each blocking send/receive on `sock` to `seconds` (SO_SNDTIMEO/SO_RCVTIMEO)."""
+    whole = int(seconds)
+    value = struct.pack("ll", whole, int((seconds - whole) * 1e6) or (0 if whole else 1000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)

@@ -247,9 +247,7 @@ def test_short_pool_takes_the_leading_blocks_that_fit(group_blocks, monkeypatch)
     buffer = dst.receive_buffer(10)
     for index, data in enumerate(datas):
         buffer.block(index)[:] = data
-    import asyncio
-
-    assert asyncio.run(connector._import(buffer, [], hashes)) == 6
+    assert connector._import(buffer, [], hashes) == 6
     assert dst.num_cached_prefix(hashes) == 6
     for block_hash in hashes[:6]:
         assert torch.equal(block_bits(src, block_hash), block_bits(dst, block_hash))
