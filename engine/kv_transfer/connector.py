@@ -18,6 +18,10 @@ class PendingRead(Protocol):
         """Blocks until copied (call without the lock); gives each block's wire data."""
         ...
 
+    def checksums(self) -> list[bytes]:
+        """Gives each block's `protocol.checksum` field (after `wait`)."""
+        ...
+
     def release(self) -> None:
         """Gives the host buffer back for reuse, once the data `wait` gave is sent."""
         ...
@@ -81,6 +85,11 @@ class BlockStore(Protocol):
     def stage(self, buffer: ReceiveBuffer, start: int, hashes: Sequence[int]) -> StagedBlocks:
         """Starts moving blocks `start..` of `buffer`, which hold `hashes`, toward the cache's
         device (no lock)."""
+        ...
+
+    def verify(self, staged: StagedBlocks, digests: Sequence[bytes]) -> None:
+        """Raises ProtocolError unless each staged block matches its frame's checksum field
+        (no lock)."""
         ...
 
     def import_blocks(self, staged: StagedBlocks, prefix_hashes: Sequence[int] = ()) -> int:

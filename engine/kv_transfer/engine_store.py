@@ -32,6 +32,7 @@ import torch
 from kvpilot.engine.block_hash import hash_prompt_blocks
 from kvpilot.engine.core.block_pool import KVCacheBlock
 from kvpilot.engine.kv_transfer.fair_lock import FairLock
+from kvpilot.engine.kv_transfer.protocol import CHECKSUM_MODULUS, ProtocolError, pack_checksum
 
 # one reusable host buffer of `read` holds up to this many bytes (and at most 256 blocks): each
 # read takes the lock once, and on a busy prefill engine the lock comes once per step
@@ -44,8 +45,9 @@ class PendingRead:
     """Blocks being copied into a host buffer; `wait` gives their data, `release` recycles it."""
 
     def __init__(self, store: EngineBlockStore, buffer: torch.Tensor, count: int,
-                 event: Any) -> None:
+                 event: Any, sums: torch.Tensor) -> None:
         self._store, self._buffer, self._count, self._event = store, buffer, count, event
+        self._sums = sums  # [count, 2] int64 on the host (pinned on CUDA), see block_checksums
 
     def ready(self) -> bool:
         """Gives whether the copy has finished (`wait` would not block)."""
@@ -61,6 +63,10 @@ class PendingRead:
         size = self._store.block_bytes
         data = memoryview(self._buffer.view(-1).numpy())
         return [data[i * size:(i + 1) * size] for i in range(self._count)]
+
+    def checksums(self) -> list[bytes]:
+        """Gives each block's checksum field (after `wait`), computed where the blocks were."""
+        return [pack_checksum(a, b) for a, b in self._sums.tolist()]
 
     def release(self) -> None:
         """Gives the host buffer back for reuse; the views `wait` gave must not be used after."""
@@ -163,17 +169,20 @@ class EngineBlockStore:
         out = buffer[:len(ids)].view(self._dtype).view(len(ids), *self._shape)
         if not self._cuda:
             self._gather(torch.tensor(ids), out)
-            return PendingRead(self, buffer, len(ids), None)
+            return PendingRead(self, buffer, len(ids), None, block_checksums(buffer[:len(ids)]))
         with torch.cuda.device(self.device), torch.cuda.stream(self._side):
             index = _to_device(ids, self.device)
             self._side.wait_stream(self.engine_stream)
             staging = torch.empty(out.shape, dtype=self._dtype, device=self.device)
             self._gather(index, staging)
             out.copy_(staging, non_blocking=True)
+            sums = torch.empty((len(ids), 2), dtype=torch.int64, pin_memory=True)
+            sums.copy_(block_checksums(staging.view(torch.uint8).view(len(ids), -1)),
+                       non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._side)
         self._last_read = event
-        return PendingRead(self, buffer, len(ids), event)
+        return PendingRead(self, buffer, len(ids), event, sums)
 
     def _gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
         torch.stack([cache.index_select(1, index).transpose(0, 1) for cache in self.caches],
@@ -255,6 +264,25 @@ class EngineBlockStore:
             copied.record(self._side)
         return StagedBlocks(list(hashes), data, copied)
 
+    def verify(self, staged: StagedBlocks, digests: Sequence[bytes]) -> None:
+        """Raises ProtocolError unless every staged block's checksum is its frame's (no lock).
+
+        The sums run where the blocks were staged (the side stream on CUDA), and only
+        the [n, 2] sums come back to the host.
+        """
+        data = staged.data
+        if self._cuda:
+            with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+                self._side.wait_event(staged.copied)
+                sums = block_checksums(data).cpu()
+        else:
+            sums = block_checksums(data)
+        for index, ((plain, weighted), digest) in enumerate(zip(sums.tolist(), digests,
+                                                                strict=True)):
+            if pack_checksum(plain, weighted) != digest:
+                raise ProtocolError(f"checksum mismatch on block {staged.hashes[index]:#x}: "
+                                    "data corrupted")
+
     # ---- host buffers of `read` ---------------------------------------------------------
 
     def _host_buffer(self, num_blocks: int) -> torch.Tensor:
@@ -281,3 +309,22 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return index
     return index.pin_memory().to(device, non_blocking=True)
+
+
+CHECKSUM_PIECE_BYTES = 64 * 2**20  # data summed per piece: bounds the int32 temporaries
+
+
+def block_checksums(data: torch.Tensor) -> torch.Tensor:
+    """Gives [n, 2] int64 (plain, weighted) sums of each row of a uint8 [n, bytes] tensor,
+    on its device: `protocol.checksum`'s two sums, for many blocks in a few kernels."""
+    rows, size = data.shape
+    words = data.view(torch.int16)
+    weights = (torch.arange(size // 2, dtype=torch.int32, device=data.device)
+               % CHECKSUM_MODULUS + 1)
+    out = torch.empty((rows, 2), dtype=torch.int64, device=data.device)
+    step = max(1, CHECKSUM_PIECE_BYTES // max(size, 1))
+    for first in range(0, rows, step):
+        piece = words[first:first + step].to(torch.int32) & 0xFFFF
+        out[first:first + step, 0] = piece.sum(1, dtype=torch.int64)
+        out[first:first + step, 1] = (piece * weights).sum(1, dtype=torch.int64)
+    return out

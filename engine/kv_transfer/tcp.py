@@ -16,7 +16,6 @@ import asyncio
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -36,8 +35,9 @@ from kvpilot.engine.kv_transfer.protocol import (
     encode_block,
     expect,
     expect_sync,
-    read_block_into,
+    read_blocks_into,
     send_buffers,
+    set_kernel_timeouts,
 )
 
 log = logging.getLogger("kvpilot.kv_transfer")
@@ -139,8 +139,9 @@ class TcpConnector(KVConnector):
                     pending.append(self._read(lease, chunks[index + 1]))
                 datas = pending[0].wait()
                 frames: list[bytes | memoryview] = []
-                for block_hash, data in zip(chunk, datas, strict=True):
-                    frames += encode_block(block_hash, data)
+                for block_hash, data, digest in zip(chunk, datas, pending[0].checksums(),
+                                                    strict=True):
+                    frames += encode_block(block_hash, data, digest)
                 send_buffers(sock, frames)  # returns once the kernel has every byte
                 pending.pop(0).release()
         finally:
@@ -201,7 +202,7 @@ class TcpConnector(KVConnector):
             # blocking, with the deadline as kernel timeouts: a Python-level timeout makes the
             # socket non-blocking and MSG_WAITALL would return after every partial read
             sock.settimeout(None)
-            _kernel_timeouts(sock, remaining())
+            set_kernel_timeouts(sock, remaining())
             sock.sendall(encode(Frame.FETCH, {"lease_id": lease_id}))
             _, lease = expect_sync(sock, Frame.LEASE)
             hashes = [int(h) for h in lease["hashes"]]
@@ -215,22 +216,24 @@ class TcpConnector(KVConnector):
             sock.sendall(encode(Frame.WANT, {"hashes": wanted}))
             # Buffered until END outside the lock: a peer that vanishes leaves nothing allocated.
             buffer = self.store.receive_buffer(len(wanted))
-            for count, expected in enumerate(wanted):
-                if count % 64 == 0:
-                    _kernel_timeouts(sock, remaining())
-                if read_block_into(sock, buffer.block(count)) != expected:
+            heads = read_blocks_into(sock, [buffer.block(i) for i in range(len(wanted))],
+                                     remaining)
+            for count, ((block_hash, _), expected) in enumerate(zip(heads, wanted, strict=True)):
+                if block_hash != expected:
                     raise ProtocolError(f"block {count} is not the one asked for")
-            _kernel_timeouts(sock, remaining())
+            set_kernel_timeouts(sock, remaining())
             expect_sync(sock, Frame.END)
             remaining()
-            imported = self._import(buffer, hashes[:have], wanted)
+            imported = self._import(buffer, hashes[:have], wanted, [d for _, d in heads])
             sock.sendall(encode(Frame.RELEASE, {"lease_id": lease_id}))
             return {"imported": imported, "skipped": have, "blocks": len(hashes)}
 
-    def _import(self, buffer: ReceiveBuffer, prefix: list[int], hashes: list[int]) -> int:
+    def _import(self, buffer: ReceiveBuffer, prefix: list[int], hashes: list[int],
+                digests: list[bytes]) -> int:
         """Imports received blocks after the cached `prefix`; gives how many went in.
 
-        Each group is copied toward the device without the lock; the lock is held only
+        Each group is copied toward the device and its checksums checked there without
+        the lock (a mismatch raises before anything of it is imported); the lock is held only
         for the pool bookkeeping and enqueueing the cache writes. Groups bound the device
         memory a long prompt's staging takes; a group that did not fit ends the import.
         """
@@ -239,6 +242,7 @@ class TcpConnector(KVConnector):
         for start in range(0, len(hashes), group):
             end = min(start + group, len(hashes))
             staged = self.store.stage(buffer, start, hashes[start:end])
+            self.store.verify(staged, digests[start:end])
             with self.store.lock:
                 imported += self.store.import_blocks(staged, [*prefix, *hashes[:start]])
                 last = end == len(hashes)
@@ -288,10 +292,3 @@ def _blocking_copy(writer: asyncio.StreamWriter) -> socket.socket:
     sock.settimeout(FETCH_IO_TIMEOUT)  # blocking with a timeout, on the shared non-blocking fd
     return sock
 
-
-def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
-    """Bounds each blocking send/receive on `sock` to `seconds` (SO_SNDTIMEO/SO_RCVTIMEO)."""
-    whole = int(seconds)
-    value = struct.pack("ll", whole, int((seconds - whole) * 1e6) or (0 if whole else 1000))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)

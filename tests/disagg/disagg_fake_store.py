@@ -6,6 +6,7 @@ import threading
 from collections.abc import Sequence
 
 from kvpilot.engine.block_hash import hash_prompt_blocks
+from kvpilot.engine.kv_transfer.protocol import ProtocolError, checksum
 
 BLOCK_SIZE = 4
 
@@ -74,6 +75,11 @@ class FakeStore:
     def stage(self, buffer: FakeBuffer, start: int, hashes: Sequence[int]) -> FakeStaged:
         return FakeStaged([(h, bytes(buffer.block(start + i))) for i, h in enumerate(hashes)])
 
+    def verify(self, staged: FakeStaged, digests: Sequence[bytes]) -> None:
+        for (block_hash, data), digest in zip(staged.blocks, digests, strict=True):
+            if checksum(data) != digest:
+                raise ProtocolError(f"checksum mismatch on block {block_hash:#x}")
+
     def import_blocks(self, staged: FakeStaged, prefix_hashes=()) -> int:
         room = self.capacity - len(self.blocks)
         new = [(h, d) for h, d in staged.blocks if h not in self.blocks][:max(room, 0)]
@@ -92,6 +98,9 @@ class FakeRead:
 
     def wait(self) -> list[memoryview]:
         return [memoryview(d) for d in self.data]
+
+    def checksums(self) -> list[bytes]:
+        return [checksum(d) for d in self.data]
 
     def release(self) -> None:
         pass

@@ -241,13 +241,15 @@ def test_short_pool_takes_the_leading_blocks_that_fit(group_blocks, monkeypatch)
     hashes = compute(src, tokens)
     with src.lock:
         _, pinned = src.pin(tokens)
-        datas = [bytes(v) for v in src.read(pinned, hashes).wait()]
+        read = src.read(pinned, hashes)
+        datas = [bytes(v) for v in read.wait()]
+        digests = read.checksums()
     connector = TcpConnector(dst, "127.0.0.1", 0)
     monkeypatch.setattr(tcp, "IMPORT_GROUP_BYTES", group_blocks * dst.block_bytes)
     buffer = dst.receive_buffer(10)
     for index, data in enumerate(datas):
         buffer.block(index)[:] = data
-    assert connector._import(buffer, [], hashes) == 6
+    assert connector._import(buffer, [], hashes, digests) == 6
     assert dst.num_cached_prefix(hashes) == 6
     for block_hash in hashes[:6]:
         assert torch.equal(block_bits(src, block_hash), block_bits(dst, block_hash))
@@ -296,3 +298,44 @@ def test_spare_read_buffers_are_bounded():
     for buffer in buffers:
         store._recycle(buffer)
     assert len(store._spare) == engine_store.SPARE_READ_BUFFERS
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("size", [64, 1000, 4096 * 3])
+def test_device_checksums_equal_the_wire_checksum(device, size):
+    """Engines sum many blocks at once where they are; peers check with protocol.checksum."""
+    from kvpilot.engine.kv_transfer.engine_store import block_checksums
+    from kvpilot.engine.kv_transfer.protocol import checksum, pack_checksum
+
+    data = torch.randint(0, 256, (7, size), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(size))
+    got = [pack_checksum(a, b) for a, b in block_checksums(data.to(device)).cpu().tolist()]
+    assert got == [checksum(row.numpy().tobytes()) for row in data]
+    flipped = data.clone()
+    flipped[3, size // 2] ^= 0x10
+    swapped = data.clone()
+    swapped[5, :2], swapped[5, 2:4] = data[5, 2:4], data[5, :2]  # two words trade places
+    for changed, row in ((flipped, 3), (swapped, 5)):
+        if torch.equal(changed[row], data[row]):
+            continue
+        again = block_checksums(changed.to(device)).cpu().tolist()[row]
+        assert pack_checksum(*again) != got[row]
+
+
+def test_corrupted_receive_is_rejected_before_import():
+    src, dst = make_store(16), make_store(16, seed=5)
+    tokens = prompt(6)
+    hashes = compute(src, tokens)
+    with src.lock:
+        _, pinned = src.pin(tokens)
+        read = src.read(pinned, hashes)
+        datas, digests = [bytes(v) for v in read.wait()], read.checksums()
+        src.unpin(pinned)
+    buffer = dst.receive_buffer(6)
+    for index, data in enumerate(datas):
+        buffer.block(index)[:] = data
+    buffer.block(4)[7] ^= 0x01
+    connector = TcpConnector(dst, "127.0.0.1", 0)
+    with pytest.raises(ProtocolError, match="checksum mismatch"):
+        connector._import(buffer, [], hashes, digests)
+    assert dst.num_cached_prefix(hashes) == 0

@@ -109,8 +109,8 @@ async def test_decode_vanishing_mid_transfer_leaves_the_lease_to_expire(agents):
 
 async def test_block_corrupted_on_the_wire_is_rejected_and_nothing_imported(agents,
                                                                             monkeypatch):
-    def corrupting_encode_block(block_hash, data):
-        header, head, data = protocol.encode_block(block_hash, data)
+    def corrupting_encode_block(block_hash, data, digest=None):
+        header, head, data = protocol.encode_block(block_hash, data, digest)
         flipped = bytes([data[0] ^ 0xFF]) + bytes(data)[1:]  # after the checksum was taken
         return [header, head, flipped]
 
