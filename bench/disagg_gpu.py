@@ -81,9 +81,7 @@ def engine(name: str, role: str, gpu: int, model: Path, args: argparse.Namespace
         "--load-format", "dummy", "--dtype", "bfloat16" if cuda else "float32",
         "--device", args.device, "--max-model-len", "12288",
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--role", role,
-        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-        *(["--tail-as-decode-tokens", str(args.tail_as_decode_tokens)]
-          if role == "decode" and args.tail_as_decode_tokens else [])],
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
         {"CUDA_VISIBLE_DEVICES": str(gpu)} if cuda else {}, port)
 
 
@@ -165,9 +163,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-rate", type=float, default=4.0, help="decodes per second")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="every engine of both configs (vLLM's online default)")
-    parser.add_argument("--tail-as-decode-tokens", type=int, default=0,
-                        help="passed to the decode engine of the disaggregated config: its "
-                             "requests' last partial block rides in graph-replayed decode steps")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the results")
@@ -200,8 +195,6 @@ def flags(args: argparse.Namespace) -> str:
     out = (f"--shape {args.shape} --seconds {args.seconds:g} --long-rate {args.long_rate:g} "
            f"--decode-rate {args.decode_rate:g} "
            f"--max-num-batched-tokens {args.max_num_batched_tokens} --seed {args.seed}")
-    if args.tail_as_decode_tokens:
-        out += f" --tail-as-decode-tokens {args.tail_as_decode_tokens}"
     if args.device != "cuda":
         out += f" --device {args.device} --long-words {args.long_words}"
     return out

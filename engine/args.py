@@ -80,11 +80,6 @@ class EngineArgs:
         "help": "schedule and launch step n+1 while the GPU runs step n (one step of lag on "
                 "stop checks); auto: on for CUDA. Requests with penalties, logprobs, n > 1, "
                 "beam search or min_tokens run those steps synchronously"})
-    tail_as_decode_tokens: int = field(default=0, metadata={
-        "help": "while other sequences decode, a sequence with at most this many tokens left "
-                "to compute (e.g. the last partial block after a KV transfer) computes them one "
-                "per step inside the decode batch, which a CUDA graph replays, instead of as a "
-                "prefill chunk that runs the whole step eagerly; 0: off (meant for --role decode)"})
     role: str = field(default="both", metadata={"choices": ROLES,
         "help": "both: aggregated; prefill/decode: disaggregated roles"})
     kv_transfer_port: int = field(default=0, metadata={
@@ -102,9 +97,6 @@ class EngineArgs:
                      "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be at least 1")
-        if self.tail_as_decode_tokens < 0:
-            raise ValueError(f"tail_as_decode_tokens={self.tail_as_decode_tokens!r} is invalid: "
-                             "must be 0 (off) or more")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} is invalid: "
                              "must be in (0, 1]")

@@ -75,8 +75,7 @@ class LLMEngine:
             max_num_batched_tokens=engine_args.max_num_batched_tokens,
             enable_chunked_prefill=engine_args.enable_chunked_prefill,
             policy=engine_args.scheduling_policy,
-            max_model_len=model_config.max_model_len,
-            tail_as_decode_tokens=engine_args.tail_as_decode_tokens), self.kv)
+            max_model_len=model_config.max_model_len), self.kv)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, model_config.eos_token_ids,
                                        model_config.max_model_len)

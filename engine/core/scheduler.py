@@ -25,8 +25,6 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     max_model_len: int = 2048
-    # while others decode, a sequence with at most this many tokens left computes one per step
-    tail_as_decode_tokens: int = 0
 
 
 @dataclass
@@ -126,8 +124,6 @@ class Scheduler:
         key = self._key
         order = sorted(self.running, key=lambda s: (not s.is_decode, key(s)))
         running = SequenceStatus.RUNNING
-        # short tails become one-token rows of a decode batch (graph-replayed) while others decode
-        tail = cfg.tail_as_decode_tokens if order and order[0].is_decode else 0
         for seq in order:
             if budget == 0:
                 break
@@ -138,7 +134,7 @@ class Scheduler:
                 continue  # its token in flight is its last (async scheduling): nothing to run
             if not cfg.enable_chunked_prefill and self._must_wait_whole(num_new, budget):
                 continue
-            num_new = 1 if num_new <= tail else min(num_new, budget)
+            num_new = min(num_new, budget)
             copies = self.kv.allocate_slots(seq, num_new)
             while copies is None:
                 victim = max(self.running, key=self._key)
@@ -152,7 +148,7 @@ class Scheduler:
                 continue
             planned[seq.seq_id] = (seq, num_new, copies)
             budget -= num_new
-        self._admit_waiting(budget, planned, out, tail)
+        self._admit_waiting(budget, planned, out)
         for seq, num_new, copies in planned.values():
             out.scheduled.append((seq, num_new))
             out.block_copies.extend(copies)
@@ -160,8 +156,7 @@ class Scheduler:
         out.scheduled.sort(key=lambda item: item[1] != 1)
         return out
 
-    def _admit_waiting(self, budget: int, planned: dict, out: SchedulerOutput,
-                       tail: int = 0) -> None:
+    def _admit_waiting(self, budget: int, planned: dict, out: SchedulerOutput) -> None:
         cfg = self.config
         while self.waiting and budget > 0:
             if len(self.running) >= cfg.max_num_seqs and not self._preempt_idle(out):
@@ -174,7 +169,7 @@ class Scheduler:
             num_new = seq.num_tokens - len(hits) * self.kv.block_size
             if self._must_wait_whole(num_new, budget):
                 break
-            num_new = 1 if num_new <= tail else min(num_new, budget)
+            num_new = min(num_new, budget)
             copies = self.kv.allocate_slots(seq, num_new, hits)
             while copies is None and self._preempt_idle(out):
                 copies = self.kv.allocate_slots(seq, num_new, hits)
