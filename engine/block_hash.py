@@ -32,3 +32,19 @@ def hash_prompt_blocks(
         parent_hash = hash_block_tokens(parent_hash, token_ids[start:start + block_size])
         hashes.append(parent_hash)
     return hashes
+
+
+def hash_prompt_tail(token_ids: Sequence[int], block_size: int,
+                     full_hashes: Sequence[int]) -> int | None:
+    """Gives the hash of the prompt's trailing partial block (chained to its full blocks), or
+    None when the prompt ends on a block boundary.
+
+    A prefill engine caches its prompt's partial last block under this hash when the
+    prompt is done, so a KV transfer can carry it and the decode engine computes only
+    the prompt's last token. `full_hashes` are `hash_prompt_blocks(token_ids, block_size)`.
+    """
+    start = len(token_ids) // block_size * block_size
+    if start == len(token_ids):
+        return None
+    parent = full_hashes[start // block_size - 1] if start else None
+    return hash_block_tokens(parent, token_ids[start:])

@@ -69,7 +69,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.runner = runner
         self.kv = KVCacheManager(runner.num_blocks, engine_args.block_size,
-                                 engine_args.enable_prefix_caching)
+                                 engine_args.enable_prefix_caching,
+                                 cache_prompt_tails=engine_args.role == "prefill")
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=engine_args.max_num_seqs,
             max_num_batched_tokens=engine_args.max_num_batched_tokens,

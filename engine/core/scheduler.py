@@ -165,19 +165,19 @@ class Scheduler:
             seq = next((s for s in self.waiting if s.beam_candidates is None), None)
             if seq is None:
                 break
-            hits = self.kv.get_computed_blocks(seq)
-            num_new = seq.num_tokens - len(hits) * self.kv.block_size
+            hits, hit_tokens = self.kv.get_computed_blocks(seq)
+            num_new = seq.num_tokens - hit_tokens
             if self._must_wait_whole(num_new, budget):
                 break
             num_new = min(num_new, budget)
-            copies = self.kv.allocate_slots(seq, num_new, hits)
+            copies = self.kv.allocate_slots(seq, num_new, hits, hit_tokens)
             while copies is None and self._preempt_idle(out):
-                copies = self.kv.allocate_slots(seq, num_new, hits)
+                copies = self.kv.allocate_slots(seq, num_new, hits, hit_tokens)
             if copies is None:
                 break
-            self.kv.record_prefix_lookup(seq, len(hits) * self.kv.block_size)
+            self.kv.record_prefix_lookup(seq, hit_tokens)
             if seq.request.metrics.first_scheduled_time is None:
-                seq.request.num_cached_tokens = len(hits) * self.kv.block_size
+                seq.request.num_cached_tokens = hit_tokens
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

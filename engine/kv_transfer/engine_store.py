@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvpilot.engine.block_hash import hash_prompt_blocks
+from kvpilot.engine.block_hash import hash_prompt_blocks, hash_prompt_tail
 from kvpilot.engine.core.block_pool import KVCacheBlock
 from kvpilot.engine.kv_transfer.fair_lock import FairLock
 from kvpilot.engine.kv_transfer.protocol import CHECKSUM_MODULUS, ProtocolError, pack_checksum
@@ -129,9 +129,18 @@ class EngineBlockStore:
     # ---- with the lock held -------------------------------------------------------------
 
     def pin(self, token_ids: Sequence[int]) -> tuple[list[int], list[KVCacheBlock]]:
-        """Gives (hashes, blocks) of the prompt's cached leading full blocks, now pinned."""
-        hashes = hash_prompt_blocks(list(token_ids), self.block_size)
+        """Gives (hashes, blocks) of the prompt's cached leading full blocks, now pinned, and
+        of its partial last block when every full block is there and the engine cached it
+        (a prefill engine does, `KVCacheManager.cache_prompt_tails`): the decode engine then
+        computes only the prompt's last token."""
+        tokens = list(token_ids)
+        hashes = hash_prompt_blocks(tokens, self.block_size)
         blocks = self._cached_prefix(hashes)
+        tail = hash_prompt_tail(tokens, self.block_size, hashes)
+        if len(blocks) == len(hashes) and tail is not None:
+            block = self.pool.lookup(tail)
+            if block is not None:
+                hashes, blocks = [*hashes, tail], [*blocks, block]
         self.pool.touch(blocks)
         return hashes[:len(blocks)], blocks
 

@@ -8,7 +8,8 @@ pulls it and streams the answer.
    from the prefill's agent. The decode agent fetches only the blocks its
    prefix cache lacks, imports them, and releases the lease.
 3. router -> decode (HTTP): the original request. Its prompt now hits the
-   decode engine's prefix cache; only the last partial block is computed, and
+   decode engine's prefix cache, the partial last block included (a prefill engine
+   caches it under its tail hash); only the prompt's last token is computed, and
    the answer streams back through the router.
 
 Nothing here is fatal to the request: a prefill that fails on every tried

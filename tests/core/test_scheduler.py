@@ -136,12 +136,17 @@ def test_second_request_computes_only_past_a_shared_three_block_prefix():
 def test_a_fully_cached_prompt_still_computes_its_last_token():
     s = make_scheduler(block_size=4)
     prompt = list(range(100, 108))  # exactly two blocks
-    _admit(s, make_request("a", prompt))
+    first = make_request("a", prompt)
+    _admit(s, first)
     run_step(s)
     again = make_request("b", prompt)
     _admit(s, again)
-    assert ("b", 4) in scheduled_ids(s.schedule())  # block 2 is recomputed for the logits
-    assert s.kv.prefix_cache_hits == 4
+    plan = s.schedule()
+    # only the last token is recomputed for the logits, in a copy of the cached last block
+    assert ("b", 1) in scheduled_ids(plan)
+    assert s.kv.prefix_cache_hits == 7
+    cached_last = s.kv.pool.lookup(seq_of(first).block_hashes[1])
+    assert plan.block_copies == [(cached_last.block_id, s.kv.block_ids(seq_of(again))[1])]
 
 
 def test_an_idle_beam_yields_its_blocks_and_waits_for_selection():

@@ -69,10 +69,11 @@ def wait_for_free_blocks(engine, expected: int, seconds: float) -> int:
 
 
 @pytest.mark.parametrize(("name", "prompt", "decode_warmup", "imported", "skipped"), [
-    # a fresh prompt: all 5 full blocks move (the 6th is partial and recomputed)
-    ("fresh", [*SYSTEM, *range(200, 230)], None, 5, 0),
+    # a fresh prompt: all 5 full blocks move, and the partial 6th (the prefill engine cached it
+    # under its tail hash): the decode engine computes only the last prompt token
+    ("fresh", [*SYSTEM, *range(200, 230)], None, 6, 0),
     # the decode side served another prompt with the same system part: 4 blocks stay home
-    ("shared", [*SYSTEM, *range(300, 330)], [*SYSTEM, *range(400, 420)], 1, 4),
+    ("shared", [*SYSTEM, *range(300, 330)], [*SYSTEM, *range(400, 420)], 2, 4),
 ])
 def test_disaggregated_equals_aggregated(engines, name, prompt, decode_warmup, imported,
                                          skipped):
@@ -84,9 +85,11 @@ def test_disaggregated_equals_aggregated(engines, name, prompt, decode_warmup, i
     assert first.outputs[0].token_ids == expected[:1]
     done = asyncio.run(request_pull(agent(decode), agent(prefill), f"pre-{name}", timeout=10))
     assert (done["imported"], done["skipped"]) == (imported, skipped)
+    computed_before = decode.prompt_tokens
     output = run(decode, f"dec-{name}", prompt)
     assert output.outputs[0].token_ids == expected
-    assert output.num_cached_tokens == (imported + skipped) * BLOCK
+    assert output.num_cached_tokens == len(prompt) - 1
+    assert decode.prompt_tokens - computed_before == 1  # a one-token row: a decode-shaped step
     # released on pull: the prefill side owns nothing any more
     assert wait_for_free_blocks(prefill, NUM_BLOCKS, 2) == NUM_BLOCKS
 

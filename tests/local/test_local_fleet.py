@@ -101,9 +101,11 @@ def test_disaggregated_answers_equal_the_aggregated_engine(disagg_fleet, aggrega
         assert chat.status_code == 200, chat.text
         texts.append(chat.json()["choices"][0]["message"]["content"])
     assert [comparable(t) for t in texts] == [comparable(t) for t in aggregated_tokens]
-    # Prompt 2 shares 4 blocks with prompt 1, which the prefix-aware router sent to the
-    # decode instance holding them: only its 5th full block moves.
-    assert transferred[:3] == [5, 1, 2]
+    # Each transfer also carries the prompt's partial last block (the prefill engine caches it
+    # under its tail hash), so the decode engine computes only the last prompt token. Prompt 2
+    # shares 4 blocks with prompt 1, which the prefix-aware router sent to the decode instance
+    # holding them: only its 5th full block and its tail move.
+    assert transferred[:3] == [6, 2, 3]
 
 
 def test_killed_decode_mid_stream(disagg_fleet):
