@@ -38,7 +38,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpilot.engine.loadgen.datasets import SampleRequest, random_dataset
 from kvpilot.engine.loadgen.report import summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
-from kvpilot.engine.metric_names import ROUTER_REQUESTS, ROUTER_TRANSFERRED_BLOCKS
+from kvpilot.engine.metric_names import MODEL_STEPS, ROUTER_REQUESTS, ROUTER_TRANSFERRED_BLOCKS
+from kvpilot.engine.metrics_text import read_metrics
 from kvpilot.engine.models.builtin import TINY_VOCAB_SIZE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from kvpilot.operator.local.plan import LocalProcess
 from kvpilot.operator.local.supervisor import Supervisor, free_port
@@ -127,14 +128,26 @@ def run_config(name: str, processes: list[LocalProcess], log_dir: Path,
         warm = random_dataset(4, 100, 8, 0.0, 99)  # compile/warm-up both engines
         asyncio.run(run_benchmark(BenchConfig(processes[-1].url, "bench"), warm))
         before = router_outcomes(processes[-1].url)
+        steps_before = {p.name: model_steps(p.url) for p in processes[:-1]}
         result = asyncio.run(drive(processes[-1].url, args))
         after = router_outcomes(processes[-1].url)
         # e.g. transfer_fallback: a pull failed and the decode engine prefilled itself
         result["router_outcomes"] = {k: v - before.get(k, 0) for k, v in after.items()
                                      if v - before.get(k, 0)}
+        # eager steps stretch the ITL of every decode in them: how many each engine ran
+        result["engine_steps"] = {
+            p.name: {mode: count - steps_before[p.name][mode]
+                     for mode, count in model_steps(p.url).items()} for p in processes[:-1]}
         return result
     finally:
         supervisor.stop()
+
+
+def model_steps(url: str) -> dict[str, float]:
+    """Gives an engine's forwards so far by mode (`graph` replays, `eager`)."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return {mode: read_metrics(text, [MODEL_STEPS], labels={"mode": mode})[0].get(MODEL_STEPS, 0.0)
+            for mode in ("graph", "eager")}
 
 
 def router_outcomes(url: str) -> dict[str, int]:
@@ -206,7 +219,7 @@ def failed(config: dict) -> int:
 
 def report_failed(name: str, config: dict) -> None:
     print(f"{name}: {failed(config)} requests failed; router outcomes "
-          f"{config['router_outcomes']}", flush=True)
+          f"{config['router_outcomes']}; engine forwards {config['engine_steps']}", flush=True)
 
 
 def main() -> None:

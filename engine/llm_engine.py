@@ -459,4 +459,6 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            graph_steps=self.runner.num_graph_steps,
+            eager_steps=self.runner.num_eager_steps,
         )

@@ -22,6 +22,10 @@ REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
 
 NUM_WAITING_PROMPT_TOKENS = "kvpilot_num_waiting_prompt_tokens"
 DRAINING = "kvpilot_draining"
+# forwards by how they ran: a CUDA-graph replay (pure decode batches) or eagerly; every eager
+# step while others decode stretches their inter-token latency
+MODEL_STEPS = "kvpilot_model_steps"
+MODE_LABEL = "mode"
 
 MODEL_NAME_LABEL = "model_name"
 FINISHED_REASON_LABEL = "finished_reason"

@@ -88,6 +88,9 @@ class ModelRunner:
         self._pinned_np: np.ndarray | None = None
         self._copied: torch.cuda.Event | None = None
         self._patches: torch.Tensor | None = None  # build_batch's [2, k] (position, row) pairs
+        # forwards run by a CUDA graph and eagerly (prefill and mixed steps, CPU, start-up)
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
         self.num_blocks = self._num_kv_blocks()
         shape = (2, self.num_blocks, self.block_size, model_config.num_kv_heads,
                  model_config.head_dim)
@@ -242,7 +245,9 @@ class ModelRunner:
         """Gives the hidden states of one flat batch (decode steps replay a CUDA graph)."""
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_replay(meta, kv_caches):
+            self.num_graph_steps += 1
             return graphs.replay(input_ids, positions, meta)
+        self.num_eager_steps += 1
         return self.model(input_ids, positions, kv_caches, meta)
 
     @torch.inference_mode()

@@ -76,3 +76,5 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens computed (hits excluded)
     generation_tokens: int = 0
+    graph_steps: int = 0  # forwards replayed by a CUDA graph
+    eager_steps: int = 0  # forwards run eagerly (prefill and mixed steps, CPU)

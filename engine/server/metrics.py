@@ -74,6 +74,11 @@ class _StatsCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=label)
             family.add_metric(value, float(number))
             yield family
+        steps = CounterMetricFamily(names.MODEL_STEPS, "model forwards, by graph replay or eager",
+                                    labels=[*label, names.MODE_LABEL])
+        steps.add_metric([*value, "graph"], float(stats.graph_steps))
+        steps.add_metric([*value, "eager"], float(stats.eager_steps))
+        yield steps
 
 
 class ServerMetrics:

@@ -41,6 +41,7 @@ def test_metrics_count_a_known_workload(server: RunningServer) -> None:
     # histograms and request_success belong to this module's fresh app.
     generated = server.metric(f"{names.GENERATION_TOKENS}_total")
     computed = server.metric(f"{names.PROMPT_TOKENS}_total")
+    eager = server.metric(f"{names.MODEL_STEPS}_total", mode="eager")
     assert histogram_count(server, names.TIME_TO_FIRST_TOKEN) == 0
 
     usages = [complete(server, p, stream=(i == 2))["usage"] for i, p in enumerate(PROMPTS)]
@@ -49,6 +50,9 @@ def test_metrics_count_a_known_workload(server: RunningServer) -> None:
     assert all(u["completion_tokens"] == MAX_TOKENS for u in usages)
     assert server.metric(f"{names.GENERATION_TOKENS}_total") - generated == n * MAX_TOKENS
     assert server.metric(f"{names.PROMPT_TOKENS}_total") - computed == prompt_tokens
+    # one forward per token, one request at a time; CPU runs no CUDA graphs
+    assert server.metric(f"{names.MODEL_STEPS}_total", mode="eager") - eager == n * MAX_TOKENS
+    assert server.metric(f"{names.MODEL_STEPS}_total", mode="graph") == 0
     assert server.metric(f"{names.REQUEST_SUCCESS}_total", finished_reason="length") == n
     assert histogram_count(server, names.TIME_TO_FIRST_TOKEN) == n
     assert histogram_count(server, names.E2E_REQUEST_LATENCY) == n
