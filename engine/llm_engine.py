@@ -207,7 +207,7 @@ class LLMEngine:
                 self._resolve(flight, results)
                 self._inflight = None
             return results
-        entries = self._entries(plan, flight)
+        entries = self._entries(plan)
         logits = self.runner.execute(entries, plan.block_copies,
                                      flight.tokens if flight is not None else None)
         if self.async_scheduling and not self._host_sampling:
@@ -238,7 +238,7 @@ class LLMEngine:
         self._collect(self._sample(to_sample, logits), results)
         return results
 
-    def _entries(self, plan: SchedulerOutput, flight: _InFlight | None) -> list[BatchEntry]:
+    def _entries(self, plan: SchedulerOutput) -> list[BatchEntry]:
         """Gives the runner's batch entries of `plan` (one per scheduled sequence)."""
         now = time.monotonic()
         entries: list[BatchEntry] = []
