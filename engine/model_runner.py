@@ -18,7 +18,6 @@ import torch
 from kvpilot.engine.args import EngineArgs, parse_size
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
-from kvpilot.engine.sampler import to_device
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
@@ -58,6 +57,18 @@ def select_attention_backend(args: EngineArgs, device: torch.device) -> Attentio
             return TritonAttentionBackend()
     from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
     return TorchAttentionBackend()
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+    """Gives a small host list as a tensor on `device` without waiting for the device's queue.
+
+    `torch.tensor(values, device="cuda")` is a synchronous copy: it waits until
+    every kernel queued before it has run. Built on the host first and copied
+    with `non_blocking`, the copy is staged and queued instead.
+    """
+    tensor = torch.tensor(values, dtype=dtype)
+    return tensor.to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
 def resolve_device(name: str) -> torch.device:

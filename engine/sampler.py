@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.engine.model_runner import to_device
 from kvpilot.engine.sampling_params import SamplingParams
 
 
@@ -38,18 +39,6 @@ class SamplerOutput:
     ranks: list[int] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
-
-
-def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None
-              ) -> torch.Tensor:
-    """Gives a small host list as a tensor on `device` without waiting for the device's queue.
-
-    `torch.tensor(values, device="cuda")` is a synchronous copy: it waits until
-    every kernel queued before it has run. Built on the host first and copied
-    with `non_blocking`, the copy is staged and queued instead.
-    """
-    tensor = torch.tensor(values, dtype=dtype)
-    return tensor.to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

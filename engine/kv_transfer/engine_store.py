@@ -33,6 +33,7 @@ from kvpilot.engine.block_hash import hash_prompt_blocks, hash_prompt_tail
 from kvpilot.engine.core.block_pool import KVCacheBlock
 from kvpilot.engine.kv_transfer.fair_lock import FairLock
 from kvpilot.engine.kv_transfer.protocol import CHECKSUM_MODULUS, ProtocolError, pack_checksum
+from kvpilot.engine.model_runner import to_device
 
 # one reusable host buffer of `read` holds up to this many bytes (and at most 256 blocks): each
 # read takes the lock once, and on a busy prefill engine the lock comes once per step
@@ -180,7 +181,7 @@ class EngineBlockStore:
             self._gather(torch.tensor(ids), out)
             return PendingRead(self, buffer, len(ids), None, block_checksums(buffer[:len(ids)]))
         with torch.cuda.device(self.device), torch.cuda.stream(self._side):
-            index = _to_device(ids, self.device)
+            index = to_device(ids, self.device, torch.long)
             self._side.wait_stream(self.engine_stream)
             staging = torch.empty(out.shape, dtype=self._dtype, device=self.device)
             self._gather(index, staging)
@@ -246,8 +247,8 @@ class EngineBlockStore:
     def _scatter(self, staged: StagedBlocks, rows: list[int], block_ids: list[int]) -> None:
         data = staged.data.view(self._dtype).view(len(staged.hashes), *self._shape)
         if len(rows) != len(staged.hashes):
-            data = data.index_select(0, _to_device(rows, self.device))
-        index = _to_device(block_ids, self.device)
+            data = data.index_select(0, to_device(rows, self.device, torch.long))
+        index = to_device(block_ids, self.device, torch.long)
         for layer, cache in enumerate(self.caches):
             cache.index_copy_(1, index, data[:, layer].transpose(0, 1))
 
@@ -310,14 +311,6 @@ class EngineBlockStore:
         with self._spare_lock:
             if len(self._spare) < SPARE_READ_BUFFERS:
                 self._spare.append(buffer)
-
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """Gives an int64 index tensor on `device`; on CUDA copied from pinned memory, no host sync."""
-    index = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return index
-    return index.pin_memory().to(device, non_blocking=True)
 
 
 CHECKSUM_PIECE_BYTES = 64 * 2**20  # data summed per piece: bounds the int32 temporaries

@@ -43,8 +43,6 @@ from kvpilot.engine.kv_transfer.protocol import (
 log = logging.getLogger("kvpilot.kv_transfer")
 FETCH_IO_TIMEOUT = 30.0  # a decode peer silent this long mid-transfer is gone (the lease expires)
 EXPIRY_TICK = 0.5
-READ_CHUNK_BLOCKS = 256  # most blocks per locked read on the prefill side (the store's
-# read_chunk_blocks, sized by bytes, is usually fewer)
 IMPORT_GROUP_BYTES = 256 * 2**20  # received bytes staged on the device per locked import
 
 
@@ -128,7 +126,7 @@ class TcpConnector(KVConnector):
         unknown = set(wanted) - set(lease.hashes)
         if unknown:
             raise ProtocolError(f"WANT names {len(unknown)} hashes outside lease {lease_id}")
-        size = min(READ_CHUNK_BLOCKS, self.store.read_chunk_blocks)
+        size = self.store.read_chunk_blocks
         chunks = [wanted[i:i + size] for i in range(0, len(wanted), size)]
         pending: list[PendingRead] = []
         try:

@@ -191,8 +191,8 @@ async def pull_between(src, dst, tokens: list[int]):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 async def test_pull_between_engine_stores_chunks_and_groups(dtype, monkeypatch):
-    monkeypatch.setattr(tcp, "READ_CHUNK_BLOCKS", 4)  # 9 chunks, two in flight at a time
     src, dst = make_store(48, dtype), make_store(48, dtype, seed=3)
+    src.read_chunk_blocks = 4  # 9 chunks, two in flight at a time
     monkeypatch.setattr(tcp, "IMPORT_GROUP_BYTES", 3 * dst.block_bytes)  # 12 groups
     tokens = prompt(40)
     hashes = compute(src, tokens)
