@@ -36,7 +36,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine.loadgen.datasets import SampleRequest, random_dataset
-from kvpilot.engine.loadgen.report import summarize
+from kvpilot.engine.loadgen.report import percentile, summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
 from kvpilot.engine.metric_names import MODEL_STEPS, ROUTER_REQUESTS, ROUTER_TRANSFERRED_BLOCKS
 from kvpilot.engine.metrics_text import read_metrics
@@ -114,7 +114,18 @@ async def drive(url: str, args: argparse.Namespace) -> dict:
         run_benchmark(long_cfg, long), run_benchmark(decode_cfg, decode))
     duration = max(long_t, dec_t)
     return {"decodes": summarize(dec_res, dec_t), "long_prompts": summarize(long_res, long_t),
-            "all": summarize(long_res + dec_res, duration)}
+            "all": summarize(long_res + dec_res, duration), "decode_gaps": gaps(dec_res)}
+
+
+def gaps(results: list) -> dict[str, float]:
+    """Gives the decodes' gaps apart (ms): the first (token 1 -> 2: disaggregated, that is
+    the handoff: lease, pull, import) and the later ones (steps only). Both count in the
+    ITL above; this says which of them sets its tail."""
+    first = [r.itl[0] * 1000 for r in results if r.success and r.itl]
+    later = [x * 1000 for r in results if r.success for x in r.itl[1:]]
+    return {"first_p50_ms": percentile(first, 50), "first_p99_ms": percentile(first, 99),
+            "first_max_ms": max(first, default=0.0), "later_p99_ms": percentile(later, 99),
+            "later_max_ms": max(later, default=0.0)}
 
 
 def run_config(name: str, processes: list[LocalProcess], log_dir: Path,
@@ -255,11 +266,15 @@ def main() -> None:
     lines = [f"# Disaggregated vs aggregated on {report['gpu']} ({report['date']})", "",
              f"`python bench/disagg_gpu.py {report['flags']}` (Llama-{args.shape}-shaped dummy "
              "model)", "",
-             "| config | decode ITL p50 (ms) | decode ITL p99 (ms) | long-prompt TTFT p50 (ms) "
-             "| output tok/s | failed |", "|---|---|---|---|---|---|"]
+             "| config | decode ITL p50 (ms) | decode ITL p99 (ms) | of it: first gap p50 / p99 / "
+             "max, later gaps p99 (ms) | long-prompt TTFT p50 (ms) | output tok/s | failed |",
+             "|---|---|---|---|---|---|---|"]
     for name, c in report["configs"].items():
+        g = c["decode_gaps"]
         lines.append(f"| {name} | {c['decodes']['median_itl_ms']:.1f} | "
-                     f"{c['decodes']['p99_itl_ms']:.1f} | "
+                     f"{c['decodes']['p99_itl_ms']:.1f} | {g['first_p50_ms']:.0f} / "
+                     f"{g['first_p99_ms']:.0f} / {g['first_max_ms']:.0f}, "
+                     f"{g['later_p99_ms']:.1f} | "
                      f"{c['long_prompts']['median_ttft_ms']:.0f} | "
                      f"{c['all']['output_throughput']:.0f} | {failed(c)} |")
     r = report["ratios"]

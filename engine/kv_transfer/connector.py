@@ -46,12 +46,14 @@ class StagedBlocks(Protocol):
 class BlockStore(Protocol):
     """The engine's KV cache as the connector sees it: pin, read, probe and import by hash.
 
-    The engine thread holds `lock` while it steps. `pin`, `unpin`, `read`,
+    The engine thread holds `lock` while it steps. `pin`, `unpin`,
     `num_cached_prefix`, `owned_blocks` and `import_blocks` must be called with it
-    held, so the connector's thread never races the engine's bookkeeping; `read` and
-    `import_blocks` only enqueue their copies there (on a GPU), so the lock is held
-    for bookkeeping, not for moving data. `receive_buffer`, `stage` and the waits of
-    what `read` and `stage` give are called without it.
+    held, so the connector's thread never races the engine's bookkeeping;
+    `import_blocks` only enqueues its copies there (on a GPU), so the lock is held
+    for bookkeeping, not for moving data. `read` is called without it, on blocks
+    the caller keeps pinned meanwhile (a busy prefill engine would make every read
+    wait a step for the lock); `receive_buffer`, `stage` and the waits of what
+    `read` and `stage` give are called without it too.
     """
 
     lock: Any  # reentrant; FairLock in engines (a waiting agent is not starved by steps)
@@ -67,7 +69,8 @@ class BlockStore(Protocol):
         ...
 
     def read(self, handle: Any, hashes: Sequence[int]) -> PendingRead:
-        """Starts copying the pinned blocks with these hashes, in order, into a host buffer."""
+        """Starts copying the pinned blocks with these hashes, in order, into a host buffer
+        (no lock; `handle` stays pinned until the call returns)."""
         ...
 
     def num_cached_prefix(self, hashes: Sequence[int]) -> int:

@@ -6,11 +6,13 @@ through host memory so CPU and GPU engines interoperate.
 
 The engine lock is held only to look blocks up and to *enqueue* copies:
 
-- read (prefill side): under the lock, the pinned blocks' ids are resolved and
-  one gather per layer plus one device-to-host copy into a reusable host buffer
-  (pinned on CUDA) are enqueued on a side stream, ordered after the engine's
-  stream; the agent waits for the copy's event off the lock and sends
-  memoryviews of that buffer.
+- read (prefill side, without the engine lock: pinned blocks do not move): one
+  gather per layer plus one device-to-host copy into a reusable host buffer
+  (pinned on CUDA) are enqueued on a side stream, not ordered after the engine's
+  stream: a lease's blocks were written by steps the host has already seen
+  finish (the request's first token came back), and the steps in flight only
+  write other blocks, or the slots past the prompt in its tail block; the agent
+  waits for the copy's event and sends memoryviews of that buffer.
 - import (decode side): the agent receives every block into one host buffer
   (pinned on CUDA) and `stage` copies it to the device on a side stream, both
   without the lock; under the lock only the pool bookkeeping runs and one
@@ -166,38 +168,6 @@ class EngineBlockStore:
             self.engine_stream.wait_event(self._last_read)
         self.pool.free(handle[::-1])
 
-    def read(self, handle: list[KVCacheBlock], hashes: Sequence[int]) -> PendingRead:
-        """Enqueues the copy of the pinned blocks with these hashes into a host buffer.
-
-        One gather per layer into a device tensor laid out [n, layers, 2, block_size,
-        kv_heads, head_dim] (the wire layout, block after block), then one copy to the
-        host buffer, on the side stream after what the engine's stream has enqueued.
-        """
-        by_hash = {b.block_hash: b for b in handle}
-        ids = [by_hash[h].block_id for h in hashes]
-        buffer = self._host_buffer(len(ids))
-        out = buffer[:len(ids)].view(self._dtype).view(len(ids), *self._shape)
-        if not self._cuda:
-            self._gather(torch.tensor(ids), out)
-            return PendingRead(self, buffer, len(ids), None, block_checksums(buffer[:len(ids)]))
-        with torch.cuda.device(self.device), torch.cuda.stream(self._side):
-            index = to_device(ids, self.device, torch.long)
-            self._side.wait_stream(self.engine_stream)
-            staging = torch.empty(out.shape, dtype=self._dtype, device=self.device)
-            self._gather(index, staging)
-            out.copy_(staging, non_blocking=True)
-            sums = torch.empty((len(ids), 2), dtype=torch.int64, pin_memory=True)
-            sums.copy_(block_checksums(staging.view(torch.uint8).view(len(ids), -1)),
-                       non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._side)
-        self._last_read = event
-        return PendingRead(self, buffer, len(ids), event, sums)
-
-    def _gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
-        torch.stack([cache.index_select(1, index).transpose(0, 1) for cache in self.caches],
-                    dim=1, out=out)
-
     def owned_blocks(self) -> int:
         """Gives how many blocks have a reference (running requests or leases)."""
         return self.pool.num_blocks - self.pool.num_free_blocks
@@ -252,7 +222,41 @@ class EngineBlockStore:
         for layer, cache in enumerate(self.caches):
             cache.index_copy_(1, index, data[:, layer].transpose(0, 1))
 
-    # ---- without the lock ---------------------------------------------------------------
+    # ---- without the engine lock ---------------------------------------------------------
+
+    def read(self, handle: list[KVCacheBlock], hashes: Sequence[int]) -> PendingRead:
+        """Enqueues the copy of the pinned blocks with these hashes into a host buffer.
+
+        One gather per layer into a device tensor laid out [n, layers, 2, block_size,
+        kv_heads, head_dim] (the wire layout, block after block), then one copy to the
+        host buffer, on the side stream. It does not wait for the engine's stream (a
+        prefill step of thousands of tokens): the blocks of a finished prompt were
+        written by steps that have completed, since the host has read the token they
+        sampled. The caller keeps `handle` pinned (a live lease) while it enqueues.
+        """
+        by_hash = {b.block_hash: b for b in handle}
+        ids = [by_hash[h].block_id for h in hashes]
+        buffer = self._host_buffer(len(ids))
+        out = buffer[:len(ids)].view(self._dtype).view(len(ids), *self._shape)
+        if not self._cuda:
+            self._gather(torch.tensor(ids), out)
+            return PendingRead(self, buffer, len(ids), None, block_checksums(buffer[:len(ids)]))
+        with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+            index = to_device(ids, self.device, torch.long)
+            staging = torch.empty(out.shape, dtype=self._dtype, device=self.device)
+            self._gather(index, staging)
+            out.copy_(staging, non_blocking=True)
+            sums = torch.empty((len(ids), 2), dtype=torch.int64, pin_memory=True)
+            sums.copy_(block_checksums(staging.view(torch.uint8).view(len(ids), -1)),
+                       non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._side)
+        self._last_read = event
+        return PendingRead(self, buffer, len(ids), event, sums)
+
+    def _gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        torch.stack([cache.index_select(1, index).transpose(0, 1) for cache in self.caches],
+                    dim=1, out=out)
 
     def receive_buffer(self, num_blocks: int) -> ReceiveBuffer:
         """Gives a host buffer (pinned on CUDA) for `num_blocks` incoming blocks."""

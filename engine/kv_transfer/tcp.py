@@ -54,6 +54,9 @@ class TcpConnector(KVConnector):
         self.store = store
         self.host, self.port = host, port
         self.leases: LeaseTable[Any] = LeaseTable(lease_seconds)
+        # Guards `leases` and the reads of leased blocks. Taken after the store's lock where
+        # both are needed (unpinning), alone by reads: a read then never waits for a step.
+        self._lease_lock = threading.Lock()
         self.pull_attempts = pull_attempts
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvpilot-kv-agent",
@@ -83,7 +86,7 @@ class TcpConnector(KVConnector):
             asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(5)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
-        with self.store.lock:
+        with self.store.lock, self._lease_lock:
             for lease in self.leases.expire(float("inf")):
                 self.store.unpin(lease.pinned)
 
@@ -91,15 +94,16 @@ class TcpConnector(KVConnector):
 
     def offer(self, lease_id: str, token_ids: Sequence[int]) -> int:
         hashes, pinned = self.store.pin(token_ids)
-        replaced = self.leases.open(lease_id, hashes, pinned, time.monotonic())
-        if replaced is not None:
-            self.store.unpin(replaced.pinned)
+        with self._lease_lock:
+            replaced = self.leases.open(lease_id, hashes, pinned, time.monotonic())
+            if replaced is not None:
+                self.store.unpin(replaced.pinned)
         return len(hashes)
 
     async def _expire_forever(self) -> None:
         while True:
             await asyncio.sleep(EXPIRY_TICK)
-            with self.store.lock:
+            with self.store.lock, self._lease_lock:
                 for lease in self.leases.expire(time.monotonic()):
                     log.warning("lease %s expired unpulled: unpinning %d blocks",
                                 lease.lease_id, len(lease.hashes))
@@ -108,12 +112,12 @@ class TcpConnector(KVConnector):
     def _serve_fetch(self, sock: socket.socket, message: dict[str, Any]) -> None:
         """Answers one FETCH conversation on a blocking socket (a worker thread).
 
-        Chunks of blocks are read from the engine under the lock (which only enqueues
-        their copy to host memory; the next chunk copies while this one is sent) and
-        sent by scatter-gather writes straight from the host buffer.
+        Chunks of blocks are read from the engine without its lock (enqueueing their copy
+        to host memory; the next chunk copies while this one is sent) and sent by
+        scatter-gather writes straight from the host buffer.
         """
         lease_id = str(message.get("lease_id"))
-        with self.store.lock:
+        with self._lease_lock:
             lease = self.leases.get(lease_id, time.monotonic())
         if lease is None:
             sock.sendall(encode(Frame.ERROR, {"message": f"lease {lease_id!r} is unknown or "
@@ -151,14 +155,16 @@ class TcpConnector(KVConnector):
         self._release(lease_id)
 
     def _read(self, lease: Lease[Any], hashes: list[int]) -> PendingRead:
-        """Starts copying a chunk of a live lease's blocks (under the lock, enqueue only)."""
-        with self.store.lock:
+        """Starts copying a chunk of a live lease's blocks (enqueue only). The lease lock
+        keeps the blocks pinned meanwhile; the engine lock is not needed, so a read does
+        not wait for the prefill engine's step."""
+        with self._lease_lock:
             if self.leases.get(lease.lease_id, time.monotonic()) is not lease:
                 raise ProtocolError(f"lease {lease.lease_id!r} expired mid-transfer")
             return self.store.read(lease.pinned, hashes)
 
     def _release(self, lease_id: str) -> None:
-        with self.store.lock:
+        with self.store.lock, self._lease_lock:
             lease = self.leases.release(lease_id)
             if lease is not None:
                 self.store.unpin(lease.pinned)
@@ -253,7 +259,7 @@ class TcpConnector(KVConnector):
 
     def stats(self) -> dict[str, int]:
         """Gives the open leases, the blocks they pin, and the blocks the engine owns."""
-        with self.store.lock:
+        with self.store.lock, self._lease_lock:
             return {"leases": len(self.leases),
                     "leased_blocks": self.leases.num_blocks(),
                     "owned_blocks": self.store.owned_blocks()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
@@ -209,28 +210,71 @@ async def test_pull_between_engine_stores_chunks_and_groups(dtype, monkeypatch):
 
 
 async def test_lock_holds_do_not_grow_with_the_blocks_moved():
-    """Under the lock only bookkeeping and a constant number of enqueued ops per hold run:
-    the import does one index_copy_ per layer (not a copy per block and layer), a read one
-    gather per layer; receiving and staging happen outside. Pulls of 8 and 40 blocks (one
-    read, two reads of up to 32) must run the same torch ops under each lock hold."""
-    ops: dict[int, tuple[list[int], list[int]]] = {}
+    """Under the engine lock only bookkeeping and a constant number of enqueued ops per hold
+    run: the import does one index_copy_ per layer (not a copy per block and layer);
+    receiving and staging happen outside. Reads take no engine lock at all, and each runs
+    one gather per layer whatever its size. Pulls of 8 and 40 blocks (one read, two reads of
+    up to 32) must run the same torch ops under each lock hold and in each read."""
+    ops: dict[int, tuple[list[int], list[int], list[int]]] = {}
     for num_blocks in (8, 40):
         src, dst = make_store(48), make_store(48, seed=2)
         src.lock, dst.lock = CountingLock(), CountingLock()
         src.read_chunk_blocks = 32
+        reads: list[int] = []
+
+        def counted_read(handle, hashes, read=src.read, reads=reads):
+            with _OpCounter() as counter:
+                pending = read(handle, hashes)
+            reads.append(counter.count)
+            return pending
+
+        src.read = counted_read
         tokens = prompt(num_blocks)
         compute(src, tokens)
         done = await pull_between(src, dst, tokens)
         assert done["imported"] == num_blocks
         ops[num_blocks] = ([n for _, n in src.lock.holds if n],
-                           [n for _, n in dst.lock.holds if n])
-    prefill_small, decode_small = ops[8]
-    prefill_large, decode_large = ops[40]
-    assert (len(prefill_small), len(prefill_large), len(decode_small)) == (1, 2, 1)
+                           [n for _, n in dst.lock.holds if n], reads)
+    prefill_small, decode_small, reads_small = ops[8]
+    prefill_large, decode_large, reads_large = ops[40]
+    assert prefill_small == prefill_large == []  # the prefill engine's lock moves no data
+    assert (len(reads_small), len(reads_large), len(decode_small)) == (1, 2, 1)
     assert decode_small == decode_large
     assert max(decode_large) <= 6 * LAYERS + 20
-    assert set(prefill_small) == set(prefill_large)  # each read: the same ops, whatever the size
-    assert max(prefill_large) <= 4 * LAYERS + 20
+    assert set(reads_small) == set(reads_large)  # each read: the same ops, whatever the size
+    assert max(reads_large) <= 4 * LAYERS + 20
+
+
+def test_a_read_does_not_wait_for_the_engine_lock():
+    """A prefill engine holds its lock through every step; reading a lease's blocks must not
+    queue behind that (the lease lock keeps them pinned)."""
+    store = make_store(16)
+    tokens = prompt(4)
+    compute(store, tokens)
+    agent = TcpConnector(store, "127.0.0.1", 0, lease_seconds=30)
+    with store.lock:
+        agent.offer("cmpl-1", tokens)
+    lease = agent.leases.get("cmpl-1", time.monotonic())
+    stepping, done = threading.Event(), threading.Event()
+
+    def engine_step() -> None:  # holds the engine lock until the read is done
+        with store.lock:
+            stepping.set()
+            done.wait(30)
+
+    engine = threading.Thread(target=engine_step)
+    engine.start()
+    reader = ThreadPoolExecutor(1)
+    try:
+        assert stepping.wait(5)
+        # a read that waited for the lock would time out here
+        datas = reader.submit(lambda: agent._read(lease, lease.hashes).wait()).result(5)
+        assert [bytes(d) for d in datas] == [block_bits(store, h).numpy().tobytes()
+                                             for h in lease.hashes]
+    finally:
+        done.set()
+        engine.join(10)
+        reader.shutdown()
 
 
 @pytest.mark.parametrize("group_blocks", [2, 4, 1000])

@@ -154,3 +154,37 @@ def test_gpu_blocks_round_trip_bit_exact():
                                         strict=True):
             assert torch.equal(src_cache[:, a], dst_cache[:, b])
     src.unpin(pinned)
+
+
+@pytest.mark.gpu
+def test_gpu_lease_read_while_steps_run_is_bit_exact():
+    """A read of a lease waits neither for the engine lock nor for the engine's stream: the
+    blocks were written by steps that ran before the lease opened. Read while another
+    request's step is in flight (async scheduling), compare after a full synchronize."""
+    import torch
+
+    args = EngineArgs(model="tiny-llama", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK,
+                      role="prefill", kv_transfer_port=free_port(), device="cuda",
+                      dtype="bfloat16")
+    engine = attach_role(LLMEngine.from_engine_args(args), "127.0.0.1", 0)
+    try:
+        engine.add_request("busy", list(range(500, 540)),
+                           SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        prompt = [*SYSTEM, *range(200, 230)]  # 5 full blocks and a tail
+        engine.add_request("target", prompt, SamplingParams(temperature=0, max_tokens=1))
+        datas = None
+        for _ in range(50):
+            if any(o.request_id == "target" and o.finished for o in engine.step()):
+                lease = engine.connector.leases.get("target", time.monotonic())
+                datas = [bytes(d) for d in engine.connector._read(lease, lease.hashes).wait()]
+                break
+        assert datas is not None and len(lease.hashes) == 6
+        assert engine.engine.has_unfinished_requests()  # the busy request kept stepping
+        torch.cuda.synchronize()
+        store = engine.connector.store
+        for block_hash, data in zip(lease.hashes, datas, strict=True):
+            block_id = store.pool.lookup(block_hash).block_id
+            expected = torch.stack([cache[:, block_id] for cache in store.caches])
+            assert data == expected.view(torch.int16).cpu().numpy().tobytes()
+    finally:
+        engine.shutdown()
