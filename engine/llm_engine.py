@@ -90,6 +90,7 @@ class LLMEngine:
         mode = engine_args.async_scheduling
         self.async_scheduling = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
         self._inflight: _InFlight | None = None
+        self._gpu_wait_s = 0.0  # of the last step: waiting for the GPU's sampled tokens
         self._host_sampling: set[str] = set()  # live request ids that need host sampling
         self._token_buffers: list[torch.Tensor] = []  # two pinned buffers, one per flight
         self._num_flights = 0
@@ -196,6 +197,7 @@ class LLMEngine:
         the host while the GPU runs this one.
         """
         results, self._pending = self._pending, []
+        self._gpu_wait_s = 0.0
         flight = self._inflight
         if flight is not None and self._host_sampling:
             # a request that samples on the host needs its previous token first
@@ -314,7 +316,9 @@ class LLMEngine:
         finished or was aborted meanwhile has none and its token is dropped.
         """
         if flight.ready is not None:
+            waited = time.perf_counter()
             flight.ready.synchronize()
+            self._gpu_wait_s += time.perf_counter() - waited
         token_ids = flight.host.tolist()
         now = time.monotonic()
         touched: dict[str, Request] = {}
@@ -442,6 +446,10 @@ class LLMEngine:
     def kv_events(self) -> KVEventLog:
         """Gives the prefix cache's event log (blocks stored/evicted) that GET /kv_events reads."""
         return self.kv.pool.events
+
+    def step_timing(self) -> str:
+        """Says where the last step waited (for the slow-iteration log)."""
+        return f"GPU wait {self._gpu_wait_s * 1e3:.1f} ms"
 
     def get_stats(self) -> EngineStats:
         """Gives the gauges and counters the server exports."""

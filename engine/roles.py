@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,6 +34,7 @@ class RoleEngine:
 
     def __init__(self, engine: Any, connector: KVConnector, role: str, lock: Any) -> None:
         self.engine, self.connector, self.role, self.lock = engine, connector, role, lock
+        self._lock_wait_s = 0.0
 
     def __getattr__(self, name: str) -> Any:  # tokenizer, model_config, engine_args, ...
         return getattr(self.engine, name)
@@ -53,7 +55,9 @@ class RoleEngine:
             return self.engine.get_stats()
 
     def step(self) -> list[RequestOutput]:
+        asked = time.perf_counter()
         with self.lock:
+            self._lock_wait_s = time.perf_counter() - asked
             outputs = self.engine.step()
             if self.role == "prefill":
                 for output in outputs:
@@ -61,6 +65,11 @@ class RoleEngine:
                                                for o in output.outputs):
                         self.connector.offer(output.request_id, output.prompt_token_ids)
         return outputs
+
+    def step_timing(self) -> str:
+        """Says where the last step waited (for the slow-iteration log)."""
+        return (f"lock wait {self._lock_wait_s * 1e3:.1f} ms, {self.engine.step_timing()}, "
+                f"KV transfers running {self.connector.transfers_running}")
 
     def shutdown(self) -> None:
         self.connector.stop()

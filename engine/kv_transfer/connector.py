@@ -110,6 +110,8 @@ class KVConnector(ABC):
     router asks it to, before the request itself arrives.
     """
 
+    transfers_running = 0  # conversations moving blocks now (the slow-iteration log names it)
+
     @abstractmethod
     def start(self) -> None:
         """Starts serving (listener, lease expiry)."""

@@ -57,6 +57,7 @@ class TcpConnector(KVConnector):
         # Guards `leases` and the reads of leased blocks. Taken after the store's lock where
         # both are needed (unpinning), alone by reads: a read then never waits for a step.
         self._lease_lock = threading.Lock()
+        self.transfers_running = 0  # FETCH or PULL conversations in worker threads now
         self.pull_attempts = pull_attempts
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvpilot-kv-agent",
@@ -180,7 +181,7 @@ class TcpConnector(KVConnector):
             if time.monotonic() >= deadline:
                 break
             try:
-                return await asyncio.to_thread(self._pull, host, int(port), lease_id, deadline)
+                return await self._in_worker(self._pull, host, int(port), lease_id, deadline)
             except (OSError, ProtocolError, TimeoutError) as exc:
                 error = exc
                 log.warning("pull of lease %s from %s, attempt %d: %r", lease_id,
@@ -257,6 +258,14 @@ class TcpConnector(KVConnector):
 
     # ---- dispatch ---------------------------------------------------------------------
 
+    async def _in_worker(self, function: Any, *args: Any) -> Any:
+        """Runs one transfer conversation in a worker thread, counted while it runs."""
+        self.transfers_running += 1  # on the agent's event loop only
+        try:
+            return await asyncio.to_thread(function, *args)
+        finally:
+            self.transfers_running -= 1
+
     def stats(self) -> dict[str, int]:
         """Gives the open leases, the blocks they pin, and the blocks the engine owns."""
         with self.store.lock, self._lease_lock:
@@ -281,7 +290,7 @@ class TcpConnector(KVConnector):
                 # the socket; the transport stops reading so it cannot take those bytes
                 writer.transport.pause_reading()
                 with _blocking_copy(writer) as sock:
-                    await asyncio.to_thread(self._serve_fetch, sock, message)
+                    await self._in_worker(self._serve_fetch, sock, message)
             await writer.drain()
         except (OSError, ProtocolError, ValueError, KeyError) as exc:
             log.warning("KV agent connection failed: %r", exc)

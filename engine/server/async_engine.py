@@ -11,7 +11,9 @@ a request's acceptance.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +25,29 @@ from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+# Log each engine iteration longer than this many milliseconds, with where its time went
+# (inbox, step, lock and GPU waits, delivery, garbage collection): what stretched an ITL.
+SLOW_ITERATION_ENV = "KVPILOT_SLOW_STEP_MS"
+
+
+def _step_timing(engine: Any) -> str:
+    timing = getattr(engine, "step_timing", None)
+    return timing() if timing else "no breakdown"
+
+
+class _GcClock:
+    """Sums the time Python's cyclic GC ran, in any thread (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._since = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._since = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._since
 
 
 class EngineDeadError(RuntimeError):
@@ -191,6 +216,8 @@ class AsyncEngine:
     # ---- engine thread ------------------------------------------------------------
 
     def _run(self) -> None:
+        slow_ms = float(os.environ.get(SLOW_ITERATION_ENV) or 0)
+        gc_clock = _GcClock() if slow_ms > 0 else None
         try:
             while True:
                 with self._cond:
@@ -200,10 +227,22 @@ class AsyncEngine:
                     if self._stopping:
                         return
                     inbox, self._inbox = self._inbox, _Inbox()
+                start = time.perf_counter()
+                gc_before = gc_clock.seconds if gc_clock else 0.0
                 self._apply(inbox)
+                applied = stepped = time.perf_counter()
                 if self._has_work():
-                    self._deliver(self.engine.step())
+                    outputs = self.engine.step()
+                    stepped = time.perf_counter()
+                    self._deliver(outputs)
                 self._publish_stats()
+                if gc_clock and (done := time.perf_counter()) - start > slow_ms / 1000:
+                    logger.warning(
+                        "slow engine iteration: %.1f ms (inbox %.1f ms, %d adds; step %.1f ms: "
+                        "%s; deliver %.1f ms; GC %.1f ms)", (done - start) * 1e3,
+                        (applied - start) * 1e3, len(inbox.adds), (stepped - applied) * 1e3,
+                        _step_timing(self.engine), (done - stepped) * 1e3,
+                        (gc_clock.seconds - gc_before) * 1e3)
         except BaseException as exc:  # the engine is broken: fail every waiter
             logger.exception("engine thread failed")
             self._error = exc
