@@ -13,12 +13,22 @@ for d in operator engine kernels cli; do ln -sfn "$PWD/$d" /tmp/kvp/kvpilot/$d; 
 python3 -c "import fastapi, uvicorn" 2>/dev/null || \
   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl/extra/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/kvp:/tmp/site
-timeout 150 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/disagg 2>&1 | tail -4 | tee -a "$OUT/log.txt"
-for shape in 1b 8b; do timeout 60 python3 bench/kv_transfer_rate.py --shape $shape --repeat 3 2>&1 | grep MB/s | tee -a "$OUT/log.txt"; done
-run() { # shape long_rate decode_rate
+timeout 150 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/disagg 2>&1 | tail -4 \
+  | tee -a "$OUT/log.txt"
+timeout 100 python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_small_kernels.py \
+  -k checksum 2>&1 | tail -2 | tee -a "$OUT/log.txt"
+for shape in 1b 8b; do timeout 60 python3 bench/kv_transfer_rate.py --shape $shape --repeat 2 2>&1 \
+  | grep MB/s | tee -a "$OUT/log.txt"; done
+run() { # shape long_rate decode_rate seconds
   [ $SECONDS -lt 480 ] || { echo "$1 $2 skipped (time)" | tee -a "$OUT/log.txt"; return; }
   timeout 300 python3 bench/disagg_gpu.py --shape "$1" --long-rate "$2" --decode-rate "$3" \
-    --seconds 30 --out "$OUT/$1-long$2" 2>&1 | tail -25 | tee -a "$OUT/log.txt"
+    --seconds "$4" --out "$OUT/$1-long$2" --logs "/tmp/logs/$1-long$2" 2>&1 | tail -25 \
+    | tee -a "$OUT/log.txt"
+  # with KVPILOT_SLOW_STEP_MS set, where the slow engine iterations went (bench/slow_steps.py)
+  python3 bench/slow_steps.py /tmp/logs/$1-long$2/*/*.log 2>&1 | cut -c1-400 >> "$OUT/slow.txt"
 }
-# shape:long prompts/s:decodes/s, default the configurations of bench/results/disagg_gpu-2xH200-*
-for spec in ${*:-8b:2:4 8b:3:4 1b:3:8}; do IFS=: read -r shape long decode <<< "$spec"; run "$shape" "$long" "$decode"; done
+# shape:long prompts/s:decodes/s[:seconds, default 30], default the configurations of
+# bench/results/disagg_gpu-2xH200-*
+for spec in ${*:-8b:2:4 8b:3:4 1b:3:8}; do
+  IFS=: read -r shape long decode seconds <<< "$spec"; run "$shape" "$long" "$decode" "${seconds:-30}"
+done

@@ -14,7 +14,7 @@ The engine lock is held only to look blocks up and to *enqueue* copies:
   write other blocks, or the slots past the prompt in its tail block; the agent
   waits for the copy's event and sends memoryviews of that buffer.
 - import (decode side): the agent receives every block into one host buffer
-  (pinned on CUDA) and `stage` copies it to the device on a side stream, both
+  (pageable: see `receive_buffer`) and `stage` copies it to the device on a side stream, both
   without the lock; under the lock only the pool bookkeeping runs and one
   `index_copy_` per layer is enqueued, on the engine's stream (after waiting for
   the side stream), so the write lands after any step already in flight there.
@@ -79,7 +79,7 @@ class PendingRead:
 
 
 class ReceiveBuffer:
-    """One host buffer (pinned on CUDA) for the blocks of one pull, block i at row i."""
+    """One host buffer for the blocks of one pull, block i at row i."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor  # uint8 [num_blocks, block_bytes]
@@ -259,9 +259,16 @@ class EngineBlockStore:
                     dim=1, out=out)
 
     def receive_buffer(self, num_blocks: int) -> ReceiveBuffer:
-        """Gives a host buffer (pinned on CUDA) for `num_blocks` incoming blocks."""
-        return ReceiveBuffer(torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8,
-                                         pin_memory=self._cuda))
+        """Gives a host buffer for `num_blocks` incoming blocks.
+
+        Pageable, not pinned: a pull's buffer holds a whole prompt (a GiB for 8k tokens
+        of an 8B model), and pinning fresh memory of that size (cudaHostAlloc) takes
+        hundreds of milliseconds during which the engine thread's own CUDA calls stalled
+        (measured: engine iterations of 0.5-4.8 s while pulls ran, seconds of it waiting
+        for the lock an importing thread held). The staging copy from pageable memory
+        runs at several GB/s in the pulling thread, above the socket's rate.
+        """
+        return ReceiveBuffer(torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8))
 
     def stage(self, buffer: ReceiveBuffer, start: int, hashes: Sequence[int]) -> StagedBlocks:
         """Starts copying blocks start.. of `buffer` (they hold `hashes`) to the cache's device.
@@ -322,7 +329,15 @@ CHECKSUM_PIECE_BYTES = 64 * 2**20  # data summed per piece: bounds the int32 tem
 
 def block_checksums(data: torch.Tensor) -> torch.Tensor:
     """Gives [n, 2] int64 (plain, weighted) sums of each row of a uint8 [n, bytes] tensor,
-    on its device: `protocol.checksum`'s two sums, for many blocks in a few kernels."""
+    on its device: `protocol.checksum`'s two sums (low 32 bits), for many blocks at once.
+
+    On CUDA one Triton kernel reads the data once (it runs beside decode steps on the
+    same GPU); elsewhere a few torch ops per 64 MiB piece.
+    """
+    if data.is_cuda:
+        from kvpilot.kernels.block_checksum import block_checksums_triton
+
+        return block_checksums_triton(data, CHECKSUM_MODULUS)
     rows, size = data.shape
     words = data.view(torch.int16)
     weights = (torch.arange(size // 2, dtype=torch.int32, device=data.device)

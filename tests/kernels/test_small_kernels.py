@@ -122,3 +122,21 @@ def test_rms_norm_output_has_unit_rms_when_weight_is_one(rows, hidden):
     out = rms_norm(x, torch.ones(hidden, device=DEVICE), 0.0)
     rms = out.double().pow(2).mean(-1).sqrt()
     assert torch.allclose(rms, torch.ones_like(rms), atol=1e-4)
+
+
+@pytest.mark.parametrize(("rows", "size"), [
+    (3, 64),  # shorter than a tile: one split works, the others sum nothing
+    (2, 2 * 40000),  # several splits, the last one partial, weights wrapping past MODULUS
+    (4, 2 * 2049),  # one word past a tile
+])
+def test_block_checksums_match_the_wire_checksum(rows, size):
+    """The KV transfer's per-block sums in one Triton pass equal protocol.checksum's."""
+    from kvpilot.engine.kv_transfer.protocol import CHECKSUM_MODULUS, checksum, pack_checksum
+    from kvpilot.kernels.block_checksum import block_checksums_triton
+
+    data = torch.randint(0, 256, (rows, size), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(size))
+    data[0, :64] = 255  # words of 0xFFFF: the largest products
+    sums = block_checksums_triton(data.to(DEVICE), CHECKSUM_MODULUS).cpu().tolist()
+    assert [pack_checksum(a, b) for a, b in sums] == [checksum(row.numpy().tobytes())
+                                                       for row in data]
