@@ -94,6 +94,8 @@ def attach_role(engine: Any, host: str, http_port: int) -> Any:
     # paced by the engine's host work (and the engine gives the GIL up sooner).
     sys.setswitchinterval(min(sys.getswitchinterval(), ROLE_SWITCH_INTERVAL_S))
     store = EngineBlockStore(engine)
+    if role == "decode" and store.device.type == "cuda":
+        store.receive_buffers.fill()  # pinned now, not while pulls run beside steps
     lease_seconds = float(os.environ.get(LEASE_SECONDS_ENV, DEFAULT_LEASE_SECONDS))
     connector = TcpConnector(store, host, kv_port(engine.engine_args, http_port), lease_seconds)
     connector.start()

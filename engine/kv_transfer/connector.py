@@ -28,10 +28,16 @@ class PendingRead(Protocol):
 
 
 class ReceiveBuffer(Protocol):
-    """A host buffer for the blocks of one pull, filled as they arrive."""
+    """A pooled host buffer for up to `capacity` blocks of a pull, filled as they arrive."""
+
+    capacity: int
 
     def block(self, index: int) -> memoryview:
         """Gives block `index`'s bytes (`block_bytes` long), writable."""
+        ...
+
+    def release(self) -> None:
+        """Gives the buffer back to its pool (after the last `verify`/`import_blocks` of it)."""
         ...
 
 
@@ -81,13 +87,14 @@ class BlockStore(Protocol):
         """Gives how many blocks something holds (requests or leases): 0 when idle."""
         ...
 
-    def receive_buffer(self, num_blocks: int) -> ReceiveBuffer:
-        """Gives a host buffer for `num_blocks` incoming blocks (no lock)."""
+    def receive_buffer(self, timeout: float) -> ReceiveBuffer:
+        """Gives a host buffer from a bounded pool, waiting up to `timeout` seconds while all
+        are in use (TimeoutError); no lock."""
         ...
 
-    def stage(self, buffer: ReceiveBuffer, start: int, hashes: Sequence[int]) -> StagedBlocks:
-        """Starts moving blocks `start..` of `buffer`, which hold `hashes`, toward the cache's
-        device (no lock)."""
+    def stage(self, buffer: ReceiveBuffer, hashes: Sequence[int]) -> StagedBlocks:
+        """Starts moving the first len(hashes) blocks of `buffer`, which hold `hashes`, toward
+        the cache's device (no lock)."""
         ...
 
     def verify(self, staged: StagedBlocks, digests: Sequence[bytes]) -> None:

@@ -13,9 +13,10 @@ The engine lock is held only to look blocks up and to *enqueue* copies:
   finish (the request's first token came back), and the steps in flight only
   write other blocks, or the slots past the prompt in its tail block; the agent
   waits for the copy's event and sends memoryviews of that buffer.
-- import (decode side): the agent receives every block into one host buffer
-  (pageable: see `receive_buffer`) and `stage` copies it to the device on a side stream, both
-  without the lock; under the lock only the pool bookkeeping runs and one
+- import (decode side): the agent receives blocks a buffer-full at a time into a
+  pooled host buffer (pinned on CUDA, see `receive_buffer`) and `stage` copies them to
+  the device on a side stream, both without the lock; under the lock only the pool
+  bookkeeping runs and one
   `index_copy_` per layer is enqueued, on the engine's stream (after waiting for
   the side stream), so the write lands after any step already in flight there.
 
@@ -26,7 +27,8 @@ at once (the gather and the per-layer `index_copy_` under the lock).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +44,10 @@ from kvpilot.engine.model_runner import to_device
 READ_BUFFER_BYTES = 128 * 2**20
 READ_BUFFER_MAX_BLOCKS = 256
 SPARE_READ_BUFFERS = 4  # host buffers kept for reuse; more in flight at once are dropped after
+# incoming blocks land in pooled host buffers of this many bytes (at most 256 blocks), one per
+# pull in flight; a pull beyond the pool's size waits for one (within its deadline)
+RECEIVE_BUFFER_BYTES = 64 * 2**20
+RECEIVE_BUFFERS = 8
 
 
 class PendingRead:
@@ -79,16 +85,67 @@ class PendingRead:
 
 
 class ReceiveBuffer:
-    """One host buffer for the blocks of one pull, block i at row i."""
+    """A pooled host buffer (pinned on CUDA) for up to `capacity` incoming blocks, block i at
+    row i; `release` gives it back to the pool."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor  # uint8 [num_blocks, block_bytes]
+    def __init__(self, tensor: torch.Tensor, pool: BufferPool) -> None:
+        self.tensor = tensor  # uint8 [capacity, block_bytes]
+        self.capacity: int = tensor.shape[0]
         self._view = memoryview(tensor.view(-1).numpy())
         self._size = tensor.shape[1]
+        self._pool = pool
 
     def block(self, index: int) -> memoryview:
         """Gives block `index`'s bytes, writable."""
         return self._view[index * self._size:(index + 1) * self._size]
+
+    def release(self) -> None:
+        self._pool.put(self)
+
+
+class BufferPool:
+    """At most `limit` buffers made by `make` and reused; `get` waits while all are out."""
+
+    def __init__(self, make: Callable[[BufferPool], Any], limit: int) -> None:
+        self._make, self._limit = make, limit
+        self._free: list[Any] = []
+        self._made = 0
+        self._cond = threading.Condition()
+
+    def fill(self) -> None:
+        """Makes every buffer now (pinning memory stalls other threads' CUDA calls: at
+        start-up, not mid-serving)."""
+        made = [self._make(self) for _ in range(self._limit - self._made)]
+        with self._cond:
+            self._made += len(made)
+            self._free += made
+            self._cond.notify_all()
+
+    def get(self, timeout: float) -> Any:
+        """Gives a free buffer, a new one while fewer than `limit` exist, else waits for one
+        up to `timeout` seconds (TimeoutError)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._free and self._made >= self._limit:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"all {self._limit} receive buffers stayed in use")
+                self._cond.wait(left)
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+        try:
+            return self._make(self)
+        except BaseException:
+            with self._cond:
+                self._made -= 1
+                self._cond.notify()
+            raise
+
+    def put(self, buffer: Any) -> None:
+        with self._cond:
+            self._free.append(buffer)
+            self._cond.notify()
 
 
 class StagedBlocks:
@@ -115,6 +172,9 @@ class EngineBlockStore:
         self.lock = FairLock()  # the engine thread retakes it every step: FIFO, not RLock
         self.read_chunk_blocks = max(1, min(READ_BUFFER_MAX_BLOCKS,
                                             READ_BUFFER_BYTES // self.block_bytes))
+        self.receive_chunk_blocks = max(1, min(READ_BUFFER_MAX_BLOCKS,
+                                               RECEIVE_BUFFER_BYTES // self.block_bytes))
+        self.receive_buffers = BufferPool(self._new_receive_buffer, RECEIVE_BUFFERS)
         first = self.caches[0]
         self.device = first.device
         self._shape = (len(self.caches), 2, *first.shape[2:])
@@ -258,25 +318,31 @@ class EngineBlockStore:
         torch.stack([cache.index_select(1, index).transpose(0, 1) for cache in self.caches],
                     dim=1, out=out)
 
-    def receive_buffer(self, num_blocks: int) -> ReceiveBuffer:
-        """Gives a host buffer for `num_blocks` incoming blocks.
+    def receive_buffer(self, timeout: float) -> ReceiveBuffer:
+        """Gives a pooled host buffer of `receive_chunk_blocks` blocks, waiting up to `timeout`
+        seconds while all are in use; `release` it after the last `verify` or import of it.
 
-        Pageable, not pinned: a pull's buffer holds a whole prompt (a GiB for 8k tokens
-        of an 8B model), and pinning fresh memory of that size (cudaHostAlloc) takes
-        hundreds of milliseconds during which the engine thread's own CUDA calls stalled
-        (measured: engine iterations of 0.5-4.8 s while pulls ran, seconds of it waiting
-        for the lock an importing thread held). The staging copy from pageable memory
-        runs at several GB/s in the pulling thread, above the socket's rate.
+        Fixed-size and reused, pinned on CUDA: measured on 2x H200, a fresh pinned buffer
+        per pull (a whole prompt, a GiB for 8k tokens of an 8B model) stalled the decode
+        engine for 1-8 s whenever concurrent pulls needed more pinned memory than before
+        (pinning memory blocks other threads' CUDA calls), and pageable buffers instead
+        halved the transfer rate and tripled the engine's slow iterations (the staging
+        copies then run through the driver in the pulling thread).
         """
-        return ReceiveBuffer(torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8))
+        return self.receive_buffers.get(timeout)
 
-    def stage(self, buffer: ReceiveBuffer, start: int, hashes: Sequence[int]) -> StagedBlocks:
-        """Starts copying blocks start.. of `buffer` (they hold `hashes`) to the cache's device.
+    def _new_receive_buffer(self, pool: BufferPool) -> ReceiveBuffer:
+        return ReceiveBuffer(torch.empty((self.receive_chunk_blocks, self.block_bytes),
+                                         dtype=torch.uint8, pin_memory=self._cuda), pool)
 
-        On CUDA the copy is enqueued on the side stream; `import_blocks` orders the
-        cache writes after it. On CPU the buffer's rows are used as they are.
+    def stage(self, buffer: ReceiveBuffer, hashes: Sequence[int]) -> StagedBlocks:
+        """Starts copying the first len(hashes) blocks of `buffer` to the cache's device.
+
+        On CUDA the copy is enqueued on the side stream (`verify` waits for it, so the
+        buffer is free again after it); `import_blocks` orders the cache writes after it.
+        On CPU the buffer's rows are used as they are, until `import_blocks` copies them.
         """
-        rows = buffer.tensor[start:start + len(hashes)]
+        rows = buffer.tensor[:len(hashes)]
         if not self._cuda:
             return StagedBlocks(list(hashes), rows, None)
         with torch.cuda.device(self.device), torch.cuda.stream(self._side):

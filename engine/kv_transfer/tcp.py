@@ -18,14 +18,13 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpilot.engine.kv_transfer.connector import (
     BlockStore,
     KVConnector,
     PendingRead,
-    ReceiveBuffer,
 )
 from kvpilot.engine.kv_transfer.leases import Lease, LeaseTable
 from kvpilot.engine.kv_transfer.protocol import (
@@ -43,7 +42,6 @@ from kvpilot.engine.kv_transfer.protocol import (
 log = logging.getLogger("kvpilot.kv_transfer")
 FETCH_IO_TIMEOUT = 30.0  # a decode peer silent this long mid-transfer is gone (the lease expires)
 EXPIRY_TICK = 0.5
-IMPORT_GROUP_BYTES = 256 * 2**20  # received bytes staged on the device per locked import
 
 
 class TcpConnector(KVConnector):
@@ -194,8 +192,8 @@ class TcpConnector(KVConnector):
     def _pull(self, host: str, port: int, lease_id: str, deadline: float) -> dict[str, Any]:
         """Pulls one lease on a blocking socket (a worker thread), by `deadline`.
 
-        Every block lands by one scatter read straight in its row of the (pinned)
-        receive buffer; each socket call waits at most until the deadline.
+        Blocks land by scatter reads straight in the rows of a pooled receive buffer
+        (`_receive`); each socket call waits at most until the deadline.
         """
         def remaining() -> float:
             left = deadline - time.monotonic()
@@ -219,41 +217,50 @@ class TcpConnector(KVConnector):
                 raise ProtocolError(f"the peer's blocks are {lease['block_bytes']} bytes, this "
                                     f"engine's {size}: a different model, dtype or block size")
             sock.sendall(encode(Frame.WANT, {"hashes": wanted}))
-            # Buffered until END outside the lock: a peer that vanishes leaves nothing allocated.
-            buffer = self.store.receive_buffer(len(wanted))
-            heads = read_blocks_into(sock, [buffer.block(i) for i in range(len(wanted))],
-                                     remaining)
-            for count, ((block_hash, _), expected) in enumerate(zip(heads, wanted, strict=True)):
-                if block_hash != expected:
-                    raise ProtocolError(f"block {count} is not the one asked for")
+            imported = self._receive(sock, hashes[:have], wanted, remaining) if wanted else 0
             set_kernel_timeouts(sock, remaining())
             expect_sync(sock, Frame.END)
             remaining()
-            imported = self._import(buffer, hashes[:have], wanted, [d for _, d in heads])
             sock.sendall(encode(Frame.RELEASE, {"lease_id": lease_id}))
             return {"imported": imported, "skipped": have, "blocks": len(hashes)}
 
-    def _import(self, buffer: ReceiveBuffer, prefix: list[int], hashes: list[int],
-                digests: list[bytes]) -> int:
-        """Imports received blocks after the cached `prefix`; gives how many went in.
+    def _receive(self, sock: socket.socket, prefix: list[int], wanted: list[int],
+                 remaining: Callable[[], float]) -> int:
+        """Receives the wanted blocks a buffer-full at a time, importing each group once its
+        checksums pass; gives how many went in.
 
-        Each group is copied toward the device and its checksums checked there without
-        the lock (a mismatch raises before anything of it is imported); the lock is held only
-        for the pool bookkeeping and enqueueing the cache writes. Groups bound the device
-        memory a long prompt's staging takes; a group that did not fit ends the import.
+        A group lands by scatter reads straight into a pooled host buffer, is copied
+        toward the device and checked there without the lock (a mismatch raises before
+        anything of it is imported); the lock is held only for the pool bookkeeping and
+        enqueueing the cache writes. At most two groups' device staging is alive at once.
+        After a group that did not fit (the pool is full) the rest is received and
+        dropped: later blocks would not extend the prefix. A peer that vanishes
+        mid-transfer leaves the groups imported so far as cached, unowned blocks,
+        evictable like a finished prompt's; nothing stays allocated.
         """
-        group = max(1, IMPORT_GROUP_BYTES // self.store.block_bytes)
-        imported = 0
-        for start in range(0, len(hashes), group):
-            end = min(start + group, len(hashes))
-            staged = self.store.stage(buffer, start, hashes[start:end])
-            self.store.verify(staged, digests[start:end])
-            with self.store.lock:
-                imported += self.store.import_blocks(staged, [*prefix, *hashes[:start]])
-                last = end == len(hashes)
-                if last or self.store.num_cached_prefix(hashes[start:end]) < end - start:
-                    break  # done, or the pool is full: later blocks would not extend the prefix
-            staged.wait()  # one group's staging on the device at a time
+        buffer = self.store.receive_buffer(remaining())
+        imported, full, previous = 0, False, None
+        try:
+            for start in range(0, len(wanted), buffer.capacity):
+                group = wanted[start:start + buffer.capacity]
+                heads = read_blocks_into(sock, [buffer.block(i) for i in range(len(group))],
+                                         remaining)
+                for count, ((block_hash, _), expected) in enumerate(zip(heads, group,
+                                                                        strict=True)):
+                    if block_hash != expected:
+                        raise ProtocolError(f"block {start + count} is not the one asked for")
+                if full:
+                    continue
+                staged = self.store.stage(buffer, group)
+                self.store.verify(staged, [digest for _, digest in heads])
+                with self.store.lock:
+                    imported += self.store.import_blocks(staged, [*prefix, *wanted[:start]])
+                    full = self.store.num_cached_prefix(group) < len(group)
+                if previous is not None:
+                    previous.wait()
+                previous = staged
+        finally:
+            buffer.release()
         return imported
 
     # ---- dispatch ---------------------------------------------------------------------

@@ -23,6 +23,7 @@ class FakeStore:
         self.lock = threading.RLock()
         self.block_bytes = block_bytes
         self.read_chunk_blocks = 32
+        self.receive_chunk_blocks = 3  # several groups per pull of the 10-block prompts
         self.capacity = capacity
         self.blocks: dict[int, bytes] = {}
         self.pins: dict[int, int] = {}
@@ -69,11 +70,11 @@ class FakeStore:
             count += 1
         return count
 
-    def receive_buffer(self, num_blocks: int) -> FakeBuffer:
-        return FakeBuffer(num_blocks, self.block_bytes)
+    def receive_buffer(self, timeout: float) -> FakeBuffer:
+        return FakeBuffer(self.receive_chunk_blocks, self.block_bytes)
 
-    def stage(self, buffer: FakeBuffer, start: int, hashes: Sequence[int]) -> FakeStaged:
-        return FakeStaged([(h, bytes(buffer.block(start + i))) for i, h in enumerate(hashes)])
+    def stage(self, buffer: FakeBuffer, hashes: Sequence[int]) -> FakeStaged:
+        return FakeStaged([(h, bytes(buffer.block(i))) for i, h in enumerate(hashes)])
 
     def verify(self, staged: FakeStaged, digests: Sequence[bytes]) -> None:
         for (block_hash, data), digest in zip(staged.blocks, digests, strict=True):
@@ -107,13 +108,17 @@ class FakeRead:
 
 
 class FakeBuffer:
-    """A bytearray of `num_blocks` blocks."""
+    """A bytearray of `capacity` blocks."""
 
-    def __init__(self, num_blocks: int, block_bytes: int) -> None:
-        self.data, self.size = bytearray(num_blocks * block_bytes), block_bytes
+    def __init__(self, capacity: int, block_bytes: int) -> None:
+        self.capacity = capacity
+        self.data, self.size = bytearray(capacity * block_bytes), block_bytes
 
     def block(self, index: int) -> memoryview:
         return memoryview(self.data)[index * self.size:(index + 1) * self.size]
+
+    def release(self) -> None:
+        pass
 
 
 class FakeStaged:

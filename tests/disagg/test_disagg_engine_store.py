@@ -4,6 +4,7 @@ dtype, the wire layout, multi-block chunks and import groups, and what runs unde
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -69,13 +70,20 @@ def block_bits(store: EngineBlockStore, block_hash: int) -> torch.Tensor:
 
 
 def import_data(store: EngineBlockStore, hashes: list[int], datas, prefix=()) -> int:
-    buffer = store.receive_buffer(len(hashes))
-    for index, data in enumerate(datas):
-        buffer.block(index)[:] = data
-    staged = store.stage(buffer, 0, hashes)
-    with store.lock:
-        imported = store.import_blocks(staged, prefix)
-    staged.wait()
+    """Imports blocks a receive buffer-full at a time, as the decode agent does."""
+    datas, imported = list(datas), 0
+    buffer = store.receive_buffer(5)
+    try:
+        for start in range(0, len(hashes), buffer.capacity):
+            group = hashes[start:start + buffer.capacity]
+            for index, data in enumerate(datas[start:start + len(group)]):
+                buffer.block(index)[:] = data
+            staged = store.stage(buffer, group)
+            with store.lock:
+                imported += store.import_blocks(staged, [*prefix, *hashes[:start]])
+            staged.wait()
+    finally:
+        buffer.release()
     return imported
 
 
@@ -194,7 +202,7 @@ async def pull_between(src, dst, tokens: list[int]):
 async def test_pull_between_engine_stores_chunks_and_groups(dtype, monkeypatch):
     src, dst = make_store(48, dtype), make_store(48, dtype, seed=3)
     src.read_chunk_blocks = 4  # 9 chunks, two in flight at a time
-    monkeypatch.setattr(tcp, "IMPORT_GROUP_BYTES", 3 * dst.block_bytes)  # 12 groups
+    dst.receive_chunk_blocks = 3  # 12 groups through one pooled receive buffer
     tokens = prompt(40)
     hashes = compute(src, tokens)
     with src.lock, dst.lock:  # the decode side already holds the first 5 blocks
@@ -278,26 +286,57 @@ def test_a_read_does_not_wait_for_the_engine_lock():
 
 
 @pytest.mark.parametrize("group_blocks", [2, 4, 1000])
-def test_short_pool_takes_the_leading_blocks_that_fit(group_blocks, monkeypatch):
+async def test_short_pool_takes_the_leading_blocks_that_fit(group_blocks):
     src, dst = make_store(16), make_store(7, seed=4)
     running = dst.pool.allocate(1)  # a running request: 6 blocks free
+    dst.receive_chunk_blocks = group_blocks
     tokens = prompt(10)
     hashes = compute(src, tokens)
-    with src.lock:
-        _, pinned = src.pin(tokens)
-        read = src.read(pinned, hashes)
-        datas = [bytes(v) for v in read.wait()]
-        digests = read.checksums()
-    connector = TcpConnector(dst, "127.0.0.1", 0)
-    monkeypatch.setattr(tcp, "IMPORT_GROUP_BYTES", group_blocks * dst.block_bytes)
-    buffer = dst.receive_buffer(10)
-    for index, data in enumerate(datas):
-        buffer.block(index)[:] = data
-    assert connector._import(buffer, [], hashes, digests) == 6
+    done = await pull_between(src, dst, tokens)  # the blocks that did not fit are drained
+    assert done == {"imported": 6, "skipped": 0, "blocks": 10}
     assert dst.num_cached_prefix(hashes) == 6
     for block_hash in hashes[:6]:
         assert torch.equal(block_bits(src, block_hash), block_bits(dst, block_hash))
+    assert src.owned_blocks() == 0  # released: the conversation ended normally
     dst.pool.free(running)
+
+
+async def test_more_pulls_than_receive_buffers_wait_their_turn(monkeypatch):
+    """Receive buffers are a bounded pool: pulls beyond it wait for one, none fails."""
+    monkeypatch.setattr(engine_store, "RECEIVE_BUFFERS", 1)
+    src, dst = make_store(64), make_store(64, seed=6)
+    dst.receive_chunk_blocks = 2
+    prefill = TcpConnector(src, "127.0.0.1", 0)
+    decode = TcpConnector(dst, "127.0.0.1", 0)
+    prefill.start()
+    decode.start()
+    try:
+        for index in range(3):  # each prompt leased before the next prefill reuses free slots
+            tokens = prompt(6, start=1000 + 500 * index)
+            compute(src, tokens)
+            with src.lock:
+                prefill.offer(f"cmpl-{index}", tokens)
+        done = await asyncio.gather(*(
+            request_pull(("127.0.0.1", decode.port), ("127.0.0.1", prefill.port), f"cmpl-{i}",
+                         timeout=10) for i in range(3)))
+    finally:
+        prefill.stop()
+        decode.stop()
+    assert [d["imported"] for d in done] == [6, 6, 6]
+    assert dst.receive_buffers._made == 1
+
+
+def test_buffer_pool_is_bounded_and_times_out():
+    made = []
+    pool = engine_store.BufferPool(lambda p: made.append(object()) or made[-1], 2)
+    first, second = pool.get(1), pool.get(1)
+    assert first is not second and len(made) == 2
+    with pytest.raises(TimeoutError, match="2 receive buffers"):
+        pool.get(0.05)
+    pool.put(first)
+    assert pool.get(1) is first and len(made) == 2
+    pool.fill()
+    assert len(made) == 2  # already at its limit
 
 
 def test_read_of_an_expired_lease_fails_instead_of_sending():
@@ -364,11 +403,35 @@ def test_corrupted_receive_is_rejected_before_import():
         read = src.read(pinned, hashes)
         datas, digests = [bytes(v) for v in read.wait()], read.checksums()
         src.unpin(pinned)
-    buffer = dst.receive_buffer(6)
+    buffer = dst.receive_buffer(5)
     for index, data in enumerate(datas):
         buffer.block(index)[:] = data
     buffer.block(4)[7] ^= 0x01
-    connector = TcpConnector(dst, "127.0.0.1", 0)
+    staged = dst.stage(buffer, hashes)
     with pytest.raises(ProtocolError, match="checksum mismatch"):
-        connector._import(buffer, [], hashes, digests)
+        dst.verify(staged, digests)
+    buffer.release()
     assert dst.num_cached_prefix(hashes) == 0
+
+
+async def test_a_failed_pull_keeps_the_checked_groups_cached_and_owns_nothing(monkeypatch):
+    """Groups import as they pass their checksums: a failure later in the transfer (here a
+    block corrupted on the wire in the third group) leaves the groups before it as cached,
+    unowned blocks, and nothing of the failed group or after it."""
+    src, dst = make_store(16), make_store(16, seed=7)
+    dst.receive_chunk_blocks = 2
+    tokens = prompt(6)
+    hashes = compute(src, tokens)
+    real_encode_block = tcp.encode_block
+
+    def corrupting_encode_block(block_hash, data, digest=None):
+        header, head, data = real_encode_block(block_hash, data, digest)
+        if block_hash == hashes[4]:
+            data = bytes([data[0] ^ 0xFF]) + bytes(data)[1:]  # after the checksum was taken
+        return [header, head, data]
+
+    monkeypatch.setattr(tcp, "encode_block", corrupting_encode_block)
+    with pytest.raises(ProtocolError, match="checksum mismatch"):
+        await pull_between(src, dst, tokens)
+    assert dst.num_cached_prefix(hashes) == 4
+    assert dst.owned_blocks() == 0

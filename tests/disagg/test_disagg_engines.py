@@ -96,12 +96,17 @@ def test_disaggregated_equals_aggregated(engines, name, prompt, decode_warmup, i
 
 def import_data(store, blocks: list[tuple[int, bytes]]) -> int:
     """Imports (hash, data) blocks the way the decode agent does; gives how many went in."""
-    buffer = store.receive_buffer(len(blocks))
-    for index, (_, data) in enumerate(blocks):
-        buffer.block(index)[:] = data
-    staged = store.stage(buffer, 0, [h for h, _ in blocks])
-    with store.lock:
-        return store.import_blocks(staged)
+    buffer = store.receive_buffer(5)
+    try:
+        for index, (_, data) in enumerate(blocks):
+            buffer.block(index)[:] = data
+        staged = store.stage(buffer, [h for h, _ in blocks])
+        with store.lock:
+            imported = store.import_blocks(staged)
+        staged.wait()
+        return imported
+    finally:
+        buffer.release()
 
 
 def test_corrupt_kv_changes_the_answer(engines):
