@@ -322,12 +322,12 @@ class EngineBlockStore:
         """Gives a pooled host buffer of `receive_chunk_blocks` blocks, waiting up to `timeout`
         seconds while all are in use; `release` it after the last `verify` or import of it.
 
-        Fixed-size and reused, pinned on CUDA: measured on 2x H200, a fresh pinned buffer
-        per pull (a whole prompt, a GiB for 8k tokens of an 8B model) stalled the decode
-        engine for 1-8 s whenever concurrent pulls needed more pinned memory than before
-        (pinning memory blocks other threads' CUDA calls), and pageable buffers instead
-        halved the transfer rate and tripled the engine's slow iterations (the staging
-        copies then run through the driver in the pulling thread).
+        Fixed-size, reused, pinned on CUDA. Measured on 2x H200: with a fresh pinned
+        buffer per pull (a whole prompt, a GiB for 8k tokens of an 8B model) the decode
+        engine had stalls of 0.3-8 s while pulls ran, which went away with pageable
+        buffers (pinning fresh memory is the suspect); pageable buffers in turn halved
+        the transfer rate and tripled the engine's slow iterations (the staging copies
+        then run through the driver in the pulling thread).
         """
         return self.receive_buffers.get(timeout)
 

@@ -3,7 +3,9 @@ step timing (a step that takes 0.5 s), a step counter, and a step that raises.""
 
 from __future__ import annotations
 
+import importlib.util
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -68,3 +70,35 @@ def test_engine_failure_fails_requests_and_health(stream: bool) -> None:
         refused = httpx.post(f"{running.base_url}/v1/completions", json=BODY)
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "engine_dead"
+
+
+def test_slow_iterations_are_logged_with_their_breakdown(monkeypatch, caplog) -> None:
+    """KVPILOT_SLOW_STEP_MS=N: iterations longer than N ms are logged with where the time went
+    (an engine's own `step_timing` included); shorter ones are not."""
+    from kvpilot.engine.server.async_engine import SLOW_ITERATION_ENV
+
+    class TimedEngine(CountingEngine):
+        def step_timing(self) -> str:
+            return "GPU wait 1.0 ms"
+
+    monkeypatch.setenv(SLOW_ITERATION_ENV, "100")
+    engine = TimedEngine(step_delay=0.15)
+    with caplog.at_level("WARNING", logger="kvpilot.engine.server.async_engine"), \
+            serve_in_thread(build_app(engine, "fake")) as running:
+        assert httpx.post(f"{running.base_url}/v1/completions", json=BODY).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if "slow engine iteration" in r.getMessage()]
+    assert len(lines) == engine.steps >= 1  # every step slept past 100 ms
+    assert "GPU wait 1.0 ms" in lines[0] and "GC " in lines[0] and "deliver " in lines[0]
+    # bench/slow_steps.py, which summarizes these lines, still reads them
+    spec = importlib.util.spec_from_file_location(
+        "slow_steps", Path(__file__).parents[2] / "bench" / "slow_steps.py")
+    slow_steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(slow_steps)
+    parsed = slow_steps.LINE.search(lines[0]).groupdict()
+    assert float(parsed["gpu"]) == 1.0 and float(parsed["total"]) >= 100
+    monkeypatch.setenv(SLOW_ITERATION_ENV, "1000")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvpilot.engine.server.async_engine"), \
+            serve_in_thread(build_app(CountingEngine(step_delay=0.15), "fake")) as running:
+        assert httpx.post(f"{running.base_url}/v1/completions", json=BODY).status_code == 200
+    assert not [r for r in caplog.records if "slow engine iteration" in r.getMessage()]
