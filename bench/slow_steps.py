@@ -5,7 +5,8 @@
 For each log: how many iterations were slow, their p50/p99/max, and how many of them
 coincided with each suspect (a request added, a KV transfer running, a lock wait,
 a GPU wait or GC above a quarter of the iteration, host time in the step otherwise),
-then the ten slowest lines.
+the mean of each phase of the engine step where the lines carry them, then the ten
+slowest lines.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import sys
 LINE = re.compile(
     r"slow engine iteration: (?P<total>[\d.]+) ms \(inbox (?P<inbox>[\d.]+) ms, (?P<adds>\d+) adds; "
     r"step (?P<step>[\d.]+) ms: (?:lock wait (?P<lock>[\d.]+) ms, )?GPU wait (?P<gpu>[\d.]+) ms"
-    r"(?:, KV transfers running (?P<transfers>\d+))?; deliver (?P<deliver>[\d.]+) ms; "
-    r"GC (?P<gc>[\d.]+) ms\)")
+    r"(?: \[(?P<phases>[^\]]*)\])?(?:, KV transfers running (?P<transfers>\d+))?; "
+    r"deliver (?P<deliver>[\d.]+) ms; GC (?P<gc>[\d.]+) ms\)")
+PHASE = re.compile(r"(\w+) ([\d.]+)")
 
 
 def summarize(path: str) -> list[str]:
@@ -25,7 +27,11 @@ def summarize(path: str) -> list[str]:
     with open(path, errors="replace") as log:
         for text in log:
             if match := LINE.search(text):
-                rows.append(({k: float(v or 0) for k, v in match.groupdict().items()}, text))
+                fields = match.groupdict()
+                phases = (fields.pop("phases") or "").split(";")[0]
+                row = {k: float(v or 0) for k, v in fields.items()}
+                row.update({f"phase {name}": float(ms) for name, ms in PHASE.findall(phases)})
+                rows.append((row, text))
     if not rows:
         return [f"{path}: no slow iterations"]
     totals = sorted(r["total"] for r, _ in rows)
@@ -40,6 +46,10 @@ def summarize(path: str) -> list[str]:
            f"GPU wait {share(lambda r: r['gpu'] > r['total'] / 4)}, "
            f"GC {share(lambda r: r['gc'] > r['total'] / 4)}, host in step "
            f"{share(lambda r: r['step'] - r['gpu'] - r['lock'] > r['total'] / 2)}"]
+    phases = sorted({k for r, _ in rows for k in r if k.startswith("phase ")})
+    if phases:  # the engine step's own phases (LLMEngine.step_timing), mean over the lines
+        out.append("  mean ms: " + ", ".join(
+            f"{k[6:]} {sum(r.get(k, 0.0) for r, _ in rows) / len(rows):.1f}" for k in phases))
     out += ["  " + text.strip().split("WARNING ")[-1]
             for _, text in sorted(rows, key=lambda row: -row[0]["total"])[:10]]
     return out

@@ -91,6 +91,9 @@ class LLMEngine:
         self.async_scheduling = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
         self._inflight: _InFlight | None = None
         self._gpu_wait_s = 0.0  # of the last step: waiting for the GPU's sampled tokens
+        # of the last step, for the slow-iteration log: phase -> seconds, and its batch
+        self._phases: dict[str, float] = {}
+        self._last_plan: SchedulerOutput | None = None
         self._host_sampling: set[str] = set()  # live request ids that need host sampling
         self._token_buffers: list[torch.Tensor] = []  # two pinned buffers, one per flight
         self._num_flights = 0
@@ -198,25 +201,33 @@ class LLMEngine:
         """
         results, self._pending = self._pending, []
         self._gpu_wait_s = 0.0
+        phases, clock = {}, time.perf_counter
+        self._phases, start = phases, clock()
         flight = self._inflight
         if flight is not None and self._host_sampling:
             # a request that samples on the host needs its previous token first
             self._resolve(flight, results)
             self._inflight = flight = None
         plan = self.scheduler.schedule()
+        phases["schedule"], start = clock() - start, clock()
         if plan.is_empty:
             if flight is not None:
                 self._resolve(flight, results)
                 self._inflight = None
             return results
         entries = self._entries(plan)
+        self._last_plan = plan
         logits = self.runner.execute(entries, plan.block_copies,
                                      flight.tokens if flight is not None else None)
+        phases["forward"], start = clock() - start, clock()
         if self.async_scheduling and not self._host_sampling:
             launched = self._launch(plan, entries, logits)
+            phases["sample"], start = clock() - start, clock()
             if flight is not None:
                 self._resolve(flight, results)
+            phases["resolve"], start = clock() - start, clock()
             self._advance(plan, launched.seqs)
+            phases["advance"] = clock() - start
             self._inflight = launched
             return results
         to_sample: list[tuple[Sequence, int]] = []
@@ -238,6 +249,7 @@ class LLMEngine:
                 else:
                     to_sample.extend(self._branches(seq, row - 1))
         self._collect(self._sample(to_sample, logits), results)
+        phases["sample"] = clock() - start
         return results
 
     def _entries(self, plan: SchedulerOutput) -> list[BatchEntry]:
@@ -448,8 +460,12 @@ class LLMEngine:
         return self.kv.pool.events
 
     def step_timing(self) -> str:
-        """Says where the last step waited (for the slow-iteration log)."""
-        return f"GPU wait {self._gpu_wait_s * 1e3:.1f} ms"
+        """Says where the last step's time went (for the slow-iteration log)."""
+        phases = ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self._phases.items())
+        plan = self._last_plan
+        batch = (f"{len(plan.scheduled)} seqs, {sum(n for _, n in plan.scheduled)} tokens, "
+                 f"{len(plan.block_copies)} block copies") if plan else "no batch"
+        return f"GPU wait {self._gpu_wait_s * 1e3:.1f} ms [{phases} ms; {batch}]"
 
     def get_stats(self) -> EngineStats:
         """Gives the gauges and counters the server exports."""

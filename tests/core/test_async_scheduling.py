@@ -195,3 +195,18 @@ def test_fixed_batch_outputs_equal_sync_outputs(device):
         assert overlap.runner.decode_graphs is not None
     assert run_fixed_batch(overlap) == run_fixed_batch(sync)
     assert overlap.kv.pool.num_free_blocks == overlap.kv.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_step_timing_names_the_phases_and_the_batch(mode):
+    """The slow-iteration log's view of a step: each phase's time and what was batched."""
+    engine = make_engine(mode)
+    engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    timing = engine.step_timing()
+    phases = ["schedule", "forward", "sample", "resolve", "advance"] if mode == "on" else [
+        "schedule", "forward", "sample"]
+    assert timing.startswith("GPU wait 0.0 ms [")
+    assert [p.split()[0] for p in timing[timing.index("[") + 1:timing.index(" ms;")].split(", ")
+            ] == phases
+    assert timing.endswith("; 1 seqs, 5 tokens, 0 block copies]")
