@@ -113,13 +113,20 @@ class BufferPool:
         self._cond = threading.Condition()
 
     def fill(self) -> None:
-        """Makes every buffer now (pinning memory stalls other threads' CUDA calls: at
-        start-up, not mid-serving)."""
-        made = [self._make(self) for _ in range(self._limit - self._made)]
+        """Makes every buffer now, at start-up: pinning memory mid-serving is the suspect
+        in measured multi-second stalls of the engine beside it."""
         with self._cond:
-            self._made += len(made)
-            self._free += made
-            self._cond.notify_all()
+            missing = self._limit - self._made
+            self._made = self._limit  # reserved: a `get` meanwhile waits instead of making one
+        made: list[Any] = []
+        try:
+            for _ in range(missing):
+                made.append(self._make(self))
+        finally:
+            with self._cond:
+                self._made -= missing - len(made)
+                self._free += made
+                self._cond.notify_all()
 
     def get(self, timeout: float) -> Any:
         """Gives a free buffer, a new one while fewer than `limit` exist, else waits for one

@@ -49,6 +49,9 @@ class _GcClock:
         else:
             self.seconds += time.perf_counter() - self._since
 
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; the server can no longer generate."""
@@ -247,6 +250,9 @@ class AsyncEngine:
             logger.exception("engine thread failed")
             self._error = exc
             self._fail_all(EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}"))
+        finally:
+            if gc_clock:
+                gc_clock.close()
 
     def _has_work(self) -> bool:
         return bool(self.engine.has_unfinished_requests())

@@ -337,6 +337,9 @@ def test_buffer_pool_is_bounded_and_times_out():
     assert pool.get(1) is first and len(made) == 2
     pool.fill()
     assert len(made) == 2  # already at its limit
+    filled = engine_store.BufferPool(lambda p: made.append(object()) or made[-1], 3)
+    filled.fill()
+    assert len(made) == 5 and {id(filled.get(1)) for _ in range(3)} == {id(b) for b in made[2:]}
 
 
 def test_read_of_an_expired_lease_fails_instead_of_sending():

@@ -3,6 +3,7 @@ step timing (a step that takes 0.5 s), a step counter, and a step that raises.""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import time
 from pathlib import Path
@@ -83,9 +84,11 @@ def test_slow_iterations_are_logged_with_their_breakdown(monkeypatch, caplog) ->
 
     monkeypatch.setenv(SLOW_ITERATION_ENV, "100")
     engine = TimedEngine(step_delay=0.15)
+    callbacks = len(gc.callbacks)
     with caplog.at_level("WARNING", logger="kvpilot.engine.server.async_engine"), \
             serve_in_thread(build_app(engine, "fake")) as running:
         assert httpx.post(f"{running.base_url}/v1/completions", json=BODY).status_code == 200
+    assert wait_for(lambda: len(gc.callbacks) == callbacks, timeout=5)  # its GC clock is gone
     lines = [r.getMessage() for r in caplog.records if "slow engine iteration" in r.getMessage()]
     assert len(lines) == engine.steps >= 1  # every step slept past 100 ms
     assert "GPU wait 1.0 ms" in lines[0] and "GC " in lines[0] and "deliver " in lines[0]
