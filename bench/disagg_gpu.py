@@ -28,6 +28,7 @@ import datetime
 import json
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import urllib.request
@@ -188,6 +189,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="every engine of both configs (vLLM's online default)")
     parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run both setups this many times, alternating; the ratios "
+                             "reported are the medians, each run's are listed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the results")
     parser.add_argument("--logs", type=Path, default=None,
@@ -197,6 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=argparse.SUPPRESS)
     parser.add_argument("--long-words", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat} is invalid: runs of both setups, at least 1")
     if args.long_words is None:
         args.long_words = 3000 if args.device == "cuda" else 200
     return args
@@ -219,6 +225,8 @@ def flags(args: argparse.Namespace) -> str:
     out = (f"--shape {args.shape} --seconds {args.seconds:g} --long-rate {args.long_rate:g} "
            f"--decode-rate {args.decode_rate:g} "
            f"--max-num-batched-tokens {args.max_num_batched_tokens} --seed {args.seed}")
+    if args.repeat > 1:
+        out += f" --repeat {args.repeat}"
     if args.device != "cuda":
         out += f" --device {args.device} --long-words {args.long_words}"
     return out
@@ -233,6 +241,22 @@ def report_failed(name: str, config: dict) -> None:
           f"{config['router_outcomes']}; engine forwards {config['engine_steps']}", flush=True)
 
 
+def ratios(configs: dict) -> dict[str, float]:
+    d, a = configs["disaggregated"], configs["aggregated"]
+    return {"itl_p99_agg_over_disagg": a["decodes"]["p99_itl_ms"] / max(
+                d["decodes"]["p99_itl_ms"], 1e-9),
+            "throughput_disagg_over_agg": d["all"]["output_throughput"] / max(
+                a["all"]["output_throughput"], 1e-9)}
+
+
+def row(name: str, c: dict) -> str:
+    g = c["decode_gaps"]
+    return (f"| {name} | {c['decodes']['median_itl_ms']:.1f} | {c['decodes']['p99_itl_ms']:.1f} | "
+            f"{g['first_p50_ms']:.0f} / {g['first_p99_ms']:.0f} / {g['first_max_ms']:.0f}, "
+            f"{g['later_p99_ms']:.1f} | {c['long_prompts']['median_ttft_ms']:.0f} | "
+            f"{c['all']['output_throughput']:.0f} | {failed(c)} |")
+
+
 def main() -> None:
     args = parse_args()
     random.seed(args.seed)
@@ -240,26 +264,28 @@ def main() -> None:
     report: dict = {"date": datetime.date.today().isoformat(), "gpu": gpu,
                     "flags": flags(args), "args": {k: str(v) if isinstance(v, Path) else v
                                                    for k, v in vars(args).items()},
-                    "model_shape": SHAPES[args.shape], "configs": {}}
+                    "model_shape": SHAPES[args.shape], "runs": []}
     with tempfile.TemporaryDirectory(prefix="disagg-bench-") as tmp:
         model = write_model(Path(tmp), args.shape)
-        pd = [engine("prefill", "prefill", 0, model, args),
-              engine("decode", "decode", 1, model, args)]
-        agg = [engine("agg-0", "both", 0, model, args), engine("agg-1", "both", 1, model, args)]
-        report["configs"]["disaggregated"] = run_config(
-            "disaggregated", [*pd, router(pd, "prefix-aware")], (args.logs or Path(tmp)) / "pd",
-            args)
-        report_failed("disaggregated", report["configs"]["disaggregated"])
-        report["configs"]["aggregated"] = run_config(
-            "aggregated", [*agg, router(agg, "least-load")], (args.logs or Path(tmp)) / "agg",
-            args)
-        report_failed("aggregated", report["configs"]["aggregated"])
-    d, a = report["configs"]["disaggregated"], report["configs"]["aggregated"]
-    report["ratios"] = {
-        "itl_p99_agg_over_disagg": a["decodes"]["p99_itl_ms"] / max(d["decodes"]["p99_itl_ms"],
-                                                                    1e-9),
-        "throughput_disagg_over_agg": d["all"]["output_throughput"] / max(
-            a["all"]["output_throughput"], 1e-9)}
+        logs = args.logs or Path(tmp)
+        # the two setups alternate, fresh processes each time: the run-to-run spread of the
+        # p99 ratio is part of the result
+        for index in range(args.repeat):
+            suffix = f"-{index + 1}" if args.repeat > 1 else ""
+            pd = [engine("prefill", "prefill", 0, model, args),
+                  engine("decode", "decode", 1, model, args)]
+            agg = [engine("agg-0", "both", 0, model, args),
+                   engine("agg-1", "both", 1, model, args)]
+            configs = {"disaggregated": run_config(
+                "disaggregated", [*pd, router(pd, "prefix-aware")], logs / f"pd{suffix}", args)}
+            report_failed("disaggregated", configs["disaggregated"])
+            configs["aggregated"] = run_config(
+                "aggregated", [*agg, router(agg, "least-load")], logs / f"agg{suffix}", args)
+            report_failed("aggregated", configs["aggregated"])
+            report["runs"].append({"configs": configs, "ratios": ratios(configs)})
+    report["configs"] = report["runs"][-1]["configs"]
+    runs = [run["ratios"] for run in report["runs"]]
+    report["ratios"] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"disagg_gpu-{args.shape}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
@@ -269,18 +295,15 @@ def main() -> None:
              "| config | decode ITL p50 (ms) | decode ITL p99 (ms) | of it: first gap p50 / p99 / "
              "max, later gaps p99 (ms) | long-prompt TTFT p50 (ms) | output tok/s | failed |",
              "|---|---|---|---|---|---|---|"]
-    for name, c in report["configs"].items():
-        g = c["decode_gaps"]
-        lines.append(f"| {name} | {c['decodes']['median_itl_ms']:.1f} | "
-                     f"{c['decodes']['p99_itl_ms']:.1f} | {g['first_p50_ms']:.0f} / "
-                     f"{g['first_p99_ms']:.0f} / {g['first_max_ms']:.0f}, "
-                     f"{g['later_p99_ms']:.1f} | "
-                     f"{c['long_prompts']['median_ttft_ms']:.0f} | "
-                     f"{c['all']['output_throughput']:.0f} | {failed(c)} |")
+    for index, run in enumerate(report["runs"]):
+        suffix = f", run {index + 1}" if args.repeat > 1 else ""
+        lines += [row(name + suffix, c) for name, c in run["configs"].items()]
     r = report["ratios"]
-    lines += ["", f"ITL p99 aggregated / disaggregated: {r['itl_p99_agg_over_disagg']:.2f}x; "
-              f"throughput disaggregated / aggregated: {r['throughput_disagg_over_agg']:.2f}x "
-              "(goal: >= 2x and >= 0.9x)", ""]
+    each = "; per run " + ", ".join(f"{x['itl_p99_agg_over_disagg']:.2f}x" for x in runs) if (
+        len(runs) > 1) else ""
+    lines += ["", f"ITL p99 aggregated / disaggregated: {r['itl_p99_agg_over_disagg']:.2f}x"
+              f"{' (median)' if len(runs) > 1 else ''}{each}; throughput disaggregated / "
+              f"aggregated: {r['throughput_disagg_over_agg']:.2f}x (goal: >= 2x and >= 0.9x)", ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
     print(f"wrote {stem}.json and {stem}.md")

@@ -4,6 +4,8 @@
 # (pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn ... -d .whl) when the
 # machine has no index. Results land in $OUT.
 #   OUT=/tmp/out bash bench/disagg_gpu_run.sh [8b:2:4 ...]   # about 6 minutes on 2x H200
+# A spec may end in :SECONDS of load (default 30). REPEAT=N runs both setups N times per spec,
+# alternating (the p99 ratio varies run to run); KVPILOT_SLOW_STEP_MS=12 adds $OUT/slow.txt.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -22,7 +24,8 @@ for shape in 1b 8b; do timeout 60 python3 bench/kv_transfer_rate.py --shape $sha
 run() { # shape long_rate decode_rate seconds
   [ $SECONDS -lt 480 ] || { echo "$1 $2 skipped (time)" | tee -a "$OUT/log.txt"; return; }
   timeout 300 python3 bench/disagg_gpu.py --shape "$1" --long-rate "$2" --decode-rate "$3" \
-    --seconds "$4" --out "$OUT/$1-long$2" --logs "/tmp/logs/$1-long$2" 2>&1 | tail -25 \
+    --seconds "$4" --repeat "${REPEAT:-1}" --out "$OUT/$1-long$2" --logs "/tmp/logs/$1-long$2" \
+    2>&1 | tail -25 \
     | tee -a "$OUT/log.txt"
   # with KVPILOT_SLOW_STEP_MS set, where the slow engine iterations went (bench/slow_steps.py)
   python3 bench/slow_steps.py /tmp/logs/$1-long$2/*/*.log 2>&1 | cut -c1-400 >> "$OUT/slow.txt"
