@@ -64,11 +64,16 @@ def to_device(values: list, device: torch.device, dtype: torch.dtype | None = No
     """Gives a small host list as a tensor on `device` without waiting for the device's queue.
 
     `torch.tensor(values, device="cuda")` is a synchronous copy: it waits until
-    every kernel queued before it has run. Built on the host first and copied
-    with `non_blocking`, the copy is staged and queued instead.
+    every kernel queued before it has run, and so does a `non_blocking` copy from
+    pageable memory (CUDA synchronizes the stream before a pageable host-to-device
+    copy; `execute` skips its row gather on decode steps for that reason). The list
+    goes into a pinned tensor first, as vLLM's `async_tensor_h2d` does; the copy is
+    then only queued, and PyTorch's caching host allocator keeps the pinned block
+    until it has run.
     """
-    tensor = torch.tensor(values, dtype=dtype)
-    return tensor.to(device, non_blocking=True) if device.type == "cuda" else tensor
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def resolve_device(name: str) -> torch.device:
