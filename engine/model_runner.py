@@ -66,7 +66,7 @@ def to_device(values: list, device: torch.device, dtype: torch.dtype | None = No
     `torch.tensor(values, device="cuda")` is a synchronous copy: it waits until
     every kernel queued before it has run, and so does a `non_blocking` copy from
     pageable memory (CUDA synchronizes the stream before a pageable host-to-device
-    copy; `execute` skips its row gather on decode steps for that reason). The list
+    copy; the runner saw it as a host stall until the forward finished). The list
     goes into a pinned tensor first, as vLLM's `async_tensor_h2d` does; the copy is
     then only queued, and PyTorch's caching host allocator keeps the pinned block
     until it has run.
@@ -280,7 +280,7 @@ class ModelRunner:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         if len(rows) == hidden.shape[0]:
             # every row samples (a decode step): rows are 0..T-1, so skip the gather and its
-            # host-to-device copy, which would stall the host until the forward finishes
+            # host-to-device copy (with a pageable source, that copy waited for the forward)
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden.index_select(0, self._index(rows)))
 
