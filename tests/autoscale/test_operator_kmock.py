@@ -99,19 +99,25 @@ async def load(port: int, n: int) -> list[asyncio.Task[Any]]:
     return [asyncio.create_task(one()) for _ in range(n)]
 
 
-class _RouterMetrics(BaseHTTPRequestHandler):
-    """A router's /metrics holding three decode requests for a pool with no replica."""
+class _Quiet(BaseHTTPRequestHandler):
+    """A handler that answers 200 with a body and logs nothing."""
 
-    def do_GET(self) -> None:
-        body = (f"# TYPE {ROUTER_PENDING_REQUESTS} gauge\n"
-                f'{ROUTER_PENDING_REQUESTS}{{role="both"}} 3.0\n').encode()
+    def answer(self, body: bytes, content_type: str) -> None:
         self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Type", content_type)
         self.end_headers()
         self.wfile.write(body)
 
     def log_message(self, *_: object) -> None:
         pass
+
+
+class _RouterMetrics(_Quiet):
+    """A router's /metrics holding three decode requests for a pool with no replica."""
+
+    def do_GET(self) -> None:
+        self.answer((f"# TYPE {ROUTER_PENDING_REQUESTS} gauge\n"
+                     f'{ROUTER_PENDING_REQUESTS}{{role="both"}} 3.0\n').encode(), "text/plain")
 
 
 async def test_router_demand_scales_a_pool_from_zero(api, operator, client) -> None:
@@ -145,7 +151,7 @@ async def _scaled_from_zero(client: httpx.AsyncClient) -> dict[str, Any] | None:
     return pool if pool["spec"]["replicas"] == 1 and decided else None
 
 
-class _Prometheus(BaseHTTPRequestHandler):
+class _Prometheus(_Quiet):
     """A Prometheus query API: one pod of the pool, 40 requests waiting."""
 
     ANSWERS: ClassVar[dict[str, float]] = {
@@ -157,15 +163,8 @@ class _Prometheus(BaseHTTPRequestHandler):
         query = parse_qs(urlparse(self.path).query)["query"][0]
         self.queries.append(query)
         value = next(v for k, v in self.ANSWERS.items() if query.startswith(k))
-        body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": [
-            {"metric": {}, "value": [0, str(value)]}]}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_: object) -> None:
-        pass
+        self.answer(json.dumps({"status": "success", "data": {"resultType": "vector", "result": [
+            {"metric": {}, "value": [0, str(value)]}]}}).encode(), "application/json")
 
 
 async def test_prometheus_source_drives_the_pool(api, operator, client, monkeypatch) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from disagg_fake_store import FakeStore
+from disagg_import import import_data
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvpilot.engine.block_hash import hash_prompt_blocks
@@ -67,24 +68,6 @@ def block_bits(store: EngineBlockStore, block_hash: int) -> torch.Tensor:
     block_id = store.pool.lookup(block_hash).block_id
     bits = BITS[store.caches[0].element_size()]
     return torch.stack([cache[:, block_id].view(bits).cpu() for cache in store.caches])
-
-
-def import_data(store: EngineBlockStore, hashes: list[int], datas, prefix=()) -> int:
-    """Imports blocks a receive buffer-full at a time, as the decode agent does."""
-    datas, imported = list(datas), 0
-    buffer = store.receive_buffer(5)
-    try:
-        for start in range(0, len(hashes), buffer.capacity):
-            group = hashes[start:start + buffer.capacity]
-            for index, data in enumerate(datas[start:start + len(group)]):
-                buffer.block(index)[:] = data
-            staged = store.stage(buffer, group)
-            with store.lock:
-                imported += store.import_blocks(staged, [*prefix, *hashes[:start]])
-            staged.wait()
-    finally:
-        buffer.release()
-    return imported
 
 
 @pytest.mark.parametrize("device", DEVICES)

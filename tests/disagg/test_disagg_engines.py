@@ -9,6 +9,7 @@ import socket
 import time
 
 import pytest
+from disagg_import import import_data
 
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.block_hash import hash_prompt_blocks
@@ -94,21 +95,6 @@ def test_disaggregated_equals_aggregated(engines, name, prompt, decode_warmup, i
     assert wait_for_free_blocks(prefill, NUM_BLOCKS, 2) == NUM_BLOCKS
 
 
-def import_data(store, blocks: list[tuple[int, bytes]]) -> int:
-    """Imports (hash, data) blocks the way the decode agent does; gives how many went in."""
-    buffer = store.receive_buffer(5)
-    try:
-        for index, (_, data) in enumerate(blocks):
-            buffer.block(index)[:] = data
-        staged = store.stage(buffer, [h for h, _ in blocks])
-        with store.lock:
-            imported = store.import_blocks(staged)
-        staged.wait()
-        return imported
-    finally:
-        buffer.release()
-
-
 def test_corrupt_kv_changes_the_answer(engines):
     # The equality above is only meaningful if imported KV is actually used.
     both, _, decode = engines
@@ -117,7 +103,7 @@ def test_corrupt_kv_changes_the_answer(engines):
     store = decode.connector.store
     hashes = hash_prompt_blocks(prompt, BLOCK)
     noise = bytes(range(256)) * (store.block_bytes // 256)
-    assert import_data(store, [(h, noise) for h in hashes]) == 3
+    assert import_data(store, hashes, [noise] * len(hashes)) == 3
     assert run(decode, "dec-corrupt", prompt).outputs[0].token_ids != expected
 
 
@@ -149,7 +135,7 @@ def test_gpu_blocks_round_trip_bit_exact():
     hashes, pinned = src.pin(prompt)
     assert len(hashes) == 4
     read = src.read(pinned, hashes)
-    assert import_data(dst, list(zip(hashes, read.wait(), strict=True))) == 4
+    assert import_data(dst, hashes, read.wait()) == 4
     read.release()
     torch.cuda.synchronize()
     for block_hash in hashes:
