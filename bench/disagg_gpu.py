@@ -283,6 +283,11 @@ def main() -> None:
                 "aggregated", [*agg, router(agg, "least-load")], logs / f"agg{suffix}", args)
             report_failed("aggregated", configs["aggregated"])
             report["runs"].append({"configs": configs, "ratios": ratios(configs)})
+            # written after every run, so a run cut short by a time limit keeps the ones done
+            write_report(report, args)
+
+
+def write_report(report: dict, args: argparse.Namespace) -> None:
     report["configs"] = report["runs"][-1]["configs"]
     runs = [run["ratios"] for run in report["runs"]]
     report["ratios"] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
@@ -296,7 +301,7 @@ def main() -> None:
              "max, later gaps p99 (ms) | long-prompt TTFT p50 (ms) | output tok/s | failed |",
              "|---|---|---|---|---|---|---|"]
     for index, run in enumerate(report["runs"]):
-        suffix = f", run {index + 1}" if args.repeat > 1 else ""
+        suffix = f", run {index + 1}" if len(report["runs"]) > 1 else ""
         lines += [row(name + suffix, c) for name, c in run["configs"].items()]
     r = report["ratios"]
     each = "; per run " + ", ".join(f"{x['itl_p99_agg_over_disagg']:.2f}x" for x in runs) if (
@@ -306,7 +311,7 @@ def main() -> None:
               f"aggregated: {r['throughput_disagg_over_agg']:.2f}x (goal: >= 2x and >= 0.9x)", ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
-    print(f"wrote {stem}.json and {stem}.md")
+    print(f"wrote {stem}.json and {stem}.md", flush=True)
 
 
 if __name__ == "__main__":

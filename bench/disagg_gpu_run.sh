@@ -25,7 +25,7 @@ run() { # shape long_rate decode_rate seconds
   [ $SECONDS -lt 480 ] || { echo "$1 $2 skipped (time)" | tee -a "$OUT/log.txt"; return; }
   timeout 300 python3 bench/disagg_gpu.py --shape "$1" --long-rate "$2" --decode-rate "$3" \
     --seconds "$4" --repeat "${REPEAT:-1}" --out "$OUT/$1-long$2" --logs "/tmp/logs/$1-long$2" \
-    2>&1 | tail -25 \
+    2>&1 | grep -v "^wrote\|^$" | tail -60 \
     | tee -a "$OUT/log.txt"
   # with KVPILOT_SLOW_STEP_MS set, where the slow engine iterations went (bench/slow_steps.py)
   python3 bench/slow_steps.py /tmp/logs/$1-long$2/*/*.log 2>&1 | cut -c1-400 >> "$OUT/slow.txt"
