@@ -12,8 +12,11 @@ config with dummy weights (no downloads) and the bundled tiny tokenizer, so toke
 are exact and nothing leaves the machine. Every engine of both configs runs with the same
 `--max-num-batched-tokens` (default 2048, vLLM's online default).
 
-    PYTHONPATH=<dir with a kvpilot package> python bench/disagg_gpu.py --seconds 30 \
-        [--shape 8b] [--long-rate 0.5] [--decode-rate 4] [--max-num-batched-tokens 2048]
+    PYTHONPATH=<dir with a kvpilot package> python bench/disagg_gpu.py [--seconds 60] \
+        [--shape 8b] [--long-rate 2] [--decode-rate 4] [--max-num-batched-tokens 2048]
+
+The defaults are the workload issue 6's result is stated for (8B shape, 2 long prompts/s,
+4 decodes/s); bench/disagg_gpu_run.sh runs it and the neighbouring rates on a 2-GPU host.
 
 Results: bench/results/disagg_gpu-<shape>.{json,md} (`--out` to change the folder), naming
 the GPUs and the flags. `--device cpu --shape tiny` is a smoke test of the script itself
@@ -181,10 +184,10 @@ def router_outcomes(url: str) -> dict[str, int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b",
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b",
                         help="model shape: 1b (Llama-3.2-1B), 8b (Llama-3-8B); tiny is for "
                              "the CPU smoke test")
-    parser.add_argument("--long-rate", type=float, default=0.5, help="long prompts per second")
+    parser.add_argument("--long-rate", type=float, default=2.0, help="long prompts per second")
     parser.add_argument("--decode-rate", type=float, default=4.0, help="decodes per second")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="every engine of both configs (vLLM's online default)")

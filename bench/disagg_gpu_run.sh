@@ -23,7 +23,9 @@ for shape in 1b 8b; do timeout 60 python3 bench/kv_transfer_rate.py --shape $sha
   | grep MB/s | tee -a "$OUT/log.txt"; done
 run() { # shape long_rate decode_rate seconds
   [ $SECONDS -lt 480 ] || { echo "$1 $2 skipped (time)" | tee -a "$OUT/log.txt"; return; }
-  timeout 300 python3 bench/disagg_gpu.py --shape "$1" --long-rate "$2" --decode-rate "$3" \
+  # one run of both setups takes about twice the load time plus start-ups (80 s at 30 s of load)
+  local limit=$(( ${REPEAT:-1} * (2 * $4 + 100) + 60 ))
+  timeout $limit python3 bench/disagg_gpu.py --shape "$1" --long-rate "$2" --decode-rate "$3" \
     --seconds "$4" --repeat "${REPEAT:-1}" --out "$OUT/$1-long$2" --logs "/tmp/logs/$1-long$2" \
     2>&1 | grep -v "^wrote\|^$" | tail -60 \
     | tee -a "$OUT/log.txt"
