@@ -77,14 +77,22 @@ class TcpConnector(KVConnector):
 
     def stop(self) -> None:
         async def _stop() -> None:
-            if self._expiry:
-                self._expiry.cancel()
             if self._server:
                 self._server.close()
+            # the expiry loop and every conversation still open end here, each closing its
+            # connection, rather than being dropped with the loop (a worker thread copying for
+            # one runs on until its socket's timeout)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=2)
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(5)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
+            if not self._thread.is_alive():
+                self._loop.close()
         with self.store.lock, self._lease_lock:
             for lease in self.leases.expire(float("inf")):
                 self.store.unpin(lease.pinned)

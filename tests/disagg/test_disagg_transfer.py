@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 
 import pytest
@@ -168,3 +169,19 @@ async def test_prefill_agent_gone_fails_fast(agents):
     with pytest.raises(ProtocolError, match="failed"):
         await request_pull(addr(decode), dead, "cmpl-1", timeout=5)
     assert time.monotonic() - start < 2
+
+
+def test_stop_closes_the_conversations_still_open():
+    """A peer mid-conversation when the agent stops sees its connection closed at once,
+    rather than held open by a handler dropped with the agent's event loop."""
+    agent = TcpConnector(FakeStore(), "127.0.0.1", 0)
+    agent.start()
+    peer = socket.create_connection(addr(agent), timeout=5)
+    try:
+        time.sleep(0.2)  # the agent's handler is now waiting for the first frame
+        started = time.monotonic()
+        agent.stop()
+        assert peer.recv(1) == b""  # EOF, not the 5 s timeout
+        assert time.monotonic() - started < 3
+    finally:
+        peer.close()
