@@ -10,10 +10,6 @@ from typing import Any, Protocol
 class PendingRead(Protocol):
     """Blocks `BlockStore.read` is copying into a host buffer."""
 
-    def ready(self) -> bool:
-        """Gives whether the copy has finished, so `wait` would not block."""
-        ...
-
     def wait(self) -> list[memoryview]:
         """Blocks until copied (call without the lock); gives each block's wire data."""
         ...

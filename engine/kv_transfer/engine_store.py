@@ -58,10 +58,6 @@ class PendingRead:
         self._store, self._buffer, self._count, self._event = store, buffer, count, event
         self._sums = sums  # [count, 2] int64 on the host (pinned on CUDA), see block_checksums
 
-    def ready(self) -> bool:
-        """Gives whether the copy has finished (`wait` would not block)."""
-        return self._event is None or self._event.query()
-
     def wait(self) -> list[memoryview]:
         """Blocks until the copy has finished (call without the lock); gives each block's data.
 

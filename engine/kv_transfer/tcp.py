@@ -4,10 +4,11 @@ One agent per engine serves both conversations of protocol.py: as a prefill
 agent it answers FETCH (lease's hashes), WANT (stream the blocks) and RELEASE;
 as a decode agent it answers the router's PULL by fetching from the prefill
 agent, checking every block's checksum, and importing the blocks into the
-engine's prefix cache. Blocks are buffered in host memory until END, then
-imported (the lock held only for the pool bookkeeping and enqueueing the
-cache writes), so a peer that vanishes mid-transfer leaves nothing allocated
-here; on the prefill side the lease expires and unpins.
+engine's prefix cache. Blocks land in pooled host buffers and each buffer-full
+is imported once its checksums pass (the lock held only for the pool
+bookkeeping and enqueueing the cache writes), so a peer that vanishes
+mid-transfer leaves the groups imported so far cached and unowned, nothing
+allocated; on the prefill side the lease expires and unpins.
 """
 
 from __future__ import annotations
@@ -53,9 +54,8 @@ class TcpConnector(KVConnector):
         self.host, self.port = host, port
         self.leases: LeaseTable[Any] = LeaseTable(lease_seconds)
         # Guards `leases` and the reads of leased blocks. Taken after the store's lock where
-        # both are needed (unpinning), alone by reads: a read then never waits for a step.
+        # both are needed, alone by reads and by the expiry tick: neither waits for a step.
         self._lease_lock = threading.Lock()
-        self.transfers_running = 0  # FETCH or PULL conversations in worker threads now
         self.pull_attempts = pull_attempts
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvpilot-kv-agent",
@@ -110,11 +110,17 @@ class TcpConnector(KVConnector):
     async def _expire_forever(self) -> None:
         while True:
             await asyncio.sleep(EXPIRY_TICK)
-            with self.store.lock, self._lease_lock:
-                for lease in self.leases.expire(time.monotonic()):
-                    log.warning("lease %s expired unpulled: unpinning %d blocks",
-                                lease.lease_id, len(lease.hashes))
-                    self.store.unpin(lease.pinned)
+            # the engine lock (held through each step) only when a lease did expire: this
+            # loop also accepts the connections. Out of the table, a lease takes no new
+            # reads, and `unpin` orders itself after the ones enqueued.
+            with self._lease_lock:
+                expired = self.leases.expire(time.monotonic())
+            if expired:
+                with self.store.lock:
+                    for lease in expired:
+                        log.warning("lease %s expired unpulled: unpinning %d blocks",
+                                    lease.lease_id, len(lease.hashes))
+                        self.store.unpin(lease.pinned)
 
     def _serve_fetch(self, sock: socket.socket, message: dict[str, Any]) -> None:
         """Answers one FETCH conversation on a blocking socket (a worker thread).

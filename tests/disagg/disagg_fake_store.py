@@ -94,9 +94,6 @@ class FakeRead:
     def __init__(self, data: list[bytes]) -> None:
         self.data = data
 
-    def ready(self) -> bool:
-        return True
-
     def wait(self) -> list[memoryview]:
         return [memoryview(d) for d in self.data]
 
