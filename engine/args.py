@@ -78,8 +78,9 @@ class EngineArgs:
     enforce_eager: bool = field(default=False, metadata={"help": "disable CUDA graphs"})
     async_scheduling: str = field(default="auto", metadata={"choices": ASYNC_SCHEDULING,
         "help": "schedule and launch step n+1 while the GPU runs step n (one step of lag on "
-                "stop checks); auto: on for CUDA. Requests with penalties, logprobs, n > 1, "
-                "beam search or min_tokens run those steps synchronously"})
+                "stop checks); auto: on for CUDA. While any live request has penalties, "
+                "logprobs, n > 1, beam search or min_tokens, the whole batch steps "
+                "synchronously"})
     role: str = field(default="both", metadata={"choices": ROLES,
         "help": "both: aggregated; prefill/decode: disaggregated roles"})
     kv_transfer_port: int = field(default=0, metadata={

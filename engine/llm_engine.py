@@ -23,7 +23,7 @@ from kvpilot.engine.core.output_processor import OutputProcessor
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.detokenizer import init_offsets
-from kvpilot.engine.model_runner import BatchEntry, ModelRunner, resolve_device
+from kvpilot.engine.model_runner import BatchEntry, ModelRunner, resolve_device, to_device
 from kvpilot.engine.outputs import EngineStats, RequestOutput
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kvpilot.engine.sampling_params import SamplingParams
@@ -396,8 +396,7 @@ class LLMEngine:
         row_ids = [r for _, r in to_sample]
         if row_ids != list(range(logits.shape[0])):
             # forks share a row, prompt-logprob rows are skipped: gather the rows that sample
-            # (only then: the index copy to the device waits for the forward to finish)
-            logits = logits.index_select(0, torch.tensor(row_ids, device=logits.device))
+            logits = logits.index_select(0, to_device(row_ids, logits.device, torch.long))
         out = self.sampler(logits, rows)
         now = time.monotonic()
         touched: dict[str, Request] = {}

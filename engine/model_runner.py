@@ -59,9 +59,10 @@ def select_attention_backend(args: EngineArgs, device: torch.device) -> Attentio
     return TorchAttentionBackend()
 
 
-def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None
+def to_device(values: list | np.ndarray, device: torch.device, dtype: torch.dtype | None = None
               ) -> torch.Tensor:
-    """Gives a small host list as a tensor on `device` without waiting for the device's queue.
+    """Gives a small host list (or array) as a tensor on `device` without waiting for the
+    device's queue.
 
     `torch.tensor(values, device="cuda")` is a synchronous copy: it waits until
     every kernel queued before it has run, and so does a `non_blocking` copy from
