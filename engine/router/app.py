@@ -252,10 +252,8 @@ def build_app(args: RouterArgs, discovery: Discovery | None = None,
         """Takes an engine's KV events: {"instance", "stored": [hash], "removed": [hash], "cleared"}."""
         event = await request.json()
         instance = str(event.get("instance", "")).rstrip("/")
-        if instance in router.fleet.instances:
+        if instance in router.fleet.instances:  # the index holds nothing of any other
             router.index.apply_event(instance, event)
-        else:  # a departed instance: only forget, never add
-            router.index.apply_event(instance, {**event, "stored": []})
         return {"entries": len(router.index)}
 
     return app

@@ -179,3 +179,24 @@ async def test_endpoint_slice_discovery_queries_the_api_server():
         assert await discovery.list() == [("decode", "http://10.1.0.7:8000")]
         await discovery.aclose()
     assert seen == [("serving", "kvpilot.dev/model=m,kvpilot.dev/role", "Bearer sa-token")]
+
+
+def test_read_metrics_sums_over_label_sets_and_reads_buckets():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from kvpilot.engine.metrics_text import read_metrics
+
+    registry = CollectorRegistry()
+    steps = Counter("steps", "", ["mode"], registry=registry)
+    steps.labels("graph").inc(3)
+    steps.labels("eager").inc(2)
+    Gauge("waiting", "", registry=registry).set(4)
+    Histogram("ttft_seconds", "", buckets=(0.1, 1.0), registry=registry).observe(0.5)
+    text = generate_latest(registry).decode()
+    # the counter's `_created` timestamps come as a gauge family of their own: not summed in
+    assert "steps_created" in text
+    sums, buckets = read_metrics(text, ["steps", "waiting"], ["ttft_seconds"])
+    assert sums == {"steps": 5.0, "waiting": 4.0}
+    assert buckets == {"ttft_seconds": {0.1: 0.0, 1.0: 1.0, float("inf"): 1.0}}
+    only_graph, _ = read_metrics(text, ["steps"], labels={"mode": "graph"})
+    assert only_graph == {"steps": 3.0}
