@@ -12,6 +12,20 @@ from kvpilot.engine.sampling_params import SamplingParams
 _clock = itertools.count()
 
 
+def run_engine(engine, limit: int = 200) -> dict:
+    """Steps `engine` until no request is unfinished, at most `limit` steps (more fails the
+    test instead of hanging it); gives the finished outputs by request id."""
+    done = {}
+    for _ in range(limit):
+        if not engine.has_unfinished_requests():
+            return done
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert not engine.has_unfinished_requests(), f"requests still unfinished after {limit} steps"
+    return done
+
+
 def make_request(rid: str, prompt: int | list[int], max_tokens: int = 4, priority: int = 0,
                  arrival: float | None = None) -> Request:
     """Gives a request with a prompt of `prompt` tokens (ids 10, 11, ...) or the given ids."""

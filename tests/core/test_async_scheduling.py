@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from core_helpers import run_engine
 
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.llm_engine import PLACEHOLDER, LLMEngine, needs_host_sampling
@@ -100,8 +101,7 @@ def test_length_limited_requests_run_no_extra_forward():
         for i in range(4):
             engine.add_request(str(i), [5 + i] * (3 + i), SamplingParams(max_tokens=5 + i,
                                                                         ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
+        run_engine(engine)
         counts[mode] = len(calls)
     assert counts["on"] == counts["off"]
 
@@ -116,8 +116,11 @@ def test_abort_while_a_token_is_in_flight():
     out = engine.step()
     assert out[0].finished and out[0].outputs[0].finish_reason == "abort"
     assert PLACEHOLDER not in out[0].outputs[0].token_ids
-    while engine.has_unfinished_requests():
+    for _ in range(10):
+        if not engine.has_unfinished_requests():
+            break
         assert engine.step() == []
+    assert not engine.has_unfinished_requests()
     assert engine.kv.pool.num_free_blocks == NUM_BLOCKS
 
 
@@ -131,12 +134,7 @@ def test_host_sampling_requests_drain_the_flight():
         engine.step()
         engine.add_request("lp", [9, 10], SamplingParams(max_tokens=4, logprobs=2,
                                                          ignore_eos=True))
-        done = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    done[o.request_id] = o.outputs[0]
-        outs[mode] = done
+        outs[mode] = {rid: o.outputs[0] for rid, o in run_engine(engine).items()}
     assert outs["on"]["plain"].token_ids == outs["off"]["plain"].token_ids
     on, off = outs["on"]["lp"], outs["off"]["lp"]
     assert on.token_ids == off.token_ids

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from core_helpers import run_engine
 from helpers.checkpoints import load_hf_model
 
 from kvpilot.engine.args import EngineArgs
@@ -55,6 +56,5 @@ def test_beams_share_the_prompt_blocks():
     assert len(tables) == WIDTH
     # beams own at most their partial block (copy-on-write): 3 shared + 4, not 4 x 4
     assert used <= 3 + WIDTH
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_engine(engine)
     assert engine.get_stats().num_free_blocks == 32

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from core_helpers import run_engine
 
 from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.llm import LLM
@@ -24,17 +25,6 @@ def llm() -> LLM:
 def engine() -> LLMEngine:
     return LLMEngine.from_engine_args(EngineArgs(model="tiny-llama", num_kv_blocks=8,
                                                  max_model_len=256))
-
-
-def run(engine: LLMEngine, limit: int = 200) -> dict:
-    done = {}
-    for _ in range(limit):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 @pytest.mark.parametrize(("prompt", "params", "message"), [
@@ -58,7 +48,7 @@ def test_request_larger_than_the_pool_finishes_with_an_error(engine):
     # 8 blocks x 16 slots = 128 tokens; 30 + 120 needs 10 blocks
     engine.add_request("big", PROMPT, SamplingParams(max_tokens=120))
     engine.add_request("ok", PROMPT, GREEDY)
-    done = run(engine)
+    done = run_engine(engine)
     assert done["big"].outputs[0].finish_reason == "error"
     assert "needs 10 KV blocks" in done["big"].error
     assert done["ok"].outputs[0].finish_reason == "length"
@@ -195,7 +185,7 @@ def test_stats_report_queue_and_cache_state(engine):
     assert stats.num_running + stats.num_waiting == 3 and stats.num_running >= 1
     assert stats.kv_cache_usage == 1 - stats.num_free_blocks / stats.num_total_blocks > 0
     assert stats.prompt_tokens >= 30
-    run(engine)
+    run_engine(engine)
     stats = engine.get_stats()
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
     assert stats.generation_tokens == 90

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from core_helpers import run_engine
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -101,15 +102,13 @@ def test_engine_eviction_of_a_cached_block_yields_a_removed_event():
     greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     first = list(range(100, 132))  # two full blocks of 16
     engine.add_request("a", first, greedy)
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_engine(engine)
     prefix = hash_prompt_blocks(first, 16)
     after_first = engine.kv_events.read(0)
     assert after_first["events"] == [{"stored": prefix}]
     # 120 new tokens need all 8 blocks: the first prompt's cached blocks are evicted
     engine.add_request("b", list(range(300, 420)), greedy)
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_engine(engine)
     later = engine.kv_events.read(after_first["next"])["events"]
     removed = [h for e in later for h in e.get("removed", [])]
     assert sorted(removed) == sorted(prefix)

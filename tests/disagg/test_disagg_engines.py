@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 
 import pytest
@@ -17,17 +16,12 @@ from kvpilot.engine.kv_transfer.protocol import request_pull
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.roles import LEASE_SECONDS_ENV, attach_role
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.operator.local.supervisor import free_port
 
 BLOCK = 16
 NUM_BLOCKS = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SYSTEM = list(range(3, 3 + 4 * BLOCK))  # 4 blocks every prompt below starts with
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_engine(role: str):
@@ -39,10 +33,13 @@ def make_engine(role: str):
 def run(engine, request_id: str, prompt: list[int], params: SamplingParams = GREEDY):
     engine.add_request(request_id, prompt, params)
     final = None
-    while engine.has_unfinished_requests():
+    for _ in range(200):  # bounded: a stuck engine fails the test instead of hanging it
+        if not engine.has_unfinished_requests():
+            break
         for output in engine.step():
             if output.finished:
                 final = output
+    assert not engine.has_unfinished_requests()
     return final
 
 

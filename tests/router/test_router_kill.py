@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,14 +17,9 @@ from router_fake_engine import FakeEngine, serving
 
 from kvpilot.engine.router.app import build_app
 from kvpilot.engine.router.args import INSTANCE_HEADER, SERVED_BY_HEADER, RouterArgs
+from kvpilot.operator.local.supervisor import free_port
 
 HERE = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def wait_up(url: str, deadline: float) -> None:
