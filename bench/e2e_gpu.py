@@ -137,27 +137,28 @@ def bench_kvpilot_throughput(path: Path, prompts, out_lens, async_scheduling: st
 
     t0 = time.perf_counter()
     llm = LLM(str(path), load_format="dummy", max_model_len=4096, max_num_seqs=256,
-              max_num_batched_tokens=16384, async_scheduling=async_scheduling)
+              max_num_batched_tokens=16384, **scheduling_arg(async_scheduling))
     startup_s = time.perf_counter() - t0
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up, as nano-vllm does
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
     runner = llm.engine.runner
     # the phase timers synchronise after every call, which serialises async scheduling:
     # the headline number is measured without them
-    phases = time_phases(runner) if phases else {"execute": float("nan"), "execute_calls": -1}
+    timed = time_phases(runner) if phases else None
     sync()
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params)
     sync()
     elapsed = time.perf_counter() - t0
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    result = {"phases_s": phases, "model_s": phases["execute"], "steps": phases["execute_calls"],
+    result = {"phases_s": timed, "model_s": timed and timed["execute"],
+              "steps": timed and timed["execute_calls"],
               "requests": len(prompts), "output_tokens": produced,
               "requested_tokens": sum(out_lens), "elapsed_s": elapsed,
               "output_tok_per_s": produced / elapsed, "startup_s": startup_s,
               "num_kv_blocks": runner.num_blocks,
               "graph_replays": runner.decode_graphs.num_replays if runner.decode_graphs else 0,
-              "async_scheduling": llm.engine.async_scheduling}
+              "async_scheduling": getattr(llm.engine, "async_scheduling", None)}
     del llm, runner, outputs
     free_gpu()
     return result
@@ -208,7 +209,7 @@ def bench_batch1_decode(path: Path, copy_gbps: float, prompt_len: int = 128,
 
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(path), load_format="dummy", max_model_len=2048, max_num_seqs=4,
-        async_scheduling=async_scheduling))
+        **scheduling_arg(async_scheduling)))
     model = engine.runner.model
     embed = model.model.embed_tokens.weight
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
@@ -224,9 +225,9 @@ def bench_batch1_decode(path: Path, copy_gbps: float, prompt_len: int = 128,
             engine.step()
         sync()
         elapsed = time.perf_counter() - t0
-        # timed: the other new_tokens - 1 tokens (async scheduling reads the first one back in
-        # the loop's first step and needs one more step() to read the last one)
-        steps = new_tokens - 1
+    # timed: the other new_tokens - 1 tokens (async scheduling reads the first one back in
+    # the loop's first step and needs one more step() to read the last one)
+    steps = new_tokens - 1
     if profile_to is not None:
         profile_host(engine, [rng.randint(0, 10000) for _ in range(prompt_len)], params,
                      profile_to)
@@ -243,16 +244,22 @@ def bench_batch1_decode(path: Path, copy_gbps: float, prompt_len: int = 128,
               "graph_replay_ms": replay_ms, "graph_roofline_ms": graph_roofline_ms,
               "graph_of_roofline": graph_roofline_ms / replay_ms,
               "decode_steps": steps, "prompt_len": prompt_len,
-              "async_scheduling": engine.async_scheduling}
+              "async_scheduling": getattr(engine, "async_scheduling", None)}
     del engine, model, embed, graphs
     free_gpu()
     return result
 
 
+def scheduling_arg(mode: str) -> dict[str, str]:
+    """Gives the engine argument for `--async-scheduling`: none for auto, so the script also
+    runs an engine tree from before the option (bench/e2e_gpu_ab.sh's base side)."""
+    return {} if mode == "auto" else {"async_scheduling": mode}
+
+
 def phase_text(k: dict) -> str:
     """Gives where the throughput run's time went, in seconds."""
     p = k["phases_s"]
-    if p.get("execute_calls", 0) < 0:
+    if p is None:
         return f"async scheduling {'on' if k.get('async_scheduling') else 'off'}, phases not timed"
     rest = k["elapsed_s"] - p["execute"]
     return (f"model call {p['execute']:.1f} s = build batch {p.get('build_batch', 0):.1f} + "
@@ -289,7 +296,7 @@ def markdown(r: dict) -> str:
         ratio = f"{k['output_tok_per_s'] / h['output_tok_per_s']:.1f}x" if h else "-"
         lines.append(f"| c) Qwen3-0.6B shape, {k['requests']} requests, in/out 100-1024 | "
                      f"{k['output_tok_per_s']:.0f} output tok/s ({k['output_tokens']} tokens in "
-                     f"{k['elapsed_s']:.1f} s; {k['steps']} steps: " + phase_text(k) + ") | "
+                     f"{k['elapsed_s']:.1f} s; {k['steps'] or '?'} steps: " + phase_text(k) + ") | "
                      f"{base} | {ratio} | >= 15000 tok/s |")
     if "batch1" in r:
         d = r["batch1"]

@@ -15,7 +15,9 @@ LOG=$OUT/gpu_log.txt
 PYTHONPATH=/tmp/kvp timeout 150 python3 -m pytest -q -p no:cacheprovider tests/core/test_gpu_engine.py tests/kernels/test_cuda_graphs.py 2>&1 | tail -15 | tee -a $LOG
 run() { # name pythonpath only
   [ $SECONDS -lt 440 ] || { echo "$1 skipped (time)" | tee -a $LOG; return; }
-  PYTHONPATH=$2 timeout 170 python3 bench/e2e_gpu.py --only $3 --hf-requests 0 --out /tmp/res/$1 >> $LOG 2>&1
+  # --phases for the summary's execute split, --profile for profile_d.txt
+  PYTHONPATH=$2 timeout 170 python3 bench/e2e_gpu.py --only $3 --hf-requests 0 --phases --profile \
+    --out /tmp/res/$1 >> $LOG 2>&1
   echo "$1 rc=$? $(date +%T)" | tee -a $LOG
 }
 run c_new1 /tmp/kvp c; run c_base1 /tmp/kvb c; run d_new1 /tmp/kvp d; run d_base1 /tmp/kvb d
