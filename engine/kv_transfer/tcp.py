@@ -26,6 +26,7 @@ from kvpilot.engine.kv_transfer.connector import (
     BlockStore,
     KVConnector,
     PendingRead,
+    ReceiveBuffer,
 )
 from kvpilot.engine.kv_transfer.leases import Lease, LeaseTable
 from kvpilot.engine.kv_transfer.protocol import (
@@ -243,10 +244,8 @@ class TcpConnector(KVConnector):
         """Receives the wanted blocks a buffer-full at a time, importing each group once its
         checksums pass; gives how many went in.
 
-        A group lands by scatter reads straight into a pooled host buffer, is copied
-        toward the device and checked there without the lock (a mismatch raises before
-        anything of it is imported); the lock is held only for the pool bookkeeping and
-        enqueueing the cache writes. At most two groups' device staging is alive at once.
+        A group lands by scatter reads straight into a pooled host buffer and goes in by
+        `import_group`. At most two groups' device staging is alive at once.
         After a group that did not fit (the pool is full) the rest is received and
         dropped: later blocks would not extend the prefix. A peer that vanishes
         mid-transfer leaves the groups imported so far as cached, unowned blocks,
@@ -265,11 +264,10 @@ class TcpConnector(KVConnector):
                         raise ProtocolError(f"block {start + count} is not the one asked for")
                 if full:
                     continue
-                staged = self.store.stage(buffer, group)
-                self.store.verify(staged, [digest for _, digest in heads])
-                with self.store.lock:
-                    imported += self.store.import_blocks(staged, [*prefix, *wanted[:start]])
-                    full = self.store.num_cached_prefix(group) < len(group)
+                count, full, staged = import_group(self.store, buffer, group,
+                                                   [digest for _, digest in heads],
+                                                   [*prefix, *wanted[:start]])
+                imported += count
                 if previous is not None:
                     previous.wait()
                 previous = staged
@@ -317,6 +315,20 @@ class TcpConnector(KVConnector):
             log.warning("KV agent connection failed: %r", exc)
         finally:
             writer.close()
+
+
+def import_group(store: BlockStore, buffer: ReceiveBuffer, hashes: list[int],
+                 digests: Sequence[bytes], prefix: Sequence[int]) -> tuple[int, bool, Any]:
+    """Imports the first len(hashes) blocks of a filled receive buffer after `prefix`: staged
+    toward the device and checked there without the lock (a mismatch raises before anything
+    goes in), then imported under it. Gives (how many went in, whether some did not fit,
+    the staging: wait for it before the device memory is reused)."""
+    staged = store.stage(buffer, hashes)
+    store.verify(staged, digests)
+    with store.lock:
+        imported = store.import_blocks(staged, prefix)
+        full = store.num_cached_prefix(hashes) < len(hashes)
+    return imported, full, staged
 
 
 def _blocking_copy(writer: asyncio.StreamWriter) -> socket.socket:

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvpilot.engine.kv_transfer.protocol import checksum
+from kvpilot.engine.kv_transfer.tcp import import_group
+
 
 def import_data(store, hashes: list[int], datas: Iterable, prefix: Sequence[int] = ()) -> int:
-    """Imports blocks a receive buffer-full at a time (stage, lock, import, wait for the
-    writes); gives how many went in."""
+    """Imports blocks a receive buffer-full at a time through the agent's `import_group`
+    (each block checked against its data's checksum); gives how many went in."""
     datas, imported = list(datas), 0
     buffer = store.receive_buffer(5)
     try:
         for start in range(0, len(hashes), buffer.capacity):
             group = hashes[start:start + buffer.capacity]
-            for index, data in enumerate(datas[start:start + len(group)]):
-                buffer.block(index)[:] = data
-            staged = store.stage(buffer, group)
-            with store.lock:
-                imported += store.import_blocks(staged, [*prefix, *hashes[:start]])
+            data = datas[start:start + len(group)]
+            for index, block in enumerate(data):
+                buffer.block(index)[:] = block
+            count, _, staged = import_group(store, buffer, group, [checksum(b) for b in data],
+                                            [*prefix, *hashes[:start]])
+            imported += count
             staged.wait()
     finally:
         buffer.release()
