@@ -39,11 +39,15 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.engine.contracts.metric_names import (
+    MODEL_STEPS,
+    ROUTER_REQUESTS,
+    ROUTER_TRANSFERRED_BLOCKS,
+)
+from kvpilot.engine.contracts.metrics_text import read_metrics
 from kvpilot.engine.loadgen.datasets import SampleRequest, random_dataset
 from kvpilot.engine.loadgen.report import percentile, summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
-from kvpilot.engine.metric_names import MODEL_STEPS, ROUTER_REQUESTS, ROUTER_TRANSFERRED_BLOCKS
-from kvpilot.engine.metrics_text import read_metrics
 from kvpilot.engine.models.builtin import TINY_VOCAB_SIZE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from kvpilot.operator.local.plan import LocalProcess
 from kvpilot.operator.local.supervisor import Supervisor, free_port

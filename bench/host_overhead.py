@@ -47,7 +47,7 @@ def make_engine(num_seqs: int, stream_outputs: bool):
     """Gives a CPU engine whose model call is a no-op (zeros hidden, fixed random logits)."""
     import torch
 
-    from kvpilot.engine.args import EngineArgs
+    from kvpilot.engine.contracts.args import EngineArgs
     from kvpilot.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(1)
@@ -77,7 +77,7 @@ def measure(case: str, steps: int) -> dict:
     """Gives the median and mean host µs per decode step of `case`, and a phase split."""
     import torch
 
-    from kvpilot.engine.sampling_params import SamplingParams
+    from kvpilot.engine.contracts.sampling_params import SamplingParams
 
     num_seqs, temperature, stream_outputs = CASES[case]
     engine = make_engine(num_seqs, stream_outputs)

@@ -18,10 +18,10 @@ from types import SimpleNamespace
 
 import torch
 
-from kvpilot.engine.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.kv_protocol import request_pull
 from kvpilot.engine.core.block_pool import BlockPool
 from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
-from kvpilot.engine.kv_transfer.protocol import request_pull
 from kvpilot.engine.kv_transfer.tcp import TcpConnector
 
 BLOCK = 16

@@ -31,12 +31,12 @@ from typing import Any
 import httpx
 import torch
 
-from kvpilot.engine.args import EngineArgs
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.loadgen.datasets import SampleRequest, random_dataset
 from kvpilot.engine.loadgen.report import summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
-from kvpilot.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = "tiny-llama"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment at .venv with kvpilot installed in
 # editable mode, plus real helm and kubectl binaries under .tools/bin.
-# Re-running it does nothing when pyproject.toml and setup.py are unchanged.
+# Re-running it does nothing when the pyproject.toml files and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,7 +9,7 @@ PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="2.13.0"   # the CPU wheel on local disk; a plain `torch` pulls several GB
 VENV=.venv
 STAMP="$VENV/.kvpilot-setup"
-WANT="$(cat pyproject.toml setup.py scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+WANT="$(cat pyproject.toml engine/pyproject.toml kernels/pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 
 if [[ ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VENV"
@@ -19,7 +19,9 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]]; then
     if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
         "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
     fi
-    "$VENV/bin/python" -m pip install -q -e ".[test]"
+    # Three distributions, each editable (a plain .pth: tools resolve every import):
+    # kvpilot (CLI, operator, router, contracts), kvpilot-kernels, kvpilot-engine.
+    "$VENV/bin/python" -m pip install -q -e ".[test]" -e ./kernels -e ./engine
     echo "$WANT" > "$STAMP"
 fi
 

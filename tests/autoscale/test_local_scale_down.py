@@ -22,7 +22,7 @@ import httpx
 import psutil
 import yaml
 
-from kvpilot.engine.router.args import SERVED_BY_HEADER
+from kvpilot.engine.contracts.router_args import SERVED_BY_HEADER
 from kvpilot.operator.local.supervisor import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"

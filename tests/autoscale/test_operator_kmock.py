@@ -19,7 +19,7 @@ from urllib.parse import parse_qs, urlparse
 import httpx
 from operator_harness import NAMESPACE, eventually
 
-from kvpilot.engine.metric_names import ROUTER_PENDING_REQUESTS
+from kvpilot.engine.contracts.metric_names import ROUTER_PENDING_REQUESTS
 from kvpilot.operator.autoscale.handler import PROMETHEUS_ENV
 from kvpilot.operator.autoscale.pods import DELETION_COST
 from kvpilot.operator.render.meta import POOL_LABEL

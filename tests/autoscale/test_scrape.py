@@ -8,8 +8,8 @@ import math
 import httpx
 import pytest
 
-from kvpilot.engine import metric_names as names
-from kvpilot.engine.outputs import EngineStats
+from kvpilot.engine.contracts import metric_names as names
+from kvpilot.engine.contracts.outputs import EngineStats
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.operator.autoscale.scrape import (
     PodSample,

@@ -7,7 +7,7 @@ import re
 
 from chart_helpers import CHART
 
-from kvpilot.engine import metric_names
+from kvpilot.engine.contracts import metric_names
 
 DASHBOARD = json.loads((CHART / "files" / "dashboards" / "kvpilot.json").read_text())
 EXPORTED = {v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)}

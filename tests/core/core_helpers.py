@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 
+from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Request, Sequence
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvpilot.engine.sampling_params import SamplingParams
 
 _clock = itertools.count()
 

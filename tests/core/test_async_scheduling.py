@@ -13,9 +13,9 @@ import random
 import pytest
 from core_helpers import run_engine
 
-from kvpilot.engine.args import EngineArgs
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm_engine import PLACEHOLDER, LLMEngine, needs_host_sampling
-from kvpilot.engine.sampling_params import SamplingParams
 
 NUM_BLOCKS = 24
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpilot.engine.block_hash import hash_block_tokens, hash_prompt_blocks
+from kvpilot.engine.contracts.block_hash import hash_block_tokens, hash_prompt_blocks
 
 
 @pytest.mark.parametrize(("num_tokens", "block_size", "num_hashes"), [
@@ -28,7 +28,7 @@ def test_hash_is_chained_over_the_parent():
 
 
 def test_hash_is_the_same_in_another_process():
-    code = ("from kvpilot.engine.block_hash import hash_prompt_blocks;"
+    code = ("from kvpilot.engine.contracts.block_hash import hash_prompt_blocks;"
             "print(hash_prompt_blocks(list(range(40)), 16))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env={"PYTHONHASHSEED": "123"})

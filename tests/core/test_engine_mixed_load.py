@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from kvpilot.engine.args import EngineArgs
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.sampling_params import SamplingParams
 
 MAX_STEPS = 2000
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from core_helpers import FAMILIES, NEW_TOKENS
 
+from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm import LLM
-from kvpilot.engine.sampling_params import SamplingParams
 
 # name -> engine flags; 16 prompts of up to ~120 tokens plus 16 new tokens each
 CONFIGS = {

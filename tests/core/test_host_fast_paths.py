@@ -16,10 +16,10 @@ from core_helpers import make_request, make_scheduler, run_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.engine.args import EngineArgs
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow
-from kvpilot.engine.sampling_params import SamplingParams
 
 
 def reference_batch(entries: list[BatchEntry], bs: int) -> dict[str, list]:

@@ -7,12 +7,12 @@ from core_helpers import run_engine
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpilot.engine.args import EngineArgs
-from kvpilot.engine.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.core.block_pool import BlockPool
 from kvpilot.engine.core.kv_events import KVEventLog
 from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.sampling_params import SamplingParams
 
 CLEARED = {"cleared": True}
 

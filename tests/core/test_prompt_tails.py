@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from core_helpers import make_request, run_step, scheduled_ids, seq_of
 
-from kvpilot.engine.block_hash import hash_prompt_blocks, hash_prompt_tail
+from kvpilot.engine.contracts.block_hash import hash_prompt_blocks, hash_prompt_tail
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig
 

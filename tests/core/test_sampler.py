@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
-from kvpilot.engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0]])
 

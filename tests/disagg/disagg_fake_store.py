@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from kvpilot.engine.block_hash import hash_prompt_blocks
-from kvpilot.engine.kv_transfer.protocol import ProtocolError, checksum
+from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.kv_protocol import ProtocolError, checksum
 
 BLOCK_SIZE = 4
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvpilot.engine.kv_transfer.protocol import checksum
+from kvpilot.engine.contracts.kv_protocol import checksum
 from kvpilot.engine.kv_transfer.tcp import import_group
 
 

@@ -18,11 +18,11 @@ from disagg_fake_store import FakeStore
 from disagg_import import import_data
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvpilot.engine.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.kv_protocol import ProtocolError, request_pull
 from kvpilot.engine.core.block_pool import BlockPool
 from kvpilot.engine.kv_transfer import engine_store, tcp
 from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
-from kvpilot.engine.kv_transfer.protocol import ProtocolError, request_pull
 from kvpilot.engine.kv_transfer.tcp import TcpConnector
 
 BLOCK, LAYERS, KV_HEADS, HEAD_DIM = 4, 3, 2, 8
@@ -360,8 +360,8 @@ def test_spare_read_buffers_are_bounded():
 @pytest.mark.parametrize("size", [64, 1000, 4096 * 3])
 def test_device_checksums_equal_the_wire_checksum(device, size):
     """Engines sum many blocks at once where they are; peers check with protocol.checksum."""
+    from kvpilot.engine.contracts.kv_protocol import checksum, pack_checksum
     from kvpilot.engine.kv_transfer.engine_store import block_checksums
-    from kvpilot.engine.kv_transfer.protocol import checksum, pack_checksum
 
     data = torch.randint(0, 256, (7, size), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(size))

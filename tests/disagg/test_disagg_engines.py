@@ -10,12 +10,12 @@ import time
 import pytest
 from disagg_import import import_data
 
-from kvpilot.engine.args import EngineArgs
-from kvpilot.engine.block_hash import hash_prompt_blocks
-from kvpilot.engine.kv_transfer.protocol import request_pull
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.kv_protocol import request_pull
+from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.roles import LEASE_SECONDS_ENV, attach_role
-from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.operator.local.supervisor import free_port
 
 BLOCK = 16

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpilot.engine.kv_transfer import protocol
+from kvpilot.engine.contracts import kv_protocol as protocol
+from kvpilot.engine.contracts.kv_protocol import Frame
 from kvpilot.engine.kv_transfer.leases import LeaseTable
-from kvpilot.engine.kv_transfer.protocol import Frame
 
 
 @pytest.mark.parametrize(("events", "live_at_end", "unpinned"), [

@@ -10,13 +10,14 @@ import time
 import pytest
 from disagg_fake_store import FakeStore, block_data
 
-from kvpilot.engine.kv_transfer import protocol, tcp
-from kvpilot.engine.kv_transfer.protocol import (
+from kvpilot.engine.contracts import kv_protocol as protocol
+from kvpilot.engine.contracts.kv_protocol import (
     Frame,
     ProtocolError,
     request_pull,
     request_stats,
 )
+from kvpilot.engine.kv_transfer import tcp
 from kvpilot.engine.kv_transfer.tcp import TcpConnector
 
 PROMPT = list(range(1, 42))  # 10 full blocks of 4 tokens, one partial

@@ -10,8 +10,8 @@ import torch
 from kernel_testing import ON_GPU
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.cuda_graphs import batch_buckets
-from kvpilot.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(("max_num_seqs", "expected"), [
@@ -92,7 +92,7 @@ class EagerGraph:
 def test_replay_pads_the_batch_and_matches_eager(seq_lens, bucket_of):
     """The static-buffer plumbing on CPU: inputs copied in, padding rows neither write the
     cache nor change the real rows, and the real rows equal an eager forward."""
-    from kvpilot.engine.args import EngineArgs
+    from kvpilot.engine.contracts.args import EngineArgs
     from kvpilot.engine.cuda_graphs import DecodeGraphs
     from kvpilot.engine.models.config import ModelConfig
     from kvpilot.engine.models.loader import load_model

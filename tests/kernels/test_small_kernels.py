@@ -131,7 +131,7 @@ def test_rms_norm_output_has_unit_rms_when_weight_is_one(rows, hidden):
 ])
 def test_block_checksums_match_the_wire_checksum(rows, size):
     """The KV transfer's per-block sums in one Triton pass equal protocol.checksum's."""
-    from kvpilot.engine.kv_transfer.protocol import CHECKSUM_MODULUS, checksum, pack_checksum
+    from kvpilot.engine.contracts.kv_protocol import CHECKSUM_MODULUS, checksum, pack_checksum
     from kvpilot.kernels.block_checksum import block_checksums_triton
 
     data = torch.randint(0, 256, (rows, size), dtype=torch.uint8,

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from kvpilot.engine.kv_transfer.protocol import kv_address, request_stats
+from kvpilot.engine.contracts.kv_protocol import kv_address, request_stats
 from kvpilot.engine.roles import LEASE_SECONDS_ENV
 from kvpilot.operator.local.plan import plan_local
 from kvpilot.operator.local.supervisor import Supervisor, free_port
@@ -53,8 +53,8 @@ def disagg_fleet(tmp_path_factory):
 @pytest.fixture(scope="module")
 def aggregated_tokens():
     """Gives the greedy completions of PROMPTS from one in-process aggregated engine."""
+    from kvpilot.engine.contracts.sampling_params import SamplingParams
     from kvpilot.engine.llm import LLM
-    from kvpilot.engine.sampling_params import SamplingParams
 
     engine = TINY["spec"]["engine"]
     llm = LLM(model="tiny-llama", dtype=engine["dtype"], max_model_len=engine["maxModelLen"],

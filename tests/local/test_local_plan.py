@@ -77,6 +77,6 @@ def test_kvpilot_up_and_the_kv_wire_format_leave_torch_out():
     import sys
 
     code = ("import sys; import kvpilot.operator.local.cli, kvpilot.operator.local.plan, "
-            "kvpilot.operator.local.supervisor, kvpilot.engine.kv_transfer.protocol, "
+            "kvpilot.operator.local.supervisor, kvpilot.engine.contracts.kv_protocol, "
             "kvpilot.engine.kv_transfer.tcp; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

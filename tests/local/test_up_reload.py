@@ -88,7 +88,7 @@ def test_diff_plan_reaches_the_planned_count(running, replicas):
 
 
 def test_instances_file_and_refresh_interval(tmp_path):
-    from kvpilot.engine.router.args import parse_instances
+    from kvpilot.engine.contracts.router_args import parse_instances
 
     path = tmp_path / "instances"
     write_instances(path, [engine("p", 0), engine("p", 1)])

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kvpilot.engine.args import EngineArgs
+from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.models.config import ModelConfig, resolve_dtype
 
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,

@@ -15,7 +15,7 @@ import torch
 from helpers.checkpoints import load_hf_model
 from helpers.paged import BlockAllocation, step_logits
 
-from kvpilot.engine.args import EngineArgs
+from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.loader import load_model
 

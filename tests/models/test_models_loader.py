@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from kvpilot.engine.args import EngineArgs
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.loader import load_model, resolve_load_format
 

@@ -96,7 +96,7 @@ def test_event_refers_to_the_object():
 def _decorated_resources() -> set[tuple[str, str]]:
     """Gives (group, plural) of every kopf decorator in operator/handlers/."""
     found: set[tuple[str, str]] = set()
-    for path in (REPO / "operator" / "handlers").glob("*.py"):
+    for path in (REPO / "operator" / "kvpilot" / "operator" / "handlers").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                     and ast.unparse(node.func).startswith(("kopf.on.", "kopf.index")) \

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from kvpilot.engine.args import EngineArgs, ServerArgs, from_namespace
+from kvpilot.engine.contracts.args import EngineArgs, ServerArgs, from_namespace
+from kvpilot.engine.contracts.router_args import RouterArgs
 from kvpilot.engine.router import cli as route_cli
-from kvpilot.engine.router.args import RouterArgs
 from kvpilot.engine.server import cli as serve_cli
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import DecodePoolSpec, PrefillPoolSpec

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from router_fake_engine import FakeEngine, serving
 
+from kvpilot.engine.contracts.router_args import RouterArgs
 from kvpilot.engine.router.app import build_app
-from kvpilot.engine.router.args import RouterArgs
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from router_fake_engine import FakeEngine
 
-from kvpilot.engine.kv_transfer import protocol
-from kvpilot.engine.router.args import INSTANCE_HEADER, SERVED_BY_HEADER
+from kvpilot.engine.contracts import kv_protocol as protocol
+from kvpilot.engine.contracts.router_args import INSTANCE_HEADER, SERVED_BY_HEADER
 
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvpilot.engine.router.args import RouterArgs, parse_instances
+from kvpilot.engine.contracts.router_args import RouterArgs, parse_instances
 from kvpilot.engine.router.discovery import FileDiscovery, StaticDiscovery, make_discovery
 from kvpilot.engine.router.fleet import Fleet
 from kvpilot.engine.router.prefix_index import PrefixIndex
@@ -36,7 +36,7 @@ def test_instances_file_args(kwargs, error):
 
 def test_instances_file_flag_reaches_the_args():
     from kvpilot.cli.main import build_parser
-    from kvpilot.engine.args import from_namespace
+    from kvpilot.engine.contracts.args import from_namespace
 
     parsed = build_parser("route").parse_args(["route", "--instances-file", "/tmp/f"])
     assert from_namespace(RouterArgs, parsed).instances_file == "/tmp/f"

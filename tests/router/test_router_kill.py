@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 from router_fake_engine import FakeEngine, serving
 
+from kvpilot.engine.contracts.router_args import INSTANCE_HEADER, SERVED_BY_HEADER, RouterArgs
 from kvpilot.engine.router.app import build_app
-from kvpilot.engine.router.args import INSTANCE_HEADER, SERVED_BY_HEADER, RouterArgs
 from kvpilot.operator.local.supervisor import free_port
 
 HERE = Path(__file__).parent

@@ -8,9 +8,9 @@ import contextlib
 import httpx
 from router_fake_engine import FakeEngine, serving
 
-from kvpilot.engine.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.router_args import RouterArgs
 from kvpilot.engine.router.app import build_app
-from kvpilot.engine.router.args import RouterArgs
 from kvpilot.engine.router.prompt import PromptHasher
 
 BLOCK = 4

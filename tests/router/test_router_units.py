@@ -9,8 +9,8 @@ import pytest
 from fastapi import FastAPI, Request
 from router_fake_engine import serving
 
-from kvpilot.engine.block_hash import hash_prompt_blocks
-from kvpilot.engine.router.args import RouterArgs, parse_instances
+from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.router_args import RouterArgs, parse_instances
 from kvpilot.engine.router.discovery import EndpointSliceDiscovery, endpoints_from_slices
 from kvpilot.engine.router.fleet import parse_load
 from kvpilot.engine.router.health import Health
@@ -98,7 +98,7 @@ def test_router_args_round_trip_through_the_cli():
     from kvpilot.cli.main import build_parser
     args = RouterArgs(instances="http://a:1", policy="least-load", port=9000, api_key="k")
     parsed = build_parser("route").parse_args(["route", *args.to_cli()])
-    from kvpilot.engine.args import from_namespace
+    from kvpilot.engine.contracts.args import from_namespace
     assert from_namespace(RouterArgs, parsed) == args
 
 
@@ -184,7 +184,7 @@ async def test_endpoint_slice_discovery_queries_the_api_server():
 def test_read_metrics_sums_over_label_sets_and_reads_buckets():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-    from kvpilot.engine.metrics_text import read_metrics
+    from kvpilot.engine.contracts.metrics_text import read_metrics
 
     registry = CollectorRegistry()
     steps = Counter("steps", "", ["mode"], registry=registry)

@@ -5,9 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvpilot.engine.args import EngineArgs
-from kvpilot.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+)
+from kvpilot.engine.contracts.sampling_params import SamplingParams
 
 
 class ByteTokenizer:

@@ -14,7 +14,7 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.engine.args import EngineArgs
+from kvpilot.engine.contracts.args import EngineArgs
 
 MODEL = "tiny-llama"
 # Small enough for fast CPU steps, long enough for the drain and length tests.

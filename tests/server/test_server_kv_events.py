@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 from server_harness import MODEL, RunningServer
 
-from kvpilot.engine.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 
 
 def events(server: RunningServer, since: int) -> dict:

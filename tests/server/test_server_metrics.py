@@ -6,7 +6,7 @@ import httpx
 import pytest
 from server_harness import MODEL, RunningServer, wait_for
 
-from kvpilot.engine import metric_names as names
+from kvpilot.engine.contracts import metric_names as names
 
 MAX_TOKENS = 5
 PROMPTS = ["alpha", "beta gamma", "delta epsilon zeta"]  # distinct and under one block

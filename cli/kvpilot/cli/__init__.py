@@ -1,0 +1,1 @@
+"""The `kvpilot` command: a composition root that imports each subcommand lazily."""

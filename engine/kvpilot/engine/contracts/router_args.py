@@ -1,0 +1,139 @@
+"""Router command-line flags: the contract the operator renders into the router Deployment.
+
+Torch-free and dependency-light on purpose: the operator imports `RouterArgs` to
+build the exact `kvpilot route` command line a router pod runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpilot.engine.contracts.args import KV_PORT_OFFSET, ROLES, _to_cli
+
+POLICIES = ("round-robin", "least-load", "prefix-aware")
+DISCOVERIES = ("static", "kubernetes")
+
+# Labels the router reads on EndpointSlices (copied there from the pool's Service):
+# which pool role the endpoints serve. The operator renders them on each pool Service.
+ROLE_LABEL = "kvpilot.dev/role"
+# Header a client may send to pin a request to one instance URL (debugging, tests).
+INSTANCE_HEADER = "x-kvpilot-instance"
+# Header the router adds to every response: which instance(s) served the request.
+SERVED_BY_HEADER = "x-kvpilot-served-by"
+
+
+@dataclass
+class RouterArgs:
+    """Flags of `kvpilot route`; each field is a `--kebab-case` flag."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    discovery: str = field(default="static", metadata={"choices": DISCOVERIES,
+        "help": "static: --instances; kubernetes: EndpointSlices matching --selector"})
+    instances: str | None = field(default=None, metadata={
+        "help": "comma-separated engine URLs, each optionally prefixed by its role, e.g. "
+                "http://127.0.0.1:8001,prefill=http://127.0.0.1:8002,decode=http://127.0.0.1:8003"})
+    instances_file: str | None = field(default=None, metadata={
+        "help": "static discovery from a file re-read every --refresh-interval: the same "
+                "items as --instances, separated by commas or newlines (kvpilot up rewrites "
+                "it to scale); an unreadable file keeps the last list"})
+    namespace: str = field(default="default", metadata={
+        "help": "namespace of the EndpointSlices (kubernetes discovery)"})
+    selector: str | None = field(default=None, metadata={
+        "help": "label selector of the pools' EndpointSlices, e.g. kvpilot.dev/model=llama"})
+    port_name: str = field(default="http", metadata={
+        "help": "EndpointSlice port name of the engines' HTTP port"})
+    refresh_interval: float = field(default=2.0, metadata={
+        "help": "seconds between discovery refreshes and /metrics scrapes"})
+    policy: str = field(default="prefix-aware", metadata={"choices": POLICIES})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "tokenizer dir or built-in model name, so prompt block hashes equal the "
+                "engines' (default: hash the prompt's UTF-8 bytes)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (the engines')"})
+    prefix_index_max_entries: int = field(default=1_000_000, metadata={
+        "help": "hard cap on (instance, block) entries of the prefix index (about 256 bytes "
+                "each); least recently used entries go first"})
+    load_weight: float = field(default=0.5, metadata={
+        "help": "prefix-aware: how much relative load (waiting + in flight) costs"})
+    kv_usage_weight: float = field(default=0.25, metadata={
+        "help": "prefix-aware: how much KV-cache usage (0..1) costs"})
+    cache_weight: float = field(default=0.05, metadata={
+        "help": "prefix-aware: how much the blocks an instance already caches cost (sends "
+                "new prefixes to the instance that caches the least)"})
+    request_timeout: float = field(default=600.0, metadata={
+        "help": "seconds a whole request may take"})
+    connect_timeout: float = field(default=2.0, metadata={
+        "help": "seconds to connect to an engine before trying another"})
+    idle_timeout: float = field(default=60.0, metadata={
+        "help": "seconds without a byte from a streaming engine before it counts as failed"})
+    max_retries: int = field(default=2, metadata={
+        "help": "other instances tried when one fails before the first byte"})
+    eject_after_failures: int = field(default=3, metadata={
+        "help": "consecutive failures that eject an instance"})
+    eject_seconds: float = field(default=10.0, metadata={
+        "help": "how long an instance stays ejected (doubles on repeat, at most 8x)"})
+    hold_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a request waits for a ready instance (scale from zero) before 503"})
+    kv_port_offset: int = field(default=KV_PORT_OFFSET, metadata={
+        "help": "disaggregated: an engine's KV agent listens on its HTTP port plus this "
+                "(the engines' --kv-transfer-port 0 default)"})
+    transfer_timeout: float = field(default=10.0, metadata={
+        "help": "disaggregated: seconds a KV pull may take before the decode side prefills "
+                "locally"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require this bearer token (also read from KVPILOT_ROUTER_API_KEY)"})
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("policy", POLICIES), ("discovery", DISCOVERIES)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is invalid: choose one of {', '.join(allowed)}")
+        if self.discovery == "static" and not (self.instances or self.instances_file):
+            raise ValueError("instances=None is invalid with discovery=static: pass "
+                             "--instances http://HOST:PORT[,...], --instances-file PATH "
+                             "or --discovery kubernetes")
+        if self.instances and self.instances_file:
+            raise ValueError(f"instances_file={self.instances_file!r} is invalid together with "
+                             "--instances: pass one of them")
+        if self.discovery == "kubernetes" and not self.selector:
+            raise ValueError("selector=None is invalid with discovery=kubernetes: pass "
+                             "--selector LABEL=VALUE")
+        for name in ("block_size", "prefix_index_max_entries", "eject_after_failures"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be at least 1")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries={self.max_retries!r} is invalid: must be >= 0")
+        if self.instances:
+            parse_instances(self.instances)
+
+    def to_cli(self) -> list[str]:
+        """Gives the flags that reproduce these args, omitting defaults."""
+        return _to_cli(self)
+
+
+def parse_instances(text: str, allow_empty: bool = False) -> list[tuple[str, str]]:
+    """Gives (role, url) pairs from 'URL' or 'ROLE=URL' items separated by commas or newlines.
+
+    `allow_empty` accepts a text naming no instance (an instances file of a pool at zero).
+    """
+    out: list[tuple[str, str]] = []
+    for item in (part.strip() for part in text.replace("\n", ",").split(",")):
+        if not item:
+            continue
+        role, sep, url = item.partition("=")
+        if not sep:
+            role, url = "both", item
+        if role not in ROLES:
+            raise ValueError(f"instances item {item!r} has role {role!r}: choose one of "
+                             f"{', '.join(ROLES)} (write ROLE=URL)")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"instances item {item!r} is not an http(s) URL: "
+                             "write e.g. http://127.0.0.1:8001")
+        out.append((role, url.rstrip("/")))
+    if not out and not allow_empty:
+        raise ValueError(f"instances={text!r} names no instance: write e.g. http://127.0.0.1:8001")
+    return out
+
+# Request headers the router passes on to engines (the client's auth stays at the router).
+PASSED_HEADERS = ("content-type", "x-request-id")

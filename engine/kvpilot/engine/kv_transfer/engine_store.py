@@ -1,0 +1,420 @@
+"""The BlockStore over a running LLMEngine: its block pool and per-layer KV tensors.
+
+A block's data on the wire is every layer's K and V for that block, layer-major:
+[num_layers, 2, block_size, num_kv_heads, head_dim] in the cache dtype, copied
+through host memory so CPU and GPU engines interoperate.
+
+The engine lock is held only to look blocks up and to *enqueue* copies:
+
+- read (prefill side, without the engine lock: pinned blocks do not move): one
+  gather per layer plus one device-to-host copy into a reusable host buffer
+  (pinned on CUDA) are enqueued on a side stream, not ordered after the engine's
+  stream: a lease's blocks were written by steps the host has already seen
+  finish (the request's first token came back), and the steps in flight only
+  write other blocks, or the slots past the prompt in its tail block; the agent
+  waits for the copy's event and sends memoryviews of that buffer.
+- import (decode side): the agent receives blocks a buffer-full at a time into a
+  pooled host buffer (pinned on CUDA, see `receive_buffer`) and `stage` copies them to
+  the device on a side stream, both without the lock; under the lock only the pool
+  bookkeeping runs and one
+  `index_copy_` per layer is enqueued, on the engine's stream (after waiting for
+  the side stream), so the write lands after any step already in flight there.
+
+On CPU every copy is synchronous: the same code runs, the "enqueued" copies run
+at once (the gather and the per-layer `index_copy_` under the lock).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvpilot.engine.contracts.block_hash import hash_prompt_blocks, hash_prompt_tail
+from kvpilot.engine.contracts.kv_protocol import CHECKSUM_MODULUS, ProtocolError, pack_checksum
+from kvpilot.engine.core.block_pool import KVCacheBlock
+from kvpilot.engine.kv_transfer.fair_lock import FairLock
+from kvpilot.engine.model_runner import to_device
+
+# one reusable host buffer of `read` holds up to this many bytes (and at most 256 blocks): each
+# read takes the lock once, and on a busy prefill engine the lock comes once per step
+READ_BUFFER_BYTES = 128 * 2**20
+READ_BUFFER_MAX_BLOCKS = 256
+SPARE_READ_BUFFERS = 4  # host buffers kept for reuse; more in flight at once are dropped after
+# incoming blocks land in pooled host buffers of this many bytes (at most 256 blocks), one per
+# pull in flight; a pull beyond the pool's size waits for one (within its deadline)
+RECEIVE_BUFFER_BYTES = 64 * 2**20
+RECEIVE_BUFFERS = 8
+
+
+class PendingRead:
+    """Blocks being copied into a host buffer; `wait` gives their data, `release` recycles it."""
+
+    def __init__(self, store: EngineBlockStore, buffer: torch.Tensor, count: int,
+                 event: Any, sums: torch.Tensor) -> None:
+        self._store, self._buffer, self._count, self._event = store, buffer, count, event
+        self._sums = sums  # [count, 2] int64 on the host (pinned on CUDA), see block_checksums
+
+    def wait(self) -> list[memoryview]:
+        """Blocks until the copy has finished (call without the lock); gives each block's data.
+
+        The views alias the host buffer: use them before `release`.
+        """
+        if self._event is not None:
+            self._event.synchronize()
+        size = self._store.block_bytes
+        data = memoryview(self._buffer.view(-1).numpy())
+        return [data[i * size:(i + 1) * size] for i in range(self._count)]
+
+    def checksums(self) -> list[bytes]:
+        """Gives each block's checksum field (after `wait`), computed where the blocks were."""
+        return [pack_checksum(a, b) for a, b in self._sums.tolist()]
+
+    def release(self) -> None:
+        """Gives the host buffer back for reuse; the views `wait` gave must not be used after."""
+        if self._buffer is not None:
+            self._store._recycle(self._buffer)
+            self._buffer = None  # type: ignore[assignment]
+
+
+class ReceiveBuffer:
+    """A pooled host buffer (pinned on CUDA) for up to `capacity` incoming blocks, block i at
+    row i; `release` gives it back to the pool."""
+
+    def __init__(self, tensor: torch.Tensor, pool: BufferPool) -> None:
+        self.tensor = tensor  # uint8 [capacity, block_bytes]
+        self.capacity: int = tensor.shape[0]
+        self._view = memoryview(tensor.view(-1).numpy())
+        self._size = tensor.shape[1]
+        self._pool = pool
+
+    def block(self, index: int) -> memoryview:
+        """Gives block `index`'s bytes, writable."""
+        return self._view[index * self._size:(index + 1) * self._size]
+
+    def release(self) -> None:
+        self._pool.put(self)
+
+
+class BufferPool:
+    """At most `limit` buffers made by `make` and reused; `get` waits while all are out."""
+
+    def __init__(self, make: Callable[[BufferPool], Any], limit: int) -> None:
+        self._make, self._limit = make, limit
+        self._free: list[Any] = []
+        self._made = 0
+        self._cond = threading.Condition()
+
+    def fill(self) -> None:
+        """Makes every buffer now, at start-up: pinning memory mid-serving is the suspect
+        in measured multi-second stalls of the engine beside it."""
+        with self._cond:
+            missing = self._limit - self._made
+            self._made = self._limit  # reserved: a `get` meanwhile waits instead of making one
+        made: list[Any] = []
+        try:
+            for _ in range(missing):
+                made.append(self._make(self))
+        finally:
+            with self._cond:
+                self._made -= missing - len(made)
+                self._free += made
+                self._cond.notify_all()
+
+    def get(self, timeout: float) -> Any:
+        """Gives a free buffer, a new one while fewer than `limit` exist, else waits for one
+        up to `timeout` seconds (TimeoutError)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._free and self._made >= self._limit:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"all {self._limit} receive buffers stayed in use")
+                self._cond.wait(left)
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+        try:
+            return self._make(self)
+        except BaseException:
+            with self._cond:
+                self._made -= 1
+                self._cond.notify()
+            raise
+
+    def put(self, buffer: Any) -> None:
+        with self._cond:
+            self._free.append(buffer)
+            self._cond.notify()
+
+
+class StagedBlocks:
+    """Blocks on their way to the cache's device (uint8 [n, block_bytes]) and their hashes."""
+
+    def __init__(self, hashes: list[int], data: torch.Tensor, copied: Any) -> None:
+        self.hashes, self.data, self.copied = hashes, data, copied
+        self.written: Any = None  # event after the cache writes, recorded by import_blocks
+
+    def wait(self) -> None:
+        """Blocks until `import_blocks`' writes into the cache have run (call without the lock)."""
+        if self.written is not None:
+            self.written.synchronize()
+
+
+class EngineBlockStore:
+    """Pins, reads and imports blocks of one engine by content hash."""
+
+    def __init__(self, engine: Any) -> None:
+        self.pool = engine.kv.pool
+        self.caches: list[torch.Tensor] = engine.runner.kv_caches
+        self.block_size: int = engine.engine_args.block_size
+        self.block_bytes: int = engine.runner.bytes_per_block
+        self.lock = FairLock()  # the engine thread retakes it every step: FIFO, not RLock
+        self.read_chunk_blocks = max(1, min(READ_BUFFER_MAX_BLOCKS,
+                                            READ_BUFFER_BYTES // self.block_bytes))
+        self.receive_chunk_blocks = max(1, min(READ_BUFFER_MAX_BLOCKS,
+                                               RECEIVE_BUFFER_BYTES // self.block_bytes))
+        self.receive_buffers = BufferPool(self._new_receive_buffer, RECEIVE_BUFFERS)
+        first = self.caches[0]
+        self.device = first.device
+        self._shape = (len(self.caches), 2, *first.shape[2:])
+        self._dtype = first.dtype
+        self._cuda = first.is_cuda
+        # The engine enqueues its steps on this thread's current stream (the default one);
+        # imported cache writes go there too, so they are ordered after any step in flight.
+        # An engine that steps on another stream must set `engine_stream` to it.
+        self.engine_stream = torch.cuda.current_stream(self.device) if self._cuda else None
+        self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        self._last_read: Any = None  # event of the last read enqueued on the side stream
+        self._spare: list[torch.Tensor] = []
+        self._spare_lock = threading.Lock()
+
+    # ---- with the lock held -------------------------------------------------------------
+
+    def pin(self, token_ids: Sequence[int]) -> tuple[list[int], list[KVCacheBlock]]:
+        """Gives (hashes, blocks) of the prompt's cached leading full blocks, now pinned, and
+        of its partial last block when every full block is there and the engine cached it
+        (a prefill engine does, `KVCacheManager.cache_prompt_tails`): the decode engine then
+        computes only the prompt's last token."""
+        tokens = list(token_ids)
+        hashes = hash_prompt_blocks(tokens, self.block_size)
+        blocks = self._cached_prefix(hashes)
+        tail = hash_prompt_tail(tokens, self.block_size, hashes)
+        if len(blocks) == len(hashes) and tail is not None:
+            block = self.pool.lookup(tail)
+            if block is not None:
+                hashes, blocks = [*hashes, tail], [*blocks, block]
+        self.pool.touch(blocks)
+        return hashes[:len(blocks)], blocks
+
+    def _cached_prefix(self, hashes: Sequence[int]) -> list[KVCacheBlock]:
+        """Gives the cached blocks of the leading hashes, up to the first miss."""
+        blocks = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def unpin(self, handle: list[KVCacheBlock]) -> None:
+        """Drops the pins, tail first so the prompt's head stays cached longest.
+
+        On CUDA the engine's stream first waits for the reads enqueued so far (no host
+        wait), so a step that reuses a freed block cannot overwrite it before a read of
+        it still in flight (a lease expiring mid-transfer) has run.
+        """
+        if self._last_read is not None:
+            self.engine_stream.wait_event(self._last_read)
+        self.pool.free(handle[::-1])
+
+    def owned_blocks(self) -> int:
+        """Gives how many blocks have a reference (running requests or leases)."""
+        return self.pool.num_blocks - self.pool.num_free_blocks
+
+    def num_cached_prefix(self, hashes: Sequence[int]) -> int:
+        """Gives how many leading hashes the prefix cache holds."""
+        return len(self._cached_prefix(hashes))
+
+    def import_blocks(self, staged: StagedBlocks, prefix_hashes: Sequence[int] = ()) -> int:
+        """Writes staged blocks into free slots as cached, unowned blocks; gives how many.
+
+        They join the free queue's tail like a finished request's blocks, so the
+        request that follows finds them as prefix hits. Blocks already cached are
+        skipped; when the pool is short, only the leading blocks that fit go in.
+        The locally cached `prefix_hashes` are pinned meanwhile, so allocating
+        room for the new blocks cannot evict the prefix they extend. The data is
+        written by one `index_copy_` per layer, enqueued on the engine's stream.
+        """
+        held = [b for b in (self.pool.lookup(h) for h in prefix_hashes) if b is not None]
+        self.pool.touch(held)
+        try:
+            rows = [i for i, h in enumerate(staged.hashes) if self.pool.lookup(h) is None]
+            rows = rows[:self.pool.num_free_blocks]
+            if rows:
+                self._write(staged, rows)
+        finally:
+            self.pool.free(held[::-1])
+        return len(rows)
+
+    def _write(self, staged: StagedBlocks, rows: list[int]) -> None:
+        slots = self.pool.allocate(len(rows))
+        try:
+            if self._cuda:
+                with torch.cuda.device(self.device), torch.cuda.stream(self.engine_stream):
+                    self.engine_stream.wait_event(staged.copied)
+                    staged.data.record_stream(self.engine_stream)
+                    self._scatter(staged, rows, [s.block_id for s in slots])
+                    staged.written = torch.cuda.Event()
+                    staged.written.record(self.engine_stream)
+            else:
+                self._scatter(staged, rows, [s.block_id for s in slots])
+            for slot, row in zip(slots, rows, strict=True):
+                self.pool.cache(slot, staged.hashes[row])
+        finally:
+            self.pool.free(slots[::-1])
+
+    def _scatter(self, staged: StagedBlocks, rows: list[int], block_ids: list[int]) -> None:
+        data = staged.data.view(self._dtype).view(len(staged.hashes), *self._shape)
+        if len(rows) != len(staged.hashes):
+            data = data.index_select(0, to_device(rows, self.device, torch.long))
+        index = to_device(block_ids, self.device, torch.long)
+        for layer, cache in enumerate(self.caches):
+            cache.index_copy_(1, index, data[:, layer].transpose(0, 1))
+
+    # ---- without the engine lock ---------------------------------------------------------
+
+    def read(self, handle: list[KVCacheBlock], hashes: Sequence[int]) -> PendingRead:
+        """Enqueues the copy of the pinned blocks with these hashes into a host buffer.
+
+        One gather per layer into a device tensor laid out [n, layers, 2, block_size,
+        kv_heads, head_dim] (the wire layout, block after block), then one copy to the
+        host buffer, on the side stream. It does not wait for the engine's stream (a
+        prefill step of thousands of tokens): the blocks of a finished prompt were
+        written by steps that have completed, since the host has read the token they
+        sampled. The caller keeps `handle` pinned (a live lease) while it enqueues.
+        """
+        by_hash = {b.block_hash: b for b in handle}
+        ids = [by_hash[h].block_id for h in hashes]
+        buffer = self._host_buffer(len(ids))
+        out = buffer[:len(ids)].view(self._dtype).view(len(ids), *self._shape)
+        if not self._cuda:
+            self._gather(torch.tensor(ids), out)
+            return PendingRead(self, buffer, len(ids), None, block_checksums(buffer[:len(ids)]))
+        with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+            index = to_device(ids, self.device, torch.long)
+            staging = torch.empty(out.shape, dtype=self._dtype, device=self.device)
+            self._gather(index, staging)
+            out.copy_(staging, non_blocking=True)
+            sums = torch.empty((len(ids), 2), dtype=torch.int64, pin_memory=True)
+            sums.copy_(block_checksums(staging.view(torch.uint8).view(len(ids), -1)),
+                       non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._side)
+        self._last_read = event
+        return PendingRead(self, buffer, len(ids), event, sums)
+
+    def _gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        torch.stack([cache.index_select(1, index).transpose(0, 1) for cache in self.caches],
+                    dim=1, out=out)
+
+    def receive_buffer(self, timeout: float) -> ReceiveBuffer:
+        """Gives a pooled host buffer of `receive_chunk_blocks` blocks, waiting up to `timeout`
+        seconds while all are in use; `release` it after the last `verify` or import of it.
+
+        Fixed-size, reused, pinned on CUDA. Measured on 2x H200: with a fresh pinned
+        buffer per pull (a whole prompt, a GiB for 8k tokens of an 8B model) the decode
+        engine had stalls of 0.3-8 s while pulls ran, which went away with pageable
+        buffers (pinning fresh memory is the suspect); pageable buffers in turn halved
+        the transfer rate and tripled the engine's slow iterations (the staging copies
+        then run through the driver in the pulling thread).
+        """
+        return self.receive_buffers.get(timeout)
+
+    def _new_receive_buffer(self, pool: BufferPool) -> ReceiveBuffer:
+        return ReceiveBuffer(torch.empty((self.receive_chunk_blocks, self.block_bytes),
+                                         dtype=torch.uint8, pin_memory=self._cuda), pool)
+
+    def stage(self, buffer: ReceiveBuffer, hashes: Sequence[int]) -> StagedBlocks:
+        """Starts copying the first len(hashes) blocks of `buffer` to the cache's device.
+
+        On CUDA the copy is enqueued on the side stream (`verify` waits for it, so the
+        buffer is free again after it); `import_blocks` orders the cache writes after it.
+        On CPU the buffer's rows are used as they are, until `import_blocks` copies them.
+        """
+        rows = buffer.tensor[:len(hashes)]
+        if not self._cuda:
+            return StagedBlocks(list(hashes), rows, None)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+            data = rows.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._side)
+        return StagedBlocks(list(hashes), data, copied)
+
+    def verify(self, staged: StagedBlocks, digests: Sequence[bytes]) -> None:
+        """Raises ProtocolError unless every staged block's checksum is its frame's (no lock).
+
+        The sums run where the blocks were staged (the side stream on CUDA), and only
+        the [n, 2] sums come back to the host.
+        """
+        data = staged.data
+        if self._cuda:
+            with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+                self._side.wait_event(staged.copied)
+                sums = block_checksums(data).cpu()
+        else:
+            sums = block_checksums(data)
+        for index, ((plain, weighted), digest) in enumerate(zip(sums.tolist(), digests,
+                                                                strict=True)):
+            if pack_checksum(plain, weighted) != digest:
+                raise ProtocolError(f"checksum mismatch on block {staged.hashes[index]:#x}: "
+                                    "data corrupted")
+
+    # ---- host buffers of `read` ---------------------------------------------------------
+
+    def _host_buffer(self, num_blocks: int) -> torch.Tensor:
+        """Gives a uint8 [>= num_blocks, block_bytes] host buffer, reused when one is spare."""
+        if num_blocks <= self.read_chunk_blocks:
+            with self._spare_lock:
+                if self._spare:
+                    return self._spare.pop()
+            num_blocks = self.read_chunk_blocks
+        return torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8,
+                           pin_memory=self._cuda)
+
+    def _recycle(self, buffer: torch.Tensor) -> None:
+        if buffer.shape[0] != self.read_chunk_blocks:
+            return
+        with self._spare_lock:
+            if len(self._spare) < SPARE_READ_BUFFERS:
+                self._spare.append(buffer)
+
+
+CHECKSUM_PIECE_BYTES = 64 * 2**20  # data summed per piece: bounds the int32 temporaries
+
+
+def block_checksums(data: torch.Tensor) -> torch.Tensor:
+    """Gives [n, 2] int64 (plain, weighted) sums of each row of a uint8 [n, bytes] tensor,
+    on its device: `protocol.checksum`'s two sums (low 32 bits), for many blocks at once.
+
+    On CUDA one Triton kernel reads the data once (it runs beside decode steps on the
+    same GPU); elsewhere a few torch ops per 64 MiB piece.
+    """
+    if data.is_cuda:
+        from kvpilot.kernels.block_checksum import block_checksums_triton
+
+        return block_checksums_triton(data, CHECKSUM_MODULUS)
+    rows, size = data.shape
+    words = data.view(torch.int16)
+    weights = (torch.arange(size // 2, dtype=torch.int32, device=data.device)
+               % CHECKSUM_MODULUS + 1)
+    out = torch.empty((rows, 2), dtype=torch.int64, device=data.device)
+    step = max(1, CHECKSUM_PIECE_BYTES // max(size, 1))
+    for first in range(0, rows, step):
+        piece = words[first:first + step].to(torch.int32) & 0xFFFF
+        out[first:first + step, 0] = piece.sum(1, dtype=torch.int64)
+        out[first:first + step, 1] = (piece * weights).sum(1, dtype=torch.int64)
+    return out

@@ -1,0 +1,75 @@
+"""The offline API: `LLM(model).generate(prompts, params)` runs prompts to completion in-process."""
+
+from __future__ import annotations
+
+import itertools
+
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
+from kvpilot.engine.contracts.sampling_params import SamplingParams
+
+Prompts = str | list[str] | list[list[int]]
+
+
+class LLM:
+    """Runs an LLMEngine to completion over a list of prompts (tests, benchmarks, scripts)."""
+
+    def __init__(self, model: str = "tiny-llama", **engine_arg_overrides) -> None:
+        from kvpilot.engine.llm_engine import LLMEngine
+
+        self.engine_args = EngineArgs(model=model, **engine_arg_overrides)
+        self.engine = LLMEngine.from_engine_args(self.engine_args)
+        self.engine.stream_outputs = False  # only final outputs are read here
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompts,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Gives one finished RequestOutput per prompt, in prompt order."""
+        prompt_list = _as_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for "
+                                 f"{len(prompt_list)} prompts: pass one per prompt or a single one")
+        ids = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, prompt, params)
+            ids.append(request_id)
+        return self._run(ids)
+
+    def beam_search(self, prompts: Prompts, params: SamplingParams) -> list[RequestOutput]:
+        """Gives, per prompt, the beams sorted best first (outputs[0] is the best sequence)."""
+        if params.beam_width < 2:
+            raise ValueError(f"beam_width={params.beam_width} is invalid for beam_search: "
+                             "pass SamplingParams(beam_width=2 or more)")
+        return self.generate(prompts, params)
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    done[output.request_id] = output
+        return [done[i] for i in ids]
+
+
+def _as_list(prompts: Prompts) -> list[str] | list[list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return prompts

@@ -1,0 +1,487 @@
+"""The engine loop: add requests, step (schedule -> run -> sample -> detokenise), read outputs.
+
+Not thread-safe: one thread (the server's engine loop, or the offline LLM)
+drives it. Each `step()` returns the cumulative output of every request that got
+new tokens or finished in that step.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
+from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.core.beam_search import apply_selection, select_beams
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.kv_events import KVEventLog
+from kvpilot.engine.core.output_processor import OutputProcessor
+from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
+from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvpilot.engine.detokenizer import init_offsets
+from kvpilot.engine.model_runner import BatchEntry, ModelRunner, resolve_device, to_device
+from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+
+if TYPE_CHECKING:
+    from kvpilot.engine.models.config import ModelConfig
+
+# a sampled token the host has not read back yet (async scheduling); never fed to the model:
+# the runner patches it on the device from the step in flight
+PLACEHOLDER = -1
+
+
+def needs_host_sampling(params: SamplingParams) -> bool:
+    """Gives whether a request's sampling needs the previous token on the host.
+
+    Penalties count output tokens, min_tokens bans stop ids by output length,
+    logprobs, n > 1 and beam search fork or read back per-step values: their
+    steps run synchronously even under async scheduling.
+    """
+    return bool(params.n > 1 or params.beam_width > 1 or params.logprobs is not None
+                or params.prompt_logprobs is not None or params.min_tokens
+                or params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0)
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]  # in sampled-row order
+    tokens: torch.Tensor  # [len(seqs)] long, on the model's device
+    host: torch.Tensor  # the tokens' host copy (pinned on CUDA), valid once `ready` passed
+    ready: torch.cuda.Event | None
+
+
+class LLMEngine:
+    """A paged-KV engine over one model: continuous batching, prefix caching, preemption."""
+
+    def __init__(self, engine_args: EngineArgs, model_config: ModelConfig, tokenizer: Any,
+                 runner: ModelRunner) -> None:
+        self.engine_args = engine_args
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.kv = KVCacheManager(runner.num_blocks, engine_args.block_size,
+                                 engine_args.enable_prefix_caching,
+                                 cache_prompt_tails=engine_args.role == "prefill")
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=engine_args.max_num_seqs,
+            max_num_batched_tokens=engine_args.max_num_batched_tokens,
+            enable_chunked_prefill=engine_args.enable_chunked_prefill,
+            policy=engine_args.scheduling_policy,
+            max_model_len=model_config.max_model_len), self.kv)
+        self.sampler = Sampler()
+        self.outputs = OutputProcessor(tokenizer, model_config.eos_token_ids,
+                                       model_config.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []  # aborted / rejected, returned by the next step
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        # False: step() returns finished requests only and text is decoded once at the end
+        # (the offline LLM); the server keeps True to stream
+        self.stream_outputs = True
+        mode = engine_args.async_scheduling
+        self.async_scheduling = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
+        self._inflight: _InFlight | None = None
+        self._gpu_wait_s = 0.0  # of the last step: waiting for the GPU's sampled tokens
+        # of the last step, for the slow-iteration log: phase -> seconds, and its batch
+        self._phases: dict[str, float] = {}
+        self._last_plan: SchedulerOutput | None = None
+        self._host_sampling: set[str] = set()  # live request ids that need host sampling
+        self._token_buffers: list[torch.Tensor] = []  # two pinned buffers, one per flight
+        self._num_flights = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        """Gives an engine with the model, tokenizer and KV cache that `args` describe."""
+        from kvpilot.engine.models.config import ModelConfig
+        from kvpilot.engine.tokenizer import load_tokenizer
+
+        device = resolve_device(args.device)
+        torch.manual_seed(args.seed)
+        model_config = ModelConfig.from_engine_args(args, device)
+        tokenizer = load_tokenizer(args.tokenizer or args.model)
+        engine = cls(args, model_config, tokenizer, ModelRunner(args, model_config, device))
+        if device.type == "cuda":
+            engine.freeze_gc_heap()
+        return engine
+
+    @staticmethod
+    def freeze_gc_heap() -> None:
+        """Moves every object alive now (model, tokenizer, Triton/CUDA state) out of GC scans.
+
+        Each step allocates thousands of short-lived containers, so Python's cyclic
+        GC runs full collections every few dozen steps; each one walks the whole
+        heap (~0.1 s with the model loaded), stalling the GPU behind the host. A
+        frozen startup heap is never walked again (vLLM does the same after start-up).
+        Called on CUDA, where host time per step matters.
+        """
+        gc.collect()
+        gc.freeze()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queues a request; raises ValueError naming the field when it is invalid."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r} is already running: use a unique id")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, list(self.tokenizer.encode(prompt))
+        else:
+            text, token_ids = None, list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: send at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}): got "
+                             f"{[t for t in token_ids if not 0 <= t < vocab][:5]}")
+        request = Request(request_id, text, token_ids, params,
+                          time.monotonic() if arrival_time is None else arrival_time, priority)
+        reason = self.scheduler.exceeds_model_len(request)
+        if reason is not None:
+            raise ValueError(reason)
+        reason = self.scheduler.never_fits(request)
+        seq = request.seqs[0]
+        init_offsets(seq)
+        self._seed(seq)
+        if reason is not None:
+            # fits the model but not this KV pool: finish at once rather than stall the queue
+            request.error = reason
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+            request.metrics.finished_time = time.monotonic()
+            self._pending.append(self.outputs.build(request))
+            return
+        self.requests[request_id] = request
+        if needs_host_sampling(params):
+            self._host_sampling.add(request_id)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        """Stops requests, frees their blocks; each gets a final output with reason "abort"."""
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            self._host_sampling.discard(request_id)
+            for seq in request.live_seqs():
+                if seq.inflight_row >= 0:  # drop the placeholder of the step in flight
+                    seq.token_ids.pop()
+                    seq.inflight_row = -1
+                self.scheduler.remove(seq)
+                seq.finish_reason = "abort"
+                if not self.stream_outputs:  # text is otherwise decoded at the finish
+                    seq.output_text = self.outputs.decode(seq, seq.output_token_ids)
+            request.metrics.finished_time = time.monotonic()
+            self._pending.append(self.outputs.build(request))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending) or self._inflight is not None
+
+    def _seed(self, seq: Sequence) -> None:
+        seed = seq.request.params.seed
+        if seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed + seq.index)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; gives the outputs of requests that progressed or ended.
+
+        Under async scheduling the step launched here is read back by the next
+        call: this call returns the outputs of the previous step, computed by
+        the host while the GPU runs this one.
+        """
+        results, self._pending = self._pending, []
+        self._gpu_wait_s = 0.0
+        phases, clock = {}, time.perf_counter
+        self._phases, start = phases, clock()
+        flight = self._inflight
+        if flight is not None and self._host_sampling:
+            # a request that samples on the host needs its previous token first
+            self._resolve(flight, results)
+            self._inflight = flight = None
+        plan = self.scheduler.schedule()
+        phases["schedule"], start = clock() - start, clock()
+        if plan.is_empty:
+            if flight is not None:
+                self._resolve(flight, results)
+                self._inflight = None
+            return results
+        entries = self._entries(plan)
+        self._last_plan = plan
+        logits = self.runner.execute(entries, plan.block_copies,
+                                     flight.tokens if flight is not None else None)
+        phases["forward"], start = clock() - start, clock()
+        if self.async_scheduling and not self._host_sampling:
+            launched = self._launch(plan, entries, logits)
+            phases["sample"], start = clock() - start, clock()
+            if flight is not None:
+                self._resolve(flight, results)
+            phases["resolve"], start = clock() - start, clock()
+            self._advance(plan, launched.seqs)
+            phases["advance"] = clock() - start
+            self._inflight = launched
+            return results
+        to_sample: list[tuple[Sequence, int]] = []
+        row = 0
+        cache_full_blocks = self.kv.cache_full_blocks
+        for (seq, num_new), entry in zip(plan.scheduled, entries, strict=True):
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens = start + num_new
+            cache_full_blocks(seq)
+            if entry.logits == "last":
+                row += 1
+            elif entry.logits == "all":
+                self._record_prompt_logprobs(seq, start, logits[row:row + num_new])
+                row += num_new
+            if seq.num_computed_tokens == len(seq.token_ids):
+                request = seq.request
+                if request.forked or request.params.n == 1 or request.is_beam_search:
+                    to_sample.append((seq, row - 1))
+                else:
+                    to_sample.extend(self._branches(seq, row - 1))
+        self._collect(self._sample(to_sample, logits), results)
+        phases["sample"] = clock() - start
+        return results
+
+    def _entries(self, plan: SchedulerOutput) -> list[BatchEntry]:
+        """Gives the runner's batch entries of `plan` (one per scheduled sequence)."""
+        now = time.monotonic()
+        entries: list[BatchEntry] = []
+        # this loop and the ones after it run once per sequence per step (256 at full batch):
+        # plain attribute reads, no per-sequence helper calls where one line does
+        block_id_array = self.kv.block_id_array
+        for seq, num_new in plan.scheduled:
+            request = seq.request
+            metrics = request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            start = seq.num_computed_tokens
+            end = start + num_new
+            num_prompt = len(request.prompt_token_ids)
+            lps = request.prompt_logprobs
+            if lps is not None and len(lps) < num_prompt:
+                mode = "all"
+            else:
+                mode = "last" if end == len(seq.token_ids) else "none"
+            entry = BatchEntry(seq.token_ids[start:end], start, block_id_array(seq), mode)
+            if seq.inflight_row >= 0 and end == len(seq.token_ids):
+                entry.patch_row = seq.inflight_row  # its last token is still being sampled
+            entries.append(entry)
+            if start < num_prompt:
+                self.prompt_tokens += min(end, num_prompt) - start
+        return entries
+
+    def _launch(self, plan: SchedulerOutput, entries: list[BatchEntry], logits: torch.Tensor
+                ) -> _InFlight:
+        """Queues sampling of a step's last rows and the copy of the tokens to the host."""
+        seqs: list[Sequence] = []
+        rows: list[SamplingRow] = []
+        for (seq, _), entry in zip(plan.scheduled, entries, strict=True):
+            if entry.logits == "last":
+                seqs.append(seq)
+                rows.append(SamplingRow(seq.request.params, seq.token_ids,
+                                        seq.request.num_prompt_tokens, seq.generator))
+        if len(seqs) != logits.shape[0]:  # rows that finish a prompt chunk only, not sampled
+            raise AssertionError("async steps sample every logits row")
+        tokens = self.sampler.sample_ids(logits, rows) if seqs else logits.new_empty(
+            0, dtype=torch.long)
+        if tokens.device.type != "cuda":
+            return _InFlight(seqs, tokens, tokens, None)
+        if not self._token_buffers:
+            size = self.engine_args.max_num_seqs
+            self._token_buffers = [torch.empty(size, dtype=torch.long, pin_memory=True)
+                                   for _ in range(2)]
+        self._num_flights += 1
+        host = self._token_buffers[self._num_flights % 2][:len(seqs)]
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _InFlight(seqs, tokens, host, ready)
+
+    def _advance(self, plan: SchedulerOutput, sampled: list[Sequence]) -> None:
+        """Books a launched step: computed counts, full blocks, a placeholder per sampled row."""
+        cache_full_blocks = self.kv.cache_full_blocks
+        finished = SequenceStatus.FINISHED
+        for seq, num_new in plan.scheduled:
+            if seq.status is finished:
+                continue  # stopped by the step just resolved: its row here is discarded
+            seq.num_computed_tokens += num_new
+            cache_full_blocks(seq)
+        for row, seq in enumerate(sampled):
+            if seq.status is not finished:
+                seq.token_ids.append(PLACEHOLDER)
+                seq.inflight_row = row
+
+    def _resolve(self, flight: _InFlight, results: list[RequestOutput]) -> None:
+        """Reads a launched step's tokens back and applies them (stop checks, text, outputs).
+
+        Every sampled sequence ends with the step's placeholder; one that
+        finished or was aborted meanwhile has none and its token is dropped.
+        """
+        if flight.ready is not None:
+            waited = time.perf_counter()
+            flight.ready.synchronize()
+            self._gpu_wait_s += time.perf_counter() - waited
+        token_ids = flight.host.tolist()
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, token in zip(flight.seqs, token_ids, strict=True):
+            if seq.inflight_row < 0:
+                continue  # finished or aborted since the launch
+            seq.inflight_row = -1
+            seq.token_ids.pop()
+            self._append(seq, token, None, None, now)
+            touched[seq.request.request_id] = seq.request
+        self._collect(touched.values(), results)
+
+    def _collect(self, touched: Iterable[Request], results: list[RequestOutput]) -> None:
+        """Adds the outputs of requests that got tokens; forgets the finished ones."""
+        finished_time = time.monotonic()
+        for request in touched:
+            finished = request.finished
+            if finished:
+                request.metrics.finished_time = finished_time
+                self.requests.pop(request.request_id, None)
+                self._host_sampling.discard(request.request_id)
+            if finished or (self.stream_outputs and not request.is_beam_search):
+                results.append(self.outputs.build(request))
+
+    def _branches(self, seq: Sequence, row: int) -> list[tuple[Sequence, int]]:
+        """Gives the n sequences sampling from logits row `row`, forking the n - 1 new ones.
+
+        Called once per n > 1 request, when its prompt is done (step() checks `forked`).
+        """
+        request = seq.request
+        request.forked = True
+        out = [(seq, row)]
+        for index in range(1, request.params.n):
+            child = self._fork(seq)
+            child.index = index
+            self._seed(child)
+            out.append((child, row))
+        return out
+
+    def _fork(self, parent: Sequence) -> Sequence:
+        child = parent.fork()
+        self.kv.fork(parent, child)
+        if parent.status is SequenceStatus.RUNNING:
+            self.scheduler.add_running(child)
+        else:
+            self.scheduler.add(child)
+        return child
+
+    def _sample(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor
+                ) -> list[Request]:
+        if not to_sample:
+            return []
+        eos = self.model_config.eos_token_ids
+        rows = []
+        for seq, _ in to_sample:
+            params = seq.request.params
+            banned = None
+            if params.min_tokens and seq.num_output_tokens < params.min_tokens:
+                banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos))
+            num_lp = 2 * params.beam_width if params.beam_width > 1 else (params.logprobs or 0)
+            rows.append(SamplingRow(params, seq.token_ids, len(seq.request.prompt_token_ids),
+                                    seq.generator, banned, num_lp))
+        row_ids = [r for _, r in to_sample]
+        if row_ids != list(range(logits.shape[0])):
+            # forks share a row, prompt-logprob rows are skipped: gather the rows that sample
+            logits = logits.index_select(0, to_device(row_ids, logits.device, torch.long))
+        out = self.sampler(logits, rows)
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for i, (seq, _) in enumerate(to_sample):
+            request = seq.request
+            touched[request.request_id] = request
+            if request.is_beam_search:
+                seq.beam_candidates = list(zip(out.top_logprobs[i], out.top_ids[i], strict=True))
+                continue
+            lp, lp_map = None, None
+            if out.logprobs is not None and request.params.logprobs is not None:
+                lp = out.logprobs[i]
+                k = request.params.logprobs
+                # logprobs=0 (or every row asking for 0): only the sampled token's logprob
+                top_ids = out.top_ids[i][:k] if out.top_ids is not None else []
+                top_lps = out.top_logprobs[i][:k] if out.top_logprobs is not None else []
+                lp_map = self.outputs.token_logprobs(out.token_ids[i], lp, out.ranks[i],
+                                                     top_ids, top_lps)
+            self._append(seq, out.token_ids[i], lp, lp_map, now)
+        for request in touched.values():
+            if request.is_beam_search:
+                chosen = select_beams(request)
+                if chosen is not None:
+                    apply_selection(request, chosen, self._fork, self._drop_beam,
+                                    lambda s, t, lp: self._append(s, t, lp, None, now))
+        return list(touched.values())
+
+    def _append(self, seq: Sequence, token: int, lp: float | None, lp_map, now: float) -> None:
+        metrics = seq.request.metrics
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time = now
+        self.generation_tokens += 1
+        self.outputs.append_token(seq, token, lp_map, lp, decode=self.stream_outputs)
+        if seq.finish_reason is not None:
+            self.scheduler.remove(seq)
+
+    def _drop_beam(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        seq.request.seqs.remove(seq)
+
+    def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        request = seq.request
+        lps = request.prompt_logprobs
+        # row j predicts prompt position start + j + 1; rows already recorded are skipped
+        first = max(len(lps) - 1 - start, 0)
+        last = min(logits.shape[0], seq.num_prompt_tokens - 1 - start)
+        if first >= last:
+            return
+        targets = request.prompt_token_ids[start + first + 1:start + last + 1]
+        k = request.params.prompt_logprobs
+        computed = prompt_logprobs(logits[first:last], targets, k)
+        for token, (lp, rank, ids, top) in zip(targets, computed, strict=True):
+            lps.append(self.outputs.token_logprobs(token, lp, rank, ids, top))
+
+    # ---- stats and seams ------------------------------------------------------------------
+
+    @property
+    def kv_events(self) -> KVEventLog:
+        """Gives the prefix cache's event log (blocks stored/evicted) that GET /kv_events reads."""
+        return self.kv.pool.events
+
+    def step_timing(self) -> str:
+        """Says where the last step's time went (for the slow-iteration log)."""
+        phases = ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self._phases.items())
+        plan = self._last_plan
+        batch = (f"{len(plan.scheduled)} seqs, {sum(n for _, n in plan.scheduled)} tokens, "
+                 f"{len(plan.block_copies)} block copies") if plan else "no batch"
+        return f"GPU wait {self._gpu_wait_s * 1e3:.1f} ms [{phases} ms; {batch}]"
+
+    def get_stats(self) -> EngineStats:
+        """Gives the gauges and counters the server exports."""
+        running = {s.request.request_id for s in self.scheduler.running}
+        waiting = [r for r in self.requests.values() if r.request_id not in running]
+        return EngineStats(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            num_waiting_prompt_tokens=sum(r.num_prompt_tokens for r in waiting),
+            kv_cache_usage=self.kv.usage,
+            num_total_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.pool.num_free_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            graph_steps=self.runner.num_graph_steps,
+            eager_steps=self.runner.num_eager_steps,
+        )

@@ -1,0 +1,300 @@
+"""Runs the model on one scheduled step: owns the paged KV cache, builds the flat batch.
+
+The batch is the layout of `engine/attention/metadata.py`: the step's new tokens
+laid end to end, decodes first, with block tables and a slot mapping built in
+numpy (no per-token Python loops). Only the rows that sample (or that need
+prompt logprobs) go through the LM head.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvpilot.engine.attention.backend import AttentionBackend
+from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.contracts.args import EngineArgs, parse_size
+
+if TYPE_CHECKING:
+    from kvpilot.engine.models.config import ModelConfig
+
+CPU_KV_CACHE_DEFAULT = "256MiB"
+
+
+@dataclass
+class BatchEntry:
+    """One sequence's part of a step: its new tokens from `start_pos`, its blocks, which logits."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int] | np.ndarray
+    logits: str = "last"  # "none" | "last" | "all" (prompt logprobs)
+    # >= 0: the last token is still being sampled by the step in flight (async scheduling);
+    # its id is row `patch_row` of that step's sampled tokens, read on the device
+    patch_row: int = -1
+
+
+def select_attention_backend(args: EngineArgs, device: torch.device) -> AttentionBackend:
+    """Gives the attention backend for `--attention-backend` on `device` (the kernels' seam)."""
+    name = args.attention_backend
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        try:
+            from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
+        except ImportError as exc:
+            if args.attention_backend == "triton":
+                raise ValueError(f"attention_backend='triton' is unavailable ({exc}): "
+                                 "use --attention-backend torch") from exc
+        else:
+            if device.type != "cuda":
+                raise ValueError("attention_backend='triton' needs a CUDA device: "
+                                 "use --attention-backend torch on CPU")
+            return TritonAttentionBackend()
+    from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+    return TorchAttentionBackend()
+
+
+def to_device(values: list | np.ndarray, device: torch.device, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+    """Gives a small host list (or array) as a tensor on `device` without waiting for the
+    device's queue.
+
+    `torch.tensor(values, device="cuda")` is a synchronous copy: it waits until
+    every kernel queued before it has run, and so does a `non_blocking` copy from
+    pageable memory (CUDA synchronizes the stream before a pageable host-to-device
+    copy; the runner saw it as a host stall until the forward finished). The list
+    goes into a pinned tensor first, as vLLM's `async_tensor_h2d` does; the copy is
+    then only queued, and PyTorch's caching host allocator keeps the pinned block
+    until it has run.
+    """
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def resolve_device(name: str) -> torch.device:
+    """Gives the torch device for `--device` (auto: CUDA when present)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is visible: use --device cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    """Holds the model and its KV cache; executes steps and block copies."""
+
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, device: torch.device
+                 ) -> None:
+        from kvpilot.engine.models.loader import load_model
+
+        self.args = args
+        self.config = model_config
+        self.device = device
+        self.block_size = args.block_size
+        self.model = load_model(model_config, args.load_format, device, seed=args.seed)
+        self.model.attn_backend = select_attention_backend(args, device)
+        self.decode_graphs = None  # set once the KV cache exists (engine/cuda_graphs.py)
+        # the pinned host buffer of build_batch and the event of its last copy (CUDA only)
+        self._pinned: torch.Tensor | None = None
+        self._pinned_np: np.ndarray | None = None
+        self._copied: torch.cuda.Event | None = None
+        self._patches: torch.Tensor | None = None  # build_batch's [2, k] (position, row) pairs
+        # forwards run by a CUDA graph and eagerly (prefill and mixed steps, CPU, start-up)
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+        self.num_blocks = self._num_kv_blocks()
+        shape = (2, self.num_blocks, self.block_size, model_config.num_kv_heads,
+                 model_config.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=model_config.dtype, device=device)
+                          for _ in range(model_config.num_layers)]
+        from kvpilot.engine.cuda_graphs import capture_decode_graphs
+
+        self.decode_graphs = capture_decode_graphs(self)
+
+    @property
+    def bytes_per_block(self) -> int:
+        cfg = self.config
+        elem = torch.tensor([], dtype=cfg.dtype).element_size()
+        return 2 * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem * cfg.num_layers
+
+    def _num_kv_blocks(self) -> int:
+        """Gives the KV block count: exact flag, memory budget, or what the GPU has left."""
+        args = self.args
+        if args.num_kv_blocks is not None:
+            return args.num_kv_blocks
+        if args.kv_cache_memory is not None or self.device.type != "cuda":
+            budget = parse_size(args.kv_cache_memory or CPU_KV_CACHE_DEFAULT)
+            return max(budget // self.bytes_per_block, 1)
+        return self._profile_gpu_blocks()
+
+    def _profile_gpu_blocks(self) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.args.max_num_batched_tokens, self.config.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        cfg = self.config
+        scratch = [torch.zeros((2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim),
+                               dtype=cfg.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        entry = BatchEntry([0] * num_tokens, 0, list(range(num_blocks)))
+        self._run([entry], scratch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free_bytes = int(total * self.args.gpu_memory_utilization) - peak
+        if free_bytes < self.bytes_per_block:
+            raise ValueError(f"gpu_memory_utilization={self.args.gpu_memory_utilization} leaves no "
+                             "room for the KV cache after the model: raise it or lower "
+                             "max_num_batched_tokens")
+        return free_bytes // self.bytes_per_block
+
+    def build_batch(self, entries: list[BatchEntry]
+                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Gives input ids, positions, attention metadata and the logits rows of `entries`."""
+        bs = self.block_size
+        n = len(entries)
+        query_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
+        starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=n)
+        seq_lens = starts + query_lens
+        total = int(query_lens.sum())
+        # everything travels in one int64 host buffer and one host-to-device copy
+        num_blocks = np.fromiter((len(e.block_ids) for e in entries), dtype=np.int64, count=n)
+        max_blocks = int(num_blocks.max())
+        # sections start at even offsets: 16-byte aligned device views for the kernels
+        t2, n2 = total + total % 2, n + 1 + (n + 1) % 2
+        at_lens, at_tables = 3 * t2 + n2, 3 * t2 + 2 * n2
+        at_patch = at_tables + n * max_blocks
+        patched = [i for i, e in enumerate(entries) if e.patch_row >= 0]
+        size = at_patch + 2 * len(patched)
+        host = self._host_buffer(size)
+        ids, positions, slots = host[:total], host[t2:t2 + total], host[2 * t2:2 * t2 + total]
+        qsl = host[3 * t2:3 * t2 + n + 1]
+        lens = host[at_lens:at_lens + n]
+        tables = host[at_tables:at_patch].reshape(n, max_blocks)
+        qsl[0] = 0
+        np.cumsum(query_lens, out=qsl[1:])
+        lens[:] = seq_lens
+        tables.fill(-1)
+        tables[np.arange(max_blocks) < num_blocks[:, None]] = np.concatenate(
+            [e.block_ids for e in entries])
+        if total == n:  # a decode step: one token per sequence, at position start
+            seq_of_token = np.arange(n)
+            positions[:] = starts
+            ids[:] = np.fromiter((e.token_ids[0] for e in entries), dtype=np.int64, count=n)
+        else:
+            seq_of_token = np.repeat(np.arange(n), query_lens)
+            positions[:] = np.arange(total) - qsl[:-1][seq_of_token] + starts[seq_of_token]
+            ids[:] = np.fromiter(itertools.chain.from_iterable(e.token_ids for e in entries),
+                                 dtype=np.int64, count=total)
+        slots[:] = tables[seq_of_token, positions // bs] * bs + positions % bs
+        logits_rows: list[int] = []
+        for i, e in enumerate(entries):
+            if e.logits == "last":
+                logits_rows.append(int(qsl[i + 1]) - 1)
+            elif e.logits == "all":
+                logits_rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
+        num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else n
+        if patched:  # (flat position, sampled row) pairs of the tokens still being sampled
+            pairs = host[at_patch:size].reshape(2, len(patched))
+            pairs[0] = qsl[1:][patched] - 1
+            pairs[1] = [entries[i].patch_row for i in patched]
+        dev_buf = self._to_device(host)
+        self._patches = dev_buf[at_patch:size].view(2, len(patched)) if patched else None
+        i32 = torch.int32
+        meta = AttentionMetadata(
+            slot_mapping=dev_buf[2 * t2:2 * t2 + total],
+            query_start_loc=dev_buf[3 * t2:3 * t2 + n + 1].to(i32),
+            seq_lens=dev_buf[at_lens:at_lens + n].to(i32),
+            block_tables=dev_buf[at_tables:at_patch].view(n, max_blocks).to(i32),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_decode_tokens=num_decodes,
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return dev_buf[:total], dev_buf[t2:t2 + total], meta, logits_rows
+
+    def _host_buffer(self, size: int) -> np.ndarray:
+        """Gives an int64 host array of `size` to fill with the step's batch.
+
+        On CUDA it is a view of one persistent pinned buffer, so the step's single
+        copy to the device is asynchronous; the previous step's copy must have
+        read it before it is refilled (an event, almost always already passed).
+        On CPU it is a fresh array: the step's tensors alias it.
+        """
+        if self.device.type != "cuda":
+            return np.empty(size, dtype=np.int64)
+        if self._pinned is None or self._pinned.numel() < size:
+            self._pinned = torch.empty(max(size, 1 << 16), dtype=torch.int64, pin_memory=True)
+            self._pinned_np = self._pinned.numpy()
+        elif self._copied is not None:
+            self._copied.synchronize()
+        return self._pinned_np[:size]
+
+    def _to_device(self, host: np.ndarray) -> torch.Tensor:
+        """Gives the filled host batch buffer on the model's device (one non-blocking copy)."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(host)
+        out = self._pinned[:host.shape[0]].to(self.device, non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()
+        return out
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copies whole blocks src -> dst on every layer (copy-on-write before a step writes)."""
+        if not copies:
+            return
+        src = self._index([s for s, _ in copies])
+        dst = self._index([d for _, d in copies])
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Gives the hidden states of one flat batch (decode steps replay a CUDA graph)."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_replay(meta, kv_caches):
+            self.num_graph_steps += 1
+            return graphs.replay(input_ids, positions, meta)
+        self.num_eager_steps += 1
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    @torch.inference_mode()
+    def _run(self, entries: list[BatchEntry], kv_caches: list[torch.Tensor],
+             prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        input_ids, positions, meta, rows = self.build_batch(entries)
+        if self._patches is not None:
+            if prev_tokens is None:
+                raise ValueError("entries have patch_row set but no prev_tokens were given")
+            positions_to_patch, sampled_rows = self._patches
+            input_ids[positions_to_patch] = prev_tokens[sampled_rows]
+        hidden = self.forward(input_ids, positions, meta, kv_caches)
+        if not rows:
+            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+        if len(rows) == hidden.shape[0]:
+            # every row samples (a decode step): rows are 0..T-1, so skip the gather and its
+            # host-to-device copy (with a pageable source, that copy waited for the forward)
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden.index_select(0, self._index(rows)))
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return to_device(values, self.device, torch.long)
+
+    def execute(self, entries: list[BatchEntry], copies: list[tuple[int, int]],
+                prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs one step; gives float32 logits for the rows `entries` ask for, in entry order.
+
+        `prev_tokens` are the sampled ids of the step still in flight; entries with
+        `patch_row` take their last input token from it on the device.
+        """
+        with torch.inference_mode():
+            self.copy_blocks(copies)
+        return self._run(entries, self.kv_caches, prev_tokens)

@@ -1,0 +1,58 @@
+"""`kvpilot generate`: run prompts through the engine in-process and print the completions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvpilot.engine.contracts.args import EngineArgs, add_dataclass_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the prompt and sampling flags, then every engine flag."""
+    parser.add_argument("--prompt", action="append", required=True,
+                        help="a prompt to complete (repeat for several)")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (the default here) is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--n", type=int, default=1, help="completions per prompt")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--beam-width", type=int, default=1, help=">1 runs beam search")
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_dataclass_args(parser, EngineArgs)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generates for every --prompt and prints the results; gives the exit code."""
+    from dataclasses import asdict
+
+    from kvpilot.engine.contracts.args import from_namespace
+    from kvpilot.engine.contracts.sampling_params import SamplingParams
+    from kvpilot.engine.llm import LLM
+
+    try:
+        engine_args = from_namespace(EngineArgs, args)
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, max_tokens=args.max_tokens, stop=args.stop,
+                                ignore_eos=args.ignore_eos, beam_width=args.beam_width,
+                                seed=args.sampling_seed)
+        llm = LLM(**asdict(engine_args))
+        outputs = (llm.beam_search(args.prompt, params) if args.beam_width > 1
+                   else llm.generate(args.prompt, params))
+    except ValueError as exc:
+        print(f"kvpilot generate: {exc}", file=sys.stderr)
+        return 2
+    for out in outputs:
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "completions": [
+                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                for c in out.outputs]}))
+            continue
+        for c in out.outputs:
+            print(f"{out.prompt!r} -> {c.text!r} [{c.finish_reason}]")
+    return 0

@@ -1,0 +1,103 @@
+"""`--role prefill|decode`: an LLMEngine with a KV agent beside it.
+
+`attach_role` wraps the engine the server drives. The wrapper takes the block
+store's lock around every engine call, so the KV agent's thread (pinning,
+reading, importing blocks) never runs during a step. As a prefill engine,
+every request that finishes normally offers its prompt's blocks under a lease
+(keyed by the request id the OpenAI response carries as `id`); a decode engine
+imports pulled blocks into its prefix cache, and the request the router sends
+next finds them as prefix hits. Generation itself is unchanged, which is why a
+disaggregated answer equals the aggregated one token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from kvpilot.engine.contracts.args import KV_PORT_OFFSET
+from kvpilot.engine.contracts.outputs import RequestOutput
+from kvpilot.engine.kv_transfer.connector import KVConnector
+
+log = logging.getLogger("kvpilot.roles")
+LEASE_SECONDS_ENV = "KVPILOT_KV_LEASE_SECONDS"
+DEFAULT_LEASE_SECONDS = 30.0
+ROLE_SWITCH_INTERVAL_S = 0.001
+
+
+class RoleEngine:
+    """Delegates to an LLMEngine; a prefill one leases its finished prompts' blocks."""
+
+    def __init__(self, engine: Any, connector: KVConnector, role: str, lock: Any) -> None:
+        self.engine, self.connector, self.role, self.lock = engine, connector, role, lock
+        self._lock_wait_s = 0.0
+
+    def __getattr__(self, name: str) -> Any:  # tokenizer, model_config, engine_args, ...
+        return getattr(self.engine, name)
+
+    def add_request(self, *args: Any, **kwargs: Any) -> None:
+        with self.lock:
+            self.engine.add_request(*args, **kwargs)
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        with self.lock:
+            self.engine.abort_request(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def get_stats(self) -> Any:
+        with self.lock:
+            return self.engine.get_stats()
+
+    def step(self) -> list[RequestOutput]:
+        asked = time.perf_counter()
+        with self.lock:
+            self._lock_wait_s = time.perf_counter() - asked
+            outputs = self.engine.step()
+            if self.role == "prefill":
+                for output in outputs:
+                    if output.finished and all(o.finish_reason in ("stop", "length")
+                                               for o in output.outputs):
+                        self.connector.offer(output.request_id, output.prompt_token_ids)
+        return outputs
+
+    def step_timing(self) -> str:
+        """Says where the last step waited (for the slow-iteration log)."""
+        return (f"lock wait {self._lock_wait_s * 1e3:.1f} ms, {self.engine.step_timing()}, "
+                f"KV transfers running {self.connector.transfers_running}")
+
+    def shutdown(self) -> None:
+        self.connector.stop()
+
+
+def kv_port(engine_args: Any, http_port: int) -> int:
+    """Gives the KV agent's port: --kv-transfer-port, else the HTTP port + KV_PORT_OFFSET."""
+    return engine_args.kv_transfer_port or http_port + KV_PORT_OFFSET
+
+
+def attach_role(engine: Any, host: str, http_port: int) -> Any:
+    """Gives the engine to serve: itself for role `both`, else a RoleEngine with its KV agent."""
+    role = engine.engine_args.role
+    if role == "both":
+        return engine
+    from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
+    from kvpilot.engine.kv_transfer.tcp import TcpConnector
+
+    # The KV agent's threads need the GIL after each socket call; the engine thread runs
+    # Python almost without pause. CPython makes a waiting thread wait up to the switch
+    # interval (5 ms by default) for the GIL, per block received: at 1 ms a pull is not
+    # paced by the engine's host work (and the engine gives the GIL up sooner).
+    sys.setswitchinterval(min(sys.getswitchinterval(), ROLE_SWITCH_INTERVAL_S))
+    store = EngineBlockStore(engine)
+    if role == "decode" and store.device.type == "cuda":
+        store.receive_buffers.fill()  # pinned now, not while pulls run beside steps
+    lease_seconds = float(os.environ.get(LEASE_SECONDS_ENV, DEFAULT_LEASE_SECONDS))
+    connector = TcpConnector(store, host, kv_port(engine.engine_args, http_port), lease_seconds)
+    connector.start()
+    log.info("role %s: KV agent on %s:%d", role, host, connector.port)
+    return RoleEngine(engine, connector, role, store.lock)

@@ -1,0 +1,259 @@
+"""The router's HTTP app: OpenAI endpoints proxied to the chosen engine instances."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvpilot.engine.contracts.kv_protocol import ProtocolError, kv_address, request_pull
+from kvpilot.engine.contracts.router_args import INSTANCE_HEADER, PASSED_HEADERS, RouterArgs
+from kvpilot.engine.router.disagg import disaggregatable, run_prefill
+from kvpilot.engine.router.discovery import Discovery, make_discovery
+from kvpilot.engine.router.fleet import Fleet, Instance
+from kvpilot.engine.router.metrics import RouterMetrics
+from kvpilot.engine.router.policy import Weights, choose
+from kvpilot.engine.router.prefix_index import PrefixIndex
+from kvpilot.engine.router.prompt import PromptHasher
+from kvpilot.engine.router.proxy import Forwarder, NoInstance, error_body
+
+log = logging.getLogger("kvpilot.router")
+OPENAI_POST_PATHS = ("/v1/completions", "/v1/chat/completions")
+POLL_SECONDS = 0.2
+STARTING_POLL = 0.25
+
+
+class Router:
+    """Picks instances and forwards requests; the state behind the HTTP app."""
+
+    def __init__(self, args: RouterArgs, discovery: Discovery, hasher: PromptHasher) -> None:
+        self.args = args
+        self.index = PrefixIndex(args.prefix_index_max_entries)
+        self.fleet = Fleet(discovery, self.index, eject_after=args.eject_after_failures,
+                           eject_seconds=args.eject_seconds)
+        self.hasher = hasher
+        self.fleet.poll_kv_events = hasher.tokenizer is not None
+        self.metrics = RouterMetrics()
+        self.fleet.on_eject = lambda instance: self.metrics.ejections.labels(instance.url).inc()
+        self.weights = Weights(args.load_weight, args.kv_usage_weight, args.cache_weight)
+        self.counter = itertools.count()
+        timeout = httpx.Timeout(connect=args.connect_timeout, read=args.idle_timeout,
+                                write=args.idle_timeout, pool=args.connect_timeout)
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.forwarder = Forwarder(self.fleet, self.client, self.metrics,
+                                   max_retries=args.max_retries,
+                                   request_timeout=args.request_timeout)
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether requests go prefill -> decode (both roles present, no aggregated ones)."""
+        roles = {i.role for i in self.fleet.instances.values()}
+        return "both" not in roles and {"prefill", "decode"} <= roles
+
+    async def pick(self, roles: tuple[str, ...], hashes: list[int], exclude: set[str],
+                   pinned: str | None = None) -> Instance:
+        """Gives the instance the policy picks, waiting up to hold_timeout for one."""
+        deadline = time.monotonic() + self.args.hold_timeout
+        gauge = self.metrics.pending.labels(roles[0])
+        gauge.inc()
+        try:
+            while True:
+                ready = self.fleet.available(roles)
+                if pinned:
+                    ready = [i for i in ready if i.url == pinned.rstrip("/")]
+                candidates = [i for i in ready if i.url not in exclude]
+                if candidates:
+                    break
+                if ready:  # only instances this request already failed on: no use waiting
+                    raise NoInstance(f"every ready {'/'.join(roles)} instance was tried")
+                if time.monotonic() >= deadline:
+                    raise NoInstance(f"no ready {'/'.join(roles)} instance within "
+                                     f"hold_timeout={self.args.hold_timeout}s")
+                self.fleet.changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.fleet.changed.wait(), POLL_SECONDS)
+        finally:
+            gauge.dec()
+        hits = {i.url: self.index.match(i.url, hashes) for i in candidates}
+        view = choose(self.args.policy, [i.view(self.index.size(i.url)) for i in candidates],
+                      counter=next(self.counter), hits=hits, num_blocks=len(hashes),
+                      weights=self.weights)
+        chosen = self.fleet.instances[view.url]
+        self.metrics.prompt_blocks.inc(len(hashes))
+        self.metrics.prefix_hit_blocks.inc(hits.get(chosen.url, 0))
+        # The chosen instance will hold these blocks once it ran the prompt.
+        self.index.insert(chosen.url, hashes)
+        return chosen
+
+    def _prefill_result(self, instance: Instance, healthy: bool, refused: bool = False) -> None:
+        if healthy:
+            self.fleet.succeeded(instance)
+        else:
+            self.fleet.failed(instance, "prefill failed", refused)
+
+    async def handle(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                     pinned: str | None) -> Response:
+        """Gives the response to one OpenAI request (aggregated or disaggregated)."""
+        hashes = self.hasher.hashes(body)
+        if not self.disaggregated or not disaggregatable(body):
+            roles = ("decode",) if self.disaggregated else ("both",)
+
+            async def pick_both(tried: set[str]) -> Instance:
+                return await self.pick(roles, hashes, tried, pinned)
+            return await self.forwarder.send(pick_both, path, body, headers)
+
+        async def pick_prefill(tried: set[str]) -> Instance:
+            return await self.pick(("prefill",), hashes, tried)
+
+        prefill, lease_id = await run_prefill(self.client, pick_prefill, path, body, headers,
+                                              self.args.max_retries + 1, self._prefill_result)
+        decode = await self._pick_or_none(("decode",), hashes, pinned)
+        if prefill is None or lease_id is None:
+            self.metrics.requests.labels(prefill.url if prefill else "", "prefill_fallback").inc()
+            log.warning("no prefill succeeded: the decode instance prefills locally")
+        elif decode is not None:
+            await self._transfer(prefill, decode, lease_id)
+
+        async def pick_decode(tried: set[str]) -> Instance:
+            if decode is not None and not tried:
+                return decode
+            return await self.pick(("decode",), hashes, tried, pinned)
+
+        return await self.forwarder.send(pick_decode, path, body, headers,
+                                         served_by=prefill.url if prefill else "")
+
+    async def _pick_or_none(self, roles: tuple[str, ...], hashes: list[int],
+                            pinned: str | None) -> Instance | None:
+        try:
+            return await self.pick(roles, hashes, set(), pinned)
+        except NoInstance:
+            return None
+
+    async def _transfer(self, prefill: Instance, decode: Instance, lease_id: str) -> None:
+        """Has the decode instance pull the lease; a failure only costs a local prefill."""
+        offset = self.args.kv_port_offset
+        try:
+            done = await request_pull(kv_address(decode.url, 0, offset),
+                                      kv_address(prefill.url, 0, offset), lease_id,
+                                      self.args.transfer_timeout)
+            self.metrics.transferred_blocks.inc(done.get("imported", 0))
+        except (OSError, ProtocolError, TimeoutError) as exc:
+            self.metrics.requests.labels(decode.url, "transfer_fallback").inc()
+            log.warning("KV transfer %s -> %s failed, decode prefills locally: %r",
+                        prefill.url, decode.url, exc)
+
+    async def refresh_forever(self) -> None:
+        """Refreshes discovery and load every refresh_interval seconds."""
+        while True:
+            await self.fleet.refresh(self.client)
+            self._export_fleet_gauges()
+            # Instances still starting are polled often, so they join as soon as they are up.
+            interval = self.args.refresh_interval
+            await asyncio.sleep(interval if self.fleet.all_ready else min(interval, STARTING_POLL))
+
+    def _export_fleet_gauges(self) -> None:
+        now = time.monotonic()
+        self.metrics.healthy.clear()
+        for role in ("both", "prefill", "decode"):
+            members = [i for i in self.fleet.instances.values() if i.role == role]
+            ready = sum(i.ready and i.health.available(now) for i in members)
+            self.metrics.healthy.labels(role, "ready").set(ready)
+            self.metrics.healthy.labels(role, "not_ready").set(len(members) - ready)
+        self.metrics.index_entries.set(len(self.index))
+
+
+def build_app(args: RouterArgs, discovery: Discovery | None = None,
+              hasher: PromptHasher | None = None) -> FastAPI:
+    """Gives the FastAPI app of a router configured by `args`."""
+    router = Router(args, discovery or make_discovery(args),
+                    hasher or PromptHasher(args.block_size))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(router.refresh_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await router.client.aclose()
+
+    app = FastAPI(title="kvpilot router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.middleware("http")
+    async def require_api_key(request: Request, call_next: Any) -> Response:
+        if args.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {args.api_key}".encode()):
+                return JSONResponse(error_body("missing or wrong API key: send the header "
+                                               "'Authorization: Bearer <key>'", 401,
+                                               "authentication_error"), 401)
+        return await call_next(request)
+
+    async def openai_post(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):  # not an assert: `python -O` would drop the check
+            return JSONResponse(error_body("the body must be a JSON object", 400,
+                                           "invalid_request_error"), 400)
+        headers = {k: v for k, v in request.headers.items() if k in PASSED_HEADERS}
+        return await router.handle(request.url.path, body, headers,
+                                   request.headers.get(INSTANCE_HEADER))
+
+    for path in OPENAI_POST_PATHS:
+        app.add_api_route(path, openai_post, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for instance in router.fleet.available(("both", "decode")):
+            try:
+                response = await router.client.get(instance.url + "/v1/models")
+            except httpx.HTTPError:
+                continue
+            return Response(response.content, response.status_code,
+                            media_type=response.headers.get("content-type"))
+        return JSONResponse(error_body("no ready instance", 503, "no_instance"), 503)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        serving = ("prefill", "decode") if router.disaggregated else ("both",)
+        missing = [r for r in serving if not router.fleet.available((r,))]
+        if missing:
+            return JSONResponse({"status": "not ready", "missing_roles": missing}, 503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        router._export_fleet_gauges()
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/kv_events")
+    async def kv_events(request: Request) -> dict[str, int]:
+        """Takes an engine's KV events: {"instance", "stored": [hash], "removed": [hash], "cleared"}."""
+        event = await request.json()
+        instance = str(event.get("instance", "")).rstrip("/")
+        if instance in router.fleet.instances:  # the index holds nothing of any other
+            router.index.apply_event(instance, event)
+        return {"entries": len(router.index)}
+
+    return app

@@ -1,0 +1,42 @@
+"""The `kvpilot route` subcommand: run the router in front of engine instances."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from kvpilot.engine.contracts.args import add_dataclass_args, from_namespace
+from kvpilot.engine.contracts.router_args import RouterArgs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per RouterArgs field."""
+    add_dataclass_args(parser, RouterArgs)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serves the router until SIGINT/SIGTERM; gives the exit code."""
+    import uvicorn
+
+    from kvpilot.engine.router.app import build_app
+    from kvpilot.engine.router.prompt import PromptHasher
+
+    try:
+        router_args: RouterArgs = from_namespace(RouterArgs, args)
+        if router_args.api_key is None:
+            router_args.api_key = os.environ.get("KVPILOT_ROUTER_API_KEY") or None
+    except ValueError as exc:
+        print(f"kvpilot route: {exc}")
+        return 2
+    logging.basicConfig(level=router_args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tokenizer = None
+    if router_args.tokenizer:
+        # Torch-free: the engine's tokenizer wraps `tokenizers` and jinja2 only.
+        from kvpilot.engine.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(router_args.tokenizer)
+    app = build_app(router_args, hasher=PromptHasher(router_args.block_size, tokenizer))
+    uvicorn.run(app, host=router_args.host, port=router_args.port,
+                log_level=router_args.log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,154 @@
+"""The instances the router knows: roles, scraped load, in-flight counts and health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvpilot.engine.contracts import metric_names as names
+from kvpilot.engine.contracts.metrics_text import read_metrics
+from kvpilot.engine.router.discovery import Discovery
+from kvpilot.engine.router.health import Health
+from kvpilot.engine.router.policy import InstanceView
+from kvpilot.engine.router.prefix_index import PrefixIndex
+
+log = logging.getLogger("kvpilot.router")
+
+KV_EVENTS_TIMEOUT = 2.0  # seconds; a poll never holds a refresh longer than this
+
+
+@dataclass
+class Instance:
+    """One engine endpoint and what the router knows about it."""
+
+    url: str
+    role: str  # both | prefill | decode
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    in_flight: int = 0
+    # False until its /metrics first answers: a starting engine is not ready, not failing.
+    ready: bool = False
+    health: Health = field(default_factory=Health)
+    kv_events_next: int = 0  # the `since` of the next GET /kv_events
+
+    def view(self, cached_blocks: int = 0) -> InstanceView:
+        return InstanceView(self.url, self.waiting, self.in_flight, self.kv_usage, cached_blocks)
+
+
+def parse_load(text: str) -> tuple[float, float, float]:
+    """Gives (waiting, running, kv_usage) summed over models from Prometheus text."""
+    load, _ = read_metrics(text, (names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_RUNNING,
+                                  names.KV_CACHE_USAGE_PERC))
+    return (load.get(names.NUM_REQUESTS_WAITING, 0.0), load.get(names.NUM_REQUESTS_RUNNING, 0.0),
+            load.get(names.KV_CACHE_USAGE_PERC, 0.0))
+
+
+class Fleet:
+    """Instances by URL, refreshed from discovery and scraped for load."""
+
+    def __init__(self, discovery: Discovery, index: PrefixIndex, *, eject_after: int,
+                 eject_seconds: float) -> None:
+        self.discovery = discovery
+        self.index = index
+        self.eject_after, self.eject_seconds = eject_after, eject_seconds
+        self.instances: dict[str, Instance] = {}
+        self.changed = asyncio.Event()  # set whenever instances appear or come back
+        self.on_eject: Callable[[Instance], None] = lambda instance: None
+        # Poll engines' GET /kv_events only when the router hashes prompts as the engines do
+        # (a tokenizer): otherwise their hashes never match and would only churn the index.
+        self.poll_kv_events = False
+
+    def update(self, pairs: list[tuple[str, str]]) -> None:
+        """Adds new instances and drops (and forgets the cache of) vanished ones."""
+        wanted = {url: role for role, url in pairs}
+        for url in list(self.instances):
+            if url not in wanted or self.instances[url].role != wanted[url]:
+                del self.instances[url]
+                self.index.remove_instance(url)
+        for url, role in wanted.items():
+            if url not in self.instances:
+                self.instances[url] = Instance(url, role)
+                self.changed.set()
+
+    def available(self, roles: tuple[str, ...], now: float | None = None) -> list[Instance]:
+        """Gives the instances of these roles that are not ejected."""
+        now = time.monotonic() if now is None else now
+        return [i for i in self.instances.values()
+                if i.role in roles and i.ready and i.health.available(now)]
+
+    @property
+    def all_ready(self) -> bool:
+        return all(i.ready for i in self.instances.values())
+
+    def succeeded(self, instance: Instance) -> None:
+        instance.health.record_success()
+
+    def failed(self, instance: Instance, reason: str, refused: bool = False) -> bool:
+        """Counts a failure of `instance`; gives True when it got ejected.
+
+        A refused connection ejects at once: nothing listens there any more.
+        """
+        threshold = 1 if refused else self.eject_after
+        ejected = instance.health.record_failure(time.monotonic(), threshold, self.eject_seconds)
+        if ejected:
+            self.on_eject(instance)
+            log.warning("ejecting %s for %.0fs after %d failures (last: %s)", instance.url,
+                        instance.health.ejected_until - time.monotonic(), threshold, reason)
+        return ejected
+
+    async def refresh(self, client: httpx.AsyncClient) -> None:
+        """Re-reads discovery, then scrapes every instance's /metrics (and KV events) concurrently."""
+        try:
+            self.update(await self.discovery.list())
+        except (httpx.HTTPError, OSError, ValueError) as exc:
+            log.warning("discovery failed, keeping the last instance list: %s", exc)
+        await asyncio.gather(*(self._scrape(client, i) for i in list(self.instances.values())))
+
+    async def _scrape(self, client: httpx.AsyncClient, instance: Instance) -> None:
+        was_available = instance.health.available(time.monotonic())
+        try:
+            response = await client.get(f"{instance.url}/metrics")
+            response.raise_for_status()
+            instance.waiting, instance.running, instance.kv_usage = parse_load(response.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            # Only failures while in rotation count: an ejected instance keeps its backoff,
+            # and one that never answered yet is still starting.
+            if was_available and instance.ready:
+                self.failed(instance, f"/metrics: {exc!r}", isinstance(exc, httpx.ConnectError))
+            return
+        if not instance.ready:
+            instance.ready = True
+            self.changed.set()
+        if not was_available and instance.health.available(time.monotonic()):
+            self.changed.set()
+        if self.poll_kv_events:
+            await self._poll_kv_events(client, instance)
+
+    async def _poll_kv_events(self, client: httpx.AsyncClient, instance: Instance) -> None:
+        """Applies the instance's new KV events to the prefix index; failures only log.
+
+        The engine bounds an answer to its ring (65,536 events); a gap arrives as a
+        `cleared` event, which resets the instance's entries.
+        """
+        try:
+            response = await client.get(f"{instance.url}/kv_events",
+                                        params={"since": instance.kv_events_next},
+                                        timeout=KV_EVENTS_TIMEOUT)
+            response.raise_for_status()
+            body = response.json()
+            events, next_seq = body["events"], int(body["next"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            # An engine without events (404) or a slow one is not unhealthy: /metrics says that.
+            log.debug("GET %s/kv_events failed: %r", instance.url, exc)
+            return
+        if self.instances.get(instance.url) is not instance:
+            return  # it left (or changed role) while we waited
+        for event in events:
+            self.index.apply_event(instance.url, event)
+        instance.kv_events_next = next_seq

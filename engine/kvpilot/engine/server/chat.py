@@ -1,0 +1,132 @@
+"""POST /v1/chat/completions: the chat rendered through the tokenizer's template, then generated."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput
+from kvpilot.engine.server.params import chat_prompt, sampling_params
+from kvpilot.engine.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    TopLogprob,
+)
+from kvpilot.engine.server.serving import (
+    GenerationStream,
+    ServingContext,
+    StreamProgress,
+    admit_requests,
+    cancel_on_disconnect,
+    check_error,
+    merge,
+    new_logprobs,
+    ranked,
+    sse,
+    sse_error,
+    token_text,
+    usage_of,
+)
+
+
+def chat_logprobs(tokenizer: Any, completion: CompletionOutput, start: int,
+                  k: int) -> ChatLogprobs:
+    """Gives chat-style logprobs for the tokens of `completion` from `start` on."""
+    content = []
+    for tid, entry in new_logprobs(completion, start):
+        text = token_text(tokenizer, tid, entry)
+        alternatives = [
+            TopLogprob(token=(t := token_text(tokenizer, alt, entry)), logprob=lp,
+                       bytes=list(t.encode()))
+            for alt, lp in (ranked(entry, k) if entry else [])]
+        content.append(ChatTokenLogprob(
+            token=text, bytes=list(text.encode()),
+            logprob=entry[tid].logprob if entry and tid in entry else float("-inf"),
+            top_logprobs=alternatives))
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
+                                 ctx: ServingContext
+                                 ) -> ChatCompletionResponse | GenerationStream:
+    """Gives the assistant's reply (n choices), or a stream of chunks when `stream` is set."""
+    arrival = time.monotonic()
+    prompt = chat_prompt(request, ctx.tokenizer, ctx.limits)
+    params = sampling_params(request, len(prompt), ctx.limits)
+    request_id, streams = await admit_requests(ctx, "chatcmpl", [prompt], [params], arrival,
+                                               request.priority)
+    if request.stream:
+        return GenerationStream(_stream(request, ctx, request_id, streams, len(prompt)),
+                                ctx.gate, streams)
+    try:
+        final = await cancel_on_disconnect(raw, _last(streams[0]))
+    finally:
+        ctx.gate.release()
+    check_error(final)
+    k = request.top_logprobs or 0
+    choices = [
+        ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                   logprobs=chat_logprobs(ctx.tokenizer, c, 0, k) if request.logprobs else None,
+                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        for c in final.outputs]
+    return ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
+                                  usage=usage_of([final], [len(prompt)]))
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for output in stream:
+        last = output
+    assert last is not None, "an engine stream ends with a finished output"
+    return last
+
+
+async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_id: str,
+                  streams: list[AsyncIterator[RequestOutput]],
+                  prompt_len: int) -> AsyncIterator[str]:
+    created = int(time.time())
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    k = request.top_logprobs or 0
+
+    def chunk(choices: list[ChatStreamChoice]) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
+                                       choices=choices))
+
+    try:
+        # OpenAI opens every choice with an empty assistant delta.
+        yield chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                     for i in range(request.n)])
+        progress = StreamProgress()
+        final: RequestOutput | None = None
+        async for _, output in merge(streams):
+            check_error(output)
+            final = output
+            choices = []
+            for c in output.outputs:
+                if (start := progress.advance(c.index, c)) is None:
+                    continue
+                start_text, start_tok = start
+                choices.append(ChatStreamChoice(
+                    index=c.index, delta=ChatDelta(content=c.text[start_text:] or None),
+                    logprobs=chat_logprobs(ctx.tokenizer, c, start_tok, k)
+                    if request.logprobs else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if choices:
+                yield chunk(choices)
+        if include_usage:
+            yield sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
+                                          choices=[], usage=usage_of([final], [prompt_len])))
+        yield sse("[DONE]")
+    except Exception as exc:
+        yield sse_error(exc)
+        yield sse("[DONE]")

@@ -1,0 +1,129 @@
+"""POST /v1/completions: one engine request per prompt, answered whole or as an SSE stream."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput
+from kvpilot.engine.server.params import completion_prompts, sampling_params
+from kvpilot.engine.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from kvpilot.engine.server.serving import (
+    GenerationStream,
+    ServingContext,
+    StreamProgress,
+    admit_requests,
+    cancel_on_disconnect,
+    check_error,
+    merge,
+    new_logprobs,
+    ranked,
+    sse,
+    sse_error,
+    token_text,
+    usage_of,
+)
+
+
+def completion_logprobs(tokenizer: Any, completion: CompletionOutput, start: int, k: int,
+                        text_offset: int) -> CompletionLogprobs:
+    """Gives the legacy logprobs lists for the tokens of `completion` from `start` on."""
+    out = CompletionLogprobs()
+    offset = text_offset
+    for tid, entry in new_logprobs(completion, start):
+        text = token_text(tokenizer, tid, entry)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        out.token_logprobs.append(entry[tid].logprob if entry and tid in entry else None)
+        out.top_logprobs.append(
+            {token_text(tokenizer, alt, entry): lp for alt, lp in ranked(entry, k)}
+            if entry else None)
+    return out
+
+
+async def create_completion(request: CompletionRequest, raw: Request,
+                            ctx: ServingContext) -> CompletionResponse | GenerationStream:
+    """Gives the completion of every prompt, or a stream of chunks when `stream` is set."""
+    arrival = time.monotonic()
+    prompts = completion_prompts(request, ctx.tokenizer, ctx.limits)
+    params = [sampling_params(request, len(ids), ctx.limits) for ids in prompts]
+    request_id, streams = await admit_requests(ctx, "cmpl", prompts, params, arrival,
+                                               request.priority)
+    if request.stream:
+        return GenerationStream(_stream(request, ctx, request_id, streams, prompts),
+                                ctx.gate, streams)
+    try:
+        finals = await cancel_on_disconnect(raw, _collect(streams))
+    finally:
+        ctx.gate.release()
+    return _response(request, ctx, request_id, finals, prompts)
+
+
+async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput | None]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, output in merge(streams):
+        finals[i] = output
+    return finals
+
+
+def _response(request: CompletionRequest, ctx: ServingContext, request_id: str,
+              finals: list[RequestOutput | None], prompts: list[list[int]]) -> CompletionResponse:
+    choices: list[CompletionChoice] = []
+    for i, output in enumerate(finals):
+        if output is None:
+            continue
+        check_error(output)
+        for c in output.outputs:
+            logprobs = (completion_logprobs(ctx.tokenizer, c, 0, request.logprobs, 0)
+                        if request.logprobs is not None else None)
+            choices.append(CompletionChoice(index=i * request.n + c.index, text=c.text,
+                                            logprobs=logprobs, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason))
+    return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
+                              usage=usage_of(finals, [len(p) for p in prompts]))
+
+
+async def _stream(request: CompletionRequest, ctx: ServingContext, request_id: str,
+                  streams: list[AsyncIterator[RequestOutput]],
+                  prompts: list[list[int]]) -> AsyncIterator[str]:
+    created = int(time.time())
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    progress = StreamProgress()
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async for i, output in merge(streams):
+            check_error(output)
+            finals[i] = output
+            choices = []
+            for c in output.outputs:
+                index = i * request.n + c.index
+                if (start := progress.advance(index, c)) is None:
+                    continue
+                start_text, start_tok = start
+                logprobs = (completion_logprobs(ctx.tokenizer, c, start_tok, request.logprobs,
+                                                start_text)
+                            if request.logprobs is not None else None)
+                choices.append(CompletionChoice(index=index, text=c.text[start_text:],
+                                                logprobs=logprobs,
+                                                finish_reason=c.finish_reason,
+                                                stop_reason=c.stop_reason))
+            if choices:
+                yield sse(CompletionResponse(id=request_id, created=created,
+                                             model=ctx.model_name, choices=choices))
+        if include_usage:
+            yield sse(CompletionResponse(id=request_id, created=created, model=ctx.model_name,
+                                         choices=[],
+                                         usage=usage_of(finals, [len(p) for p in prompts])))
+        yield sse("[DONE]")
+    except Exception as exc:
+        yield sse_error(exc)
+        yield sse("[DONE]")

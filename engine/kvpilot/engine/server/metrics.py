@@ -1,0 +1,166 @@
+"""Prometheus metrics of one engine server, in vLLM's names, each labelled `model_name`.
+
+Gauges and cumulative counters are read from the engine's latest `EngineStats`
+snapshot at scrape time (a custom collector), so they never drift from the
+engine's own bookkeeping. Histograms and `request_success` are observed from
+`RequestOutput`s as tokens arrive and requests finish, on the engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvpilot.engine.contracts import metric_names as names
+from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
+
+# Buckets follow vLLM's so dashboards built for it read ours the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class _Progress:
+    """What the metrics have seen of one request so far."""
+
+    arrival_time: float
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class _StatsCollector(Collector):
+    """Yields the gauges and counters of the latest EngineStats snapshot."""
+
+    def __init__(self, owner: ServerMetrics) -> None:
+        self.owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        stats, draining = self.owner.snapshot()
+        label = [names.MODEL_NAME_LABEL]
+        value = [self.owner.model_name]
+        gauges = [
+            (names.NUM_REQUESTS_RUNNING, "requests in the running batch", stats.num_running),
+            (names.NUM_REQUESTS_WAITING, "requests waiting to be scheduled", stats.num_waiting),
+            (names.KV_CACHE_USAGE_PERC, "fraction of KV-cache blocks in use (0-1)",
+             stats.kv_cache_usage),
+            (names.NUM_WAITING_PROMPT_TOKENS, "prompt tokens of waiting requests",
+             stats.num_waiting_prompt_tokens),
+            (names.DRAINING, "1 while the server drains after SIGTERM", float(draining)),
+        ]
+        for name, doc, number in gauges:
+            family = GaugeMetricFamily(name, doc, labels=label)
+            family.add_metric(value, float(number))
+            yield family
+        counters = [
+            (names.PREFIX_CACHE_QUERIES, "prompt tokens looked up in the prefix cache",
+             stats.prefix_cache_queries),
+            (names.PREFIX_CACHE_HITS, "prompt tokens found in the prefix cache",
+             stats.prefix_cache_hits),
+            (names.NUM_PREEMPTIONS, "preemptions of running requests", stats.num_preemptions),
+            (names.PROMPT_TOKENS, "prompt tokens computed", stats.prompt_tokens),
+            (names.GENERATION_TOKENS, "tokens generated", stats.generation_tokens),
+        ]
+        for name, doc, number in counters:
+            family = CounterMetricFamily(name, doc, labels=label)
+            family.add_metric(value, float(number))
+            yield family
+        steps = CounterMetricFamily(names.MODEL_STEPS, "model forwards, by graph replay or eager",
+                                    labels=[*label, names.MODE_LABEL])
+        steps.add_metric([*value, "graph"], float(stats.graph_steps))
+        steps.add_metric([*value, "eager"], float(stats.eager_steps))
+        yield steps
+
+
+class ServerMetrics:
+    """The server's Prometheus registry and the observers the engine thread calls."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._lock = threading.Lock()
+        self._stats = EngineStats()
+        self._draining = False
+        self._progress: dict[str, _Progress] = {}
+        self.registry.register(_StatsCollector(self))
+        label = [names.MODEL_NAME_LABEL]
+        self.request_success = Counter(
+            names.REQUEST_SUCCESS, "finished requests by finish reason",
+            [names.MODEL_NAME_LABEL, names.FINISHED_REASON_LABEL], registry=self.registry)
+        self.ttft = Histogram(names.TIME_TO_FIRST_TOKEN, "seconds from arrival to first token",
+                              label, buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram(names.INTER_TOKEN_LATENCY, "seconds between output tokens",
+                             label, buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(names.E2E_REQUEST_LATENCY, "seconds from arrival to finish",
+                             label, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram(names.REQUEST_QUEUE_TIME,
+                                    "seconds from arrival to first scheduling", label,
+                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def snapshot(self) -> tuple[EngineStats, bool]:
+        """Gives the latest engine stats and whether the server is draining."""
+        with self._lock:
+            return self._stats, self._draining
+
+    def set_stats(self, stats: EngineStats) -> None:
+        with self._lock:
+            self._stats = stats
+
+    def set_draining(self, draining: bool) -> None:
+        with self._lock:
+            self._draining = draining
+
+    def on_added(self, request_id: str, arrival_time: float) -> None:
+        """Starts tracking a request the engine accepted."""
+        self._progress[request_id] = _Progress(arrival_time)
+
+    def on_output(self, output: RequestOutput, now: float | None = None) -> None:
+        """Observes TTFT/ITL for the tokens new in `output`, and the finish metrics."""
+        progress = self._progress.get(output.request_id)
+        if progress is None:
+            return
+        now = time.monotonic() if now is None else now
+        m = output.metrics
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if num_tokens > progress.num_tokens:
+            if progress.last_token_time is None:
+                first = m.first_token_time if m and m.first_token_time else now
+                self.ttft.labels(self.model_name).observe(max(0.0, first - progress.arrival_time))
+                progress.last_token_time = first
+            else:
+                # One sample per step that produced tokens, as vLLM does.
+                self.itl.labels(self.model_name).observe(max(0.0, now - progress.last_token_time))
+                progress.last_token_time = now
+            progress.num_tokens = num_tokens
+        if output.finished:
+            reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
+            if output.error:
+                reason = "error"
+            self._finish(output.request_id, reason, now, m.first_scheduled_time if m else None)
+
+    def on_aborted(self, request_id: str, now: float | None = None) -> None:
+        """Counts a request the server aborted (client gone, drain timeout)."""
+        if request_id in self._progress:
+            self._finish(request_id, "abort", time.monotonic() if now is None else now, None)
+
+    def _finish(self, request_id: str, reason: str, now: float,
+                first_scheduled: float | None) -> None:
+        progress = self._progress.pop(request_id)
+        self.request_success.labels(self.model_name, reason).inc()
+        self.e2e.labels(self.model_name).observe(max(0.0, now - progress.arrival_time))
+        if first_scheduled is not None:
+            self.queue_time.labels(self.model_name).observe(
+                max(0.0, first_scheduled - progress.arrival_time))
+
+    def render(self) -> bytes:
+        """Gives the text exposition of every metric."""
+        return generate_latest(self.registry)

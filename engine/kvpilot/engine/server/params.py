@@ -1,0 +1,151 @@
+"""Turns API request bodies into engine prompts and SamplingParams, refusing what cannot run.
+
+Every refusal is a 400 whose `param` names the field, with the value and the
+fix in the message. The length check happens here, on token ids, so a client
+learns its prompt plus `max_tokens` is too long before any engine work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.server.errors import bad_request, from_value_error
+from kvpilot.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+
+
+@dataclass
+class Limits:
+    """What the loaded model can take."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+def _check_common(request: SamplingFields) -> None:
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported by kvpilot: remove it", "logit_bias")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed with stream=true: set stream=true "
+                          "or remove stream_options", "stream_options")
+
+
+def completion_prompts(request: CompletionRequest, tokenizer: Any,
+                       limits: Limits) -> list[list[int]]:
+    """Gives one token-id list per prompt of a completions request."""
+    _check_common(request)
+    if request.suffix:
+        raise bad_request("suffix is not supported by kvpilot: remove it", "suffix")
+    if request.echo:
+        raise bad_request("echo=true is not supported by kvpilot: send echo=false", "echo")
+    if request.best_of is not None and request.best_of != request.n:
+        raise bad_request(f"best_of={request.best_of} is not supported: kvpilot samples n "
+                          "completions; omit best_of or set it equal to n", "best_of")
+    raw = request.prompt
+    if isinstance(raw, str):
+        items: list[str | list[int]] = [raw]
+    elif raw and all(isinstance(x, int) for x in raw):
+        items = [list(raw)]  # type: ignore[arg-type]
+    else:
+        items = list(raw)  # type: ignore[arg-type]
+    if not items:
+        raise bad_request("prompt=[] is invalid: send at least one prompt", "prompt")
+    prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+    for ids in prompts:
+        check_prompt(ids, limits, "prompt")
+    return prompts
+
+
+def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> list[int]:
+    """Gives the token ids of the chat rendered through the tokenizer's chat template."""
+    _check_common(request)
+    if request.tools:
+        raise bad_request("tools are not supported by kvpilot: remove tools", "tools")
+    if request.response_format and request.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text is not supported by kvpilot: "
+                          "remove response_format", "response_format")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request(f"top_logprobs={request.top_logprobs} needs logprobs=true: "
+                          "set logprobs=true", "top_logprobs")
+    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as exc:  # a template may raise on role orders it does not allow
+        raise bad_request(f"messages cannot be rendered by the chat template: {exc}",
+                          "messages") from exc
+    # The template writes any BOS itself; adding special tokens again would double it.
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    check_prompt(ids, limits, "messages")
+    return ids
+
+
+def check_prompt(ids: list[int], limits: Limits, param: str) -> None:
+    """Raises a 400 naming `param` when the prompt is empty, too long or out of vocabulary."""
+    if not ids:
+        raise bad_request(f"{param} is empty after tokenisation: send at least one token", param)
+    if len(ids) >= limits.max_model_len:
+        raise bad_request(f"{param} has {len(ids)} tokens, but this model's maximum context "
+                          f"length is {limits.max_model_len} tokens: shorten the {param}", param)
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"{param} has token id {bad}, outside the vocabulary of "
+                          f"{limits.vocab_size}: send ids in [0, {limits.vocab_size})", param)
+
+
+def _max_tokens(requested: int | None, param: str, prompt_len: int, limits: Limits) -> int:
+    room = limits.max_model_len - prompt_len
+    if requested is None:
+        return room
+    if requested > room:
+        raise bad_request(
+            f"{param}={requested} is too large: this model's maximum context length is "
+            f"{limits.max_model_len} tokens and the prompt has {prompt_len}; "
+            f"set {param} to at most {room}", param)
+    return requested
+
+
+def sampling_params(request: CompletionRequest | ChatCompletionRequest, prompt_len: int,
+                    limits: Limits) -> SamplingParams:
+    """Gives the SamplingParams of `request` for a prompt of `prompt_len` tokens."""
+    if isinstance(request, ChatCompletionRequest):
+        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        requested = request.max_completion_tokens or request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        param, requested, logprobs = "max_tokens", request.max_tokens, request.logprobs
+    if logprobs is not None:
+        # Ask the engine for at least one alternative: the response keeps only the
+        # requested number, and engines need not special-case k = 0.
+        logprobs = max(logprobs, 1)
+    fields: dict[str, Any] = {
+        "n": request.n,
+        "max_tokens": _max_tokens(requested, param, prompt_len, limits),
+        "min_tokens": request.min_tokens,
+        "seed": request.seed,
+        "stop": [request.stop] if isinstance(request.stop, str) else list(request.stop or []),
+        "stop_token_ids": list(request.stop_token_ids or []),
+        "ignore_eos": request.ignore_eos,
+        "logprobs": logprobs,
+        "skip_special_tokens": request.skip_special_tokens,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+    }
+    optional = {"temperature": request.temperature, "top_p": request.top_p,
+                "top_k": request.top_k, "min_p": request.min_p,
+                "presence_penalty": request.presence_penalty,
+                "frequency_penalty": request.frequency_penalty,
+                "repetition_penalty": request.repetition_penalty}
+    fields.update({k: v for k, v in optional.items() if v is not None})
+    if fields.get("top_k", 0) > limits.vocab_size:
+        fields["top_k"] = limits.vocab_size  # keeping more than the vocabulary keeps all of it
+    if fields["min_tokens"] > fields["max_tokens"]:
+        raise bad_request(f"min_tokens={request.min_tokens} is larger than the max_tokens "
+                          f"({fields['max_tokens']}): lower min_tokens", "min_tokens")
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        raise from_value_error(exc) from exc

@@ -1,0 +1,260 @@
+"""What completions and chat share: starting engine requests, merging their streams,
+SSE framing, usage, logprob conversion and aborting when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestAbortedError,
+)
+from kvpilot.engine.server.drain import Gate
+from kvpilot.engine.server.errors import ERROR_TYPES, OpenAIError, from_value_error
+from kvpilot.engine.server.params import Limits
+from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServingContext:
+    """What a generation handler needs from the server."""
+
+    engine: AsyncEngine
+    tokenizer: Any
+    model_name: str
+    limits: Limits
+    gate: Gate
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def start_requests(ctx: ServingContext, request_id: str, prompts: list[list[int]],
+                         params: list[SamplingParams], arrival_time: float, priority: int = 0
+                         ) -> list[AsyncIterator[RequestOutput]]:
+    """Gives one output stream per prompt; on a refusal aborts the ones started and raises 400."""
+    streams: list[AsyncIterator[RequestOutput]] = []
+    try:
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(await ctx.engine.add_request(rid, ids, p, arrival_time=arrival_time,
+                                                        priority=priority))
+    except ValueError as exc:
+        await close_all(streams)
+        raise from_value_error(exc) from exc
+    except EngineDeadError as exc:
+        await close_all(streams)
+        raise OpenAIError(503, str(exc), code="engine_dead") from exc
+    except BaseException:
+        await close_all(streams)
+        raise
+    return streams
+
+
+async def admit_requests(ctx: ServingContext, prefix: str, prompts: list[list[int]],
+                         params: list[SamplingParams], arrival_time: float, priority: int = 0
+                         ) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
+    """Gives (request id, one output stream per prompt) once the drain gate admits the request.
+
+    From here the gate slot is the caller's to give back (GenerationStream or a `finally`);
+    if starting the requests fails, it is given back here.
+    """
+    ctx.gate.admit()
+    try:
+        request_id = new_request_id(prefix)
+        return request_id, await start_requests(ctx, request_id, prompts, params, arrival_time,
+                                                priority)
+    except BaseException:
+        ctx.gate.release()
+        raise
+
+
+class StreamProgress:
+    """How far a stream has sent each choice: characters of text and tokens."""
+
+    def __init__(self) -> None:
+        self._text: dict[int, int] = {}
+        self._tokens: dict[int, int] = {}
+
+    def advance(self, index: int, completion: CompletionOutput) -> tuple[int, int] | None:
+        """Gives the (text, token) offsets where choice `index`'s unsent part starts, now sent.
+
+        None when `completion` adds neither text nor a token and has not finished: no chunk.
+        """
+        start_text, start_tok = self._text.get(index, 0), self._tokens.get(index, 0)
+        if not completion.text[start_text:] and len(completion.token_ids) == start_tok \
+                and completion.finish_reason is None:
+            return None
+        self._text[index], self._tokens[index] = len(completion.text), len(completion.token_ids)
+        return start_text, start_tok
+
+
+async def close_all(streams: list[AsyncIterator[RequestOutput]]) -> None:
+    """Closes streams, which aborts their unfinished requests."""
+    for stream in streams:
+        with contextlib.suppress(RuntimeError):  # already running elsewhere: it closes itself
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+class GenerationStream(StreamingResponse):
+    """An SSE response that always gives back its gate slot and closes its engine streams.
+
+    Cleaning up here, not only in the body generator, also covers a client that
+    leaves before the generator ever started (a never-started generator runs no
+    `finally`).
+    """
+
+    def __init__(self, body: AsyncIterator[str], gate: Gate,
+                 streams: list[AsyncIterator[RequestOutput]]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._body = body
+        self._gate = gate
+        self._streams = streams
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()  # type: ignore[attr-defined]
+            await close_all(self._streams)
+            self._gate.release()
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Gives (stream index, item) from all streams as items arrive; closing it closes them."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await close_all(streams)  # type: ignore[arg-type]
+        return
+    queue: asyncio.Queue[tuple[int, T] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+            await queue.put(None)
+        except Exception as exc:
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            got = await queue.get()
+            if got is None:
+                remaining -= 1
+            elif isinstance(got, BaseException):
+                raise got
+            else:
+                yield got
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await close_all(streams)  # type: ignore[arg-type]
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client closes the connection."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Gives `work`'s result, cancelling it (and so aborting its requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise OpenAIError(499, "client disconnected")
+    return task.result()
+
+
+def sse(payload: BaseModel | dict[str, Any] | str) -> str:
+    """Gives one server-sent event carrying `payload` as JSON (or a raw string like [DONE])."""
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json(exclude_unset=False)
+    elif isinstance(payload, dict):
+        payload = json.dumps(payload)
+    return f"data: {payload}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """Gives the SSE event that tells a streaming client its request failed."""
+    status = exc.status if isinstance(exc, OpenAIError) else 500
+    if isinstance(exc, EngineDeadError | RequestAbortedError):
+        status = 503
+    info = ErrorInfo(message=str(exc), type=ERROR_TYPES.get(status, "server_error"),
+                     param=getattr(exc, "param", None), code=status)
+    return sse(ErrorResponse(error=info))
+
+
+def usage_of(finals: list[RequestOutput | None], prompt_lens: list[int]) -> UsageInfo:
+    """Gives token usage over all prompts (prompt counted once, every completion counted)."""
+    prompt = sum(prompt_lens)
+    completion = sum(len(c.token_ids) for out in finals if out for c in out.outputs)
+    cached = sum(out.num_cached_tokens for out in finals if out)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details={"cached_tokens": cached})
+
+
+def check_error(output: RequestOutput) -> None:
+    """Raises when the engine ended the request with an error.
+
+    An error before any token is the engine refusing the request (for example it
+    needs more KV blocks than the cache has): a 400. After tokens it is a 500.
+    """
+    if not output.error and not any(c.finish_reason == "error" for c in output.outputs):
+        return
+    message = output.error or "the engine ended the request with an error"
+    if any(c.token_ids for c in output.outputs):
+        raise OpenAIError(500, f"the engine failed this request: {message}")
+    raise OpenAIError(400, f"the engine refused this request: {message}")
+
+
+def token_text(tokenizer: Any, token_id: int, entry: TokenLogprobs | None) -> str:
+    """Gives the text of one token, preferring the engine's decoded form."""
+    if entry and token_id in entry and entry[token_id].decoded_token:
+        return entry[token_id].decoded_token
+    return tokenizer.decode([token_id])
+
+
+def ranked(entry: TokenLogprobs, k: int) -> list[tuple[int, float]]:
+    """Gives the `k` most likely (token id, logprob) pairs of one position."""
+    items = sorted(entry.items(), key=lambda kv: kv[1].rank)
+    return [(tid, lp.logprob) for tid, lp in items[:k]]
+
+
+def new_logprobs(completion: CompletionOutput, start: int
+                 ) -> list[tuple[int, TokenLogprobs | None]]:
+    """Gives (token id, its logprob entry) for the tokens of `completion` from `start` on."""
+    entries = completion.logprobs or []
+    return [(tid, entries[i] if i < len(entries) else None)
+            for i, tid in enumerate(completion.token_ids[start:], start)]

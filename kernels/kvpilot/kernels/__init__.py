@@ -1,0 +1,1 @@
+"""Triton kernels, each beside the torch reference it is tested against."""

@@ -1,0 +1,1 @@
+"""The control plane: CRD models, planning, rendering, autoscaling and the kopf handlers."""

@@ -1,0 +1,275 @@
+"""Types shared by the three kinds: model, engine, topology, accelerator, NCCL, scaling, overrides.
+
+Python names are snake_case; the JSON the API server stores is camelCase (pydantic
+aliases). Every cross-field rule lives twice on purpose: as a CEL rule in the
+model's ``x-kubernetes-validations`` (so the API server rejects the object at
+``kubectl apply``) and as a pydantic validator (so ``kvpilot up`` and the operator
+reject it with the same message). A test checks that both agree on every fixture.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+Vendor = Literal["nvidia", "amd", "cpu"]
+ComputePartition = Literal["SPX", "DPX", "QPX", "CPX"]
+MemoryPartition = Literal["NPS1", "NPS4"]
+ResourceNaming = Literal["single", "mixed"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+ConditionStatus = Literal["True", "False", "Unknown"]
+NcclDebug = Literal["VERSION", "WARN", "INFO", "TRACE"]
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """Gives one `x-kubernetes-validations` entry."""
+    entry = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+class ApiModel(BaseModel):
+    """Base of every API type: camelCase JSON, unknown fields rejected, docstrings as descriptions."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )
+
+    def to_json(self) -> dict[str, Any]:
+        """Gives the camelCase dict the API server stores (unset optionals left out)."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class SecretRef(ApiModel):
+    """A key of a Secret in the object's namespace."""
+
+    name: str = Field(min_length=1)
+    """Name of the Secret."""
+    key: str = "HF_TOKEN"
+    """Key inside the Secret whose value is exported as HF_TOKEN."""
+
+
+class ModelSource(ApiModel):
+    """Which weights to serve, under which name, and the architecture facts planning needs."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Model name clients send in the OpenAI `model` field."""
+    source: str = Field(pattern=r"^(hf://[^/\s]+/[^\s]+|pvc://[^/\s]+(/[^\s]*)?|dummy:[a-z0-9-]+)$")
+    """Where weights come from: hf://org/name, pvc://claim/path or dummy:tiny-llama (random weights)."""
+    revision: str | None = None
+    """Hugging Face revision (branch, tag or commit) for hf:// sources."""
+    secret_ref: SecretRef | None = None
+    """Secret holding a Hugging Face token for gated hf:// models."""
+    num_attention_heads: int | None = Field(default=None, ge=1)
+    """Attention heads per layer; checked against tensorParallel."""
+    num_key_value_heads: int | None = Field(default=None, ge=1)
+    """KV heads per layer (GQA); replicated when tensorParallel exceeds them."""
+    num_layers: int | None = Field(default=None, ge=1)
+    """Transformer layers; pipelineParallel may not exceed them."""
+    num_experts: int | None = Field(default=None, ge=1)
+    """Routed experts per MoE layer; expertParallel must divide them."""
+    parameter_count: int | None = Field(default=None, ge=1)
+    """Total parameters; weight bytes are derived from it and the dtype when weightBytes is unset."""
+    weight_bytes: int | None = Field(default=None, ge=1)
+    """Size of the weights in bytes; checked against accelerator memory per GPU."""
+
+
+class EngineSpec(ApiModel):
+    """Engine settings rendered into `kvpilot serve` flags (see kvpilot.engine.contracts.args)."""
+
+    dtype: Dtype = "auto"
+    """Weight and activation dtype; auto is bfloat16 on GPU, float32 on CPU."""
+    max_model_len: int | None = Field(default=None, ge=1)
+    """Longest prompt plus output in tokens (default: the model's)."""
+    block_size: int = Field(default=16, ge=1, le=1024)
+    """Tokens per KV-cache block."""
+    enable_prefix_caching: bool = True
+    """Reuse cached KV blocks of shared prompt prefixes."""
+    max_num_seqs: int = Field(default=256, ge=1)
+    """Most sequences batched in one engine step."""
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    """Token budget of one engine step (prefill chunks plus decodes)."""
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    """Fraction of GPU memory the engine may use (engine default 0.9)."""
+    kv_cache_memory: str | None = Field(default=None, pattern=r"^\d+(\.\d+)?\s*([KMGT]i?B?|B)?$")
+    """Bytes for the KV cache on CPU, e.g. 512MiB."""
+    extra_args: list[str] = Field(default_factory=list, max_length=64)
+    """Further `kvpilot serve` flags appended verbatim, e.g. ["--seed", "1"]."""
+
+
+class TopologySpec(ApiModel):
+    """How one replica is split across GPUs."""
+
+    tensor_parallel: int = Field(default=1, ge=1, le=64)
+    """GPUs each layer is split across; stays within one node."""
+    pipeline_parallel: int = Field(default=1, ge=1, le=64)
+    """Pipeline stages; stages may sit on different nodes."""
+    expert_parallel: int = Field(default=1, ge=1, le=64)
+    """Ways each MoE layer's experts are split; must divide tensorParallel and the experts."""
+
+
+ACCELERATOR_RULES = [
+    cel("self.vendor == 'amd' || !has(self.computePartition)",
+        "computePartition is an AMD setting: set vendor: amd or remove computePartition",
+        ".computePartition"),
+    cel("self.vendor == 'amd' || !has(self.memoryPartition)",
+        "memoryPartition is an AMD setting: set vendor: amd or remove memoryPartition",
+        ".memoryPartition"),
+    cel("!has(self.memoryPartition) || self.memoryPartition != 'NPS4' || "
+        "(has(self.computePartition) && self.computePartition == 'CPX')",
+        "memoryPartition NPS4 needs computePartition CPX (SPX/DPX/QPX run with NPS1 only)",
+        ".memoryPartition"),
+    cel("self.resourceNaming == 'single' || has(self.computePartition)",
+        "resourceNaming mixed names resources after the partition (e.g. amd.com/cpx_nps4): "
+        "set computePartition or use resourceNaming single", ".resourceNaming"),
+]
+
+
+class AcceleratorSpec(ApiModel):
+    """The devices a replica runs on and how the cluster names them."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": ACCELERATOR_RULES})
+
+    vendor: Vendor = "nvidia"
+    """nvidia, amd, or cpu (no accelerator: the engine runs on CPU)."""
+    model: str | None = Field(default=None, max_length=63)
+    """Accelerator model, e.g. H100-80GB, H200, A100-80GB, L40S, MI300X, MI325X; selects nodes and sets memory per GPU."""
+    gpus_per_node: int | None = Field(default=None, ge=1, le=128)
+    """Logical GPUs each node offers (default: from the model and partition, else 8)."""
+    compute_partition: ComputePartition | None = None
+    """AMD compute partition of each physical GPU (SPX 1, DPX 2, QPX 4, CPX 8 logical GPUs)."""
+    memory_partition: MemoryPartition | None = None
+    """AMD memory partition (NPS1, or NPS4 with CPX)."""
+    resource_naming: ResourceNaming = "single"
+    """AMD device plugin naming: single (amd.com/gpu) or mixed (amd.com/<compute>_<memory>)."""
+
+    @model_validator(mode="after")
+    def _partition_rules(self) -> AcceleratorSpec:
+        given = (f"vendor={self.vendor}, computePartition={self.compute_partition}, "
+                 f"memoryPartition={self.memory_partition}, resourceNaming={self.resource_naming}")
+        broken = [
+            self.vendor != "amd" and self.compute_partition is not None,
+            self.vendor != "amd" and self.memory_partition is not None,
+            self.memory_partition == "NPS4" and self.compute_partition != "CPX",
+            self.resource_naming == "mixed" and self.compute_partition is None,
+        ]
+        for rule, is_broken in zip(ACCELERATOR_RULES, broken, strict=True):
+            if is_broken:
+                raise ValueError(f"accelerator ({given}): {rule['message']}")
+        return self
+
+
+TP_FITS_NODE = ("topology.tensorParallel must fit one node: lower it to accelerator.gpusPerNode "
+                "or below")
+
+
+def check_fits_node(topology: TopologySpec | None, accelerator: AcceleratorSpec | None) -> None:
+    """Raises ValueError (TP_FITS_NODE) when tensorParallel exceeds accelerator.gpusPerNode.
+
+    The CEL twin of this check sits in each kind's rules (InferenceModel, pools).
+    """
+    per_node = accelerator.gpus_per_node if accelerator is not None else None
+    if topology is not None and per_node is not None and topology.tensor_parallel > per_node:
+        raise ValueError(f"topology.tensorParallel={topology.tensor_parallel} > "
+                         f"accelerator.gpusPerNode={per_node}: {TP_FITS_NODE}")
+
+
+class CommunicationSpec(ApiModel):
+    """NCCL/RCCL settings; each typed field becomes one environment variable, env wins over all."""
+
+    socket_ifname: str | None = Field(default=None, max_length=128)
+    """NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, e.g. eth0 or ^lo,docker."""
+    ib_hca: str | None = Field(default=None, max_length=256)
+    """NCCL_IB_HCA, e.g. mlx5_0,mlx5_1 (with rdma: true)."""
+    ib_gid_index: int | None = Field(default=None, ge=0, le=255)
+    """NCCL_IB_GID_INDEX; RoCE v2 fabrics usually need 3."""
+    debug: NcclDebug | None = None
+    """NCCL_DEBUG level."""
+    min_nchannels: int | None = Field(default=None, ge=1, le=256)
+    """NCCL_MIN_NCHANNELS (default 112 on MI300X when a replica spans GPUs)."""
+    nvls_enable: bool | None = None
+    """NCCL_NVLS_ENABLE: NVLink SHARP multicast (unset: NCCL decides)."""
+    rdma: bool = False
+    """Use InfiniBand/RoCE between nodes: adds IPC_LOCK and keeps NCCL's IB transport on."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables; they override everything derived above."""
+
+
+class ResourceExtras(ApiModel):
+    """Resources added to the engine container on top of the GPUs the topology needs."""
+
+    requests: dict[str, str | int] = Field(default_factory=dict)
+    """Extra requests, e.g. {cpu: "8", memory: 64Gi}."""
+    limits: dict[str, str | int] = Field(default_factory=dict)
+    """Extra limits, e.g. {memory: 128Gi}."""
+
+
+class Overrides(ApiModel):
+    """The curated part of the pod users may change; no full PodSpec on purpose (small CRDs)."""
+
+    image: str | None = Field(default=None, max_length=512)
+    """Engine image (default: the operator's --engine-image)."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    """Pull policy of the engine image."""
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    """Names of Secrets for pulling the image."""
+    resources: ResourceExtras = Field(default_factory=ResourceExtras,
+                                      json_schema_extra={"default": {}})
+    """Extra CPU, memory or other resources."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Labels nodes must carry, merged with the accelerator's own."""
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    """Pod tolerations (Kubernetes Toleration objects), added to the accelerator's."""
+    affinity: dict[str, Any] | None = None
+    """Pod affinity (a Kubernetes Affinity object), used as given."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables of the engine container."""
+    annotations: dict[str, str] = Field(default_factory=dict)
+    """Extra pod annotations."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Extra pod labels."""
+    service_account_name: str | None = None
+    """Service account of the engine pods."""
+
+
+# Conditions merge by type under server-side apply (the Kubernetes convention).
+CONDITIONS_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+
+
+class Condition(ApiModel):
+    """One observation of the object's state (the Kubernetes condition convention)."""
+
+    type: str
+    """Ready, Progressing or Degraded."""
+    status: ConditionStatus
+    """True, False or Unknown."""
+    reason: str = ""
+    """CamelCase cause, e.g. TopologyInvalid."""
+    message: str = ""
+    """What happened, naming the field and the fix."""
+    last_transition_time: str | None = None
+    """RFC 3339 time the status last changed."""
+    observed_generation: int | None = None
+    """metadata.generation the condition was computed from."""
+
+
+class ScaleDecision(ApiModel):
+    """The autoscaler's latest change (or hold) of a pool."""
+
+    time: str
+    """RFC 3339 time of the decision."""
+    pool: str = ""
+    """Pool the decision is about (prefill or decode, or the pool's name)."""
+    from_replicas: int = Field(ge=0)
+    """Replicas before."""
+    to_replicas: int = Field(ge=0)
+    """Replicas after."""
+    reason: str = ""
+    """Which signal drove it, e.g. kvCacheUtilization 0.93 > 0.80."""

@@ -1,0 +1,125 @@
+"""The `kvpilot up` subcommand: run an InferenceModel's fleet as local processes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+# The repository's example (operator/kvpilot/operator/local/cli.py -> the checkout's root).
+DEFAULT_MANIFEST = Path(__file__).resolve().parents[4] / "examples" / "tiny-cpu.yaml"
+ONCE_PROMPT = "Say hello in five words."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the flags of `kvpilot up`."""
+    parser.add_argument("file", nargs="?", default=str(DEFAULT_MANIFEST),
+                        help="InferenceModel manifest (default: the checkout's examples/tiny-cpu.yaml)")
+    parser.add_argument("--port", type=int, default=8080, help="router port on 127.0.0.1")
+    parser.add_argument("--once", action="store_true",
+                        help="send one chat request, print the answer, stop everything, exit")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds every process gets to become ready")
+    parser.add_argument("--log-dir", default=None,
+                        help="where each process's log goes (default: a temporary directory)")
+    parser.add_argument("--drain-timeout", type=float, default=120.0,
+                        help="seconds a removed replica gets to finish its requests on a "
+                             "scale-down before it is killed")
+
+
+def _once(url: str, model: str) -> str:
+    """Gives the answer to one greedy chat request through the router."""
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": ONCE_PROMPT}],
+            "max_tokens": 24, "temperature": 0}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    response.raise_for_status()
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def _reload(scaler: Any, file: str, interrupted: Any) -> None:
+    """Re-reads the manifest and scales the fleet to it; a bad edit is reported, not fatal."""
+    import yaml
+
+    try:
+        manifest = yaml.safe_load(Path(file).read_text())
+        lines = scaler.reload(manifest, interrupted)
+    except (OSError, ValueError, yaml.YAMLError, RuntimeError, TimeoutError) as exc:
+        print(f"kvpilot up: reload of {file} refused: {exc}", file=sys.stderr, flush=True)
+        return
+    for line in lines or ["no replica count changed"]:
+        print(f"kvpilot up: reloaded {file}: {line}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the fleet until Ctrl-C/SIGTERM (or one request with --once); gives the exit code.
+
+    SIGHUP re-reads the manifest and scales its pools to the new replica counts.
+    """
+    import yaml
+
+    from kvpilot.operator.local.plan import plan_local
+    from kvpilot.operator.local.scaler import Scaler
+    from kvpilot.operator.local.supervisor import Supervisor, free_port
+
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpilot-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    instances_file = log_dir / "router-instances"
+    try:
+        manifest: dict[str, Any] = yaml.safe_load(Path(args.file).read_text())
+        engines, router = plan_local(manifest, free_port, args.port,
+                                     instances_file=str(instances_file))
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        print(f"kvpilot up: {args.file}: {exc}", file=sys.stderr)
+        return 2
+    model = manifest["spec"]["model"]["name"]
+    supervisor = Supervisor(log_dir)
+    scaler = Scaler(supervisor, manifest, router, instances_file, args.timeout,
+                    args.drain_timeout)
+    stop, reload = threading.Event(), threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: reload.set())
+    try:
+        print(f"kvpilot up: pid {os.getpid()}; starting {len(engines)} engine(s) and a router; "
+              f"logs in {log_dir}", file=sys.stderr, flush=True)
+        for process in engines:
+            supervisor.start(process)
+        scaler.publish()
+        supervisor.start(router)
+        supervisor.wait_ready(args.timeout, {"router": "/ready"}, stop.is_set)
+        endpoint = f"{router.url}/v1"
+        if args.once:
+            print(f"kvpilot up: serving {model} at {endpoint}; POST /chat/completions "
+                  f"{ONCE_PROMPT!r}", file=sys.stderr, flush=True)
+            print(_once(router.url, model), flush=True)
+            return 0
+        print(f"kvpilot up: serving {model} at {endpoint} (Ctrl-C stops)", flush=True)
+        print(f"  try: curl {endpoint}/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
+              f"\"content\": \"hi\"}}]}}'", flush=True)
+        print(f"  scale: edit the pools' replicas in {args.file}, then: kill -HUP {os.getpid()}",
+              flush=True)
+        while not stop.wait(0.5):
+            if reload.is_set():
+                reload.clear()
+                _reload(scaler, args.file, stop.is_set)
+            exited = supervisor.first_exited()
+            if exited is not None:
+                print(f"kvpilot up: {exited.name} exited:\n{supervisor.log_tail(exited)}",
+                      file=sys.stderr)
+                return 1
+        return 0
+    except InterruptedError:
+        return 130
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"kvpilot up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        supervisor.stop()

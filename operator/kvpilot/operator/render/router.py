@@ -1,0 +1,100 @@
+"""The router in front of an InferenceModel's pools: Deployment, Service and its discovery RBAC."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpilot.engine.contracts.router_args import RouterArgs
+from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.render.meta import (
+    COMPONENT_LABEL,
+    MODEL_LABEL,
+    ROUTER_PORT,
+    RenderConfig,
+    child_name,
+    object_meta,
+)
+
+
+def router_name(model: str) -> str:
+    """Gives the name of an InferenceModel's router Deployment, Service and ServiceAccount."""
+    return child_name(model, "router")
+
+
+def router_labels(model: str) -> dict[str, str]:
+    """Gives the selector labels of the router's pods."""
+    return {MODEL_LABEL: model, COMPONENT_LABEL: "router"}
+
+
+def router_args(model: str, namespace: str, spec: InferenceModelSpec) -> list[str]:
+    """Gives the arguments after `kvpilot route`: discover this model's pool Services' endpoints."""
+    source = spec.model.source
+    args = RouterArgs(
+        host="0.0.0.0", port=ROUTER_PORT, discovery="kubernetes", namespace=namespace,
+        # Only pool Services carry a role label; the router's own Service has none.
+        selector=f"{MODEL_LABEL}={model},kvpilot.dev/role",
+        policy=spec.router.policy, block_size=spec.engine.block_size,
+        # Built-in models ship their tokenizer in the image, so prefix hashes match the engines'.
+        tokenizer=source.removeprefix("dummy:") if source.startswith("dummy:") else None,
+    )
+    return args.to_cli()
+
+
+def endpoint_url(model: str, namespace: str) -> str:
+    """Gives the in-cluster URL of the model's OpenAI API."""
+    return f"http://{router_name(model)}.{namespace}.svc:{ROUTER_PORT}/v1"
+
+
+def render_router(model: str, namespace: str, spec: InferenceModelSpec, owner: dict[str, Any],
+                  config: RenderConfig) -> list[dict[str, Any]]:
+    """Gives the router's ServiceAccount, Role, RoleBinding, Deployment and Service."""
+    name = router_name(model)
+    labels = router_labels(model)
+    meta = object_meta(name, namespace, labels, owner)
+    container = {
+        "name": "router",
+        "image": config.router_image,
+        "command": ["kvpilot", "route"],
+        "args": router_args(model, namespace, spec),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        # /health, not /ready: the router must take requests while a pool scales from
+        # zero (it holds them until an engine is ready), so it is ready without engines.
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
+                      "limits": {"memory": "1Gi"}},
+        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
+                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {
+                    "prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_PORT)}},
+                "spec": {"serviceAccountName": name, "containers": [container],
+                         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
+                                             "seccompProfile": {"type": "RuntimeDefault"}}},
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": meta,
+        "spec": {"type": "ClusterIP", "selector": labels, "ports": [
+            {"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}]},
+    }
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
+        "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                   "verbs": ["get", "list", "watch"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+    }
+    return [account, role, binding, deployment, service]
