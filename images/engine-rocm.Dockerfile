@@ -1,10 +1,16 @@
-# The engine image for AMD GPUs (MI300X): `kvpilot serve` on the ROCm PyTorch image
-# (torch and triton come from the base). Build from the repository root:
+# The engine image for AMD GPUs (MI300X): `kvpilot serve` on the ROCm PyTorch image.
+# torch and triton come from the base image and satisfy the engine's metadata; pip resolves
+# the rest from the three distributions' metadata (kvpilot, kvpilot-kernels, kvpilot-engine).
+# Build from the repository root:
 #   docker build -f images/engine-rocm.Dockerfile -t ghcr.io/kvpilot/engine-rocm:0.1.0 .
 FROM rocm/pytorch:rocm6.4.1_ubuntu24.04_py3.12_pytorch_release_2.7.1 AS build
 WORKDIR /src
-COPY . .
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+COPY pyproject.toml README.md ./
+COPY cli cli
+COPY operator operator
+COPY kernels kernels
+COPY engine engine
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . ./kernels ./engine
 
 FROM rocm/pytorch:rocm6.4.1_ubuntu24.04_py3.12_pytorch_release_2.7.1
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -12,12 +18,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HOME=/cache/huggingface \
     HOME=/cache \
     TRITON_CACHE_DIR=/cache/triton
-COPY images/engine-requirements.txt /tmp/requirements.txt
-RUN pip install --no-cache-dir -r /tmp/requirements.txt
 COPY --from=build /wheels /wheels
-# --no-deps: torch and triton are the base image's; the rest came from the pinned list above.
-RUN pip install --no-cache-dir --no-deps /wheels/*.whl \
-    && rm -rf /wheels /tmp/requirements.txt \
+RUN pip install --no-cache-dir /wheels/*.whl \
+    && rm -rf /wheels \
     && mkdir -p /cache/huggingface /cache/triton \
     && chown -R 1000:1000 /cache
 USER 1000:1000
