@@ -11,34 +11,36 @@ from kvpilot.operator.api.common import (
     TP_FITS_NODE,
     AcceleratorSpec,
     ApiModel,
+    CelRule,
     CommunicationSpec,
     EngineSpec,
     ModelSource,
     Overrides,
     ScaleDecision,
     TopologySpec,
-    cel,
     check_fits_node,
+    validations,
 )
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.stored import ObservedStatus, StoredObject
 
 POOL_RULES = [
-    cel("has(self.modelRef) != has(self.model)",
-        "set exactly one of spec.modelRef (name of an InferenceModel) or spec.model (inline)"),
-    cel("!has(self.engine) || has(self.model)",
-        "spec.engine goes with an inline spec.model; with spec.modelRef the InferenceModel's "
-        "engine applies: remove spec.engine", ".engine"),
-    cel("!has(self.topology) || !has(self.accelerator) || !has(self.accelerator.gpusPerNode) || "
-        "self.topology.tensorParallel <= self.accelerator.gpusPerNode",
-        TP_FITS_NODE, ".topology.tensorParallel"),
+    CelRule("has(self.modelRef) != has(self.model)",
+            "set exactly one of spec.modelRef (name of an InferenceModel) or spec.model (inline)"),
+    CelRule("!has(self.engine) || has(self.model)",
+            "spec.engine goes with an inline spec.model; with spec.modelRef the InferenceModel's "
+            "engine applies: remove spec.engine", ".engine"),
+    CelRule("!has(self.topology) || !has(self.accelerator) || "
+            "!has(self.accelerator.gpusPerNode) || "
+            "self.topology.tensorParallel <= self.accelerator.gpusPerNode",
+            TP_FITS_NODE, ".topology.tensorParallel"),
 ]
 
 
 class PoolSpec(ApiModel):
     """Fields both pool kinds share. Unset sections come from the referenced InferenceModel."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": POOL_RULES})
+    model_config = ConfigDict(json_schema_extra=validations(POOL_RULES))
 
     model_ref: str | None = Field(default=None, min_length=1, max_length=253)
     """Name of an InferenceModel in the same namespace whose model and engine this pool serves."""
@@ -63,9 +65,9 @@ class PoolSpec(ApiModel):
     def _source(self) -> PoolSpec:
         if (self.model_ref is None) == (self.model is None):
             raise ValueError(f"spec.modelRef={self.model_ref!r}, spec.model "
-                             f"{'set' if self.model else 'unset'}: {POOL_RULES[0]['message']}")
+                             f"{'set' if self.model else 'unset'}: {POOL_RULES[0].message}")
         if self.engine is not None and self.model is None:
-            raise ValueError(POOL_RULES[1]["message"])
+            raise ValueError(POOL_RULES[1].message)
         check_fits_node(self.topology, self.accelerator)
         return self
 
