@@ -37,7 +37,8 @@ from kvpilot.operator.autoscale.scrape import (
 )
 from kvpilot.operator.autoscale.signals import PoolMetrics
 from kvpilot.operator.autoscale.spec import PolicySpec, from_api
-from kvpilot.operator.handlers.kube import Kube, KubeError
+from kvpilot.operator.kube.client import Kube
+from kvpilot.operator.kube.errors import KubeError
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, POOL_LABEL
 from kvpilot.operator.render.pool import pool_role
 from kvpilot.operator.render.router import router_labels

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator.autoscale.budget import PoolDemand, allocate
-from kvpilot.operator.handlers.kube import Kube, differs
+from kvpilot.operator.kube.client import Kube
+from kvpilot.operator.kube.diff import differs
 from kvpilot.operator.render.meta import GROUP_VERSION
 
 POOL_KINDS = ("PrefillPool", "DecodePool")

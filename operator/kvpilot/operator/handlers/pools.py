@@ -11,8 +11,9 @@ from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import DecodePoolSpec, PoolSpec, PrefillPoolSpec
 from kvpilot.operator.handlers.children import sync_children
 from kvpilot.operator.handlers.indexes import first
-from kvpilot.operator.handlers.kube import Kube, KubeError
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
+from kvpilot.operator.kube.client import Kube
+from kvpilot.operator.kube.errors import KubeError
 from kvpilot.operator.render.meta import GROUP_VERSION, POOL_LABEL, RenderConfig
 from kvpilot.operator.render.pool import pool_selector, render_pool
 from kvpilot.operator.render.workloads import LWS_API_VERSION
