@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -21,7 +21,6 @@ from kvpilot.operator.api.common import (
     check_fits_node,
     validations,
 )
-from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.stored import ObservedStatus, StoredObject
 
 POOL_RULES = [
@@ -38,7 +37,8 @@ POOL_RULES = [
 
 
 class PoolSpec(ApiModel):
-    """Fields both pool kinds share. Unset sections come from the referenced InferenceModel."""
+    """Fields both pool kinds share. Unset sections come from the referenced InferenceModel
+    (kvpilot.operator.planning.pool.resolve_pool fills them)."""
 
     model_config = ConfigDict(json_schema_extra=validations(POOL_RULES))
 
@@ -71,30 +71,11 @@ class PoolSpec(ApiModel):
         check_fits_node(self.topology, self.accelerator)
         return self
 
-    def resolved(self, owner: InferenceModelSpec | None) -> PoolSpec:
-        """Gives a copy with every section filled: own value, else the owner's, else the default."""
-        if self.model_ref is not None and owner is None:
-            raise ValueError(f"spec.modelRef={self.model_ref!r} names no InferenceModel in this "
-                             "namespace: create it or set spec.model inline")
-
-        def pick(own: Any, inherited: Any, default: Any) -> Any:
-            return own if own is not None else (inherited if inherited is not None else default)
-
-        role = "prefill" if getattr(self, "role", None) == "prefill" else "decode"
-        return self.model_copy(update={
-            "model": pick(self.model, owner and owner.model, None),
-            "engine": pick(self.engine, owner and owner.engine, EngineSpec()),
-            "topology": pick(self.topology, owner and owner.pool_topology(role), TopologySpec()),
-            "accelerator": pick(self.accelerator, owner and owner.accelerator, AcceleratorSpec()),
-            "communication": pick(self.communication, owner and owner.communication,
-                                  CommunicationSpec()),
-            "overrides": pick(self.overrides, owner and owner.overrides, Overrides()),
-        })
-
 
 class PrefillPoolSpec(PoolSpec):
     """Desired state of a PrefillPool."""
 
+    kind: ClassVar[Literal["PrefillPool"]] = "PrefillPool"
     role: Literal["prefill"] = "prefill"
     """Engine role: prefill computes prompt KV and hands it to a decode pool."""
 
@@ -102,8 +83,15 @@ class PrefillPoolSpec(PoolSpec):
 class DecodePoolSpec(PoolSpec):
     """Desired state of a DecodePool."""
 
+    kind: ClassVar[Literal["DecodePool"]] = "DecodePool"
     role: Literal["both", "decode"] = "both"
     """Engine role: both serves whole requests (aggregated); decode takes KV from prefill."""
+
+
+AnyPoolSpec = PrefillPoolSpec | DecodePoolSpec
+"""The spec of either pool kind."""
+SPEC_BY_KIND: dict[str, type[PrefillPoolSpec] | type[DecodePoolSpec]] = {
+    cls.kind: cls for cls in (PrefillPoolSpec, DecodePoolSpec)}
 
 
 class PoolStatus(ObservedStatus):

@@ -9,6 +9,7 @@ without duplicates and without writes when nothing changed.
 from __future__ import annotations
 
 import json
+import os
 import ssl
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -61,9 +62,10 @@ class Kube:
     @classmethod
     def from_connection(cls, info: kopf.ConnectionInfo) -> Kube:
         """Gives a client for a `kopf.ConnectionInfo` (what the operator logged in with)."""
-        cert = (info.certificate_path, info.private_key_path) \
+        cert = (os.fsdecode(info.certificate_path), os.fsdecode(info.private_key_path)) \
             if info.certificate_path and info.private_key_path else None
-        return cls(info.server, token=info.token, ca_path=info.ca_path,
+        return cls(info.server, token=info.token,
+                   ca_path=os.fsdecode(info.ca_path) if info.ca_path else None,
                    insecure=bool(info.insecure), cert=cert)
 
     async def close(self) -> None:
