@@ -56,7 +56,8 @@ def _with_server_fields(obj: dict[str, Any]) -> dict[str, Any]:
 
 def _render(obj: dict[str, Any]) -> list[dict[str, Any]]:
     """Gives everything the operator would create for `obj`, pools expanded recursively."""
-    from kvpilot.operator.render.children import render_children
+    from kvpilot.operator.planning.pool import resolve_pool
+    from kvpilot.operator.render.children import owned_pools, render_children
     from kvpilot.operator.render.meta import RenderConfig
     from kvpilot.operator.render.pool import render_pool
 
@@ -64,13 +65,13 @@ def _render(obj: dict[str, Any]) -> list[dict[str, Any]]:
     obj = _with_server_fields(obj)
     if obj["kind"] == "InferenceModel":
         spec = InferenceModel.model_validate(obj).spec
-        out = render_children(obj, spec, config)
+        out = render_children(obj, spec, owned_pools(spec, obj["metadata"]["name"]), config)
         for child in [c for c in out if c["kind"] in ("PrefillPool", "DecodePool")]:
             pool = MODELS[child["kind"]].model_validate(child).spec
-            out += render_pool(_with_server_fields(child), pool.resolved(spec), config)
+            out += render_pool(_with_server_fields(child), resolve_pool(pool, spec), config)
         return out
     pool = MODELS[obj["kind"]].model_validate(obj).spec
-    return render_pool(obj, pool.resolved(None), config)
+    return render_pool(obj, resolve_pool(pool, None), config)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])

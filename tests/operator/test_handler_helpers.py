@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from kvpilot.operator import cli, rbac
 from kvpilot.operator.handlers.events import event
-from kvpilot.operator.handlers.kube import KubeError, differs, resource_path, transient, without
+from kvpilot.operator.kube.client import resource_path
+from kvpilot.operator.kube.diff import differs, without
+from kvpilot.operator.kube.errors import KubeError, transient
 
 REPO = Path(__file__).resolve().parents[2]
 

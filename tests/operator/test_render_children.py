@@ -13,7 +13,8 @@ from kvpilot.engine.router import cli as route_cli
 from kvpilot.engine.server import cli as serve_cli
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import DecodePoolSpec, PrefillPoolSpec
-from kvpilot.operator.render.children import render_children
+from kvpilot.operator.planning.pool import resolve_pool
+from kvpilot.operator.render.children import owned_pools, render_children
 from kvpilot.operator.render.engine_args import model_location
 from kvpilot.operator.render.meta import RenderConfig, child_name
 from kvpilot.operator.render.pool import render_pool
@@ -23,8 +24,12 @@ IM = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel",
 TINY = {"model": {"name": "chat", "source": "dummy:tiny-llama"}, "accelerator": {"vendor": "cpu"}}
 
 
+def render(spec: InferenceModelSpec) -> list[dict[str, Any]]:
+    return render_children(IM, spec, owned_pools(spec, "chat"), RenderConfig())
+
+
 def children(**spec: Any) -> list[dict[str, Any]]:
-    return render_children(IM, InferenceModelSpec.model_validate({**TINY, **spec}), RenderConfig())
+    return render(InferenceModelSpec.model_validate({**TINY, **spec}))
 
 
 def parse(add_arguments: Any, argv: list[str]) -> argparse.Namespace:
@@ -88,10 +93,10 @@ def test_engine_command_parses_as_kvpilot_serve(mode, role):
         "engine": {"maxNumSeqs": 32, "blockSize": 32, "kvCacheMemory": "512MiB",
                    "extraArgs": ["--seed", "7"]},
         "topology": {"tensorParallel": 2}})
-    objects = render_children(IM, spec, RenderConfig())
+    objects = render(spec)
     pool = next(o for o in objects if o["kind"] == "DecodePool")
     pool = {**pool, "metadata": {**pool["metadata"], "uid": "u2"}}
-    deployment = render_pool(pool, DecodePoolSpec.model_validate(pool["spec"]).resolved(spec),
+    deployment = render_pool(pool, resolve_pool(DecodePoolSpec.model_validate(pool["spec"]), spec),
                              RenderConfig())[0]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     parsed = parse(serve_cli.add_arguments, container["args"])
@@ -110,8 +115,7 @@ def test_engine_command_parses_as_kvpilot_serve(mode, role):
 def test_prefill_pool_spec_round_trips():
     spec = InferenceModelSpec.model_validate({**TINY, "servingMode": "disaggregated",
                                               "prefill": {"replicas": 2}})
-    prefill = next(o for o in render_children(IM, spec, RenderConfig())
-                   if o["kind"] == "PrefillPool")
+    prefill = next(o for o in render(spec) if o["kind"] == "PrefillPool")
     assert PrefillPoolSpec.model_validate(prefill["spec"]).replicas == 2
 
 

@@ -8,13 +8,13 @@ import kubernetes_validate
 import pytest
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
-from kvpilot.operator.api.pools import DecodePoolSpec, PrefillPoolSpec
-from kvpilot.operator.render.children import render_children
+from kvpilot.operator.api.pools import SPEC_BY_KIND
+from kvpilot.operator.planning.pool import resolve_pool
+from kvpilot.operator.render.children import owned_pools, render_children
 from kvpilot.operator.render.meta import RenderConfig
 from kvpilot.operator.render.pool import render_pool
 
 K8S_VERSION = "1.34"
-POOL_SPECS = {"PrefillPool": PrefillPoolSpec, "DecodePool": DecodePoolSpec}
 LLAMA_70B = {"name": "llama", "source": "hf://meta-llama/Llama-3.1-70B-Instruct",
              "numAttentionHeads": 64, "numKeyValueHeads": 8, "numLayers": 80,
              "parameterCount": 70_000_000_000, "secretRef": {"name": "hf"}}
@@ -25,10 +25,10 @@ def render_all(spec: dict[str, Any], config: RenderConfig) -> list[dict[str, Any
     parsed = InferenceModelSpec.model_validate(spec)
     im = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel",
           "metadata": {"name": "m", "namespace": "ns", "uid": "uid-m", "generation": 1}}
-    objects = render_children(im, parsed, config)
-    for pool in [o for o in objects if o["kind"] in POOL_SPECS]:
+    objects = render_children(im, parsed, owned_pools(parsed, "m"), config)
+    for pool in [o for o in objects if o["kind"] in SPEC_BY_KIND]:
         pool = {**pool, "metadata": {**pool["metadata"], "uid": f"uid-{pool['kind']}"}}
-        resolved = POOL_SPECS[pool["kind"]].model_validate(pool["spec"]).resolved(parsed)
+        resolved = resolve_pool(SPEC_BY_KIND[pool["kind"]].model_validate(pool["spec"]), parsed)
         objects += render_pool(pool, resolved, config)
     return objects
 
@@ -115,8 +115,8 @@ def test_rendered_objects_validate_and_place(spec, config, role, workloads, reso
                                              labels, env):
     objects = render_all(spec, config)
     for obj in objects:
-        if obj["kind"] in POOL_SPECS:
-            POOL_SPECS[obj["kind"]].model_validate(obj["spec"])  # our CRDs: our models
+        if obj["kind"] in SPEC_BY_KIND:
+            SPEC_BY_KIND[obj["kind"]].model_validate(obj["spec"])  # our CRDs: our models
         elif obj["kind"] == "LeaderWorkerSet":
             # Not a built-in kind: validate its pod template as a core PodTemplate.
             template = obj["spec"]["leaderWorkerTemplate"]["workerTemplate"]

@@ -6,12 +6,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
-from kvpilot.operator.api.pools import DecodePoolSpec, PrefillPoolSpec
-from kvpilot.operator.render.children import render_children
+from kvpilot.operator.api.pools import SPEC_BY_KIND
+from kvpilot.operator.planning.pool import resolve_pool
+from kvpilot.operator.render.children import owned_pools, render_children
 from kvpilot.operator.render.meta import RenderConfig
 from kvpilot.operator.render.pool import render_pool
 
-POOL_SPECS = {"PrefillPool": PrefillPoolSpec, "DecodePool": DecodePoolSpec}
 WORKLOADS = {"Deployment", "StatefulSet", "LeaderWorkerSet"}
 
 specs = st.fixed_dictionaries({
@@ -37,12 +37,12 @@ def test_rendering_invariants(case):
     config = RenderConfig(leader_worker_set=case["lws"])
     im = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel",
           "metadata": {"name": case["name"], "namespace": "ns", "uid": "u", "generation": 1}}
-    children = render_children(im, spec, config)
+    children = render_children(im, spec, owned_pools(spec, case["name"]), config)
     names = [(o["kind"], o["metadata"]["name"]) for o in children]
     assert len(names) == len(set(names))  # no two children collide
-    for pool in [o for o in children if o["kind"] in POOL_SPECS]:
+    for pool in [o for o in children if o["kind"] in SPEC_BY_KIND]:
         pool = {**pool, "metadata": {**pool["metadata"], "uid": "p"}}
-        resolved = POOL_SPECS[pool["kind"]].model_validate(pool["spec"]).resolved(spec)
+        resolved = resolve_pool(SPEC_BY_KIND[pool["kind"]].model_validate(pool["spec"]), spec)
         objects = render_pool(pool, resolved, config)
         gpus_per_replica = 0
         for obj in objects:

@@ -1,4 +1,4 @@
-"""The pydantic models: camelCase JSON, named errors, pool resolution, and agreement with the CRD."""
+"""The pydantic models: camelCase JSON, named errors, and agreement with the CRD."""
 
 from __future__ import annotations
 
@@ -11,11 +11,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kvpilot.operator.api import (
-    DecodePoolSpec,
     InferenceModel,
     InferenceModelSpec,
-    PrefillPoolSpec,
-    TopologySpec,
 )
 
 MODEL = {"name": "llama", "source": "hf://meta-llama/Llama-3.1-8B"}
@@ -55,37 +52,6 @@ def test_object_ignores_server_fields():
         "status": {"observedGeneration": 1, "decodeReplicas": "0/1"},
     })
     assert obj.metadata["generation"] == 2 and obj.status and obj.status.decode_replicas == "0/1"
-
-
-OWNER = InferenceModelSpec.model_validate({
-    "model": MODEL, "engine": {"blockSize": 32}, "topology": {"tensorParallel": 4},
-    "accelerator": {"vendor": "amd", "model": "MI300X"}, "communication": {"debug": "INFO"},
-    "servingMode": "disaggregated",
-    "prefill": {"topology": {"tensorParallel": 2}}, "overrides": {"image": "img:1"},
-})
-
-
-@pytest.mark.parametrize(("pool", "tp", "block_size", "vendor", "image"), [
-    (DecodePoolSpec(model_ref="m"), 4, 32, "amd", "img:1"),
-    (PrefillPoolSpec(model_ref="m"), 2, 32, "amd", "img:1"),
-    (DecodePoolSpec(model_ref="m", topology=TopologySpec(tensor_parallel=8)), 8, 32, "amd",
-     "img:1"),
-    (DecodePoolSpec.model_validate({"model": MODEL, "engine": {"blockSize": 64},
-                                    "accelerator": {"vendor": "cpu"}}), 1, 64, "cpu", None),
-], ids=["decode-inherits", "prefill-uses-prefill-override", "own-topology-wins", "inline"])
-def test_pool_resolution(pool: Any, tp: int, block_size: int, vendor: str, image: str | None):
-    owner = OWNER if pool.model_ref else None
-    got = pool.resolved(owner)
-    assert got.model and got.model.name == "llama"
-    assert got.topology and got.topology.tensor_parallel == tp
-    assert got.engine and got.engine.block_size == block_size
-    assert got.accelerator and got.accelerator.vendor == vendor
-    assert got.overrides and got.overrides.image == image
-
-
-def test_pool_resolution_without_owner_names_the_ref():
-    with pytest.raises(ValueError, match=r"spec\.modelRef=.gone. names no InferenceModel"):
-        DecodePoolSpec(model_ref="gone").resolved(None)
 
 
 CROSS_FIELD = st.fixed_dictionaries({

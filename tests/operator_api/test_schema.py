@@ -7,7 +7,7 @@ from typing import Any, Literal
 import pytest
 from pydantic import ConfigDict, Field
 
-from kvpilot.operator.api.common import ApiModel, cel
+from kvpilot.operator.api.common import ApiModel, CelRule, validations
 from kvpilot.operator.api.schema import structural
 
 
@@ -21,7 +21,7 @@ class Inner(ApiModel):
 class Sample(ApiModel):
     """A sample."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel("true", "never")]})
+    model_config = ConfigDict(json_schema_extra=validations([CelRule("true", "never")]))
 
     name: str = Field(min_length=1, pattern=r"^[a-z]+$")
     """The   name,

@@ -10,8 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.kernels.jit import jit
 
-@triton.jit
+
+@jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -14,11 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.kernels.jit import jit
+
 SPLITS = 8  # programs per block: rows are few (a chunk is <= 256 blocks) and long (MiBs)
 TILE = 2048  # 16-bit words each program loads per iteration
 
 
-@triton.jit
+@jit
 def _block_checksum_kernel(words_ptr, out_ptr, words_per_row, words_per_split,
                            MODULUS: tl.constexpr, SPLITS: tl.constexpr, TILE: tl.constexpr):
     row = tl.program_id(0)

@@ -12,8 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.kernels.jit import jit
 
-@triton.jit
+
+@jit
 def _kv_cache_write_kernel(
     k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
     stride_kt, stride_vt, stride_kv, stride_slot,

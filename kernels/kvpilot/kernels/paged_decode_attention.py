@@ -20,12 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.kernels.jit import jit
+
 
 # Arguments that change from step to step are not specialised on (divisibility by 16,
 # pointer alignment of sliced views): each distinct specialisation is a fresh compile,
 # seconds of stall in the middle of serving.
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
+@jit(do_not_specialize=["num_splits", "stride_bt"],
+     do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     scale, num_splits,
@@ -86,7 +88,7 @@ def _decode_split_kernel(
     tl.store(mid_lse_ptr + row, lse, mask=head_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, stride_ot, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,

@@ -20,10 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.kernels.jit import jit
+
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@jit
 def _tile(acc, m_i, l_i, q, k, v, qk_scale, mask):
     """Gives (acc, m_i, l_i) after one online-softmax step over a K/V tile (base-2 exps)."""
     s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -38,9 +40,8 @@ def _tile(acc, m_i, l_i, q, k, v, qk_scale, mask):
 
 # the block table's width and the sliced per-sequence tensors change every step: no
 # specialisation on them, or each new width/alignment is a fresh compile mid-serving
-@triton.jit(do_not_specialize=["stride_bt"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
-                                            "seq_lens_ptr"])
+@jit(do_not_specialize=["stride_bt"],
+     do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr, qk_scale,

@@ -14,8 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.kernels.jit import jit
 
-@triton.jit
+
+@jit
 def _rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_xt, stride_xh, num_heads, stride_r, stride_o, stride_ro, n_cols, eps,

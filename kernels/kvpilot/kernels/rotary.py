@@ -13,8 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.kernels.jit import jit
 
-@triton.jit
+
+@jit
 def _rotate(base, stride_h, n_heads, cos, sin, offs_h, offs_i,
             HALF: tl.constexpr, IS_NEOX: tl.constexpr):
     """Rotates the pairs of ``n_heads`` heads starting at ``base`` in place."""
@@ -33,7 +35,7 @@ def _rotate(base, stride_h, n_heads, cos, sin, offs_h, offs_i,
     tl.store(p2, (x2 * cos + x1 * sin).to(base.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cos_sin_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,

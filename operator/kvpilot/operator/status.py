@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 POOL_DEGRADED = "PoolDegraded"
 
@@ -159,10 +161,9 @@ def model_status(pools: dict[str, PoolCounts], endpoint: str | None, generation:
 
 def describe_error(exc: Exception) -> str:
     """Gives a one-line message for a spec error, naming the field (pydantic loc) when known."""
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
+    if isinstance(exc, ValidationError):
         parts = []
-        for err in errors():
+        for err in exc.errors():
             loc = ".".join(str(p) for p in err.get("loc", ()))
             msg = str(err.get("msg", "")).removeprefix("Value error, ")
             parts.append(f"{loc}: {msg}" if loc else msg)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import ConfigDict, Field, model_validator
 
-from kvpilot.operator.api.common import ApiModel, cel
+from kvpilot.operator.api.common import ApiModel, CelRule, validations
 
 
 class ScalingRules(ApiModel):
@@ -44,15 +44,15 @@ class AutoscalingTargets(ApiModel):
 
 
 AUTOSCALING_RULES = [
-    cel("self.minReplicas <= self.maxReplicas",
-        "minReplicas must be at most maxReplicas: lower minReplicas or raise maxReplicas"),
+    CelRule("self.minReplicas <= self.maxReplicas",
+            "minReplicas must be at most maxReplicas: lower minReplicas or raise maxReplicas"),
 ]
 
 
 class AutoscalingSpec(ApiModel):
     """Scale a pool on KV-cache pressure and queue depth; present means enabled."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": AUTOSCALING_RULES})
+    model_config = ConfigDict(json_schema_extra=validations(AUTOSCALING_RULES))
 
     min_replicas: int = Field(default=1, ge=0)
     """Fewest replicas (0 allows scale to zero)."""
@@ -78,5 +78,5 @@ class AutoscalingSpec(ApiModel):
     def _bounds(self) -> AutoscalingSpec:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"autoscaling.minReplicas={self.min_replicas} > maxReplicas="
-                             f"{self.max_replicas}: {AUTOSCALING_RULES[0]['message']}")
+                             f"{self.max_replicas}: {AUTOSCALING_RULES[0].message}")
         return self

@@ -9,9 +9,11 @@ reject it with the same message). A test checks that both agree on every fixture
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 from pydantic.alias_generators import to_camel
 
 Vendor = Literal["nvidia", "amd", "cpu"]
@@ -21,14 +23,29 @@ ResourceNaming = Literal["single", "mixed"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 NcclDebug = Literal["VERSION", "WARN", "INFO", "TRACE"]
+JsonDict = dict[str, JsonValue]
+"""A JSON object, as `json_schema_extra` takes it."""
 
 
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
-    """Gives one `x-kubernetes-validations` entry."""
-    entry = {"rule": rule, "message": message}
-    if field_path:
-        entry["fieldPath"] = field_path
-    return entry
+@dataclass(frozen=True)
+class CelRule:
+    """One `x-kubernetes-validations` entry: a CEL rule, the message it fails with, its field."""
+
+    rule: str
+    message: str
+    field_path: str | None = None
+
+    def to_json(self) -> JsonDict:
+        """Gives the entry as the CRD schema spells it."""
+        entry: JsonDict = {"rule": self.rule, "message": self.message}
+        if self.field_path:
+            entry["fieldPath"] = self.field_path
+        return entry
+
+
+def validations(rules: Sequence[CelRule]) -> JsonDict:
+    """Gives the `json_schema_extra` that puts `rules` into a type's schema."""
+    return {"x-kubernetes-validations": [rule.to_json() for rule in rules]}
 
 
 class ApiModel(BaseModel):
@@ -116,26 +133,26 @@ class TopologySpec(ApiModel):
 
 
 ACCELERATOR_RULES = [
-    cel("self.vendor == 'amd' || !has(self.computePartition)",
-        "computePartition is an AMD setting: set vendor: amd or remove computePartition",
-        ".computePartition"),
-    cel("self.vendor == 'amd' || !has(self.memoryPartition)",
-        "memoryPartition is an AMD setting: set vendor: amd or remove memoryPartition",
-        ".memoryPartition"),
-    cel("!has(self.memoryPartition) || self.memoryPartition != 'NPS4' || "
-        "(has(self.computePartition) && self.computePartition == 'CPX')",
-        "memoryPartition NPS4 needs computePartition CPX (SPX/DPX/QPX run with NPS1 only)",
-        ".memoryPartition"),
-    cel("self.resourceNaming == 'single' || has(self.computePartition)",
-        "resourceNaming mixed names resources after the partition (e.g. amd.com/cpx_nps4): "
-        "set computePartition or use resourceNaming single", ".resourceNaming"),
+    CelRule("self.vendor == 'amd' || !has(self.computePartition)",
+            "computePartition is an AMD setting: set vendor: amd or remove computePartition",
+            ".computePartition"),
+    CelRule("self.vendor == 'amd' || !has(self.memoryPartition)",
+            "memoryPartition is an AMD setting: set vendor: amd or remove memoryPartition",
+            ".memoryPartition"),
+    CelRule("!has(self.memoryPartition) || self.memoryPartition != 'NPS4' || "
+            "(has(self.computePartition) && self.computePartition == 'CPX')",
+            "memoryPartition NPS4 needs computePartition CPX (SPX/DPX/QPX run with NPS1 only)",
+            ".memoryPartition"),
+    CelRule("self.resourceNaming == 'single' || has(self.computePartition)",
+            "resourceNaming mixed names resources after the partition (e.g. amd.com/cpx_nps4): "
+            "set computePartition or use resourceNaming single", ".resourceNaming"),
 ]
 
 
 class AcceleratorSpec(ApiModel):
     """The devices a replica runs on and how the cluster names them."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": ACCELERATOR_RULES})
+    model_config = ConfigDict(json_schema_extra=validations(ACCELERATOR_RULES))
 
     vendor: Vendor = "nvidia"
     """nvidia, amd, or cpu (no accelerator: the engine runs on CPU)."""
@@ -162,7 +179,7 @@ class AcceleratorSpec(ApiModel):
         ]
         for rule, is_broken in zip(ACCELERATOR_RULES, broken, strict=True):
             if is_broken:
-                raise ValueError(f"accelerator ({given}): {rule['message']}")
+                raise ValueError(f"accelerator ({given}): {rule.message}")
         return self
 
 
@@ -240,7 +257,7 @@ class Overrides(ApiModel):
 
 
 # Conditions merge by type under server-side apply (the Kubernetes convention).
-CONDITIONS_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+CONDITIONS_LIST: JsonDict = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
 
 
 class Condition(ApiModel):

@@ -11,19 +11,22 @@ from kvpilot.operator.api.common import (
     TP_FITS_NODE,
     AcceleratorSpec,
     ApiModel,
+    CelRule,
     CommunicationSpec,
     EngineSpec,
     ModelSource,
     Overrides,
     ScaleDecision,
     TopologySpec,
-    cel,
     check_fits_node,
+    validations,
 )
 from kvpilot.operator.api.stored import ObservedStatus, StoredObject
 
 ServingMode = Literal["aggregated", "disaggregated"]
 RoutingPolicy = Literal["round-robin", "least-load", "prefix-aware"]
+TemplateRole = Literal["prefill", "decode"]
+"""Which of the InferenceModel's pool templates: spec.prefill or spec.decode."""
 
 
 class PoolTemplate(ApiModel):
@@ -64,35 +67,37 @@ def _pool_floor_gpus(pool: str) -> str:
 
 
 INFERENCE_MODEL_RULES = [
-    cel("self.servingMode == 'aggregated' || has(self.prefill)",
-        "servingMode disaggregated needs spec.prefill: add a prefill pool template",
-        ".servingMode"),
-    cel("self.servingMode == 'disaggregated' || !has(self.prefill)",
-        "spec.prefill is only used when servingMode is disaggregated: remove it or switch mode",
-        ".prefill"),
-    cel("!has(self.accelerator.gpusPerNode) || "
-        "self.topology.tensorParallel <= self.accelerator.gpusPerNode",
-        TP_FITS_NODE, ".topology.tensorParallel"),
-    cel(_budget_rule("self.topology"),
-        "one replica needs tensorParallel*pipelineParallel GPUs, more than gpuBudget: "
-        "raise gpuBudget or shrink the topology", ".gpuBudget"),
-    cel(_budget_rule("self.decode.topology"),
-        "decode.topology needs more GPUs per replica than gpuBudget: raise gpuBudget or shrink it",
-        ".gpuBudget"),
-    cel("!has(self.prefill) || " + _budget_rule("self.prefill.topology"),
-        "prefill.topology needs more GPUs per replica than gpuBudget: raise gpuBudget or shrink it",
-        ".gpuBudget"),
-    cel(f"!has(self.gpuBudget) || {_pool_floor_gpus('decode')} + (has(self.prefill) ? "
-        f"{_pool_floor_gpus('prefill')} : 0) <= self.gpuBudget",
-        "the pools at their floor (autoscaling.minReplicas, else replicas) need more GPUs than "
-        "gpuBudget: raise gpuBudget or lower the replicas", ".gpuBudget"),
+    CelRule("self.servingMode == 'aggregated' || has(self.prefill)",
+            "servingMode disaggregated needs spec.prefill: add a prefill pool template",
+            ".servingMode"),
+    CelRule("self.servingMode == 'disaggregated' || !has(self.prefill)",
+            "spec.prefill is only used when servingMode is disaggregated: remove it or switch mode",
+            ".prefill"),
+    CelRule("!has(self.accelerator.gpusPerNode) || "
+            "self.topology.tensorParallel <= self.accelerator.gpusPerNode",
+            TP_FITS_NODE, ".topology.tensorParallel"),
+    CelRule(_budget_rule("self.topology"),
+            "one replica needs tensorParallel*pipelineParallel GPUs, more than gpuBudget: "
+            "raise gpuBudget or shrink the topology", ".gpuBudget"),
+    CelRule(_budget_rule("self.decode.topology"),
+            "decode.topology needs more GPUs per replica than gpuBudget: "
+            "raise gpuBudget or shrink it",
+            ".gpuBudget"),
+    CelRule("!has(self.prefill) || " + _budget_rule("self.prefill.topology"),
+            "prefill.topology needs more GPUs per replica than gpuBudget: "
+            "raise gpuBudget or shrink it",
+            ".gpuBudget"),
+    CelRule(f"!has(self.gpuBudget) || {_pool_floor_gpus('decode')} + (has(self.prefill) ? "
+            f"{_pool_floor_gpus('prefill')} : 0) <= self.gpuBudget",
+            "the pools at their floor (autoscaling.minReplicas, else replicas) need more GPUs than "
+            "gpuBudget: raise gpuBudget or lower the replicas", ".gpuBudget"),
 ]
 
 
 class InferenceModelSpec(ApiModel):
     """Desired state of a served model."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": INFERENCE_MODEL_RULES})
+    model_config = ConfigDict(json_schema_extra=validations(INFERENCE_MODEL_RULES))
 
     model: ModelSource
     """What to serve."""
@@ -122,7 +127,7 @@ class InferenceModelSpec(ApiModel):
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceModelSpec:
-        rules = [r["message"] for r in INFERENCE_MODEL_RULES]
+        rules = [r.message for r in INFERENCE_MODEL_RULES]
         if self.serving_mode == "disaggregated" and self.prefill is None:
             raise ValueError(f"servingMode=disaggregated without spec.prefill: {rules[0]}")
         if self.serving_mode == "aggregated" and self.prefill is not None:
@@ -138,16 +143,17 @@ class InferenceModelSpec(ApiModel):
                 raise ValueError(f"{topo.tensor_parallel}*{topo.pipeline_parallel}={gpus} GPUs > "
                                  f"gpuBudget={self.gpu_budget}: {message}")
         if self.gpu_budget is not None:
+            templates: list[tuple[TemplateRole, PoolTemplate | None]] = [
+                ("decode", self.decode), ("prefill", self.prefill)]
             terms = [(t.autoscaling.min_replicas if t.autoscaling else t.replicas,
-                      self.pool_topology(role)) for role, t in
-                     (("decode", self.decode), ("prefill", self.prefill)) if t is not None]
+                      self.pool_topology(role)) for role, t in templates if t is not None]
             need = sum(n * topo.tensor_parallel * topo.pipeline_parallel for n, topo in terms)
             if need > self.gpu_budget:
                 raise ValueError(f"{need} GPUs at the pools' floor > gpuBudget={self.gpu_budget}: "
                                  f"{rules[6]}")
         return self
 
-    def pool_topology(self, role: Literal["prefill", "decode"]) -> TopologySpec:
+    def pool_topology(self, role: TemplateRole) -> TopologySpec:
         """Gives the topology a pool runs with: its own override, else spec.topology."""
         template = self.prefill if role == "prefill" else self.decode
         return (template.topology if template and template.topology else None) or self.topology

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -11,34 +11,36 @@ from kvpilot.operator.api.common import (
     TP_FITS_NODE,
     AcceleratorSpec,
     ApiModel,
+    CelRule,
     CommunicationSpec,
     EngineSpec,
     ModelSource,
     Overrides,
     ScaleDecision,
     TopologySpec,
-    cel,
     check_fits_node,
+    validations,
 )
-from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.stored import ObservedStatus, StoredObject
 
 POOL_RULES = [
-    cel("has(self.modelRef) != has(self.model)",
-        "set exactly one of spec.modelRef (name of an InferenceModel) or spec.model (inline)"),
-    cel("!has(self.engine) || has(self.model)",
-        "spec.engine goes with an inline spec.model; with spec.modelRef the InferenceModel's "
-        "engine applies: remove spec.engine", ".engine"),
-    cel("!has(self.topology) || !has(self.accelerator) || !has(self.accelerator.gpusPerNode) || "
-        "self.topology.tensorParallel <= self.accelerator.gpusPerNode",
-        TP_FITS_NODE, ".topology.tensorParallel"),
+    CelRule("has(self.modelRef) != has(self.model)",
+            "set exactly one of spec.modelRef (name of an InferenceModel) or spec.model (inline)"),
+    CelRule("!has(self.engine) || has(self.model)",
+            "spec.engine goes with an inline spec.model; with spec.modelRef the InferenceModel's "
+            "engine applies: remove spec.engine", ".engine"),
+    CelRule("!has(self.topology) || !has(self.accelerator) || "
+            "!has(self.accelerator.gpusPerNode) || "
+            "self.topology.tensorParallel <= self.accelerator.gpusPerNode",
+            TP_FITS_NODE, ".topology.tensorParallel"),
 ]
 
 
 class PoolSpec(ApiModel):
-    """Fields both pool kinds share. Unset sections come from the referenced InferenceModel."""
+    """Fields both pool kinds share. Unset sections come from the referenced InferenceModel
+    (kvpilot.operator.planning.pool.resolve_pool fills them)."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": POOL_RULES})
+    model_config = ConfigDict(json_schema_extra=validations(POOL_RULES))
 
     model_ref: str | None = Field(default=None, min_length=1, max_length=253)
     """Name of an InferenceModel in the same namespace whose model and engine this pool serves."""
@@ -63,36 +65,17 @@ class PoolSpec(ApiModel):
     def _source(self) -> PoolSpec:
         if (self.model_ref is None) == (self.model is None):
             raise ValueError(f"spec.modelRef={self.model_ref!r}, spec.model "
-                             f"{'set' if self.model else 'unset'}: {POOL_RULES[0]['message']}")
+                             f"{'set' if self.model else 'unset'}: {POOL_RULES[0].message}")
         if self.engine is not None and self.model is None:
-            raise ValueError(POOL_RULES[1]["message"])
+            raise ValueError(POOL_RULES[1].message)
         check_fits_node(self.topology, self.accelerator)
         return self
-
-    def resolved(self, owner: InferenceModelSpec | None) -> PoolSpec:
-        """Gives a copy with every section filled: own value, else the owner's, else the default."""
-        if self.model_ref is not None and owner is None:
-            raise ValueError(f"spec.modelRef={self.model_ref!r} names no InferenceModel in this "
-                             "namespace: create it or set spec.model inline")
-
-        def pick(own: Any, inherited: Any, default: Any) -> Any:
-            return own if own is not None else (inherited if inherited is not None else default)
-
-        role = "prefill" if getattr(self, "role", None) == "prefill" else "decode"
-        return self.model_copy(update={
-            "model": pick(self.model, owner and owner.model, None),
-            "engine": pick(self.engine, owner and owner.engine, EngineSpec()),
-            "topology": pick(self.topology, owner and owner.pool_topology(role), TopologySpec()),
-            "accelerator": pick(self.accelerator, owner and owner.accelerator, AcceleratorSpec()),
-            "communication": pick(self.communication, owner and owner.communication,
-                                  CommunicationSpec()),
-            "overrides": pick(self.overrides, owner and owner.overrides, Overrides()),
-        })
 
 
 class PrefillPoolSpec(PoolSpec):
     """Desired state of a PrefillPool."""
 
+    kind: ClassVar[Literal["PrefillPool"]] = "PrefillPool"
     role: Literal["prefill"] = "prefill"
     """Engine role: prefill computes prompt KV and hands it to a decode pool."""
 
@@ -100,8 +83,15 @@ class PrefillPoolSpec(PoolSpec):
 class DecodePoolSpec(PoolSpec):
     """Desired state of a DecodePool."""
 
+    kind: ClassVar[Literal["DecodePool"]] = "DecodePool"
     role: Literal["both", "decode"] = "both"
     """Engine role: both serves whole requests (aggregated); decode takes KV from prefill."""
+
+
+AnyPoolSpec = PrefillPoolSpec | DecodePoolSpec
+"""The spec of either pool kind."""
+SPEC_BY_KIND: dict[str, type[PrefillPoolSpec] | type[DecodePoolSpec]] = {
+    cls.kind: cls for cls in (PrefillPoolSpec, DecodePoolSpec)}
 
 
 class PoolStatus(ObservedStatus):

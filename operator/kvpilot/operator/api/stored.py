@@ -23,12 +23,9 @@ class ObservedStatus(ApiModel):
 
 
 class StoredObject(ApiModel):
-    """An object as stored by the API server; each kind narrows kind, spec and status."""
+    """An object's envelope as the API server stores it; each kind declares kind, spec, status."""
 
     model_config = ConfigDict(extra="ignore")
 
     api_version: str = "kvpilot.dev/v1alpha1"
-    kind: str
     metadata: dict[str, Any] = Field(default_factory=dict)
-    spec: ApiModel
-    status: ApiModel | None = None

@@ -21,9 +21,10 @@ import kopf
 
 from kvpilot.operator.autoscale.model import (
     PoolReport,
+    gpu_budget,
     gpus_per_replica,
     load_fields,
-    report_to_model,
+    model_status_patch,
     within_budget,
 )
 from kvpilot.operator.autoscale.pods import DELETION_COST, deletion_costs, metrics_targets
@@ -37,13 +38,15 @@ from kvpilot.operator.autoscale.scrape import (
 )
 from kvpilot.operator.autoscale.signals import PoolMetrics
 from kvpilot.operator.autoscale.spec import PolicySpec, from_api
-from kvpilot.operator.handlers.kube import Kube, KubeError
+from kvpilot.operator.handlers.resolve import resolve_stored_pool
+from kvpilot.operator.kube.client import Kube
+from kvpilot.operator.kube.errors import KubeError
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, POOL_LABEL
-from kvpilot.operator.render.pool import pool_role
 from kvpilot.operator.render.router import router_labels
-from kvpilot.operator.status import now_rfc3339
+from kvpilot.operator.status import describe_error, now_rfc3339
 
 GROUP, VERSION = GROUP_VERSION.split("/")
+POOL_KINDS = ("PrefillPool", "DecodePool")
 PROMETHEUS_ENV = "KVPILOT_PROMETHEUS_URL"
 """When set (e.g. http://prometheus.monitoring:9090), pools are read from its query API
 instead of scraping their pods (no TTFT/ITL then, and no pod-deletion-cost ordering)."""
@@ -95,33 +98,38 @@ async def shared_reports(memo: kopf.Memo, **_: Any) -> None:
     memo.autoscale_pools = {}
 
 
-@kopf.timer(GROUP, VERSION, "prefillpools", interval=TICK_S,
-            when=lambda spec, **_: bool(spec.get("autoscaling")))
-@kopf.timer(GROUP, VERSION, "decodepools", interval=TICK_S,
-            when=lambda spec, **_: bool(spec.get("autoscaling")))
+def autoscaled(spec: kopf.Spec, **_: Any) -> bool:
+    """Gives whether a pool asks for autoscaling (its timer runs only then)."""
+    return bool(spec.get("autoscaling"))
+
+
+@kopf.timer(GROUP, VERSION, "prefillpools", interval=TICK_S, when=autoscaled)
+@kopf.timer(GROUP, VERSION, "decodepools", interval=TICK_S, when=autoscaled)
 async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
                          status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
-                         **_: Any) -> None:
+                         models_by_name: kopf.Index, **_: Any) -> None:
     """Scrapes the pool, decides its replicas and patches spec.replicas and status."""
     runtime: PoolRuntime = memo.setdefault("autoscale_runtime", PoolRuntime())
     now = time.time()
     if now < runtime.next_run:
         return
-    role = pool_role(body)
-    try:
-        pspec: PolicySpec = from_api(spec["autoscaling"], role, gpus_per_replica(spec))
-    except (ValueError, TypeError) as exc:
-        raise kopf.PermanentError(f"spec.autoscaling is invalid: {exc}") from exc
-    runtime.next_run = now + pspec.interval_seconds
     kube: Kube = memo.kube
     namespace, name = meta["namespace"], meta["name"]
-    current = int(spec.get("replicas", 1))
+    try:
+        pool = await resolve_stored_pool(kube, body["kind"], namespace, spec, models_by_name)
+        # Counted as the budget counts the stored sibling pools.
+        pspec: PolicySpec = from_api(pool.autoscaling, pool.role,
+                                     gpus_per_replica(pool.to_json()))
+    except ValueError as exc:
+        raise kopf.PermanentError(f"cannot autoscale: {describe_error(exc)}") from exc
+    runtime.next_run = now + pspec.interval_seconds
+    current = pool.replicas
 
     demand = 0
     if current == 0:
-        owner = (meta.get("labels") or {}).get(MODEL_LABEL) or spec.get("modelRef") or name
+        owner = (meta.get("labels") or {}).get(MODEL_LABEL) or pool.model_ref or name
         routers = await kube.list("v1", "Pod", namespace, router_labels(owner))
-        demand = await router_demand(list(metrics_targets(routers).values()), role,
+        demand = await router_demand(list(metrics_targets(routers).values()), pool.role,
                                      SCRAPE_TIMEOUT_S)
     prometheus = os.environ.get(PROMETHEUS_ENV)
     if prometheus:
@@ -141,16 +149,22 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
 
     fields = load_fields(metrics.kv_cache_utilization, metrics.requests_waiting)
     shared: dict[tuple[str, str], PoolReport] = getattr(memo, "autoscale_pools", {})
-    model = spec.get("modelRef")
+    model = pool.model_ref
     shared[(namespace, name)] = PoolReport(
-        model, role, float(d.vote.replicas if d.vote else current),
+        model, pool.role, float(d.vote.replicas if d.vote else current),
         fields.get("kvCacheUtilization"), metrics.requests_waiting)
     im = await kube.get(GROUP_VERSION, "InferenceModel", namespace, model) if model else None
-    desired, budget = await within_budget(kube, im, namespace, name, d.desired, shared)
+    desired, binding = d.desired, None
+    if model is not None and (budget := gpu_budget(im)) is not None:
+        pools = [p for kind in POOL_KINDS for p in await kube.list(GROUP_VERSION, kind, namespace)]
+        desired, binding = within_budget(budget, pools, model, name, d.desired, shared)
     patch.status.update({k: v for k, v in fields.items() if status.get(k) != v})
-    decision = await _decide_and_report(body, d, current, desired, budget, now, runtime,
+    decision = await _decide_and_report(body, d, current, desired, binding, now, runtime,
                                         patch, kube, samples, pods)
-    await report_to_model(kube, im, namespace, shared, decision)
+    model_patch = model_status_patch(im, namespace, shared, decision)
+    if im is not None and model_patch is not None:
+        await kube.patch(GROUP_VERSION, "InferenceModel", namespace, im["metadata"]["name"],
+                         {"status": model_patch}, subresource="status")
 
 
 async def _decide_and_report(body: kopf.Body, d: Decision, current: int, desired: int,

@@ -4,6 +4,7 @@ Each pool's timer records what it saw in a table shared by all timers of the
 operator (`PoolReport` by namespace and pool); from it and the API's pool list
 it computes the model's budget allocation and takes its own entry, and it rolls
 KV usage (decode pools) and queue depth (all pools) up into the model's status.
+Pure: the timer (autoscale/handler.py) reads the objects and writes the patches.
 """
 
 from __future__ import annotations
@@ -13,10 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator.autoscale.budget import PoolDemand, allocate
-from kvpilot.operator.handlers.kube import Kube, differs
-from kvpilot.operator.render.meta import GROUP_VERSION
-
-POOL_KINDS = ("PrefillPool", "DecodePool")
+from kvpilot.operator.kube.diff import differs
 
 
 @dataclass(frozen=True)
@@ -58,17 +56,18 @@ def budget_demands(pools: Sequence[Mapping[str, Any]], model: str, name: str, de
     return out
 
 
-async def within_budget(kube: Kube, im: Mapping[str, Any] | None, namespace: str, name: str,
-                        desired: int, shared: Mapping[tuple[str, str], PoolReport]
-                        ) -> tuple[int, str | None]:
-    """Gives `desired` cut to this pool's share of the model's gpuBudget, and the message
-    when the budget binds."""
+def gpu_budget(im: Mapping[str, Any] | None) -> int | None:
+    """Gives the InferenceModel's spec.gpuBudget (None without a model or a budget)."""
     budget = ((im or {}).get("spec") or {}).get("gpuBudget")
-    if im is None or budget is None:
-        return desired, None
-    pools = [p for kind in POOL_KINDS for p in await kube.list(GROUP_VERSION, kind, namespace)]
-    grant = allocate(int(budget), budget_demands(pools, im["metadata"]["name"], name, desired,
-                                                 shared))
+    return None if budget is None else int(budget)
+
+
+def within_budget(budget: int, pools: Sequence[Mapping[str, Any]], model: str, name: str,
+                  desired: int, shared: Mapping[tuple[str, str], PoolReport]
+                  ) -> tuple[int, str | None]:
+    """Gives `desired` cut to pool `name`'s share of the model's GPU `budget` over the `pools`
+    the API lists, and the message when the budget binds."""
+    grant = allocate(budget, budget_demands(pools, model, name, desired, shared))
     return grant.replicas.get(name, desired), grant.message if grant.binds else None
 
 
@@ -94,15 +93,14 @@ def model_fields(model: str, namespace: str,
     return load_fields(sum(kvs) / len(kvs) if kvs else None, sum(queues) if queues else None)
 
 
-async def report_to_model(kube: Kube, im: Mapping[str, Any] | None, namespace: str,
-                          shared: Mapping[tuple[str, str], PoolReport],
-                          decision: dict[str, Any] | None) -> None:
-    """Patches the model's status with its KV%, QUEUE and the latest decision, if they changed."""
+def model_status_patch(im: Mapping[str, Any] | None, namespace: str,
+                       shared: Mapping[tuple[str, str], PoolReport],
+                       decision: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Gives the model's status patch (KV%, QUEUE, the latest decision), or None when there is
+    no model or its status already says so."""
     if im is None:
-        return
+        return None
     status = model_fields(im["metadata"]["name"], namespace, shared)
     if decision is not None:
-        status["lastScaleDecision"] = decision
-    if status and differs(im.get("status") or {}, status):
-        await kube.patch(GROUP_VERSION, "InferenceModel", namespace, im["metadata"]["name"],
-                         {"status": status}, subresource="status")
+        status["lastScaleDecision"] = dict(decision)
+    return status if status and differs(im.get("status") or {}, status) else None

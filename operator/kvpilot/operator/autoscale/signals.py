@@ -86,7 +86,7 @@ def smoothed_values(history: Sequence[PoolMetrics], window_s: float,
         if value is None:
             out[name] = None
             continue
-        seen = [v[name] for v in samples if v[name] is not None]
+        seen = [x for v in samples if (x := v[name]) is not None]
         out[name] = sum(seen) / len(seen)
     return out
 

@@ -1,6 +1,6 @@
 """The policy's view of a pool's `autoscaling` block: plain dataclasses, role-aware signals.
 
-The CRD model (`kvpilot.operator.api.common.AutoscalingSpec`) is the source of the
+The CRD model (`kvpilot.operator.api.autoscaling.AutoscalingSpec`) is the source of the
 field names; this module turns it (or the camelCase dict kopf hands a handler)
 into frozen dataclasses the pure policy and the simulator use without pydantic.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from kvpilot.operator.api.autoscaling import AutoscalingSpec
 
 # Signal names are the camelCase target fields of the CRD, so a decision's reason
 # names the field the user set.
@@ -120,13 +122,15 @@ def _rules(raw: Mapping[str, Any] | None, default: ScalingRules) -> ScalingRules
     )
 
 
-def from_api(autoscaling: Any, role: str, gpus_per_replica: int = 1) -> PolicySpec:
+def from_api(autoscaling: AutoscalingSpec | Mapping[str, Any] | None, role: str,
+             gpus_per_replica: int = 1) -> PolicySpec:
     """Gives the PolicySpec of a CRD `autoscaling` block (pydantic model or camelCase dict).
 
     Unset (or null) fields take the CRD's defaults; `maxMetricsAgeSeconds` and
     `metricsWindowSeconds` default to four intervals.
     """
-    given = autoscaling.to_json() if hasattr(autoscaling, "to_json") else dict(autoscaling or {})
+    given = autoscaling.to_json() if isinstance(autoscaling, AutoscalingSpec) \
+        else dict(autoscaling or {})
     raw: Mapping[str, Any] = {k: v for k, v in given.items() if v is not None}
     base = PolicySpec()
     interval = float(raw.get("intervalSeconds", base.interval_seconds))

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvpilot.operator.handlers.events import record
-from kvpilot.operator.handlers.kube import Kube
+from kvpilot.operator.kube.client import Kube
 
 
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:

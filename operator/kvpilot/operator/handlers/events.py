@@ -6,7 +6,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from kvpilot.operator.handlers.kube import Kube, KubeError
+from kvpilot.operator.kube.client import Kube
+from kvpilot.operator.kube.errors import KubeError
 from kvpilot.operator.status import now_rfc3339
 
 logger = logging.getLogger(__name__)

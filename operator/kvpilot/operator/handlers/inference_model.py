@@ -10,9 +10,10 @@ import kopf
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.handlers.children import sync_children
-from kvpilot.operator.handlers.kube import Kube, KubeError
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
-from kvpilot.operator.render.children import pool_name, pool_specs, render_children
+from kvpilot.operator.kube.client import Kube
+from kvpilot.operator.kube.errors import KubeError
+from kvpilot.operator.render.children import owned_pools, pool_name, pool_specs, render_children
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL
 from kvpilot.operator.render.router import endpoint_url
 from kvpilot.operator.status import (
@@ -47,9 +48,9 @@ def pool_counts(spec: InferenceModelSpec, model: str,
     """Gives desired/ready replicas per role ('prefill', 'decode') from the pools as stored."""
     stored = {(p.get("kind"), p.get("metadata", {}).get("name")): p for p in pools}
     counts: dict[str, PoolCounts] = {}
-    for kind, pool in pool_specs(spec, model):
-        role = POOL_ROLES[kind]
-        current = stored.get((kind, pool_name(model, role)))
+    for pool in pool_specs(spec, model):
+        role = POOL_ROLES[pool.kind]
+        current = stored.get((pool.kind, pool_name(model, role)))
         if current is None:
             counts[role] = PoolCounts(pool.replicas, 0)
             continue
@@ -71,12 +72,13 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     im = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta)}
     try:
         parsed = InferenceModelSpec.model_validate(dict(spec))
-        children = render_children(im, parsed, memo.render)
+        pools = owned_pools(parsed, name)
+        children = render_children(im, parsed, pools, memo.render)
     except ValueError as exc:
         await reject(kube, im, patch, status, "InvalidSpec", describe_error(exc), now)
         return
-    autoscaled = {pool_name(name, POOL_ROLES[kind]): [("spec", "replicas")]
-                  for kind, pool in pool_specs(parsed, name) if pool.autoscaling is not None}
+    autoscaled = {pool.name: [("spec", "replicas")] for pool in pools
+                  if pool.spec.autoscaling is not None}
     try:
         # A new object has nothing stale to remove.
         stored = await sync_children(kube, im, children, OWNED_KINDS, {MODEL_LABEL: name},

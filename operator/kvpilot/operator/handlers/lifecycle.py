@@ -7,7 +7,7 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator.handlers.kube import Kube
+from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.render.meta import RenderConfig
 
 # kopf ignores every annotation under its storage prefix when diffing, so it must not be

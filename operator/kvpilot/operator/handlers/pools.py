@@ -7,12 +7,11 @@ from typing import Any
 import aiohttp
 import kopf
 
-from kvpilot.operator.api.inference_model import InferenceModelSpec
-from kvpilot.operator.api.pools import DecodePoolSpec, PoolSpec, PrefillPoolSpec
 from kvpilot.operator.handlers.children import sync_children
-from kvpilot.operator.handlers.indexes import first
-from kvpilot.operator.handlers.kube import Kube, KubeError
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
+from kvpilot.operator.handlers.resolve import resolve_stored_pool
+from kvpilot.operator.kube.client import Kube
+from kvpilot.operator.kube.errors import KubeError
 from kvpilot.operator.render.meta import GROUP_VERSION, POOL_LABEL, RenderConfig
 from kvpilot.operator.render.pool import pool_selector, render_pool
 from kvpilot.operator.render.workloads import LWS_API_VERSION
@@ -24,8 +23,6 @@ from kvpilot.operator.status import (
 )
 
 GROUP, VERSION = GROUP_VERSION.split("/")
-SPEC_TYPES: dict[str, type[PoolSpec]] = {"PrefillPool": PrefillPoolSpec,
-                                         "DecodePool": DecodePoolSpec}
 
 
 def workload_kinds(config: RenderConfig) -> list[tuple[str, str]]:
@@ -34,17 +31,6 @@ def workload_kinds(config: RenderConfig) -> list[tuple[str, str]]:
     if config.leader_worker_set:
         kinds.append((LWS_API_VERSION, "LeaderWorkerSet"))
     return kinds
-
-
-async def resolve(kube: Kube, namespace: str, spec: PoolSpec,
-                  models: kopf.Index | None) -> PoolSpec:
-    """Gives the pool spec with unset sections filled from its InferenceModel."""
-    owner = None
-    if spec.model_ref is not None:
-        im = first(models, (namespace, spec.model_ref)) or \
-            await kube.get(GROUP_VERSION, "InferenceModel", namespace, spec.model_ref)
-        owner = InferenceModelSpec.model_validate(im["spec"]) if im else None
-    return spec.resolved(owner)
 
 
 @kopf.on.resume(GROUP, VERSION, "prefillpools")
@@ -64,8 +50,7 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
     pool = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta),
             "spec": dict(spec)}
     try:
-        parsed = SPEC_TYPES[body["kind"]].model_validate(dict(spec))
-        resolved = await resolve(kube, namespace, parsed, models_by_name)
+        resolved = await resolve_stored_pool(kube, body["kind"], namespace, spec, models_by_name)
         objects = render_pool(pool, resolved, config)
     except ValueError as exc:
         await reject(kube, pool, patch, status, "InvalidSpec", describe_error(exc), now)
@@ -80,6 +65,6 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
         return
     workloads = {kind for _, kind in workload_kinds(config)}
     ready = workload_ready([o for o in current if o.get("kind") in workloads])
-    patch.status.update(pool_status(parsed.replicas, ready, pool_selector(pool),
+    patch.status.update(pool_status(resolved.replicas, ready, pool_selector(pool),
                                     generation, status.get("conditions"), now))
     patch.status["observedGeneration"] = generation

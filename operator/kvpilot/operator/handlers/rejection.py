@@ -8,7 +8,8 @@ from typing import Any
 import kopf
 
 from kvpilot.operator.handlers.events import record
-from kvpilot.operator.handlers.kube import Kube, transient
+from kvpilot.operator.kube.client import Kube
+from kvpilot.operator.kube.errors import transient
 from kvpilot.operator.status import invalid_spec_conditions, merge_conditions
 
 RETRY_SECONDS = 5

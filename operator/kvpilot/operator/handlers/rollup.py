@@ -14,7 +14,8 @@ import kopf
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.handlers.indexes import every, first
 from kvpilot.operator.handlers.inference_model import pool_counts, pool_problems
-from kvpilot.operator.handlers.kube import Kube, differs
+from kvpilot.operator.kube.client import Kube
+from kvpilot.operator.kube.diff import differs
 from kvpilot.operator.render.meta import GROUP_VERSION, MANAGED_BY
 from kvpilot.operator.render.pool import pool_selector
 from kvpilot.operator.render.router import endpoint_url

@@ -16,14 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
-from kvpilot.operator.api.pools import DecodePoolSpec, PoolSpec, PrefillPoolSpec
-from kvpilot.operator.render.children import render_children
+from kvpilot.operator.api.pools import SPEC_BY_KIND
+from kvpilot.operator.render.children import OwnedPool, owned_pools, render_children
 from kvpilot.operator.render.meta import COMPONENT_LABEL, RenderConfig
 from kvpilot.operator.render.pool import render_pool
 
 LOCALHOST = "127.0.0.1"
-POOL_KINDS: dict[str, type[PoolSpec]] = {"PrefillPool": PrefillPoolSpec,
-                                         "DecodePool": DecodePoolSpec}
 # Flags whose values a local process gets instead of the pod's.
 ROUTER_DROPPED = ("--discovery", "--namespace", "--selector", "--port-name", "--host", "--port",
                   "--instances", "--instances-file")
@@ -87,8 +85,8 @@ def _env(container: dict[str, Any], name: str) -> dict[str, str]:
 
 
 def manifest_objects(manifest: dict[str, Any], config: RenderConfig) -> tuple[
-        InferenceModelSpec, list[dict[str, Any]]]:
-    """Gives the parsed spec and the objects the operator renders for the manifest."""
+        list[OwnedPool], list[dict[str, Any]]]:
+    """Gives the manifest's pools, resolved, and the objects the operator renders for it."""
     if manifest.get("kind") != "InferenceModel":
         raise ValueError(f"kind={manifest.get('kind')!r} is not supported by kvpilot up: "
                          "pass an InferenceModel manifest")
@@ -98,7 +96,8 @@ def manifest_objects(manifest: dict[str, Any], config: RenderConfig) -> tuple[
           "kind": "InferenceModel",
           "metadata": {"name": meta.get("name", "local"), "namespace": "default",
                        "uid": "local", "generation": 1}}
-    return spec, render_children(im, spec, config)
+    pools = owned_pools(spec, im["metadata"]["name"])
+    return pools, render_children(im, spec, pools, config)
 
 
 def instances_text(engines: list[LocalProcess]) -> str:
@@ -115,12 +114,13 @@ def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_po
     caller writes and may rewrite to scale) instead of a fixed `--instances`.
     """
     config = config or RenderConfig()
-    spec, children = manifest_objects(manifest, config)
+    pools, children = manifest_objects(manifest, config)
+    resolved = {pool.name: pool.resolved for pool in pools}
     engines: list[LocalProcess] = []
-    for pool in (o for o in children if o["kind"] in POOL_KINDS):
-        pool_spec = POOL_KINDS[pool["kind"]].model_validate(pool["spec"]).resolved(spec)
+    for pool in (o for o in children if o["kind"] in SPEC_BY_KIND):
         # The API server would give the pool a uid; its children's owner references need one.
         pool = {**pool, "metadata": {**pool["metadata"], "uid": "local"}}
+        pool_spec = resolved[pool["metadata"]["name"]]
         for workload in render_pool(pool, pool_spec, config):
             if workload["kind"] in ("Service", "PodDisruptionBudget"):
                 continue
@@ -130,7 +130,7 @@ def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_po
                     "spans several nodes): kvpilot up runs one-node replicas only; lower "
                     "spec.*.topology.tensorParallel/pipelineParallel")
             container = _container(workload)
-            role = getattr(pool_spec, "role", "both")
+            role = pool_spec.role
             for replica in range(workload["spec"].get("replicas", 1)):
                 name = f"{workload['metadata']['name']}-{replica}"
                 port = free_port()

@@ -9,10 +9,13 @@ the pool's own handler rolls its workloads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.operator.api.inference_model import InferenceModelSpec, PoolTemplate
-from kvpilot.operator.api.pools import DecodePoolSpec, PoolSpec, PrefillPoolSpec
+from kvpilot.operator.api.inference_model import InferenceModelSpec, PoolTemplate, TemplateRole
+from kvpilot.operator.api.pools import AnyPoolSpec, DecodePoolSpec, PrefillPoolSpec
+from kvpilot.operator.planning.pool import ResolvedPool, resolve_pool
 from kvpilot.operator.render.engine_args import serve_args
 from kvpilot.operator.render.meta import (
     GROUP_VERSION,
@@ -21,7 +24,6 @@ from kvpilot.operator.render.meta import (
     child_name,
     object_meta,
 )
-from kvpilot.operator.render.placement import plan_placement
 from kvpilot.operator.render.router import render_router
 
 MODEL_GENERATION_ANNOTATION = "kvpilot.dev/model-generation"
@@ -32,44 +34,55 @@ def pool_name(model: str, role: str) -> str:
     return child_name(model, "prefill" if role == "prefill" else "decode")
 
 
-def pool_specs(spec: InferenceModelSpec, model: str) -> list[tuple[str, PoolSpec]]:
-    """Gives (kind, spec) of each pool the InferenceModel asks for, every section resolved."""
-    wanted: list[tuple[str, PoolTemplate, str]] = [("DecodePool", spec.decode, "both")]
-    if spec.serving_mode == "disaggregated":
-        assert spec.prefill is not None
-        wanted = [("PrefillPool", spec.prefill, "prefill"), ("DecodePool", spec.decode, "decode")]
-    out: list[tuple[str, PoolSpec]] = []
-    for kind, template, role in wanted:
-        cls = PrefillPoolSpec if kind == "PrefillPool" else DecodePoolSpec
-        pool = cls(model_ref=model, role=role, replicas=template.replicas,  # type: ignore[arg-type]
-                   topology=spec.pool_topology("prefill" if role == "prefill" else "decode"),
-                   accelerator=spec.accelerator, communication=spec.communication,
-                   autoscaling=template.autoscaling, overrides=template.overrides or spec.overrides)
-        out.append((kind, pool))
-    return out
+def pool_specs(spec: InferenceModelSpec, model: str) -> list[AnyPoolSpec]:
+    """Gives the spec of each pool the InferenceModel asks for, as stored on the pool: every
+    section the pool inherits written out, so a change of the model changes the pool."""
+    def fields(template: PoolTemplate, role: TemplateRole) -> dict[str, Any]:
+        return {"model_ref": model, "replicas": template.replicas,
+                "topology": spec.pool_topology(role), "accelerator": spec.accelerator,
+                "communication": spec.communication, "autoscaling": template.autoscaling,
+                "overrides": template.overrides or spec.overrides}
+
+    if spec.prefill is None:  # aggregated: one pool serves both phases
+        return [DecodePoolSpec(role="both", **fields(spec.decode, "decode"))]
+    return [PrefillPoolSpec(role="prefill", **fields(spec.prefill, "prefill")),
+            DecodePoolSpec(role="decode", **fields(spec.decode, "decode"))]
 
 
-def render_children(im: dict[str, Any], spec: InferenceModelSpec,
+@dataclass(frozen=True)
+class OwnedPool:
+    """One pool an InferenceModel owns: its name, the spec stored on it, and that spec resolved."""
+
+    name: str
+    spec: AnyPoolSpec
+    resolved: ResolvedPool
+
+
+def owned_pools(spec: InferenceModelSpec, model: str) -> list[OwnedPool]:
+    """Gives the pools the InferenceModel asks for, each resolved against it; raises ValueError
+    naming the field when one cannot run (so the InferenceModel fails, not later its pool)."""
+    return [OwnedPool(pool_name(model, pool.role), pool, resolve_pool(pool, spec))
+            for pool in pool_specs(spec, model)]
+
+
+def render_children(im: dict[str, Any], spec: InferenceModelSpec, pools: Sequence[OwnedPool],
                     config: RenderConfig) -> list[dict[str, Any]]:
-    """Gives the pools, router objects and engine ConfigMap of one InferenceModel."""
+    """Gives the pools, router objects and engine ConfigMap of one InferenceModel whose pools
+    `owned_pools` resolved."""
     model, namespace = im["metadata"]["name"], im["metadata"]["namespace"]
     objects: list[dict[str, Any]] = []
-    serve_lines: dict[str, str] = {}
-    for kind, pool in pool_specs(spec, model):
-        role = pool.role  # type: ignore[attr-defined]
-        name = pool_name(model, role)
-        resolved = pool.resolved(spec)
-        plan_placement(resolved)  # fail here, on the InferenceModel, not later on the pool
-        serve_lines[f"{role}.args"] = "\n".join(serve_args(resolved, role,
-                                                           config.drain_timeout_seconds))
+    for pool in pools:
         objects.append({
-            "apiVersion": GROUP_VERSION, "kind": kind,
+            "apiVersion": GROUP_VERSION, "kind": pool.spec.kind,
             # The generation annotation changes the pool whenever its InferenceModel changes
             # (e.g. engine settings the pool inherits), so the pool's handler re-renders it.
-            "metadata": object_meta(name, namespace, {MODEL_LABEL: model}, im, annotations={
+            "metadata": object_meta(pool.name, namespace, {MODEL_LABEL: model}, im, annotations={
                 MODEL_GENERATION_ANNOTATION: str(im["metadata"].get("generation", 1))}),
-            "spec": pool.to_json(),
+            "spec": pool.spec.to_json(),
         })
+    serve_lines = {f"{pool.resolved.role}.args":
+                   "\n".join(serve_args(pool.resolved, config.drain_timeout_seconds))
+                   for pool in pools}
     objects.append({
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": object_meta(child_name(model, "engine"), namespace, {MODEL_LABEL: model}, im),

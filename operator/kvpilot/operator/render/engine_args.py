@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.engine.contracts.args import EngineArgs, ServerArgs
-from kvpilot.operator.api.pools import PoolSpec
+from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.meta import ENGINE_PORT
 
 MODEL_DIR = "/models"
@@ -39,18 +39,16 @@ def model_location(source: str) -> ModelLocation:
                      "pvc://claim/path or dummy:tiny-llama")
 
 
-def serve_args(spec: PoolSpec, role: str, drain_timeout: int) -> list[str]:
-    """Gives the arguments after `kvpilot serve` for a resolved pool spec."""
-    assert spec.model is not None and spec.engine is not None and spec.topology is not None
-    assert spec.accelerator is not None
-    engine, topo = spec.engine, spec.topology
-    location = model_location(spec.model.source)
+def serve_args(pool: ResolvedPool, drain_timeout: int) -> list[str]:
+    """Gives the arguments after `kvpilot serve` for a resolved pool."""
+    engine, topo = pool.engine, pool.topology
+    location = model_location(pool.model.source)
     args = EngineArgs(
         model=location.engine_model,
-        served_model_name=spec.model.name,
+        served_model_name=pool.model.name,
         load_format=location.load_format,
         dtype=engine.dtype,
-        device="cpu" if spec.accelerator.vendor == "cpu" else "cuda",
+        device="cpu" if pool.accelerator.vendor == "cpu" else "cuda",
         max_model_len=engine.max_model_len,
         block_size=engine.block_size,
         kv_cache_memory=engine.kv_cache_memory,
@@ -61,7 +59,7 @@ def serve_args(spec: PoolSpec, role: str, drain_timeout: int) -> list[str]:
         tensor_parallel_size=topo.tensor_parallel,
         pipeline_parallel_size=topo.pipeline_parallel,
         expert_parallel_size=topo.expert_parallel,
-        role=role,
+        role=pool.role,
     )
     server = ServerArgs(host="0.0.0.0", port=ENGINE_PORT, drain_timeout=float(drain_timeout))
     flags = args.to_cli()

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvpilot.engine.contracts.args import KV_PORT_OFFSET
-from kvpilot.operator.api.pools import PoolSpec
+from kvpilot.operator.api.common import ModelSource, Overrides
+from kvpilot.operator.planning.placement import PodPlacement
+from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.engine_args import HF_DIR, MODEL_DIR, model_location, serve_args
 from kvpilot.operator.render.meta import ENGINE_PORT, RENDEZVOUS_PORT, RenderConfig
-from kvpilot.operator.render.placement import Placement
 
 # Resource the NVIDIA network operator's RDMA shared device plugin advertises by default.
 RDMA_RESOURCE = "rdma/rdma_shared_device_a"
@@ -19,22 +20,21 @@ STARTUP_BUDGET_SECONDS = 1800
 KV_TRANSFER_PORT = ENGINE_PORT + KV_PORT_OFFSET  # where the engine puts it by default
 
 
-def pod_template(spec: PoolSpec, role: str, placement: Placement, labels: dict[str, str],
-                 config: RenderConfig, extra_env: list[dict[str, Any]] | None = None,
+def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfig,
+                 extra_env: list[dict[str, Any]] | None = None,
                  annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    """Gives a PodTemplateSpec running `kvpilot serve` for one pool of a resolved spec."""
-    overrides = spec.overrides
-    assert overrides is not None and spec.model is not None
-    location = model_location(spec.model.source)
+    """Gives a PodTemplateSpec running `kvpilot serve` for one resolved pool."""
+    overrides, placement = pool.overrides, pool.placement
+    location = model_location(pool.model.source)
     volumes, mounts = _volumes(placement, location.pvc_claim, location.hf_repo is not None)
     container: dict[str, Any] = {
         "name": "engine",
         "image": overrides.image or config.engine_image,
         "command": ["kvpilot", "serve"],
-        "args": serve_args(spec, role, config.drain_timeout_seconds),
+        "args": serve_args(pool, config.drain_timeout_seconds),
         "ports": _ports(placement),
-        "env": _env(spec, placement, extra_env),
-        "resources": _resources(spec, placement),
+        "env": _env(pool, extra_env),
+        "resources": _resources(pool.overrides, placement),
         "volumeMounts": mounts,
         "startupProbe": _probe("/health", period=10, failures=STARTUP_BUDGET_SECONDS // 10),
         "readinessProbe": _probe("/ready", period=5, failures=2),
@@ -54,7 +54,7 @@ def pod_template(spec: PoolSpec, role: str, placement: Placement, labels: dict[s
         "enableServiceLinks": False,
     }
     if location.hf_repo is not None:
-        pod["initContainers"] = [_fetch_container(spec, container, location.hf_repo)]
+        pod["initContainers"] = [_fetch_container(pool.model, container, location.hf_repo)]
     if overrides.node_selector:
         pod["nodeSelector"] = dict(overrides.node_selector)
     tolerations = [*placement.tolerations, *overrides.tolerations]
@@ -97,7 +97,7 @@ def _affinity(terms: list[list[dict[str, Any]]],
     return affinity
 
 
-def _ports(placement: Placement) -> list[dict[str, Any]]:
+def _ports(placement: PodPlacement) -> list[dict[str, Any]]:
     ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
              {"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"}]
     if placement.nodes_per_replica > 1:
@@ -105,25 +105,22 @@ def _ports(placement: Placement) -> list[dict[str, Any]]:
     return ports
 
 
-def _env(spec: PoolSpec, placement: Placement,
-         extra_env: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    assert spec.overrides is not None and spec.model is not None
+def _env(pool: ResolvedPool, extra_env: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
-    secret = spec.model.secret_ref
+    secret = pool.model.secret_ref
     if secret is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {
             "secretKeyRef": {"name": secret.name, "key": secret.key}}})
     env += extra_env or []
     taken = {e["name"] for e in env}
-    plain = {**placement.env, **spec.overrides.env}
+    plain = {**pool.placement.env, **pool.overrides.env}
     env += [{"name": k, "value": v} for k, v in sorted(plain.items()) if k not in taken]
     return env
 
 
-def _resources(spec: PoolSpec, placement: Placement) -> dict[str, Any]:
-    assert spec.overrides is not None
+def _resources(overrides: Overrides, placement: PodPlacement) -> dict[str, Any]:
     requests: dict[str, Any] = {"cpu": "1", "memory": "2Gi"}
     limits: dict[str, Any] = {}
     devices: dict[str, Any] = {}
@@ -131,7 +128,7 @@ def _resources(spec: PoolSpec, placement: Placement) -> dict[str, Any]:
         devices[placement.gpu_resource] = str(placement.gpus_per_pod)
     if placement.rdma:
         devices[RDMA_RESOURCE] = "1"
-    extras = spec.overrides.resources
+    extras = overrides.resources
     requests.update({k: str(v) for k, v in extras.requests.items()})
     limits.update({k: str(v) for k, v in extras.limits.items()})
     # Extended resources cannot be overcommitted: requests must equal limits.
@@ -143,7 +140,7 @@ def _resources(spec: PoolSpec, placement: Placement) -> dict[str, Any]:
     return out
 
 
-def _volumes(placement: Placement, pvc_claim: str | None,
+def _volumes(placement: PodPlacement, pvc_claim: str | None,
              hf: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": placement.shm_size}},
@@ -162,12 +159,11 @@ def _volumes(placement: Placement, pvc_claim: str | None,
     return volumes, mounts
 
 
-def _fetch_container(spec: PoolSpec, engine: dict[str, Any], repo: str) -> dict[str, Any]:
+def _fetch_container(model: ModelSource, engine: dict[str, Any], repo: str) -> dict[str, Any]:
     """Gives the init container that downloads hf:// weights into /models/hf."""
-    assert spec.model is not None
     command = ["huggingface-cli", "download", repo, "--local-dir", HF_DIR]
-    if spec.model.revision:
-        command += ["--revision", spec.model.revision]
+    if model.revision:
+        command += ["--revision", model.revision]
     env = [e for e in engine["env"] if e["name"] == "HF_TOKEN"]
     return {"name": "fetch-model", "image": engine["image"], "command": command, "env": env,
             "volumeMounts": [m for m in engine["volumeMounts"] if m["name"] in ("model", "tmp")],

@@ -6,10 +6,9 @@ import hashlib
 import json
 from typing import Any
 
-from kvpilot.operator.api.pools import PoolSpec
+from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.meta import RenderConfig, pool_labels, selector_labels
 from kvpilot.operator.render.pdb import pool_pdb
-from kvpilot.operator.render.placement import plan_placement
 from kvpilot.operator.render.services import pool_service, rendezvous_service
 from kvpilot.operator.render.workloads import pool_workloads
 
@@ -21,21 +20,20 @@ def pool_model_name(pool: dict[str, Any]) -> str:
     return pool.get("spec", {}).get("modelRef") or pool["metadata"]["name"]
 
 
-def spec_hash(spec: PoolSpec) -> str:
-    """Gives a short digest of a resolved spec; pods carry it so any change rolls them."""
-    text = json.dumps(spec.to_json(), sort_keys=True)
+def spec_hash(pool: ResolvedPool) -> str:
+    """Gives a short digest of a resolved pool; pods carry it so any change rolls them."""
+    text = json.dumps(pool.to_json(), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def render_pool(pool: dict[str, Any], spec: PoolSpec, config: RenderConfig) -> list[dict[str, Any]]:
-    """Gives the objects a pool owns for its resolved spec; raises ValueError if it cannot plan."""
+def render_pool(pool: dict[str, Any], resolved: ResolvedPool,
+                config: RenderConfig) -> list[dict[str, Any]]:
+    """Gives the objects a stored pool owns, rendered from its resolved spec."""
     name, namespace = pool["metadata"]["name"], pool["metadata"]["namespace"]
-    role = getattr(spec, "role", "both")
-    placement = plan_placement(spec)
-    labels = pool_labels(pool_model_name(pool), name, role)
-    multi_node = placement.nodes_per_replica > 1
-    objects = pool_workloads(name, namespace, spec, role, placement, labels, pool, config,
-                             annotations={SPEC_HASH_ANNOTATION: spec_hash(spec)})
+    labels = pool_labels(pool_model_name(pool), name, resolved.role)
+    multi_node = resolved.placement.nodes_per_replica > 1
+    objects = pool_workloads(name, namespace, resolved, labels, pool, config,
+                             annotations={SPEC_HASH_ANNOTATION: spec_hash(resolved)})
     objects.append(pool_service(name, namespace, labels, pool, multi_node,
                                 config.leader_worker_set))
     if multi_node and not config.leader_worker_set:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpilot.operator.api.pools import PoolSpec
+from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.meta import (
     POD_INDEX_LABEL,
     RENDEZVOUS_PORT,
@@ -20,7 +20,6 @@ from kvpilot.operator.render.meta import (
     object_meta,
     selector_labels,
 )
-from kvpilot.operator.render.placement import Placement
 from kvpilot.operator.render.pods import pod_template
 from kvpilot.operator.render.services import LWS_WORKER_INDEX_LABEL, rendezvous_service_name
 
@@ -32,18 +31,17 @@ def group_name(pool: str, replica: int) -> str:
     return child_name(pool, f"g{replica}")
 
 
-def pool_workloads(pool: str, namespace: str, spec: PoolSpec, role: str, placement: Placement,
-                   labels: dict[str, str], owner: dict[str, Any], config: RenderConfig,
+def pool_workloads(name: str, namespace: str, pool: ResolvedPool, labels: dict[str, str],
+                   owner: dict[str, Any], config: RenderConfig,
                    annotations: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Gives the Deployment, the StatefulSets, or the LeaderWorkerSet that run a pool's replicas."""
-    if placement.nodes_per_replica == 1:
-        template = pod_template(spec, role, placement, labels, config, annotations=annotations)
-        return [_deployment(pool, namespace, spec.replicas, labels, owner, template)]
+    if pool.placement.nodes_per_replica == 1:
+        template = pod_template(pool, labels, config, annotations=annotations)
+        return [_deployment(name, namespace, pool.replicas, labels, owner, template)]
     if config.leader_worker_set:
-        return [_leader_worker_set(pool, namespace, spec, role, placement, labels, owner, config,
-                                   annotations)]
-    return [_group(pool, namespace, i, spec, role, placement, labels, owner, config, annotations)
-            for i in range(spec.replicas)]
+        return [_leader_worker_set(name, namespace, pool, labels, owner, config, annotations)]
+    return [_group(name, namespace, i, pool, labels, owner, config, annotations)
+            for i in range(pool.replicas)]
 
 
 def _deployment(name: str, namespace: str, replicas: int, labels: dict[str, str],
@@ -75,17 +73,16 @@ def _rendezvous_env(world_size: int, nodes: int, master_addr: str,
     ]
 
 
-def _group(pool: str, namespace: str, replica: int, spec: PoolSpec, role: str,
-           placement: Placement, labels: dict[str, str], owner: dict[str, Any],
-           config: RenderConfig, annotations: dict[str, str] | None) -> dict[str, Any]:
-    name = group_name(pool, replica)
-    service = rendezvous_service_name(pool)
-    nodes = placement.nodes_per_replica
-    env = _rendezvous_env(nodes * placement.gpus_per_pod, nodes,
+def _group(pool_name: str, namespace: str, replica: int, pool: ResolvedPool,
+           labels: dict[str, str], owner: dict[str, Any], config: RenderConfig,
+           annotations: dict[str, str] | None) -> dict[str, Any]:
+    name = group_name(pool_name, replica)
+    service = rendezvous_service_name(pool_name)
+    nodes = pool.placement.nodes_per_replica
+    env = _rendezvous_env(nodes * pool.placement.gpus_per_pod, nodes,
                           f"{name}-0.{service}.{namespace}.svc", POD_INDEX_LABEL)
     group_labels = {**labels, REPLICA_LABEL: str(replica)}
-    template = pod_template(spec, role, placement, group_labels, config, extra_env=env,
-                            annotations=annotations)
+    template = pod_template(pool, group_labels, config, extra_env=env, annotations=annotations)
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": object_meta(name, namespace, group_labels, owner),
@@ -100,20 +97,19 @@ def _group(pool: str, namespace: str, replica: int, spec: PoolSpec, role: str,
     }
 
 
-def _leader_worker_set(pool: str, namespace: str, spec: PoolSpec, role: str,
-                       placement: Placement, labels: dict[str, str], owner: dict[str, Any],
-                       config: RenderConfig, annotations: dict[str, str] | None) -> dict[str, Any]:
-    nodes = placement.nodes_per_replica
+def _leader_worker_set(name: str, namespace: str, pool: ResolvedPool, labels: dict[str, str],
+                       owner: dict[str, Any], config: RenderConfig,
+                       annotations: dict[str, str] | None) -> dict[str, Any]:
+    nodes = pool.placement.nodes_per_replica
     # LWS injects LWS_LEADER_ADDRESS into every container of the group.
-    env = _rendezvous_env(nodes * placement.gpus_per_pod, nodes, "$(LWS_LEADER_ADDRESS)",
+    env = _rendezvous_env(nodes * pool.placement.gpus_per_pod, nodes, "$(LWS_LEADER_ADDRESS)",
                           LWS_WORKER_INDEX_LABEL)
-    template = pod_template(spec, role, placement, labels, config, extra_env=env,
-                            annotations=annotations)
+    template = pod_template(pool, labels, config, extra_env=env, annotations=annotations)
     return {
         "apiVersion": LWS_API_VERSION, "kind": "LeaderWorkerSet",
-        "metadata": object_meta(pool, namespace, labels, owner),
+        "metadata": object_meta(name, namespace, labels, owner),
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": pool.replicas,
             "startupPolicy": "LeaderCreated",
             "leaderWorkerTemplate": {
                 "size": nodes,

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
+import numpy as np
+
+Batch = TypeVar("Batch", float, np.ndarray)
 DEFAULT_PATH = Path(__file__).with_name("calibration.json")
 
 
@@ -24,8 +28,9 @@ class CostModel:
     gpus_per_replica: int = 1
     source: str = ""
 
-    def decode_step_s(self, batch: float, kv_tokens_per_seq: float) -> float:
-        """Gives one decode step's seconds at `batch` running sequences (the ITL)."""
+    def decode_step_s(self, batch: Batch, kv_tokens_per_seq: float) -> Batch:
+        """Gives one decode step's seconds at `batch` running sequences (the ITL); an array of
+        batches (one per model) gives an array of steps."""
         return (self.decode_step_base_s + self.decode_step_per_seq_s * batch
                 + self.decode_step_per_kv_token_s * batch * kv_tokens_per_seq)
 

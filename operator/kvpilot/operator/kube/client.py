@@ -9,32 +9,18 @@ without duplicates and without writes when nothing changed.
 from __future__ import annotations
 
 import json
+import os
 import ssl
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import aiohttp
+import kopf
+
+from kvpilot.operator.kube.diff import differs, without
+from kvpilot.operator.kube.errors import KubeError
 
 MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
-
-
-class KubeError(RuntimeError):
-    """An API call failed; the message names the verb, the path and the server's answer."""
-
-    def __init__(self, verb: str, path: str, status: int, text: str) -> None:
-        self.status = status
-        try:
-            detail = json.loads(text).get("message", text)
-        except (ValueError, AttributeError):
-            detail = text
-        super().__init__(f"{verb} {path} failed with HTTP {status}: {str(detail)[:300]}")
-
-
-def transient(exc: BaseException) -> bool:
-    """Gives whether an API failure is worth retrying soon (connection trouble, 409/429/5xx)."""
-    if isinstance(exc, KubeError):
-        return exc.status in (409, 429) or exc.status >= 500
-    return isinstance(exc, aiohttp.ClientError | TimeoutError)
 
 
 def resource_path(api_version: str, kind: str, namespace: str | None,
@@ -50,39 +36,6 @@ def resource_path(api_version: str, kind: str, namespace: str | None,
     if subresource:
         parts.append(subresource)
     return "/".join(parts)
-
-
-def differs(current: Any, desired: Any) -> bool:
-    """Gives whether `current` lacks something `desired` asks for.
-
-    Keys only `current` has (server defaults, other writers) do not count, also inside
-    list items matched by position: a container the API server filled with defaults is
-    still the container we rendered. A list of another length always differs.
-    """
-    if isinstance(desired, Mapping):
-        if not isinstance(current, Mapping):
-            return True
-        return any(differs(current.get(k), v) for k, v in desired.items())
-    if isinstance(desired, list):
-        if not isinstance(current, list) or len(current) != len(desired):
-            return True
-        return any(differs(c, d) for c, d in zip(current, desired, strict=True))
-    return current != desired
-
-
-def without(obj: Mapping[str, Any], paths: Iterable[tuple[str, ...]]) -> dict[str, Any]:
-    """Gives a copy of `obj` with the nested keys at `paths` removed."""
-    out: dict[str, Any] = dict(obj)
-    for path in paths:
-        node = out
-        for key in path[:-1]:
-            if not isinstance(node.get(key), Mapping):
-                break
-            node[key] = dict(node[key])
-            node = node[key]
-        else:
-            node.pop(path[-1], None)
-    return out
 
 
 class Kube:
@@ -107,11 +60,12 @@ class Kube:
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
-    def from_connection(cls, info: Any) -> Kube:
+    def from_connection(cls, info: kopf.ConnectionInfo) -> Kube:
         """Gives a client for a `kopf.ConnectionInfo` (what the operator logged in with)."""
-        cert = (info.certificate_path, info.private_key_path) \
+        cert = (os.fsdecode(info.certificate_path), os.fsdecode(info.private_key_path)) \
             if info.certificate_path and info.private_key_path else None
-        return cls(info.server, token=info.token, ca_path=info.ca_path,
+        return cls(info.server, token=info.token,
+                   ca_path=os.fsdecode(info.ca_path) if info.ca_path else None,
                    insecure=bool(info.insecure), cert=cert)
 
     async def close(self) -> None:
@@ -177,6 +131,7 @@ class Kube:
             return False
         self._ok("DELETE", path, status, text)
         return True
+
     async def apply(self, obj: Mapping[str, Any],
                     keep: Iterable[tuple[str, ...]] = ()) -> tuple[str, dict[str, Any]]:
         """Creates or patches `obj` by name; gives ('created'|'patched'|'unchanged', object).

@@ -5,12 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.operator.api.pools import PoolSpec
+from kvpilot.operator.api.common import (
+    AcceleratorSpec,
+    CommunicationSpec,
+    EngineSpec,
+    ModelSource,
+    TopologySpec,
+)
 from kvpilot.operator.planning import comm, topology
 
 
 @dataclass(frozen=True)
-class Placement:
+class PodPlacement:
     """Where and on what one engine pod runs."""
 
     gpu_resource: str | None
@@ -36,18 +42,18 @@ class Placement:
         return f"{max(8, 4 * self.gpus_per_pod)}Gi"
 
 
-def plan_placement(spec: PoolSpec) -> Placement:
-    """Gives a resolved pool spec's placement; raises ValueError naming the field when invalid."""
-    assert spec.topology is not None and spec.model is not None
-    assert spec.accelerator is not None and spec.communication is not None
-    plan = topology.plan(spec.topology, spec.model, spec.accelerator, spec.engine)
+def plan_placement(topo: TopologySpec, model: ModelSource, accelerator: AcceleratorSpec,
+                   engine: EngineSpec, communication: CommunicationSpec) -> PodPlacement:
+    """Gives the pods' placement of a pool's sections; raises ValueError naming the field when
+    the topology or the accelerator cannot run the model."""
+    plan = topology.plan(topo, model, accelerator, engine)
     where = plan.placement
-    return Placement(
+    return PodPlacement(
         gpu_resource=where.resource_name,
         gpus_per_pod=plan.gpus_per_pod,
         nodes_per_replica=plan.nodes_per_replica,
         node_selector_terms=[list(term) for term in where.node_selector_terms],
         tolerations=[dict(t) for t in where.tolerations],
-        env=comm.nccl_env(spec.accelerator, plan, spec.communication),
-        rdma=comm.needs_ipc_lock(spec.communication),
+        env=comm.nccl_env(accelerator, plan, communication),
+        rdma=comm.needs_ipc_lock(communication),
     )

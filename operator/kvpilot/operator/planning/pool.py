@@ -1,0 +1,93 @@
+"""A pool resolved once: every section filled from its InferenceModel, and its pods placed.
+
+A stored PrefillPool/DecodePool spec leaves sections unset that its InferenceModel
+supplies; `resolve_pool` fills them (own value, else the owner's, else the default)
+and plans the placement, so errors a user can cause (a topology the model cannot
+split, weights that do not fit) surface here, naming the field. Renderers, the
+engine ConfigMap, `kvpilot up` and the autoscaler read the `ResolvedPool` it gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from kvpilot.operator.api.autoscaling import AutoscalingSpec
+from kvpilot.operator.api.common import (
+    AcceleratorSpec,
+    CommunicationSpec,
+    EngineSpec,
+    ModelSource,
+    Overrides,
+    TopologySpec,
+)
+from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.api.pools import AnyPoolSpec
+from kvpilot.operator.planning.placement import PodPlacement, plan_placement
+
+PoolRole = Literal["prefill", "decode", "both"]
+"""Engine role of a pool's replicas (`kvpilot serve --role`)."""
+Section = TypeVar("Section")
+
+
+@dataclass(frozen=True)
+class ResolvedPool:
+    """A pool spec with every section set and its placement planned."""
+
+    role: PoolRole
+    replicas: int
+    model: ModelSource
+    engine: EngineSpec
+    topology: TopologySpec
+    accelerator: AcceleratorSpec
+    communication: CommunicationSpec
+    overrides: Overrides
+    placement: PodPlacement
+    autoscaling: AutoscalingSpec | None = None
+    """Absent: the pool keeps its replicas."""
+    model_ref: str | None = None
+    """The InferenceModel the sections came from (None: an inline model)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """Gives the camelCase pool spec this resolves to (the pods' spec hash digests it)."""
+        out: dict[str, Any] = {
+            "model": self.model.to_json(), "engine": self.engine.to_json(),
+            "replicas": self.replicas, "topology": self.topology.to_json(),
+            "accelerator": self.accelerator.to_json(),
+            "communication": self.communication.to_json(),
+            "overrides": self.overrides.to_json(), "role": self.role,
+        }
+        if self.model_ref is not None:
+            out["modelRef"] = self.model_ref
+        if self.autoscaling is not None:
+            out["autoscaling"] = self.autoscaling.to_json()
+        return out
+
+
+def _pick(own: Section | None, inherited: Section | None, default: Section) -> Section:
+    if own is not None:
+        return own
+    return inherited if inherited is not None else default
+
+
+def resolve_pool(spec: AnyPoolSpec, owner: InferenceModelSpec | None) -> ResolvedPool:
+    """Gives the pool with every section filled (own value, else `owner`'s, else the default)
+    and its placement planned; raises ValueError naming the field when it cannot run."""
+    model = _pick(spec.model, owner.model if owner else None, None)
+    if model is None:
+        raise ValueError(f"spec.modelRef={spec.model_ref!r} names no InferenceModel in this "
+                         "namespace: create it or set spec.model inline")
+    template = "prefill" if spec.role == "prefill" else "decode"
+    engine = _pick(spec.engine, owner.engine if owner else None, EngineSpec())
+    topology = _pick(spec.topology, owner.pool_topology(template) if owner else None,
+                     TopologySpec())
+    accelerator = _pick(spec.accelerator, owner.accelerator if owner else None,
+                        AcceleratorSpec())
+    communication = _pick(spec.communication, owner.communication if owner else None,
+                          CommunicationSpec())
+    return ResolvedPool(
+        role=spec.role, replicas=spec.replicas, model=model, engine=engine, topology=topology,
+        accelerator=accelerator, communication=communication,
+        overrides=_pick(spec.overrides, owner.overrides if owner else None, Overrides()),
+        placement=plan_placement(topology, model, accelerator, engine, communication),
+        autoscaling=spec.autoscaling, model_ref=spec.model_ref)
