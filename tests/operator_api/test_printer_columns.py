@@ -2,44 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import pytest
-from crd_eval import load_crds
+from helpers.kubectl_view import columns, jsonpath
 
 from kvpilot.operator.api import InferenceModelStatus, PoolStatus
-
-_STEP = re.compile(r'\.(\w+)|\[\?\(@\.(\w+)=="([^"]*)"\)\]')
-
-
-def jsonpath(obj: Any, path: str) -> list[Any]:
-    """Gives the values of the `.a.b` and `.a[?(@.k=="v")].b` forms kubectl uses in columns."""
-    values, pos = [obj], 0
-    while pos < len(path):
-        step = _STEP.match(path, pos)
-        assert step, f"unsupported JSONPath {path!r} at {path[pos:]!r}"
-        key, filter_key, filter_value = step.groups()
-        if key:
-            values = [v[key] for v in values if isinstance(v, dict) and key in v]
-        else:
-            values = [item for v in values if isinstance(v, list) for item in v
-                      if isinstance(item, dict) and item.get(filter_key) == filter_value]
-        pos = step.end()
-    return values
-
-
-def columns(obj: dict[str, Any]) -> dict[str, str]:
-    """Gives column name -> cell text as kubectl prints it (empty cell when absent)."""
-    crd = load_crds()[obj["kind"]]
-    out = {}
-    for column in crd["spec"]["versions"][0]["additionalPrinterColumns"]:
-        if column.get("priority", 0):
-            continue
-        found = jsonpath(obj, column["jsonPath"])
-        out[column["name"]] = "" if not found else str(found[0])
-    return out
-
 
 IM_STATUS = InferenceModelStatus.model_validate({
     "conditions": [{"type": "Progressing", "status": "False"},

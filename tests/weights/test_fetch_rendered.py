@@ -207,7 +207,7 @@ def test_a_gated_model_needs_the_secret_and_says_so(tmp_path: Path):
     with HubServer(state) as url:
         bare = engine_pod(model_spec(url))["initContainers"][0]
         code, out, err = run(bare, dirs(tmp_path, "bare"))
-        assert code == 1
+        assert code == 2  # only a spec change helps: the Job's podFailurePolicy stops there
         assert err.strip().splitlines()[-1] == (
             f"kvpilot fetch: error: {REPO} is gated: set spec.model.secretRef to a Secret whose "
             "HF_TOKEN has been granted access")
@@ -226,4 +226,13 @@ def test_a_wrong_revision_or_filter_names_the_field(tmp_path: Path, model, messa
     with HubServer(hub()) as url:
         init = engine_pod(model_spec(url, **model))["initContainers"][0]
         code, _, err = run(init, dirs(tmp_path))
-    assert code == 1 and message in err.strip().splitlines()[-1], err
+    assert code == 2 and message in err.strip().splitlines()[-1], err
+
+
+def test_an_unreachable_hub_is_worth_another_attempt(tmp_path: Path):
+    server = HubServer(hub())
+    with server as url:
+        init = engine_pod(model_spec(url))["initContainers"][0]
+    code, _, err = run(init, dirs(tmp_path))  # the stand-in is gone: connection refused
+    assert code == 1, err
+    assert "the next attempt starts over from what is on disk" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -9,7 +10,10 @@ import aiohttp
 import kopf
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.diagnose import Diagnosis
 from kvpilot.operator.handlers.children import sync_children
+from kvpilot.operator.handlers.events import record_transition
+from kvpilot.operator.handlers.observed import Observed
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.kube.errors import KubeError
@@ -29,17 +33,18 @@ OWNED_KINDS = [
     (GROUP_VERSION, "PrefillPool"), (GROUP_VERSION, "DecodePool"), ("v1", "ConfigMap"),
     ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("v1", "PersistentVolumeClaim"), ("batch/v1", "Job"),
 ]
 POOL_ROLES = {"PrefillPool": "prefill", "DecodePool": "decode"}
 
 
-def pool_problems(pools: Iterable[Mapping[str, Any]]) -> dict[str, str]:
-    """Gives {pool name: Degraded message} of the pools that are Degraded."""
-    out: dict[str, str] = {}
+def pool_problems(pools: Iterable[Mapping[str, Any]]) -> dict[str, Diagnosis]:
+    """Gives {pool name: Degraded reason and message} of the pools that are Degraded."""
+    out: dict[str, Diagnosis] = {}
     for pool in pools:
-        message = problem((pool.get("status") or {}).get("conditions"))
-        if message is not None:
-            out[pool["metadata"]["name"]] = message
+        found = problem((pool.get("status") or {}).get("conditions"))
+        if found is not None:
+            out[pool["metadata"]["name"]] = found
     return out
 
 
@@ -64,7 +69,7 @@ def pool_counts(spec: InferenceModelSpec, model: str,
 @kopf.on.update(GROUP, VERSION, "inferencemodels")
 async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
                           status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
-                          reason: str, **_: Any) -> None:
+                          reason: str, **kwargs: Any) -> None:
     """Brings an InferenceModel's children to its spec and writes its status."""
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     kube: Kube = memo.kube
@@ -89,6 +94,10 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     counts = pool_counts(parsed, name, stored)
     endpoint = endpoint_url(name, namespace) if parsed.router.replicas > 0 else None
     pools = [o for o in stored if o.get("kind") in POOL_ROLES]
-    patch.status.update(model_status(counts, endpoint, generation, status.get("conditions"), now,
-                                     pool_problems(pools)))
+    weights = Observed.of(kwargs).weights({**im, "status": dict(status)}, parsed, time.time())
+    new = model_status(counts, endpoint, generation, status.get("conditions"), now,
+                       pool_problems(pools), weights.status if weights else None,
+                       weights.problem if weights else None)
+    await record_transition(kube, im, status.get("conditions"), new["conditions"])
+    patch.status.update(new)
     patch.status["observedGeneration"] = generation

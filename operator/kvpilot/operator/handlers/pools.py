@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import aiohttp
 import kopf
 
+from kvpilot.operator.diagnose import diagnose
 from kvpilot.operator.handlers.children import sync_children
+from kvpilot.operator.handlers.events import record_transition
+from kvpilot.operator.handlers.observed import Observed
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.handlers.resolve import resolve_stored_pool
 from kvpilot.operator.kube.client import Kube
@@ -41,7 +45,7 @@ def workload_kinds(config: RenderConfig) -> list[tuple[str, str]]:
 @kopf.on.update(GROUP, VERSION, "decodepools")
 async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status,
                          patch: kopf.Patch, memo: kopf.Memo, reason: str,
-                         models_by_name: kopf.Index, **_: Any) -> None:
+                         models_by_name: kopf.Index, **kwargs: Any) -> None:
     """Brings a pool's workloads, Services and PDB to its spec and writes its status."""
     namespace, generation = meta["namespace"], meta.get("generation")
     kube: Kube = memo.kube
@@ -63,8 +67,12 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
         await reject_apply_error(exc, kube, pool, patch, status, now)
         return
-    workloads = {kind for _, kind in workload_kinds(config)}
-    ready = workload_ready([o for o in current if o.get("kind") in workloads])
-    patch.status.update(pool_status(resolved.replicas, ready, pool_selector(pool),
-                                    generation, status.get("conditions"), now))
+    kinds_run = {kind for _, kind in workload_kinds(config)}
+    workloads = [o for o in current if o.get("kind") in kinds_run]
+    failure = diagnose(Observed.of(kwargs).pool_pods(namespace, meta["name"]), workloads,
+                       resolved.progress_deadline_seconds, time.time())
+    new = pool_status(resolved.replicas, workload_ready(workloads), pool_selector(pool),
+                      generation, status.get("conditions"), now, failure)
+    await record_transition(kube, pool, status.get("conditions"), new["conditions"])
+    patch.status.update(new)
     patch.status["observedGeneration"] = generation

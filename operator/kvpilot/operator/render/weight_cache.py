@@ -19,11 +19,20 @@ from typing import Any
 from kvpilot.operator.api.common import ModelSource
 from kvpilot.operator.render.meta import MODEL_LABEL, RenderConfig, child_name, object_meta
 from kvpilot.operator.render.weights import HF_DIR, fetch_args, fetch_env, fetch_request
+from kvpilot.operator.weights.cli import EXIT_FIX_THE_SPEC
 
 WEIGHTS_LABEL = "kvpilot.dev/weights"
 """On the cache claim, its Job and the Job's pods: the claim's name."""
 JOB_BACKOFF_LIMIT = 6  # each retry resumes the partial files on the claim
 JOB_CONTAINER = "fetch-model"
+FAILURE_POLICY = {"rules": [
+    # `kvpilot fetch` exits 2 when only a spec change helps (gated, no such revision, no file
+    # matches): fail the Job now rather than after every backoff.
+    {"action": "FailJob", "onExitCodes": {"containerName": JOB_CONTAINER, "operator": "In",
+                                          "values": [EXIT_FIX_THE_SPEC]}},
+    # An evicted or preempted pod is not the download's fault: retry without counting it.
+    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+]}
 
 
 def weight_cache(owner: dict[str, Any], model: ModelSource, claim: str,
@@ -44,7 +53,8 @@ def weight_cache(owner: dict[str, Any], model: ModelSource, claim: str,
     digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:6]
     job = {"apiVersion": "batch/v1", "kind": "Job",
            "metadata": object_meta(job_name(claim, digest), namespace, labels, owner),
-           "spec": {"backoffLimit": JOB_BACKOFF_LIMIT, "template": template}}
+           "spec": {"backoffLimit": JOB_BACKOFF_LIMIT, "podFailurePolicy": FAILURE_POLICY,
+                    "template": template}}
     return [claim_object, job]
 
 

@@ -12,6 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
+# Exit code of an error only a change of the spec fixes; the weights Job's podFailurePolicy
+# fails the Job on it instead of retrying (1: another attempt may succeed).
+EXIT_FIX_THE_SPEC = 2
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the flags of `kvpilot fetch`."""
@@ -32,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs the download (or the wait); gives 0 when the files are in place."""
+    """Runs the download (or the wait); gives 0 when the files are in place, 1 after an error
+    another attempt may get past, 2 after one only a change of the spec fixes."""
     from kvpilot.operator.weights.fetch import FetchError, fetch, wait
     from kvpilot.operator.weights.request import FetchRequest
 
@@ -50,5 +55,5 @@ def run(args: argparse.Namespace) -> int:
         # The last line of the log: Kubernetes keeps it as the container's termination
         # message (FallbackToLogsOnError), where the operator reads it.
         print(f"kvpilot fetch: error: {exc}", file=sys.stderr, flush=True)
-        return 1
+        return 1 if exc.retryable else EXIT_FIX_THE_SPEC
     return 0

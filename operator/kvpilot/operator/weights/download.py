@@ -50,7 +50,7 @@ def download(client: httpx.Client, url: str, headers: dict[str, str], local_dir:
                 raise PermissionError(url)
             if response.status_code >= 400:
                 raise FetchError(f"GET {url} answered {response.status_code}: "
-                                 f"{response.read()[:200]!r}")
+                                 f"{response.read()[:200]!r}", retryable=True)
             mode = "ab" if have and response.status_code == 206 else "wb"  # 200: no ranges
             with part.open(mode) as out:
                 for chunk in response.iter_bytes(CHUNK):
@@ -69,7 +69,7 @@ def _check(part: Path, file: HubFile) -> None:
     size = part.stat().st_size
     if size != file.size:
         raise FetchError(f"{file.path}: got {size} bytes, the Hub listed {file.size}; "
-                         "the next attempt resumes")
+                         "the next attempt resumes", retryable=True)
     if file.sha256 is None:
         return
     digest = hashlib.sha256()
@@ -80,4 +80,4 @@ def _check(part: Path, file: HubFile) -> None:
         part.unlink()
         raise FetchError(f"{file.path}: sha256 {digest.hexdigest()} differs from the Hub's "
                          f"{file.sha256}; the partial file was dropped, the next attempt "
-                         "downloads it again")
+                         "downloads it again", retryable=True)

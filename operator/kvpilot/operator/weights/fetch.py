@@ -125,7 +125,8 @@ def _download_all(request: FetchRequest, commit: str, files: list[HubFile],
                 raise FetchError(access_denied(request)) from exc
             except (httpx.HTTPError, OSError) as exc:
                 raise FetchError(f"downloading {request.describe()} failed: {exc}; the next "
-                                 "attempt resumes where this one stopped") from exc
+                                 "attempt resumes where this one stopped",
+                                 retryable=True) from exc
 
 
 def _report(local_dir: Path, total: int, log: Log, interval: float,

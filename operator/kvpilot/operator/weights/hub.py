@@ -15,7 +15,15 @@ from kvpilot.operator.weights.request import FetchRequest
 
 
 class FetchError(Exception):
-    """A download that cannot finish; the message names the field and the fix."""
+    """A download that cannot finish; the message names the field and the fix.
+
+    `retryable`: another attempt may succeed (the network, the Hub); otherwise only a change
+    of the spec helps, and `kvpilot fetch` exits 2, which fails the weights Job at once.
+    """
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,7 @@ def resolve_commit(request: FetchRequest) -> str:
     with translated(request):
         commit = HfApi().repo_info(request.repo, revision=request.revision).sha
     if commit is None:
-        raise FetchError(f"the Hub gave no commit for {request.describe()}")
+        raise FetchError(f"the Hub gave no commit for {request.describe()}", retryable=True)
     return commit
 
 
@@ -105,4 +113,8 @@ def translated(request: FetchRequest) -> Iterator[None]:
                          f"spec.model.source{hint}") from exc
     except (HfHubHTTPError, OSError) as exc:
         raise FetchError(f"reading {request.describe()} from the Hub failed: {exc}; the next "
-                         "attempt starts over from what is on disk") from exc
+                         "attempt starts over from what is on disk", retryable=True) from exc
+    except Exception as exc:  # the HTTP client's own errors differ between hub versions
+        raise FetchError(f"reading {request.describe()} from the Hub failed: "
+                         f"{type(exc).__name__}: {exc}; the next attempt starts over from what "
+                         "is on disk", retryable=True) from exc
