@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,17 +100,38 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        """Gives an engine with the model, tokenizer and KV cache that `args` describe."""
+        """Gives an engine with the model, tokenizer and KV cache that `args` describe (a Hub
+        id resolved in the local cache), logging each start-up phase (startup_log.py)."""
+        from kvpilot.engine import startup_log as log
         from kvpilot.engine.models.config import ModelConfig
+        from kvpilot.engine.models.hub_cache import local_model
+        from kvpilot.engine.models.loader import resolve_load_format
         from kvpilot.engine.tokenizer import load_tokenizer
 
+        started = time.perf_counter()
+        local = local_model(args.model)
+        if local != args.model:  # clients keep using the Hub id
+            args = replace(args, model=local, served_model_name=args.name)
         device = resolve_device(args.device)
         torch.manual_seed(args.seed)
         model_config = ModelConfig.from_engine_args(args, device)
+        log.log_model(args, model_config.architecture, model_config.num_layers,
+                      str(model_config.dtype).removeprefix("torch."), str(device))
         tokenizer = load_tokenizer(args.tokenizer or args.model)
-        engine = cls(args, model_config, tokenizer, ModelRunner(args, model_config, device))
+        runner = ModelRunner(args, model_config, device)
+        log.log_weights(sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+                        runner.load_seconds, resolve_load_format(model_config, args.load_format))
+        log.log_kv_cache(runner.num_blocks, runner.block_size, runner.bytes_per_block,
+                         log.kv_budget_source(args, device.type))
+        graphs = runner.decode_graphs
+        log.log_graphs(graphs.buckets if graphs else None, runner.graph_seconds,
+                       "CPU" if device.type != "cuda" else "--enforce-eager or the torch "
+                       "attention backend")
+        engine = cls(args, model_config, tokenizer, runner)
         if device.type == "cuda":
             engine.freeze_gc_heap()
+        log.log_ready(time.perf_counter() - started, model_config.max_model_len,
+                      args.max_num_seqs)
         return engine
 
     @staticmethod

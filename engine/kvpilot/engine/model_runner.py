@@ -9,6 +9,7 @@ prompt logprobs) go through the LM head.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -97,7 +98,9 @@ class ModelRunner:
         self.config = model_config
         self.device = device
         self.block_size = args.block_size
+        started = time.perf_counter()
         self.model = load_model(model_config, args.load_format, device, seed=args.seed)
+        self.load_seconds = time.perf_counter() - started
         self.model.attn_backend = select_attention_backend(args, device)
         self.decode_graphs = None  # set once the KV cache exists (engine/cuda_graphs.py)
         # the pinned host buffer of build_batch and the event of its last copy (CUDA only)
@@ -115,7 +118,9 @@ class ModelRunner:
                           for _ in range(model_config.num_layers)]
         from kvpilot.engine.cuda_graphs import capture_decode_graphs
 
+        started = time.perf_counter()
         self.decode_graphs = capture_decode_graphs(self)
+        self.graph_seconds = time.perf_counter() - started
 
     @property
     def bytes_per_block(self) -> int:

@@ -95,6 +95,23 @@ def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
     return Tokenizer(HFTokenizer.from_file(str(tok_file)), config)
 
 
+def read_chat_template(value: str) -> str:
+    """Gives the chat template `--chat-template` names: a file's text, else `value` itself as
+    Jinja; raises ValueError naming the flag when it is neither."""
+    path = Path(value)
+    looks_like_template = "{" in value
+    if not looks_like_template:
+        if not path.is_file():
+            raise ValueError(f"--chat-template={value!r} is neither a file nor a Jinja template "
+                             "(no '{{' or '{%'): pass a path to a .jinja file or the template")
+        value = path.read_text(encoding="utf-8")
+    try:
+        _compile(value)
+    except TemplateError as exc:
+        raise ValueError(f"--chat-template does not compile: {exc}") from exc
+    return value
+
+
 def _token_text(token: str | dict[str, Any] | None) -> str | None:
     """Gives the text of a special token written as a string or an AddedToken dict."""
     if isinstance(token, dict):

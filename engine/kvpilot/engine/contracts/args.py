@@ -43,9 +43,10 @@ def parse_size(text: str | int) -> int:
 class EngineArgs:
     """Flags of the engine; each field is a `--kebab-case` flag of `kvpilot serve`."""
 
-    model: str = field(default="tiny-llama", metadata={
-        "help": "HF-format model directory, or a built-in tiny config "
-                "(tiny-llama, tiny-qwen3, tiny-mixtral)"})
+    model: str = field(metadata={
+        "help": "HF-format model directory, a Hub id found in the local Hugging Face cache "
+                "(HF_HUB_CACHE, HF_HOME; never downloaded), or a built-in tiny config with "
+                "random weights (tiny-llama, tiny-qwen3, tiny-mixtral)"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "name clients use in the `model` field (default: --model)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer dir (default: model)"})
@@ -125,10 +126,26 @@ class ServerArgs:
     drain_timeout: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests get to finish after SIGTERM"})
     api_key: str | None = field(default=None, metadata={"help": "require this bearer token"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "a Jinja chat template, or a file holding one, used instead of the model's"})
     log_level: str = "info"
 
     def to_cli(self) -> list[str]:
         return _to_cli(self)
+
+
+def model_from_cli(positional: str | None, flag: str | None, command: str) -> str:
+    """Gives the model a command line names, positionally (`kvpilot serve MODEL`, as vLLM) or
+    with --model; raises ValueError naming the fix when it names none or two different ones."""
+    if positional and flag and positional != flag:
+        raise ValueError(f"model={positional!r} and --model={flag!r} disagree: give the model "
+                         f"once, e.g. `kvpilot {command} {positional}`")
+    model = positional or flag
+    if not model:
+        raise ValueError(f"no model given: `kvpilot {command} MODEL` takes a model directory "
+                         "or a Hub id in the local Hugging Face cache; `kvpilot "
+                         f"{command} tiny-llama` serves the built-in random-weight model")
+    return model
 
 
 def _flag(name: str) -> str:

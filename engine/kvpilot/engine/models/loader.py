@@ -15,6 +15,7 @@ from torch import nn
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.fused import use_fused_kernels
 from kvpilot.engine.models.registry import model_class
+from kvpilot.engine.startup_log import progress
 
 logger = logging.getLogger(__name__)
 DUMMY_STD = 0.02
@@ -130,7 +131,8 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    for file in progress(files, len(files), "loading safetensors shards"):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_tensor(name)

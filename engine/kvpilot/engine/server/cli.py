@@ -16,7 +16,13 @@ import socket
 import sys
 from typing import Any
 
-from kvpilot.engine.contracts.args import EngineArgs, ServerArgs, add_dataclass_args, from_namespace
+from kvpilot.engine.contracts.args import (
+    EngineArgs,
+    ServerArgs,
+    add_dataclass_args,
+    from_namespace,
+    model_from_cli,
+)
 
 logger = logging.getLogger("kvpilot.serve")
 
@@ -25,6 +31,9 @@ READY_LINE = "kvpilot serve: listening on http://{host}:{port}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve, as with vLLM (or --model): a directory, a Hub "
+                             "id in the local Hugging Face cache, or tiny-llama")
     engine = parser.add_argument_group("engine")
     add_dataclass_args(engine, EngineArgs)  # type: ignore[arg-type]
     server = parser.add_argument_group("server")
@@ -100,16 +109,26 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpilot.engine.llm_engine import LLMEngine
     from kvpilot.engine.server.app import build_app
+    from kvpilot.engine.tokenizer import read_chat_template
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        args.model = model_from_cli(args.model_tag, args.model, "serve")
         engine_args = from_namespace(EngineArgs, args)
         server_args = from_namespace(ServerArgs, args)
+        template = read_chat_template(server_args.chat_template) \
+            if server_args.chat_template else None
     except ValueError as exc:
         print(f"kvpilot serve: {exc}", file=sys.stderr)
         return 2
-    engine = LLMEngine.from_engine_args(engine_args)
+    try:
+        engine = LLMEngine.from_engine_args(engine_args)
+    except ValueError as exc:  # a model that is not there or does not load
+        print(f"kvpilot serve: {exc}", file=sys.stderr)
+        return 2
+    if template is not None:
+        engine.tokenizer.chat_template = template
     sock = bind(server_args.host, server_args.port)
     host, port = sock.getsockname()[:2]
     if engine_args.role != "both":  # prefill/decode: a KV agent beside the engine

@@ -31,7 +31,4 @@ def serve_args(pool: ResolvedPool, drain_timeout: int) -> list[str]:
         role=pool.role,
     )
     server = ServerArgs(host="0.0.0.0", port=ENGINE_PORT, drain_timeout=float(drain_timeout))
-    flags = args.to_cli()
-    if "--model" not in flags:  # to_cli drops defaults; a pod's command should say what it serves
-        flags = ["--model", args.model, *flags]
-    return [*flags, *server.to_cli(), *engine.extra_args]
+    return [*args.to_cli(), *server.to_cli(), *engine.extra_args]
