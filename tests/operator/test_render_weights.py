@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import kubernetes_validate
 import pytest
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
@@ -29,14 +30,18 @@ def children(model_spec: InferenceModelSpec) -> list[dict[str, Any]]:
     return render_children(IM, model_spec, owned_pools(model_spec, "chat"), RenderConfig())
 
 
-def pod(model_spec: InferenceModelSpec) -> dict[str, Any]:
-    """Gives the engine pod spec of the InferenceModel's decode pool."""
+def deployment(model_spec: InferenceModelSpec) -> dict[str, Any]:
+    """Gives the Deployment of the InferenceModel's decode pool."""
     stored = next(o for o in children(model_spec) if o["kind"] == "DecodePool")
     resolved = resolve_pool(DecodePoolSpec.model_validate(stored["spec"]), model_spec)
     objects = render_pool({**stored, "metadata": {**stored["metadata"], "uid": "p1"}}, resolved,
                           RenderConfig())
-    deployment = next(o for o in objects if o["kind"] == "Deployment")
-    return deployment["spec"]["template"]["spec"]
+    return next(o for o in objects if o["kind"] == "Deployment")
+
+
+def pod(model_spec: InferenceModelSpec) -> dict[str, Any]:
+    """Gives the engine pod spec of the InferenceModel's decode pool."""
+    return deployment(model_spec)["spec"]["template"]["spec"]
 
 
 def model_volume(pod_spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -82,6 +87,7 @@ def test_each_source_puts_the_weights_in_place(model, volume, mount, model_dir, 
     assert served(pod_spec) == model_dir
     got = [(c["name"], c["command"]) for c in pod_spec.get("initContainers", [])]
     assert got == init
+    kubernetes_validate.validate(deployment(spec(**model)), "1.34", strict=True)
 
 
 def test_the_download_gets_the_token_and_the_users_hub_settings_only():
@@ -122,6 +128,7 @@ def test_a_cache_is_one_claim_filled_by_one_job_and_mounted_read_only():
     assert job_pod["securityContext"]["fsGroup"] == 1000
     for obj in (claim, job):
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "u1"
+        kubernetes_validate.validate(obj, "1.34", strict=True)
     engine = pod(model_spec)
     assert model_volume(engine) == {"name": "model", "persistentVolumeClaim": {
         "claimName": name, "readOnly": True}}

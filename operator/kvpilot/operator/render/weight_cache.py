@@ -31,7 +31,7 @@ FAILURE_POLICY = {"rules": [
     {"action": "FailJob", "onExitCodes": {"containerName": JOB_CONTAINER, "operator": "In",
                                           "values": [EXIT_FIX_THE_SPEC]}},
     # An evicted or preempted pod is not the download's fault: retry without counting it.
-    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
 ]}
 
 
