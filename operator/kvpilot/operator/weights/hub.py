@@ -35,12 +35,21 @@ class HubFile:
     sha256: str | None = None
 
 
+def endpoint() -> str | None:
+    """Gives HF_ENDPOINT (a mirror) as set now; None: huggingface_hub's default, the Hub.
+
+    Passed explicitly: huggingface_hub reads the variable once, when it is first imported.
+    """
+    return os.environ.get("HF_ENDPOINT") or None
+
+
 def resolve_commit(request: FetchRequest) -> str:
     """Gives the commit `request.revision` names (the default branch when None)."""
     from huggingface_hub import HfApi
 
     with translated(request):
-        commit = HfApi().repo_info(request.repo, revision=request.revision).sha
+        commit = HfApi(endpoint=endpoint()).repo_info(request.repo,
+                                                      revision=request.revision).sha
     if commit is None:
         raise FetchError(f"the Hub gave no commit for {request.describe()}", retryable=True)
     return commit
@@ -54,7 +63,9 @@ def list_files(request: FetchRequest, commit: str) -> list[HubFile]:
 
     with translated(request):
         tree = [HubFile(f.path, int(f.size or 0), f.lfs.sha256 if f.lfs else None)
-                for f in HfApi().list_repo_tree(request.repo, revision=commit, recursive=True)
+                for f in HfApi(endpoint=endpoint()).list_repo_tree(request.repo,
+                                                                   revision=commit,
+                                                                   recursive=True)
                 if isinstance(f, RepoFile)]
     wanted = list(filter_repo_objects(tree, allow_patterns=list(request.include),
                                       ignore_patterns=list(request.exclude),
@@ -71,7 +82,7 @@ def file_url(request: FetchRequest, commit: str, path: str) -> str:
     """Gives the resolve URL of one file at `commit` (on HF_ENDPOINT)."""
     from huggingface_hub import hf_hub_url
 
-    return hf_hub_url(request.repo, path, revision=commit)
+    return hf_hub_url(request.repo, path, revision=commit, endpoint=endpoint())
 
 
 def auth_headers() -> dict[str, str]:
