@@ -104,11 +104,6 @@ def failing_conditions(problem: Diagnosis, generation: int | None,
     ]
 
 
-def is_true(conditions: Sequence[dict[str, Any]] | None, kind: str) -> bool:
-    """Gives whether condition `kind` is present with status True."""
-    return any(c.get("type") == kind and c.get("status") == "True" for c in conditions or ())
-
-
 def own_problem(conditions: Sequence[dict[str, Any]] | None) -> bool:
     """Gives whether the object is Degraded for its own spec (InvalidSpec, ApplyRejected), not
     for a pool's or for failing replicas: the reconcile handler owns such a status."""
