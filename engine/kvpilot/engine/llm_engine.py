@@ -25,7 +25,8 @@ from kvpilot.engine.core.output_processor import OutputProcessor
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.detokenizer import init_offsets
-from kvpilot.engine.model_runner import BatchEntry, ModelRunner, resolve_device, to_device
+from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
+from kvpilot.engine.model_runner import BatchEntry, ModelRunner
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 
 if TYPE_CHECKING:
@@ -95,8 +96,7 @@ class LLMEngine:
         self._phases: dict[str, float] = {}
         self._last_plan: SchedulerOutput | None = None
         self._host_sampling: set[str] = set()  # live request ids that need host sampling
-        self._token_buffers: list[torch.Tensor] = []  # two pinned buffers, one per flight
-        self._num_flights = 0
+        self._readback = PinnedReadback(engine_args.max_num_seqs)  # sampled ids to the host
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -296,15 +296,7 @@ class LLMEngine:
             0, dtype=torch.long)
         if tokens.device.type != "cuda":
             return _InFlight(seqs, tokens, tokens, None)
-        if not self._token_buffers:
-            size = self.engine_args.max_num_seqs
-            self._token_buffers = [torch.empty(size, dtype=torch.long, pin_memory=True)
-                                   for _ in range(2)]
-        self._num_flights += 1
-        host = self._token_buffers[self._num_flights % 2][:len(seqs)]
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
+        host, ready = self._readback.start(tokens)
         return _InFlight(seqs, tokens, host, ready)
 
     def _advance(self, plan: SchedulerOutput, sampled: list[Sequence]) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.model_runner import to_device
+from kvpilot.engine.device import to_device
 
 
 @dataclass

@@ -36,8 +36,8 @@ import torch
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks, hash_prompt_tail
 from kvpilot.engine.contracts.kv_protocol import CHECKSUM_MODULUS, ProtocolError, pack_checksum
 from kvpilot.engine.core.block_pool import KVCacheBlock
+from kvpilot.engine.device import to_device
 from kvpilot.engine.kv_transfer.fair_lock import FairLock
-from kvpilot.engine.model_runner import to_device
 
 # one reusable host buffer of `read` holds up to this many bytes (and at most 256 blocks): each
 # read takes the lock once, and on a busy prefill engine the lock comes once per step
