@@ -19,12 +19,12 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.core.beam_search import apply_selection, select_beams
+from kvpilot.engine.core.detokenizer import init_offsets
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_events import KVEventLog
 from kvpilot.engine.core.output_processor import OutputProcessor
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvpilot.engine.detokenizer import init_offsets
 from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
 from kvpilot.engine.model_runner import BatchEntry, ModelRunner
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs

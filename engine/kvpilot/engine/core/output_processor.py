@@ -5,8 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvpilot.engine.contracts.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from kvpilot.engine.core.detokenizer import (
+    append_text,
+    check_stop_token,
+    decode_new_text,
+    visible_text,
+)
 from kvpilot.engine.core.request import Request, Sequence
-from kvpilot.engine.detokenizer import append_text, check_stop_token, decode_new_text, visible_text
 
 
 class OutputProcessor:
