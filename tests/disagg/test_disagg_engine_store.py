@@ -9,7 +9,6 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -39,11 +38,7 @@ def make_store(num_blocks: int, dtype: torch.dtype = torch.float16, device: str 
     shape = (2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     caches = [torch.randint(-2**31, 2**31 - 1, shape, generator=generator, dtype=torch.int64)
               .to(bits).view(dtype).to(device) for _ in range(LAYERS)]
-    block_bytes = caches[0][:, 0].numel() * caches[0].element_size() * LAYERS
-    engine = SimpleNamespace(kv=SimpleNamespace(pool=BlockPool(num_blocks)),
-                             runner=SimpleNamespace(kv_caches=caches, bytes_per_block=block_bytes),
-                             engine_args=SimpleNamespace(block_size=BLOCK))
-    return EngineBlockStore(engine)
+    return EngineBlockStore(BlockPool(num_blocks), caches, BLOCK)
 
 
 def prompt(num_blocks: int, start: int = 1000) -> list[int]:

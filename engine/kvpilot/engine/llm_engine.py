@@ -11,13 +11,14 @@ import gc
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
+from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core.beam_search import apply_selection, select_beams
 from kvpilot.engine.core.detokenizer import init_offsets
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
@@ -63,7 +64,7 @@ class _InFlight:
 class LLMEngine:
     """A paged-KV engine over one model: continuous batching, prefix caching, preemption."""
 
-    def __init__(self, engine_args: EngineArgs, model_config: ModelConfig, tokenizer: Any,
+    def __init__(self, engine_args: EngineArgs, model_config: ModelConfig, tokenizer: TokenizerLike,
                  runner: ModelRunner) -> None:
         self.engine_args = engine_args
         self.model_config = model_config
@@ -183,6 +184,7 @@ class LLMEngine:
             self._pending.append(self.outputs.build(request))
 
     def has_unfinished_requests(self) -> bool:
+        """Gives whether a `step` has work (requests, or outputs still to return)."""
         return bool(self.requests) or bool(self._pending) or self._inflight is not None
 
     def _seed(self, seq: Sequence) -> None:
@@ -399,12 +401,12 @@ class LLMEngine:
                 seq.beam_candidates = list(zip(out.top_logprobs[i], out.top_ids[i], strict=True))
                 continue
             lp, lp_map = None, None
-            if out.logprobs is not None and request.params.logprobs is not None:
+            if out.logprobs and request.params.logprobs is not None:
                 lp = out.logprobs[i]
                 k = request.params.logprobs
                 # logprobs=0 (or every row asking for 0): only the sampled token's logprob
-                top_ids = out.top_ids[i][:k] if out.top_ids is not None else []
-                top_lps = out.top_logprobs[i][:k] if out.top_logprobs is not None else []
+                top_ids = out.top_ids[i][:k] if out.top_ids else []
+                top_lps = out.top_logprobs[i][:k] if out.top_logprobs else []
                 lp_map = self.outputs.token_logprobs(out.token_ids[i], lp, out.ranks[i],
                                                      top_ids, top_lps)
             self._append(seq, out.token_ids[i], lp, lp_map, now)
@@ -416,7 +418,8 @@ class LLMEngine:
                                     lambda s, t, lp: self._append(s, t, lp, None, now))
         return list(touched.values())
 
-    def _append(self, seq: Sequence, token: int, lp: float | None, lp_map, now: float) -> None:
+    def _append(self, seq: Sequence, token: int, lp: float | None, lp_map: TokenLogprobs | None,
+                now: float) -> None:
         metrics = seq.request.metrics
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
@@ -431,14 +434,15 @@ class LLMEngine:
 
     def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
         request = seq.request
-        lps = request.prompt_logprobs
+        lps, k = request.prompt_logprobs, request.params.prompt_logprobs
+        if lps is None or k is None:
+            return  # only a request that asks for prompt logprobs gets their rows (_entries)
         # row j predicts prompt position start + j + 1; rows already recorded are skipped
         first = max(len(lps) - 1 - start, 0)
         last = min(logits.shape[0], seq.num_prompt_tokens - 1 - start)
         if first >= last:
             return
         targets = request.prompt_token_ids[start + first + 1:start + last + 1]
-        k = request.params.prompt_logprobs
         computed = prompt_logprobs(logits[first:last], targets, k)
         for token, (lp, rank, ids, top) in zip(targets, computed, strict=True):
             lps.append(self.outputs.token_logprobs(token, lp, rank, ids, top))
@@ -457,6 +461,9 @@ class LLMEngine:
         batch = (f"{len(plan.scheduled)} seqs, {sum(n for _, n in plan.scheduled)} tokens, "
                  f"{len(plan.block_copies)} block copies") if plan else "no batch"
         return f"GPU wait {self._gpu_wait_s * 1e3:.1f} ms [{phases} ms; {batch}]"
+
+    def shutdown(self) -> None:
+        """Stops nothing: the engine runs no threads of its own (a RoleEngine's KV agent does)."""
 
     def get_stats(self) -> EngineStats:
         """Gives the gauges and counters the server exports."""

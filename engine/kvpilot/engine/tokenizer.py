@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Gives the text of `ids`, dropping special tokens unless asked to keep them."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

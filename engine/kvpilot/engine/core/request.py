@@ -102,15 +102,14 @@ class Request:
     arrival_time: float
     priority: int = 0
     seqs: list[Sequence] = field(default_factory=list)
-    metrics: RequestMetrics | None = None
+    metrics: RequestMetrics = field(init=False)  # from arrival_time
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on first admission
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     forked: bool = False  # whether the n / beam branches exist yet
 
     def __post_init__(self) -> None:
-        if self.metrics is None:
-            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         if not self.seqs:
             self.seqs.append(Sequence(request=self, token_ids=list(self.prompt_token_ids)))
         if self.params.prompt_logprobs is not None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import Request
 
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.server.params import chat_prompt, sampling_params
 from kvpilot.engine.server.protocol import (
     ChatChoice,
@@ -39,7 +39,7 @@ from kvpilot.engine.server.serving import (
 )
 
 
-def chat_logprobs(tokenizer: Any, completion: CompletionOutput, start: int,
+def chat_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, start: int,
                   k: int) -> ChatLogprobs:
     """Gives chat-style logprobs for the tokens of `completion` from `start` on."""
     content = []

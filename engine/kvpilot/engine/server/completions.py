@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import Request
 
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.server.params import completion_prompts, sampling_params
 from kvpilot.engine.server.protocol import (
     CompletionChoice,
@@ -33,7 +33,7 @@ from kvpilot.engine.server.serving import (
 )
 
 
-def completion_logprobs(tokenizer: Any, completion: CompletionOutput, start: int, k: int,
+def completion_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, start: int, k: int,
                         text_offset: int) -> CompletionLogprobs:
     """Gives the legacy logprobs lists for the tokens of `completion` from `start` on."""
     out = CompletionLogprobs()

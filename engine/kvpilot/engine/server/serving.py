@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -35,7 +36,7 @@ class ServingContext:
     """What a generation handler needs from the server."""
 
     engine: AsyncEngine
-    tokenizer: Any
+    tokenizer: TokenizerLike
     model_name: str
     limits: Limits
     gate: Gate
@@ -239,7 +240,7 @@ def check_error(output: RequestOutput) -> None:
     raise OpenAIError(400, f"the engine refused this request: {message}")
 
 
-def token_text(tokenizer: Any, token_id: int, entry: TokenLogprobs | None) -> str:
+def token_text(tokenizer: TokenizerLike, token_id: int, entry: TokenLogprobs | None) -> str:
     """Gives the text of one token, preferring the engine's decoded form."""
     if entry and token_id in entry and entry[token_id].decoded_token:
         return entry[token_id].decoded_token
