@@ -18,6 +18,7 @@ import torch
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.contracts.args import EngineArgs, parse_size
+from kvpilot.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from kvpilot.engine.device import StagingBuffer, to_device
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class ModelRunner:
         self.block_size = args.block_size
         self.model = load_model(model_config, args.load_format, device, seed=args.seed)
         self.model.attn_backend = select_attention_backend(args, device)
-        self.decode_graphs = None  # set once the KV cache exists (engine/cuda_graphs.py)
+        self.decode_graphs: DecodeGraphs | None = None  # set once the KV cache exists
         self._staging = StagingBuffer(device)  # build_batch's host buffer
         self._patches: torch.Tensor | None = None  # build_batch's [2, k] (position, row) pairs
         # forwards run by a CUDA graph and eagerly (prefill and mixed steps, CPU, start-up)
@@ -84,9 +85,8 @@ class ModelRunner:
                  model_config.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=model_config.dtype, device=device)
                           for _ in range(model_config.num_layers)]
-        from kvpilot.engine.cuda_graphs import capture_decode_graphs
-
-        self.decode_graphs = capture_decode_graphs(self)
+        self.decode_graphs = capture_decode_graphs(self.model, self.kv_caches, args,
+                                                   model_config.max_model_len)
 
     @property
     def bytes_per_block(self) -> int:

@@ -51,8 +51,9 @@ class Tokenizer:
         """Gives the text of `ids`, dropping special tokens unless asked to keep them."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        """Gives the vocabulary strings of `ids` (byte-level BPE pieces, not text)."""
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        """Gives the vocabulary strings of `ids` (byte-level BPE pieces, not text); None for
+        an id outside the vocabulary."""
         return [self._tok.id_to_token(i) for i in ids]
 
     def token_to_id(self, token: str) -> int | None:
