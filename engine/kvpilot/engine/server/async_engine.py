@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 # Log each engine iteration longer than this many milliseconds, with where its time went
 # (inbox, step, lock and GPU waits, delivery, garbage collection): what stretched an ITL.
 SLOW_ITERATION_ENV = "KVPILOT_SLOW_STEP_MS"
+# one request's cumulative outputs; closing it before the last aborts the request
+OutputStream = AsyncGenerator[RequestOutput, None]
 
 
 class _GcClock:
@@ -148,7 +150,7 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams, arrival_time: float | None = None,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+                          priority: int = 0) -> OutputStream:
         """Gives the request's output stream once the engine accepted it.
 
         Raises the engine's ValueError (naming the field) when it refuses the request.
@@ -171,7 +173,7 @@ class AsyncEngine:
 
     async def _iterate(self, request_id: str,
                        queue: asyncio.Queue[RequestOutput | BaseException]
-                       ) -> AsyncIterator[RequestOutput]:
+                       ) -> OutputStream:
         finished = False
         try:
             while True:

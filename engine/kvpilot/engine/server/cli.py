@@ -14,9 +14,14 @@ import logging
 import signal
 import socket
 import sys
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.contracts.args import EngineArgs, ServerArgs, add_dataclass_args, from_namespace
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
 
 logger = logging.getLogger("kvpilot.serve")
 
@@ -26,9 +31,9 @@ READY_LINE = "kvpilot serve: listening on http://{host}:{port}"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
-    add_dataclass_args(engine, EngineArgs)  # type: ignore[arg-type]
+    add_dataclass_args(engine, EngineArgs)
     server = parser.add_argument_group("server")
-    add_dataclass_args(server, ServerArgs)  # type: ignore[arg-type]
+    add_dataclass_args(server, ServerArgs)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -42,7 +47,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app: Any, server_args: ServerArgs) -> Any:
+def make_server(app: FastAPI, server_args: ServerArgs) -> uvicorn.Server:
     """Gives a uvicorn server whose SIGTERM/SIGINT start a drain instead of a hard stop."""
     import asyncio
     import contextlib
@@ -54,7 +59,7 @@ def make_server(app: Any, server_args: ServerArgs) -> Any:
         drain_task: asyncio.Task[None] | None = None
 
         @contextlib.contextmanager
-        def capture_signals(self) -> Any:
+        def capture_signals(self) -> Iterator[None]:
             if threading.current_thread() is not threading.main_thread():
                 yield  # signals reach only the main thread; in-process tests drain by hand
                 return

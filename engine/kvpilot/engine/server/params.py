@@ -50,10 +50,9 @@ def completion_prompts(request: CompletionRequest, tokenizer: TokenizerLike,
     raw = request.prompt
     if isinstance(raw, str):
         items: list[str | list[int]] = [raw]
-    elif raw and all(isinstance(x, int) for x in raw):
-        items = [list(raw)]  # type: ignore[arg-type]
-    else:
-        items = list(raw)  # type: ignore[arg-type]
+    else:  # one list of token ids, or a list of prompts (the schema allows no mix)
+        token_ids = [x for x in raw if isinstance(x, int)]
+        items = [token_ids] if token_ids else [x for x in raw if not isinstance(x, int)]
     if not items:
         raise bad_request("prompt=[] is invalid: send at least one prompt", "prompt")
     prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
