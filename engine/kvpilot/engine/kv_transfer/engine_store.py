@@ -27,18 +27,19 @@ at once (the gather and the per-layer `index_copy_` under the lock).
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks, hash_prompt_tail
-from kvpilot.engine.contracts.kv_protocol import CHECKSUM_MODULUS, ProtocolError, pack_checksum
+from kvpilot.engine.contracts.kv_protocol import ProtocolError, pack_checksum
 from kvpilot.engine.core.block_pool import BlockPool, KVCacheBlock
 from kvpilot.engine.device import to_device
+from kvpilot.engine.kv_transfer.block_checksums import block_checksums
 from kvpilot.engine.kv_transfer.fair_lock import FairLock
+from kvpilot.engine.kv_transfer.host_buffers import BufferPool, ReceiveBuffer
 
 # one reusable host buffer of `read` holds up to this many bytes (and at most 256 blocks): each
 # read takes the lock once, and on a busy prefill engine the lock comes once per step
@@ -53,7 +54,6 @@ RECEIVE_BUFFERS = 8
 if TYPE_CHECKING:
     from kvpilot.engine.llm_engine import LLMEngine
 
-PooledT = TypeVar("PooledT")
 
 
 class PendingRead:
@@ -87,77 +87,6 @@ class PendingRead:
         if self._buffer is not None:
             self._store._recycle(self._buffer)
             self._buffer = None
-
-
-class ReceiveBuffer:
-    """A pooled host buffer (pinned on CUDA) for up to `capacity` incoming blocks, block i at
-    row i; `release` gives it back to the pool."""
-
-    def __init__(self, tensor: torch.Tensor, pool: BufferPool[ReceiveBuffer]) -> None:
-        self.tensor = tensor  # uint8 [capacity, block_bytes]
-        self.capacity: int = tensor.shape[0]
-        self._view = tensor.view(-1).numpy().data
-        self._size = tensor.shape[1]
-        self._pool = pool
-
-    def block(self, index: int) -> memoryview:
-        """Gives block `index`'s bytes, writable."""
-        return self._view[index * self._size:(index + 1) * self._size]
-
-    def release(self) -> None:
-        self._pool.put(self)
-
-
-class BufferPool(Generic[PooledT]):
-    """At most `limit` buffers made by `make` and reused; `get` waits while all are out."""
-
-    def __init__(self, make: Callable[[BufferPool[PooledT]], PooledT], limit: int) -> None:
-        self._make, self._limit = make, limit
-        self._free: list[PooledT] = []
-        self._made = 0
-        self._cond = threading.Condition()
-
-    def fill(self) -> None:
-        """Makes every buffer now, at start-up: pinning memory mid-serving is the suspect
-        in measured multi-second stalls of the engine beside it."""
-        with self._cond:
-            missing = self._limit - self._made
-            self._made = self._limit  # reserved: a `get` meanwhile waits instead of making one
-        made: list[PooledT] = []
-        try:
-            for _ in range(missing):
-                made.append(self._make(self))
-        finally:
-            with self._cond:
-                self._made -= missing - len(made)
-                self._free += made
-                self._cond.notify_all()
-
-    def get(self, timeout: float) -> PooledT:
-        """Gives a free buffer, a new one while fewer than `limit` exist, else waits for one
-        up to `timeout` seconds (TimeoutError)."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not self._free and self._made >= self._limit:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"all {self._limit} receive buffers stayed in use")
-                self._cond.wait(left)
-            if self._free:
-                return self._free.pop()
-            self._made += 1
-        try:
-            return self._make(self)
-        except BaseException:
-            with self._cond:
-                self._made -= 1
-                self._cond.notify()
-            raise
-
-    def put(self, buffer: PooledT) -> None:
-        with self._cond:
-            self._free.append(buffer)
-            self._cond.notify()
 
 
 class StagedBlocks:
@@ -426,30 +355,3 @@ class EngineBlockStore:
         with self._spare_lock:
             if len(self._spare) < SPARE_READ_BUFFERS:
                 self._spare.append(buffer)
-
-
-CHECKSUM_PIECE_BYTES = 64 * 2**20  # data summed per piece: bounds the int32 temporaries
-
-
-def block_checksums(data: torch.Tensor) -> torch.Tensor:
-    """Gives [n, 2] int64 (plain, weighted) sums of each row of a uint8 [n, bytes] tensor,
-    on its device: `protocol.checksum`'s two sums (low 32 bits), for many blocks at once.
-
-    On CUDA one Triton kernel reads the data once (it runs beside decode steps on the
-    same GPU); elsewhere a few torch ops per 64 MiB piece.
-    """
-    if data.is_cuda:
-        from kvpilot.kernels.block_checksum import block_checksums_triton
-
-        return block_checksums_triton(data, CHECKSUM_MODULUS)
-    rows, size = data.shape
-    words = data.view(torch.int16)
-    weights = (torch.arange(size // 2, dtype=torch.int32, device=data.device)
-               % CHECKSUM_MODULUS + 1)
-    out = torch.empty((rows, 2), dtype=torch.int64, device=data.device)
-    step = max(1, CHECKSUM_PIECE_BYTES // max(size, 1))
-    for first in range(0, rows, step):
-        piece = words[first:first + step].to(torch.int32) & 0xFFFF
-        out[first:first + step, 0] = piece.sum(1, dtype=torch.int64)
-        out[first:first + step, 1] = (piece * weights).sum(1, dtype=torch.int64)
-    return out

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
@@ -129,7 +130,7 @@ class GenerationStream(StreamingResponse):
         self._gate = gate
         self._streams = streams
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
