@@ -102,8 +102,8 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         """Gives an engine with the model, tokenizer and KV cache that `args` describe."""
+        from kvpilot.engine.contracts.tokenizer import load_tokenizer
         from kvpilot.engine.models.config import ModelConfig
-        from kvpilot.engine.tokenizer import load_tokenizer
 
         device = resolve_device(args.device)
         torch.manual_seed(args.seed)
