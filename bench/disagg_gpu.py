@@ -39,6 +39,11 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.engine.contracts.builtin_models import (
+    TINY_VOCAB_SIZE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+)
 from kvpilot.engine.contracts.metric_names import (
     MODEL_STEPS,
     ROUTER_REQUESTS,
@@ -48,7 +53,6 @@ from kvpilot.engine.contracts.metrics_text import read_metrics
 from kvpilot.engine.loadgen.datasets import SampleRequest, random_word_dataset
 from kvpilot.engine.loadgen.report import percentile, summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
-from kvpilot.engine.models.builtin import TINY_VOCAB_SIZE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from kvpilot.operator.local.plan import LocalProcess
 from kvpilot.operator.local.supervisor import Supervisor, free_port
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -32,11 +31,7 @@ def make_store(num_blocks: int, shape: str, device: str) -> EngineBlockStore:
     layers, heads, dim = SHAPES[shape]
     caches = [torch.randn(2, num_blocks, BLOCK, heads, dim, device=device).to(torch.bfloat16)
               for _ in range(layers)]
-    block_bytes = caches[0][:, 0].numel() * 2 * layers
-    engine = SimpleNamespace(kv=SimpleNamespace(pool=BlockPool(num_blocks)),
-                             runner=SimpleNamespace(kv_caches=caches, bytes_per_block=block_bytes),
-                             engine_args=SimpleNamespace(block_size=BLOCK))
-    return EngineBlockStore(engine)
+    return EngineBlockStore(BlockPool(num_blocks), caches, BLOCK)
 
 
 async def pull_once(src: EngineBlockStore, dst: EngineBlockStore, tokens: list[int],

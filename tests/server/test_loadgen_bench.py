@@ -10,9 +10,9 @@ import pytest
 from server_harness import MODEL, RunningServer
 
 from kvpilot.cli.main import main
+from kvpilot.engine.contracts.tokenizer import load_tokenizer
 from kvpilot.engine.loadgen import cli
 from kvpilot.engine.loadgen.runner import carries_tokens
-from kvpilot.engine.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize(("dataset", "extra"), [

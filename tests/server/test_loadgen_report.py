@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpilot.engine.contracts.tokenizer import load_tokenizer
 from kvpilot.engine.loadgen.datasets import (
     WORDS,
     random_dataset,
@@ -29,7 +30,6 @@ from kvpilot.engine.loadgen.report import (
     summarize,
 )
 from kvpilot.engine.loadgen.runner import send_offsets
-from kvpilot.engine.tokenizer import load_tokenizer
 
 # Three successes and a failure over 2 s, timings in seconds.
 RESULTS = [

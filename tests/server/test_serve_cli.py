@@ -16,9 +16,9 @@ from test_server_drain import start_server
 
 from kvpilot.cli.main import main
 from kvpilot.engine.contracts.args import EngineArgs, model_from_cli
+from kvpilot.engine.contracts.tokenizer import load_tokenizer, read_chat_template
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.startup_log import progress
-from kvpilot.engine.tokenizer import load_tokenizer, read_chat_template
 
 
 @pytest.mark.parametrize(("positional", "flag", "expected"), [

@@ -19,6 +19,8 @@ import torch
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.contracts.args import EngineArgs, parse_size
+from kvpilot.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs
+from kvpilot.engine.device import StagingBuffer, to_device
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
@@ -60,33 +62,6 @@ def select_attention_backend(args: EngineArgs, device: torch.device) -> Attentio
     return TorchAttentionBackend()
 
 
-def to_device(values: list | np.ndarray, device: torch.device, dtype: torch.dtype | None = None
-              ) -> torch.Tensor:
-    """Gives a small host list (or array) as a tensor on `device` without waiting for the
-    device's queue.
-
-    `torch.tensor(values, device="cuda")` is a synchronous copy: it waits until
-    every kernel queued before it has run, and so does a `non_blocking` copy from
-    pageable memory (CUDA synchronizes the stream before a pageable host-to-device
-    copy; the runner saw it as a host stall until the forward finished). The list
-    goes into a pinned tensor first, as vLLM's `async_tensor_h2d` does; the copy is
-    then only queued, and PyTorch's caching host allocator keeps the pinned block
-    until it has run.
-    """
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-def resolve_device(name: str) -> torch.device:
-    """Gives the torch device for `--device` (auto: CUDA when present)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA GPU is visible: use --device cpu")
-    return torch.device(name)
-
-
 class ModelRunner:
     """Holds the model and its KV cache; executes steps and block copies."""
 
@@ -102,11 +77,8 @@ class ModelRunner:
         self.model = load_model(model_config, args.load_format, device, seed=args.seed)
         self.load_seconds = time.perf_counter() - started
         self.model.attn_backend = select_attention_backend(args, device)
-        self.decode_graphs = None  # set once the KV cache exists (engine/cuda_graphs.py)
-        # the pinned host buffer of build_batch and the event of its last copy (CUDA only)
-        self._pinned: torch.Tensor | None = None
-        self._pinned_np: np.ndarray | None = None
-        self._copied: torch.cuda.Event | None = None
+        self.decode_graphs: DecodeGraphs | None = None  # set once the KV cache exists
+        self._staging = StagingBuffer(device)  # build_batch's host buffer
         self._patches: torch.Tensor | None = None  # build_batch's [2, k] (position, row) pairs
         # forwards run by a CUDA graph and eagerly (prefill and mixed steps, CPU, start-up)
         self.num_graph_steps = 0
@@ -116,10 +88,9 @@ class ModelRunner:
                  model_config.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=model_config.dtype, device=device)
                           for _ in range(model_config.num_layers)]
-        from kvpilot.engine.cuda_graphs import capture_decode_graphs
-
         started = time.perf_counter()
-        self.decode_graphs = capture_decode_graphs(self)
+        self.decode_graphs = capture_decode_graphs(self.model, self.kv_caches, args,
+                                                   model_config.max_model_len)
         self.graph_seconds = time.perf_counter() - started
 
     @property
@@ -178,7 +149,7 @@ class ModelRunner:
         at_patch = at_tables + n * max_blocks
         patched = [i for i, e in enumerate(entries) if e.patch_row >= 0]
         size = at_patch + 2 * len(patched)
-        host = self._host_buffer(size)
+        host, host_tensor = self._staging.host(size)
         ids, positions, slots = host[:total], host[t2:t2 + total], host[2 * t2:2 * t2 + total]
         qsl = host[3 * t2:3 * t2 + n + 1]
         lens = host[at_lens:at_lens + n]
@@ -210,7 +181,7 @@ class ModelRunner:
             pairs = host[at_patch:size].reshape(2, len(patched))
             pairs[0] = qsl[1:][patched] - 1
             pairs[1] = [entries[i].patch_row for i in patched]
-        dev_buf = self._to_device(host)
+        dev_buf = self._staging.upload(host_tensor)
         self._patches = dev_buf[at_patch:size].view(2, len(patched)) if patched else None
         i32 = torch.int32
         meta = AttentionMetadata(
@@ -225,33 +196,6 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
         )
         return dev_buf[:total], dev_buf[t2:t2 + total], meta, logits_rows
-
-    def _host_buffer(self, size: int) -> np.ndarray:
-        """Gives an int64 host array of `size` to fill with the step's batch.
-
-        On CUDA it is a view of one persistent pinned buffer, so the step's single
-        copy to the device is asynchronous; the previous step's copy must have
-        read it before it is refilled (an event, almost always already passed).
-        On CPU it is a fresh array: the step's tensors alias it.
-        """
-        if self.device.type != "cuda":
-            return np.empty(size, dtype=np.int64)
-        if self._pinned is None or self._pinned.numel() < size:
-            self._pinned = torch.empty(max(size, 1 << 16), dtype=torch.int64, pin_memory=True)
-            self._pinned_np = self._pinned.numpy()
-        elif self._copied is not None:
-            self._copied.synchronize()
-        return self._pinned_np[:size]
-
-    def _to_device(self, host: np.ndarray) -> torch.Tensor:
-        """Gives the filled host batch buffer on the model's device (one non-blocking copy)."""
-        if self.device.type != "cuda":
-            return torch.from_numpy(host)
-        out = self._pinned[:host.shape[0]].to(self.device, non_blocking=True)
-        if self._copied is None:
-            self._copied = torch.cuda.Event()
-        self._copied.record()
-        return out
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copies whole blocks src -> dst on every layer (copy-on-write before a step writes)."""

@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -21,6 +24,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 # With --kv-transfer-port 0 an engine's KV agent listens on its HTTP port plus this.
 KV_PORT_OFFSET = 1000
+# one of the flag dataclasses (EngineArgs, ServerArgs, RouterArgs)
+ArgsT = TypeVar("ArgsT", bound="DataclassInstance")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
@@ -166,7 +171,8 @@ def _to_cli(obj: Any) -> list[str]:
     return out
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                       cls: type) -> None:
     """Adds one flag per field of `cls` (bools get --x / --no-x)."""
     for f in fields(cls):
         meta = dict(f.metadata)
@@ -185,6 +191,6 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         parser.add_argument(_flag(f.name), **kwargs)
 
 
-def from_namespace(cls: type, args: argparse.Namespace) -> Any:
+def from_namespace(cls: type[ArgsT], args: argparse.Namespace) -> ArgsT:
     """Builds `cls` from the parsed flags of `add_dataclass_args`."""
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

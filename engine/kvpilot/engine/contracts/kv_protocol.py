@@ -68,7 +68,7 @@ def checksum(data: bytes | memoryview) -> bytes:
     sum and their sum weighted by position (weights 1..CHECKSUM_MODULUS, repeating),
     each mod 2**32. It catches flipped bits and moved words; the block hash in the
     frame catches moved blocks. Engines compute the same sums for many blocks at
-    once on the device (`engine_store.block_checksums`), so neither side spends
+    once on the device (`kv_transfer.block_checksums`), so neither side spends
     host time per byte; this numpy version serves tests and byte-level callers.
     """
     raw = bytes(data) + b"\0" if len(data) % 2 else data

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvpilot.engine.loadgen.datasets import SampleRequest, TokenizerLike
+    from kvpilot.engine.contracts.tokenizer import TokenizerLike
+    from kvpilot.engine.loadgen.datasets import SampleRequest
 
 DATASETS = ("random", "shared-prefix", "sharegpt")
 
@@ -77,8 +78,8 @@ def _server_root(args: argparse.Namespace) -> str | None:
 def load_bench_tokenizer(args: argparse.Namespace) -> tuple[TokenizerLike, str]:
     """Gives the tokenizer the lengths count in and where it came from; raises ValueError
     naming --tokenizer when no candidate is local."""
+    from kvpilot.engine.contracts.tokenizer import load_tokenizer
     from kvpilot.engine.models.hub_cache import local_model
-    from kvpilot.engine.tokenizer import load_tokenizer
 
     tried: list[str] = []
     candidates = [args.tokenizer] if args.tokenizer else [args.model, None]

@@ -13,19 +13,13 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
 
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "it", "an", "were", "are", "which", "this", "be", "or", "has", "had", "first", "one", "their", "its", "new", "after", "who", "they", "two", "her", "she", "been", "other", "when", "there", "all", "during", "into", "school", "time", "may", "years", "more", "most", "only", "over", "city", "some", "world", "would", "where", "later", "up", "such", "used", "many", "can", "state", "about", "national", "out", "known", "university", "united", "then", "made", "river", "north", "south", "east", "west", "light", "water", "stone", "paper", "music", "garden", "window", "market", "bridge", "signal", "engine", "cache", "block", "token", "prefix", "queue", "batch", "model", "kernel", "tensor", "router", "replica"]
 # ShareGPT filtering as vLLM's: too short to time, or too long for common context sizes.
 SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
-
-
-class TokenizerLike(Protocol):
-    """What the datasets need of a tokenizer (kvpilot.engine.tokenizer.Tokenizer has it)."""
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 @dataclass(frozen=True)

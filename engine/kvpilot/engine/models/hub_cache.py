@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvpilot.engine.models.builtin import BUILTIN_CONFIGS, is_builtin
+from kvpilot.engine.contracts.builtin_models import BUILTIN_CONFIGS, is_builtin
 
 
 def hub_cache_dir() -> Path:

@@ -1,17 +1,22 @@
 """Small building blocks shared by the model files: the seams where fused kernels plug in.
 
-Each seam holds its implementation in an attribute (`RMSNorm.kernel`, `MLP.act`,
+Each seam holds its implementation in an attribute (`RMSNorm.kernel`, `FeedForward.act`,
 `RotaryEmbedding.kernel`) that `fused.use_fused_kernels` swaps for a Triton kernel
 on CUDA; the torch code here is what runs everywhere else.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import TypeAlias
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+# checkpoint tensor name -> (parameter name, index into that parameter)
+WeightLayout: TypeAlias = dict[str, tuple[str, tuple]]
 
 
 class RMSNorm(nn.Module):
@@ -25,7 +30,8 @@ class RMSNorm(nn.Module):
         # a fused kernel with the signature of kvpilot.kernels.rmsnorm.rms_norm, or None
         self.kernel: Callable | None = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Gives norm(x); with `residual`, gives (norm(x + residual), x + residual)."""
         if self.kernel is not None:
             return self.kernel(x, self.weight, self.eps, residual)
@@ -41,6 +47,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Gives silu(gate) * up for `x` = [gate | up] along the last dim (SwiGLU)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class FeedForward(nn.Module, ABC):
+    """A decoder layer's feed-forward block (dense MLP or mixture of experts): [T, hidden]
+    in and out, with its gated activation in the `act` seam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul  # the fused-kernel seam
+
+    @abstractmethod
+    def weight_layout(self, prefix: str) -> WeightLayout:
+        """Gives where the checkpoint tensors of layer `prefix` (model.layers.i) land here."""
 
 
 class MergedLinear(nn.Linear):

@@ -16,13 +16,11 @@ from torch import nn
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.models.config import ModelConfig
-from kvpilot.engine.models.layers import MergedLinear, RMSNorm, silu_and_mul
+from kvpilot.engine.models.layers import FeedForward, MergedLinear, RMSNorm, WeightLayout
 from kvpilot.engine.models.rope import RotaryEmbedding, StepRope
 
-# checkpoint tensor name -> (parameter name, index into that parameter)
-WeightLayout: TypeAlias = dict[str, tuple[str, tuple]]
 # builds one layer's feed-forward block (dense MLP or mixture of experts)
-MakeMLP: TypeAlias = Callable[[ModelConfig], nn.Module]
+MakeMLP: TypeAlias = Callable[[ModelConfig], FeedForward]
 
 
 class Attention(nn.Module):
@@ -48,24 +46,30 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
-class MLP(nn.Module):
+class MLP(FeedForward):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act = silu_and_mul  # the fused-kernel seam
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def weight_layout(self, prefix: str) -> WeightLayout:
+        """Gives the checkpoint layout of one layer's dense MLP."""
+        layout = _merged_layout(f"{prefix}.mlp", "gate_up_proj", self.gate_up_proj,
+                                ["gate_proj", "up_proj"])
+        layout |= _plain_layout(f"{prefix}.mlp.down_proj", self.down_proj)
+        return layout
 
 
 class DecoderLayer(nn.Module):
@@ -75,7 +79,7 @@ class DecoderLayer(nn.Module):
     residual add happens inside the next norm, where a fused kernel can do both.
     """
 
-    def __init__(self, config: ModelConfig, mlp: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, mlp: FeedForward) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
@@ -87,12 +91,12 @@ class DecoderLayer(nn.Module):
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """Gives (this layer's output, the residual stream it has not added in yet)."""
         if residual is None:
-            residual, h = x, self.input_layernorm(x)
+            stream, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, stream = self.input_layernorm(x, residual)
         h = self.self_attn(rope, h, kv_cache, meta, backend)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h, stream = self.post_attention_layernorm(h, stream)
+        return self.mlp(h), stream
 
 
 class DecoderModel(nn.Module):
@@ -107,6 +111,10 @@ class DecoderModel(nn.Module):
         # One table for all layers: it is max_model_len x head_dim floats.
         self.rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta,
                                       config.rope_scaling)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """Gives the layers typed as what they are (iterating nn.ModuleList gives Modules)."""
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
@@ -157,19 +165,12 @@ class LlamaForCausalLM(nn.Module):
         }
         if not self.config.tie_word_embeddings:
             layout["lm_head.weight"] = ("lm_head.weight", ())
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.decoder_layers()):
             prefix = f"model.layers.{i}"
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 layout[f"{prefix}.{norm}.weight"] = (f"{prefix}.{norm}.weight", ())
             layout |= _attention_layout(f"{prefix}.self_attn", layer.self_attn)
-            layout |= self.mlp_layout(prefix, layer.mlp)
-        return layout
-
-    def mlp_layout(self, prefix: str, mlp: MLP) -> WeightLayout:
-        """Gives the checkpoint layout of one layer's dense MLP."""
-        layout = _merged_layout(f"{prefix}.mlp", "gate_up_proj", mlp.gate_up_proj,
-                                ["gate_proj", "up_proj"])
-        layout |= _plain_layout(f"{prefix}.mlp.down_proj", mlp.down_proj)
+            layout |= layer.mlp.weight_layout(prefix)
         return layout
 
 

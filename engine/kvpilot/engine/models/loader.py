@@ -14,6 +14,7 @@ from torch import nn
 
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.fused import use_fused_kernels
+from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.models.registry import model_class
 from kvpilot.engine.startup_log import progress
 
@@ -24,7 +25,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(config: ModelConfig, load_format: str, device: torch.device | str,
-               seed: int = 0, fused_kernels: bool | None = None) -> nn.Module:
+               seed: int = 0, fused_kernels: bool | None = None) -> LlamaForCausalLM:
     """Gives the model for `config` on `device`, in eval mode, weights loaded per
     `load_format` (auto, safetensors or dummy), with the Triton kernels of
     `kvpilot.kernels` in its norm/activation/rotary seams when `fused_kernels`
@@ -33,10 +34,11 @@ def load_model(config: ModelConfig, load_format: str, device: torch.device | str
     device = torch.device(device)
     with _default_dtype(config.dtype), device:
         model = model_class(config.architecture)(config)
-    if fmt == "dummy":
+    checkpoint = None if fmt == "dummy" else config.model_path  # set for safetensors
+    if checkpoint is None:
         init_dummy_weights(model, seed)
     else:
-        load_safetensors(model, Path(config.model_path))
+        load_safetensors(model, Path(checkpoint))
     if fused_kernels:
         use_fused_kernels(model)
     elif fused_kernels is None and device.type == "cuda":
@@ -78,12 +80,12 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         param.data.normal_(0.0, DUMMY_STD, generator=generator)
 
 
-def load_safetensors(model: nn.Module, path: Path) -> None:
+def load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
     """Copies every checkpoint tensor into its place; raises naming any unexpected,
     mis-shaped or missing tensor."""
     layout = model.weight_layout()
     params = dict(model.named_parameters())
-    tied = getattr(model.config, "tie_word_embeddings", False)
+    tied = model.config.tie_word_embeddings
     seen: set[str] = set()
     tied_head = None
     for name, tensor in _checkpoint_tensors(path):

@@ -8,24 +8,24 @@ from torch.nn import functional as F
 
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.models.config import ModelConfig
-from kvpilot.engine.models.layers import silu_and_mul
-from kvpilot.engine.models.llama import LlamaForCausalLM, WeightLayout
+from kvpilot.engine.models.layers import FeedForward, WeightLayout
+from kvpilot.engine.models.llama import LlamaForCausalLM
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(FeedForward):
     """Routes each token to its top-k experts (softmax over router logits, top-k weights
     renormalised to sum to one, as HF does) and sums their SwiGLU outputs."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         experts, hidden, inter = config.num_experts, config.hidden_size, config.intermediate_size
+        self.num_experts, self.intermediate_size = experts, inter
         self.top_k = config.num_experts_per_tok
         self.gate = nn.Linear(hidden, experts, bias=False)
         # Experts stacked in one tensor each, [gate | up] rows then down, so a fused MoE
         # kernel can take them as they are.
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
-        self.act = silu_and_mul  # the fused-kernel seam
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Gives the mixture's output [T, hidden] for `x` [T, hidden]."""
@@ -59,6 +59,18 @@ class SparseMoE(nn.Module):
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
+    def weight_layout(self, prefix: str) -> WeightLayout:
+        """Gives the checkpoint layout of one layer's experts and router."""
+        inter = self.intermediate_size
+        # HF keeps the module name `block_sparse_moe`; ours is `mlp` like the dense layers.
+        src, dst = f"{prefix}.block_sparse_moe", f"{prefix}.mlp"
+        layout: WeightLayout = {f"{src}.gate.weight": (f"{dst}.gate.weight", ())}
+        for e in range(self.num_experts):
+            layout[f"{src}.experts.{e}.w1.weight"] = (f"{dst}.w13", (e, slice(0, inter)))
+            layout[f"{src}.experts.{e}.w3.weight"] = (f"{dst}.w13", (e, slice(inter, 2 * inter)))
+            layout[f"{src}.experts.{e}.w2.weight"] = (f"{dst}.w2", (e,))
+        return layout
+
 
 class MixtralForCausalLM(LlamaForCausalLM):
     """Sparse-MoE causal LM in the Mixtral checkpoint layout (`block_sparse_moe`)."""
@@ -70,15 +82,3 @@ class MixtralForCausalLM(LlamaForCausalLM):
                 f"{config.num_experts_per_tok} in config.json are invalid: need "
                 "1 <= num_experts_per_tok <= num_local_experts")
         super().__init__(config, attn_backend, make_mlp=SparseMoE)
-
-    def mlp_layout(self, prefix: str, mlp: SparseMoE) -> WeightLayout:
-        """Gives the checkpoint layout of one layer's experts and router."""
-        inter = self.config.intermediate_size
-        # HF keeps the module name `block_sparse_moe`; ours is `mlp` like the dense layers.
-        src, dst = f"{prefix}.block_sparse_moe", f"{prefix}.mlp"
-        layout: WeightLayout = {f"{src}.gate.weight": (f"{dst}.gate.weight", ())}
-        for e in range(self.config.num_experts):
-            layout[f"{src}.experts.{e}.w1.weight"] = (f"{dst}.w13", (e, slice(0, inter)))
-            layout[f"{src}.experts.{e}.w3.weight"] = (f"{dst}.w13", (e, slice(inter, 2 * inter)))
-            layout[f"{src}.experts.{e}.w2.weight"] = (f"{dst}.w2", (e,))
-        return layout

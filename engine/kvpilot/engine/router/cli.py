@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = None
     if router_args.tokenizer:
         # Torch-free: the engine's tokenizer wraps `tokenizers` and jinja2 only.
-        from kvpilot.engine.tokenizer import load_tokenizer
+        from kvpilot.engine.contracts.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(router_args.tokenizer)
     app = build_app(router_args, hasher=PromptHasher(router_args.block_size, tokenizer))
     uvicorn.run(app, host=router_args.host, port=router_args.port,

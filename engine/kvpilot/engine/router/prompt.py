@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
 
 BYTES_PER_TOKEN = 4
 
@@ -49,7 +50,7 @@ def prompt_text(body: dict[str, Any]) -> str | list[int]:
 class PromptHasher:
     """Turns request bodies into block hashes, with or without the engines' tokenizer."""
 
-    def __init__(self, block_size: int, tokenizer: Any | None = None) -> None:
+    def __init__(self, block_size: int, tokenizer: TokenizerLike | None = None) -> None:
         self.block_size = block_size
         self.tokenizer = tokenizer
         self._encode: Callable[[dict[str, Any]], list[int]] = (

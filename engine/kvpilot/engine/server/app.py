@@ -15,11 +15,12 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvpilot.engine.engine_core import ServedEngine
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.chat import create_chat_completion
 from kvpilot.engine.server.completions import create_completion
 from kvpilot.engine.server.drain import Gate
-from kvpilot.engine.server.errors import OpenAIError, error_response, install_error_handlers
+from kvpilot.engine.server.errors import OpenAIError, install_error_handlers
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.params import Limits
 from kvpilot.engine.server.protocol import (
@@ -41,9 +42,9 @@ ERRORS: dict[int | str, dict[str, Any]] = {
                          (503, "draining or engine failed"))}
 
 
-def build_app(engine: Any, model_name: str, max_queue_len: int = 1024,
+def build_app(engine: ServedEngine, model_name: str, max_queue_len: int = 1024,
               api_key: str | None = None) -> FastAPI:
-    """Gives the app serving `engine` (an LLMEngine) under `model_name`; it owns the engine thread."""
+    """Gives the app serving `engine` under `model_name`; it owns the engine thread."""
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, metrics)
     gate = Gate(max_queue_len, lambda: async_engine.stats.num_waiting + async_engine.num_pending,
@@ -59,10 +60,7 @@ def build_app(engine: Any, model_name: str, max_queue_len: int = 1024,
             yield
         finally:
             async_engine.shutdown()
-            # A role engine (prefill/decode) stops its KV agent here.
-            stop = getattr(engine, "shutdown", None)
-            if callable(stop):
-                stop()
+            engine.shutdown()  # a role engine (prefill/decode) stops its KV agent here
 
     app = FastAPI(title="kvpilot engine", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ctx
@@ -108,10 +106,7 @@ def build_app(engine: Any, model_name: str, max_queue_len: int = 1024,
         The router polls this with `since` = the last answer's `next`. The log is read
         without the engine lock (see `kvpilot.engine.core.kv_events`).
         """
-        log = getattr(engine, "kv_events", None)
-        if log is None:
-            return error_response(404, "this engine publishes no KV events")
-        return JSONResponse(log.read(since))
+        return JSONResponse(engine.kv_events.read(since))
 
     @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(check_api_key)],
              responses=ERRORS)

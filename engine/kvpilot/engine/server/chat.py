@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
 
 from fastapi import Request
 
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from kvpilot.engine.server.async_engine import OutputStream
 from kvpilot.engine.server.params import chat_prompt, sampling_params
 from kvpilot.engine.server.protocol import (
     ChatChoice,
@@ -39,7 +40,7 @@ from kvpilot.engine.server.serving import (
 )
 
 
-def chat_logprobs(tokenizer: Any, completion: CompletionOutput, start: int,
+def chat_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, start: int,
                   k: int) -> ChatLogprobs:
     """Gives chat-style logprobs for the tokens of `completion` from `start` on."""
     content = []
@@ -83,7 +84,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
                                   usage=usage_of([final], [len(prompt)]))
 
 
-async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def _last(stream: OutputStream) -> RequestOutput:
     last = None
     async for output in stream:
         last = output
@@ -92,8 +93,8 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_id: str,
-                  streams: list[AsyncIterator[RequestOutput]],
-                  prompt_len: int) -> AsyncIterator[str]:
+                  streams: list[OutputStream],
+                  prompt_len: int) -> AsyncGenerator[str, None]:
     created = int(time.time())
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     k = request.top_logprobs or 0

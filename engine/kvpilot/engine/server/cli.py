@@ -14,7 +14,8 @@ import logging
 import signal
 import socket
 import sys
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.contracts.args import (
     EngineArgs,
@@ -23,6 +24,10 @@ from kvpilot.engine.contracts.args import (
     from_namespace,
     model_from_cli,
 )
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
 
 logger = logging.getLogger("kvpilot.serve")
 
@@ -35,9 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model to serve, as with vLLM (or --model): a directory, a Hub "
                              "id in the local Hugging Face cache, or tiny-llama")
     engine = parser.add_argument_group("engine")
-    add_dataclass_args(engine, EngineArgs)  # type: ignore[arg-type]
+    add_dataclass_args(engine, EngineArgs)
     server = parser.add_argument_group("server")
-    add_dataclass_args(server, ServerArgs)  # type: ignore[arg-type]
+    add_dataclass_args(server, ServerArgs)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -51,7 +56,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app: Any, server_args: ServerArgs) -> Any:
+def make_server(app: FastAPI, server_args: ServerArgs) -> uvicorn.Server:
     """Gives a uvicorn server whose SIGTERM/SIGINT start a drain instead of a hard stop."""
     import asyncio
     import contextlib
@@ -63,7 +68,7 @@ def make_server(app: Any, server_args: ServerArgs) -> Any:
         drain_task: asyncio.Task[None] | None = None
 
         @contextlib.contextmanager
-        def capture_signals(self) -> Any:
+        def capture_signals(self) -> Iterator[None]:
             if threading.current_thread() is not threading.main_thread():
                 yield  # signals reach only the main thread; in-process tests drain by hand
                 return
@@ -107,9 +112,9 @@ def make_server(app: Any, server_args: ServerArgs) -> Any:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from kvpilot.engine.contracts.tokenizer import Tokenizer, read_chat_template
     from kvpilot.engine.llm_engine import LLMEngine
     from kvpilot.engine.server.app import build_app
-    from kvpilot.engine.tokenizer import read_chat_template
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -127,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a model that is not there or does not load
         print(f"kvpilot serve: {exc}", file=sys.stderr)
         return 2
-    if template is not None:
+    if template is not None and isinstance(engine.tokenizer, Tokenizer):  # always, from files
         engine.tokenizer.chat_template = template
     sock = bind(server_args.host, server_args.port)
     host, port = sock.getsockname()[:2]

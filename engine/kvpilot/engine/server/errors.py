@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -63,7 +64,7 @@ def from_value_error(exc: ValueError) -> OpenAIError:
 
 def error_response(status: int, message: str, param: str | None = None,
                    code: str | int | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
     """Gives the JSON response carrying OpenAI's error object."""
     body = ErrorResponse(error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "error"),
                                          param=param, code=code))

@@ -9,9 +9,8 @@ character ("\\ufffd") until the rest of its bytes arrive.
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core.request import Sequence
 
 # tokens of context decoded before the new ones (vLLM uses 5 as well)
@@ -24,7 +23,7 @@ def init_offsets(seq: Sequence) -> None:
     seq.prefix_offset = max(seq.read_offset - CONTEXT_TOKENS, 0)
 
 
-def decode_new_text(tokenizer: Any, seq: Sequence, skip_special_tokens: bool) -> str:
+def decode_new_text(tokenizer: TokenizerLike, seq: Sequence, skip_special_tokens: bool) -> str:
     """Gives the text the sequence's newest tokens add, or "" while a character is incomplete."""
     ids = seq.token_ids
     prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset],

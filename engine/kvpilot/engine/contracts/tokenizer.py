@@ -1,20 +1,44 @@
-"""The engine's tokenizer: HF `tokenizer.json` through the `tokenizers` library, plus the
-chat template of `tokenizer_config.json`, with no `transformers` import."""
+"""The model's tokenizer (torch-free): HF `tokenizer.json` through the `tokenizers` library
+plus the chat template of `tokenizer_config.json`, with no `transformers` import; and
+`TokenizerLike`, what the server, the detokenizer and the router ask of any tokenizer
+(test fakes meet it too). The router's optional `--tokenizer` loads the same class, so
+its prompt block hashes equal the engines'."""
 
 from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvpilot.engine.models.builtin import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, is_builtin
+from kvpilot.engine.contracts.builtin_models import (
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    is_builtin,
+)
 
+
+class TokenizerLike(Protocol):
+    """Encodes text, decodes token ids and renders chats through the model's template."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Gives the token ids of `text` (with BOS where the model's files ask for it)."""
+        ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Gives the text of `ids`."""
+        ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """Gives the prompt text of `messages` (raises ValueError or a template error)."""
+        ...
 
 class Tokenizer:
     """Encodes, decodes and renders chats the way HF's fast tokenizer does for the same files."""
@@ -46,12 +70,13 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Gives the text of `ids`, dropping special tokens unless asked to keep them."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        """Gives the vocabulary strings of `ids` (byte-level BPE pieces, not text)."""
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        """Gives the vocabulary strings of `ids` (byte-level BPE pieces, not text); None for
+        an id outside the vocabulary."""
         return [self._tok.id_to_token(i) for i in ids]
 
     def token_to_id(self, token: str) -> int | None:
@@ -74,7 +99,6 @@ class Tokenizer:
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
-
 
 def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
     """Gives the tokenizer of a model dir or of a built-in tiny config name."""
@@ -118,7 +142,6 @@ def _token_text(token: str | dict[str, Any] | None) -> str | None:
         return token.get("content")
     return token
 
-
 def _chat_template(config: dict[str, Any]) -> str | None:
     """Gives the default chat template; some configs list several named ones."""
     template = config.get("chat_template")
@@ -127,10 +150,8 @@ def _chat_template(config: dict[str, Any]) -> str | None:
         return named.get("default") or next(iter(named.values()), None)
     return template
 
-
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
-
 
 @functools.lru_cache(maxsize=8)
 def _compile(template: str):
