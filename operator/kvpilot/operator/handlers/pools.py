@@ -7,7 +7,7 @@ from typing import Any
 import aiohttp
 import kopf
 
-from kvpilot.operator.handlers.children import sync_children
+from kvpilot.operator.handlers.children import field_conflicts, sync_children
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.handlers.resolve import resolve_stored_pool
 from kvpilot.operator.kube.client import Kube
@@ -58,13 +58,16 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
     kinds = [*workload_kinds(config), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
     try:
         # Pruning covers scale-down of multi-node groups and a single/multi-node switch.
-        current = await sync_children(kube, pool, objects, kinds, {POOL_LABEL: meta["name"]},
+        applied = await sync_children(kube, pool, objects, kinds, {POOL_LABEL: meta["name"]},
                                       prune_stale=reason != "create")
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
         await reject_apply_error(exc, kube, pool, patch, status, now)
         return
     workloads = {kind for _, kind in workload_kinds(config)}
-    ready = workload_ready([o for o in current if o.get("kind") in workloads])
+    ready = workload_ready([o for o in applied.stored if o.get("kind") in workloads])
     patch.status.update(pool_status(resolved.replicas, ready, pool_selector(pool),
                                     generation, status.get("conditions"), now))
     patch.status["observedGeneration"] = generation
+    conflicts = field_conflicts(applied.conflicts)
+    if conflicts or status.get("fieldConflicts"):
+        patch.status["fieldConflicts"] = conflicts or None
