@@ -171,8 +171,12 @@ def apply(current: Mapping[str, Any] | None, applied: Mapping[str, Any], manager
             _put(new, path, value)
     previous = next((e for e in found if (e.manager, e.operation) == (manager, "Apply")), None)
     for path in (previous.fields if previous else set()) - mine.keys():
-        if not any(_overlap(path, q) for q in [*mine, *(q for e in others for q in e.fields)]):
+        still_applied = any(m[:len(path)] == path for m in mine)  # e.g. a map now filled
+        if not still_applied and not any(_overlap(path, q) for e in others for q in e.fields):
             _remove(new, path)
+    for path, value in mine.items():  # an applied empty map stays, though its keys went
+        if value == {} and _get(new, path) is MISSING:
+            _put(new, path, {})
     own = Entry(manager, "Apply", applied.get("apiVersion", ""), fields=set(mine),
                 time=previous.time if previous and previous.fields == set(mine) else "")
     write(new, [*others, own])
