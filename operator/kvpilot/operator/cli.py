@@ -8,11 +8,20 @@ import logging
 from kvpilot.operator.render.meta import RenderConfig
 
 
+def namespace_name(text: str) -> str:
+    """Gives `text` if it names one namespace; refuses glob patterns (argparse type)."""
+    if any(c in text for c in "*?[]!,"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a pattern: name each namespace (the operator's Roles are granted "
+            "per named namespace, and it does not list namespaces to match patterns)")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the operator's flags."""
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
-                       help="watch this namespace (repeatable; glob patterns allowed)")
+                       type=namespace_name, help="watch this namespace (repeatable)")
     scope.add_argument("-A", "--all-namespaces", action="store_true",
                        help="watch every namespace (the default when no --namespace is given)")
     parser.add_argument("--liveness", type=int, default=None, metavar="PORT",

@@ -58,6 +58,9 @@ def operator_settings(fast: bool = False) -> kopf.OperatorSettings:
     # Handlers post their own decision events; kopf's per-handler log lines stay in the log.
     settings.posting.level = logging.WARNING
     settings.networking.request_timeout = 30
+    # No CRD or namespace scanning: kopf serves the resources discovery shows at start and
+    # the namespaces named, so the operator needs no cluster-scoped reads (kvpilot.operator.rbac).
+    settings.scanning.disabled = True
     if fast:
         settings.watching.connect_timeout = 5
         settings.watching.server_timeout = 30
