@@ -83,6 +83,8 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
     """Requests served, by (action, resource plural[/subresource]): list, watch, fetch, ..."""
     base_url: str = attrs.field(default="", init=False)
     """http://host:port the emulator listens on (set by whoever starts its server)."""
+    tokens: set[str] | None = attrs.field(default=None, init=False)
+    """Bearer tokens it accepts (401 for any other request); None: no authentication."""
 
     def add_resource(self, key: str, kind: str, namespaced: bool = True,
                      subresources: set[str] | frozenset[str] = frozenset(),
@@ -159,6 +161,11 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
         # kmock 0.8 cannot parse the path /api/v1/namespaces (it takes "namespaces" for the
         # namespace prefix and fails), which kopf lists and watches when it serves named
         # namespaces; answer that one path here.
+        if self.tokens is not None and raw_request.headers.get("Authorization") not in \
+                {f"Bearer {token}" for token in self.tokens}:
+            return aiohttp.web.json_response(
+                {"kind": "Status", "code": 401, "reason": "Unauthorized", "message": "Unauthorized"},
+                status=401)
         if raw_request.path.rstrip("/") == "/api/v1/namespaces":
             return await self._serve_namespaces(raw_request)
         return await super().__call__(raw_request)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from kvpilot.operator.render.meta import RenderConfig
 
@@ -54,20 +55,28 @@ def render_config(args: argparse.Namespace) -> RenderConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs the operator until SIGINT/SIGTERM; gives the exit code."""
+    """Runs the operator until SIGINT/SIGTERM; gives the exit code (1, and one line on
+    stderr, when there are no credentials or the API server cannot be reached)."""
     import asyncio
 
     import kopf
 
     from kvpilot.operator.handlers import register
     from kvpilot.operator.handlers.lifecycle import operator_settings
+    from kvpilot.operator.kube.login import LoginError, check_reachable, login
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = operator_settings(fast=args.dev)
+    try:
+        asyncio.run(check_reachable(login(settings)))
+    except LoginError as exc:
+        print(f"kvpilot operator: {exc}", file=sys.stderr)
+        return 1
     register()
     namespaces = list(args.namespace)
     asyncio.run(kopf.operator(
-        settings=operator_settings(fast=args.dev),
+        settings=settings,
         memo=kopf.Memo(render=render_config(args)),
         clusterwide=not namespaces,
         namespaces=namespaces,
