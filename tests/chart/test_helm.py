@@ -45,14 +45,14 @@ def test_rendered_objects_validate(render: Callable[..., list[dict[str, Any]]],
 
 def test_default_install_objects(render: Callable[..., list[dict[str, Any]]]):
     kinds = sorted(o["kind"] for o in render())
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment",
-                     "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap",
+                     *["CustomResourceDefinition"] * 3, "Deployment", "ServiceAccount"]
 
 
 def test_standbys_get_peering_and_a_disruption_budget(render: Callable[..., list[dict[str, Any]]]):
     kinds = sorted(o["kind"] for o in render(sets=("replicaCount=2",)))
     assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "ConfigMap",
-                     "CustomResourceDefinition", "CustomResourceDefinition", "Deployment",
+                     *["CustomResourceDefinition"] * 5, "Deployment",
                      "PodDisruptionBudget", "ServiceAccount"]
 
 
