@@ -64,7 +64,7 @@ def _args(objects: list[dict[str, Any]]) -> list[str]:
 @pytest.mark.parametrize(("values", "present", "absent"), [
     (None, ["operator", "--liveness=8080", "--engine-image=ghcr.io/kvpilot/engine:0.1.0",
             "--router-image=ghcr.io/kvpilot/operator:0.1.0"],
-     ["--peering=kv-kvpilot", "--leader-worker-set"]),
+     ["--peering=kv-kvpilot", "--leader-worker-set", "--inference-pool"]),
     (CHART / "ci" / "peering-values.yaml", ["--peering=kv-kvpilot", "--leader-worker-set"], []),
     (CHART / "ci" / "namespaced-values.yaml",
      ["--namespace=team-a", "--namespace=team-b", "--dev",

@@ -49,8 +49,12 @@ MODES = [
      {"--peering"}),
     (("operator.watchNamespaces={team-a}", "operator.leaderWorkerSet=true"), ["team-a"],
      {"--leader-worker-set"}),
+    (("operator.inferencePool=true",), [], {"--inference-pool"}),
+    (("operator.watchNamespaces={team-a}", "operator.inferencePool=true"), ["team-a"],
+     {"--inference-pool"}),
 ]
-IDS = ["all", "all-peering", "all-lws", "all-both", "one-ns", "two-ns-peering", "one-ns-lws"]
+IDS = ["all", "all-peering", "all-lws", "all-both", "one-ns", "two-ns-peering", "one-ns-lws",
+       "all-gateway", "one-ns-gateway"]
 
 
 @pytest.mark.parametrize(("sets", "namespaces", "flags"), MODES, ids=IDS)

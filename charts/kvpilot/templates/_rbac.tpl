@@ -43,4 +43,9 @@ the ClusterRole when every namespace is watched, else into one Role per watched 
   resources: ["leaderworkersets"]
   verbs: ["create", "delete", "list", "patch"]
 {{- end }}
+{{- if .Values.operator.inferencePool }}
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["create", "delete", "list", "patch"]
+{{- end }}
 {{- end -}}

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="image of the router pods")
     parser.add_argument("--leader-worker-set", action="store_true",
                         help="render multi-node replicas as LeaderWorkerSets (LWS CRD installed)")
+    parser.add_argument("--inference-pool", action="store_true",
+                        help="render an InferencePool (Gateway API inference extension, its CRD "
+                             "installed) for each InferenceModel with spec.inferencePool")
     parser.add_argument("--drain-timeout", type=int, default=defaults.drain_timeout_seconds,
                         metavar="SECONDS", help="seconds engines get to drain after SIGTERM")
 
@@ -51,7 +54,8 @@ def render_config(args: argparse.Namespace) -> RenderConfig:
     """Gives the render settings the flags ask for."""
     return RenderConfig(engine_image=args.engine_image, router_image=args.router_image,
                         leader_worker_set=args.leader_worker_set,
-                        drain_timeout_seconds=args.drain_timeout)
+                        drain_timeout_seconds=args.drain_timeout,
+                        inference_pool=args.inference_pool)
 
 
 def run(args: argparse.Namespace) -> int:

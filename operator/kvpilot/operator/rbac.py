@@ -72,6 +72,8 @@ RULES: tuple[Rule, ...] = (
          "the autoscaler scrapes ready pool pods and sets pod-deletion-cost before scale-down"),
     Rule("leaderworkerset.x-k8s.io", "leaderworkersets", _verbs(APPLY, PRUNE),
          "multi-node groups as LeaderWorkerSets", optional_flag="--leader-worker-set"),
+    Rule("inference.networking.k8s.io", "inferencepools", _verbs(APPLY, PRUNE),
+         "a model's engines behind a Gateway API gateway", optional_flag="--inference-pool"),
     Rule("kopf.dev", "kopfpeerings", _verbs(WATCH, ("get", "patch")),
          "peering between operator replicas watching named namespaces",
          optional_flag="--peering", only="namespaced"),

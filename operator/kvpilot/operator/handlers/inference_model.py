@@ -22,7 +22,8 @@ from kvpilot.operator.render.children import (
     pool_specs,
     render_children,
 )
-from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL
+from kvpilot.operator.render.gateway import INFERENCE_POOL_API
+from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, RenderConfig
 from kvpilot.operator.render.router import endpoint_url
 from kvpilot.operator.status import (
     PoolCounts,
@@ -38,6 +39,12 @@ OWNED_KINDS = [
     ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
 ]
+
+
+def owned_kinds(config: RenderConfig) -> list[tuple[str, str]]:
+    """Gives the (apiVersion, kind) an InferenceModel may own under `config`."""
+    return [*OWNED_KINDS, *([(INFERENCE_POOL_API, "InferencePool")]
+                            if config.inference_pool else [])]
 POOL_ROLES = {"PrefillPool": "prefill", "DecodePool": "decode"}
 
 
@@ -101,7 +108,8 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
                                                 ("model", meta["uid"])))
     try:
         # A new object has nothing stale to remove.
-        applied = await sync_children(kube, im, children, OWNED_KINDS, {MODEL_LABEL: name},
+        applied = await sync_children(kube, im, children, owned_kinds(memo.render),
+                                      {MODEL_LABEL: name},
                                       prune_stale=reason != "create", pools=writes)
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
         await reject_apply_error(exc, kube, im, patch, status, now)
