@@ -104,8 +104,8 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     except ValueError as exc:
         await reject(kube, im, patch, status, "InvalidSpec", describe_error(exc), now)
         return
-    writes = pool_writes(pools, children, every((prefill_pools, decode_pools),
-                                                ("model", meta["uid"])))
+    indexed = every((prefill_pools, decode_pools), ("model", meta["uid"]))
+    writes = pool_writes(pools, children, indexed)
     try:
         # A new object has nothing stale to remove.
         applied = await sync_children(kube, im, children, owned_kinds(memo.render),
@@ -114,10 +114,15 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
         await reject_apply_error(exc, kube, im, patch, status, now)
         return
-    stored = applied.stored
-    counts = pool_counts(parsed, name, stored)
+    applied_pools = [o for o in applied.stored if o.get("kind") in POOL_ROLES]
+    # The index follows the pools' watch events, so its statuses may be newer than the apply's
+    # answers; the roll-up skips this model until its first status is written.
+    names = {p["metadata"]["name"] for p in applied_pools}
+    fresh = [p for p in every((prefill_pools, decode_pools), ("model", meta["uid"]))
+             if p["metadata"]["name"] in names]
+    pools = fresh if len(fresh) == len(names) else applied_pools
+    counts = pool_counts(parsed, name, pools)
     endpoint = endpoint_url(name, namespace) if parsed.router.replicas > 0 else None
-    pools = [o for o in stored if o.get("kind") in POOL_ROLES]
     patch.status.update(model_status(counts, endpoint, generation, status.get("conditions"), now,
                                      pool_problems(pools)))
     patch.status["observedGeneration"] = generation
