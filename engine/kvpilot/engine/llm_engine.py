@@ -475,6 +475,7 @@ class LLMEngine:
             num_waiting_prompt_tokens=sum(r.num_prompt_tokens for r in waiting),
             kv_cache_usage=self.kv.usage,
             num_total_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size,
             num_free_blocks=self.kv.pool.num_free_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
