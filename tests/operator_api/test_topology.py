@@ -76,6 +76,10 @@ ERRORS = [
      "topology.expertParallel=3 does not divide model.numExperts=8 (8 % 3 = 2)"),
     ("ep-not-dividing-tp", topo(tp=2, ep=4), MIXTRAL, H100, TopologyError,
      "topology.expertParallel=4 does not divide topology.tensorParallel=2 (2 % 4 = 2)"),
+    ("ep-between-one-and-tp", topo(tp=8, ep=4), MIXTRAL, H100, TopologyError,
+     "topology.expertParallel=4 with topology.tensorParallel=8 is not supported: the engine "
+     "runs expertParallel 1 (every expert sharded across the TP ranks) or equal to "
+     "tensorParallel (experts partitioned whole); use 1 or 8"),
     ("tp-over-node", topo(tp=16), LLAMA_70B, H100, TopologyError,
      "topology.tensorParallel=16 exceeds the 8 GPUs of one node"),
     ("tp-over-partitioned-node", topo(tp=16), TINY,
