@@ -46,6 +46,8 @@ def run_worker(args: EngineArgs, rank: int, rendezvous: Rendezvous) -> None:
 
     parallel = ParallelConfig.from_engine_args(args)
     device = resolve_device(args.device)
+    if device.type == "cpu":  # the node's ranks share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // rendezvous.ranks_per_node))
     torch.manual_seed(args.seed)
     model_config = ModelConfig.from_engine_args(args, device)
     ctx = init_distributed(parallel, rendezvous, rank, device.type)
