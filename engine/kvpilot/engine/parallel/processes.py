@@ -99,6 +99,10 @@ class WorkerProcesses:
                 return message
             time.sleep(WATCH_INTERVAL_S)
 
+    def returncodes(self) -> list[int | None]:
+        """Gives each worker's exit status (None while it runs)."""
+        return [proc.poll() for proc in self.procs.values()]
+
     def stop(self, grace: float = 10.0) -> None:
         """Gives the workers `grace` seconds to leave (after a stop step), then SIGTERMs
         and finally SIGKILLs what is left."""

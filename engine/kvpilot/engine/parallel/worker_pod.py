@@ -6,7 +6,7 @@ lands here instead of starting a server. The rendered pod template probes /healt
 and /ready on the engine port, so they answer 200 while the workers run (the pool's
 Service selects only node rank 0's pod, so no request is ever routed here). When a
 worker exits, the process stops the others and exits 1, and Kubernetes restarts the
-pod (a LeaderWorkerSet the whole group).
+pod (a LeaderWorkerSet the whole group); when the driver stops them cleanly, it exits 0.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class _Probes(BaseHTTPRequestHandler):
 
 
 def serve_worker_pod(args: EngineArgs, server_args: ServerArgs, rendezvous: Rendezvous) -> int:
-    """Runs this node's workers until one exits (1) or the pod is told to stop (0)."""
+    """Runs this node's workers until one exits or the pod is told to stop; gives 0 when
+    told to stop or every worker left cleanly (the driver stopped them), else 1."""
     done = threading.Event()
 
     def on_exit(message: str) -> None:
@@ -65,8 +66,11 @@ def serve_worker_pod(args: EngineArgs, server_args: ServerArgs, rendezvous: Rend
     print(READY_LINE.format(node=rendezvous.node_rank, host=host, port=port), file=sys.stderr,
           flush=True)
 
+    signalled = threading.Event()
+
     def on_signal(sig: int, _: FrameType | None) -> None:
         logger.info("signal %s: stopping the workers", sig)
+        signalled.set()
         done.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -74,7 +78,7 @@ def serve_worker_pod(args: EngineArgs, server_args: ServerArgs, rendezvous: Rend
     done.wait()
     httpd.shutdown()
     workers.stop(grace=0.0)
-    if _Probes.failure is not None:
-        logger.error("%s", _Probes.failure)
-        return 1
-    return 0
+    if signalled.is_set():
+        return 0
+    # the driver's stop step ends every worker with 0; anything else is a failure
+    return 0 if all(code == 0 for code in workers.returncodes()) else 1
