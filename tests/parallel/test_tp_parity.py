@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers.checkpoints import write_checkpoint
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm import LLM
@@ -27,6 +28,8 @@ CASES = {
     "hf-llama-bias": ("llama-bias", {}, {}),  # row-parallel o_proj and down_proj biases
     "hf-qwen2": ("qwen2", {}, {}),
     "hf-mixtral-ep2": ("mixtral", {}, {"expert_parallel_size": 2}),
+    # 1021 rows do not split in two: the last rank's vocabulary slice is padded; tied head
+    "hf-llama-tied-odd-vocab": ("llama-tied:vocab_size=1021", {}, {}),
 }
 
 
@@ -64,9 +67,13 @@ def assert_close_logprobs(got: list, want: list) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tp2_matches_one_rank(case, prompts, tiny_checkpoints):
+def test_tp2_matches_one_rank(case, prompts, tiny_checkpoints, tmp_path):
     model, flags, tp_flags = CASES[case]
-    if not model.startswith("tiny-"):
+    if ":" in model:  # a family with config overrides, written for this case
+        family, override = model.split(":")
+        key, value = override.split("=")
+        model = str(write_checkpoint(tmp_path, family, **{key: int(value)}))
+    elif not model.startswith("tiny-"):
         model = str(tiny_checkpoints(model))
     flags = {**FLAGS, **flags}
     if case == "tiny-llama":  # a memory budget instead: each rank holds half the KV heads

@@ -32,7 +32,9 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """Has Linux SIGTERM this worker when its parent ends (even by SIGKILL)."""
+    """Has Linux SIGTERM this worker when its parent ends (even by SIGKILL); a terminal's
+    Ctrl+C is the driver's to handle (it drains, then stops the workers)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     parent = os.environ.get(PARENT_ENV)
