@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 # after a collective fails, how long to wait for the watchdog to see which worker died
 EXIT_NOTICE_S = 3.0
+# how long shutdown waits for a step in flight before it stops the workers by signal
+SHUTDOWN_STEP_WAIT_S = 10.0
 
 
 class WorkerLostError(RuntimeError):
@@ -46,6 +48,8 @@ class MultiRankExecutor:
                  parallel: ParallelConfig, rendezvous: Rendezvous) -> None:
         self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
+        # a step's sends and the stop step never interleave on the host group
+        self._step_lock = threading.Lock()
         self.failure: str | None = None
         workers = [r for r in rendezvous.local_ranks if r != 0]
         self.workers = WorkerProcesses(args, rendezvous, workers, self._on_worker_exit)
@@ -88,8 +92,12 @@ class MultiRankExecutor:
             raise WorkerLostError(self.failure)
         packed, buf = self.runner.pack(entries, copies, prev_tokens)
         try:
-            self.channel.send(packed.header, buf, prev_tokens)
-            return self.runner.run(unpack_step(packed.header, buf, packed.host), prev_tokens)
+            with self._step_lock:
+                if self._stopped:
+                    raise RuntimeError("the tensor-parallel executor was shut down")
+                self.channel.send(packed.header, buf, prev_tokens)
+                return self.runner.run(unpack_step(packed.header, buf, packed.host),
+                                       prev_tokens)
         except RuntimeError as exc:
             message = self.workers.wait_for_exit(EXIT_NOTICE_S)
             if message is None:
@@ -116,11 +124,17 @@ class MultiRankExecutor:
         """Stops the workers (a stop step, then signals) and leaves the process groups."""
         if self._stopped:
             return
+        self.workers.expect_exits()
+        stepping = not self._step_lock.acquire(timeout=SHUTDOWN_STEP_WAIT_S)
         self._stopped = True
-        if self.failure is None:
+        clean = self.failure is None and not stepping
+        if clean:
             try:
                 self.channel.send_stop()
             except RuntimeError as exc:  # a worker already gone: stop the rest by signal
                 logger.warning("stop step not delivered (%s)", exc)
-        self.workers.stop(grace=10.0 if self.failure is None else 0.0)
+                clean = False
+        if not stepping:
+            self._step_lock.release()
+        self.workers.stop(grace=10.0 if clean else 0.0)
         destroy_distributed()

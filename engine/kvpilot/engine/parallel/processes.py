@@ -75,6 +75,8 @@ class WorkerProcesses:
         for rank, proc in self.procs.items():
             code = proc.poll()
             if code is not None:
+                if code == 0:
+                    return f"tensor-parallel worker rank {rank} (pid {proc.pid}) was stopped"
                 how = (f"was killed by {signal.Signals(-code).name}" if code < 0
                        else f"exited with code {code}")
                 return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}: the engine "
@@ -98,6 +100,10 @@ class WorkerProcesses:
             if message is not None or time.monotonic() >= deadline:
                 return message
             time.sleep(WATCH_INTERVAL_S)
+
+    def expect_exits(self) -> None:
+        """Stops the watchdog before the workers are told to leave (their exit is no failure)."""
+        self._stopping.set()
 
     def returncodes(self) -> list[int | None]:
         """Gives each worker's exit status (None while it runs)."""
