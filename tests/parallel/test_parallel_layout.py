@@ -84,3 +84,25 @@ def test_experts_per_rank(size, ep, experts, rows):
     groups = [TPGroup(r, size, ep) for r in range(size)]
     assert [g.experts(8) for g in groups] == experts
     assert [g.expert_rows(128) for g in groups] == rows
+
+
+@pytest.mark.parametrize("ep", [1, 2], ids=["ep1-sliced-experts", "ep2-whole-experts"])
+def test_sharded_moe_dense_path_sums_to_the_full_mixture(ep):
+    """The graph-safe MoE path (every local expert on every token, no host sync): the
+    ranks' partial outputs, summed as the all-reduce does, give the full mixture."""
+    hf = {"architectures": ["MixtralForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+          "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 64,
+          "num_local_experts": 4, "num_experts_per_tok": 2}
+    full = build(hf, TPGroup())
+    init_dummy_weights(full, seed=1)
+    x = torch.randn(7, 16, generator=torch.Generator().manual_seed(0))
+    moe = full.model.decoder_layers()[0].mlp
+    want = moe(x)
+    weights, experts = moe.route(x)
+    total = torch.zeros_like(x)
+    for rank in range(2):
+        shard = build(hf, TPGroup(rank, 2, ep))
+        init_dummy_weights(shard, seed=1)
+        total += shard.model.decoder_layers()[0].mlp._dense(x, weights, experts)
+    torch.testing.assert_close(total, want)
