@@ -21,8 +21,8 @@ TINY_BLOCK_BYTES = 2 * 32 * 16 * 4 * 2 * 2
 # name -> (model: a built-in name or an HF family, extra flags for both engines, TP=2 flags)
 CASES = {
     "tiny-llama": ("tiny-llama", {}, {}),
-    "tiny-llama-async": ("tiny-llama", {"async_scheduling": "on"}, {}),
-    "tiny-qwen3": ("tiny-qwen3", {}, {}),
+    # async scheduling: the in-flight sampled tokens reach the worker for its patches
+    "tiny-qwen3-async": ("tiny-qwen3", {"async_scheduling": "on"}, {}),
     "tiny-mixtral-ep1": ("tiny-mixtral", {}, {}),
     "tiny-mixtral-ep2": ("tiny-mixtral", {}, {"expert_parallel_size": 2}),
     "hf-llama-bias": ("llama-bias", {}, {}),  # row-parallel o_proj and down_proj biases
