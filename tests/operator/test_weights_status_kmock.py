@@ -1,5 +1,6 @@
 """status.weights on the kmock emulator: the cache claim and Job appear, the Job pod's progress
-line becomes 'Downloading n%', completion 'Cached', a failed Job WeightsDownloadFailed."""
+line becomes 'Downloading n%', completion 'Cached', a failed Job WeightsDownloadFailed; the claim
+and the Job are server-side applied by kvpilot like every other child."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from helpers.kubectl_view import argocd_health, columns
 from helpers.pod_states import pod, running, terminated
 from kube_api import ApiServer
 from operator_harness import IMS, NAMESPACE, eventually
+from test_field_ownership import owners
 from test_reconcile_kmock import IM_PATH, MERGE, tiny
 from test_status_reasons_kmock import PODS, condition, set_pod_status
 
@@ -45,8 +47,13 @@ async def test_the_cache_job_reports_progress_then_cached(api, operator, client)
     job = await eventually(lambda: next(iter(api.live("batch/v1/jobs", NAMESPACE)), None),
                            what="the weights Job")
     claim = job["metadata"]["labels"]["kvpilot.dev/weights"]
-    assert api.get("v1/persistentvolumeclaims", NAMESPACE, claim)["spec"]["resources"] == {
-        "requests": {"storage": "20Gi"}}
+    stored_claim = api.get("v1/persistentvolumeclaims", NAMESPACE, claim)
+    assert stored_claim["spec"]["resources"] == {"requests": {"storage": "20Gi"}}
+    # Both are children like any other: server-side applied, their fields owned by kvpilot.
+    assert owners(stored_claim, "spec", "resources") == {"kvpilot"}
+    assert owners(job, "spec", "template") == {"kvpilot"}
+    assert {e["operation"] for o in (stored_claim, job) for e in o["metadata"]["managedFields"]
+            if e["manager"] == "kvpilot"} == {"Apply"}
     await eventually(lambda: weights(api, "big").get("phase") == "Pending", what="Pending")
     api.pod_logs[(NAMESPACE, "big-job-0", "fetch-model")] = (
         "kvpilot fetch: acme/llama@v1 is commit abc: 4 files\n"

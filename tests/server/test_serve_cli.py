@@ -18,7 +18,8 @@ from kvpilot.cli.main import main
 from kvpilot.engine.contracts.args import EngineArgs, model_from_cli
 from kvpilot.engine.contracts.tokenizer import load_tokenizer, read_chat_template
 from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.startup_log import progress
+from kvpilot.engine.model_runner import ModelRunner
+from kvpilot.engine.startup_log import LoadReport, log_load, log_topology, progress
 
 
 @pytest.mark.parametrize(("positional", "flag", "expected"), [
@@ -94,17 +95,54 @@ def test_start_up_logs_every_phase(caplog: pytest.LogCaptureFixture):
         engine = LLMEngine.from_engine_args(EngineArgs(model="tiny-llama", device="cpu",
                                                        num_kv_blocks=64))
     lines = [r.getMessage() for r in caplog.records if r.name == "kvpilot.engine"]
+    assert isinstance(engine.runner, ModelRunner)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     assert lines[0] == ("loading model tiny-llama (LlamaForCausalLM, 2 layers) as tiny-llama, "
-                        "dtype float32, on cpu; topology tensor_parallel_size=1 "
-                        "pipeline_parallel_size=1 expert_parallel_size=1")
-    assert lines[1].startswith(f"weights: {weight_bytes} bytes (0.00 GiB, dummy) loaded in ")
+                        "dtype float32, on cpu")
+    assert lines[1] == ("topology: tensor_parallel_size=1 pipeline_parallel_size=1 "
+                        "expert_parallel_size=1: one rank")
+    assert lines[2].startswith(f"weights: {weight_bytes} bytes (0.00 GiB, dummy) loaded in ")
     per_block = engine.runner.bytes_per_block
-    assert lines[2] == (f"KV cache: 64 blocks x 16 tokens = 1024 tokens, "
+    assert lines[3] == (f"KV cache: 64 blocks x 16 tokens = 1024 tokens, "
                         f"{64 * per_block / 2**30:.2f} GiB (sized by --num-kv-blocks 64)")
-    assert lines[3] == "CUDA graphs: none (CPU)"
-    assert lines[4].startswith("engine ready in ") and lines[4].endswith(
+    assert lines[4] == "CUDA graphs: none (CPU)"
+    assert lines[5].startswith("engine ready in ") and lines[5].endswith(
         "max_model_len=4096, max_num_seqs=256")
+
+
+@pytest.mark.parametrize(("topology", "expected"), [
+    ((1, 1, 1, 1, 0), "tensor_parallel_size=1 pipeline_parallel_size=1 expert_parallel_size=1: "
+                      "one rank"),
+    ((4, 1, 1, 1, 0), "tensor_parallel_size=4 pipeline_parallel_size=1 expert_parallel_size=1: "
+                      "4 ranks, 4 per node on 1 node"),
+    ((8, 1, 1, 2, 0), "tensor_parallel_size=8 pipeline_parallel_size=1 expert_parallel_size=1: "
+                      "8 ranks, 4 per node on 2 nodes"),
+    ((2, 1, 1, 1, 8), "tensor_parallel_size=2 pipeline_parallel_size=1 expert_parallel_size=1: "
+                      "2 ranks, 2 per node on 1 node; each rank holds a 1/2 slice of all 8 "
+                      "experts"),
+    ((4, 1, 4, 1, 8), "tensor_parallel_size=4 pipeline_parallel_size=1 expert_parallel_size=4: "
+                      "4 ranks, 4 per node on 1 node; each rank holds 2 of 8 experts whole"),
+    ((1, 1, 1, 1, 8), "tensor_parallel_size=1 pipeline_parallel_size=1 expert_parallel_size=1: "
+                      "one rank"),
+])
+def test_the_topology_line_says_how_ranks_and_experts_are_laid_out(
+        caplog: pytest.LogCaptureFixture, topology, expected):
+    with caplog.at_level(logging.INFO, logger="kvpilot.engine"):
+        log_topology(*topology)
+    assert caplog.records[-1].getMessage() == f"topology: {expected}"
+
+
+def test_sizes_are_per_rank_with_tensor_parallelism(caplog: pytest.LogCaptureFixture):
+    report = LoadReport(weight_bytes=2**30, load_seconds=1.5, num_blocks=100, block_size=16,
+                        bytes_per_block=2**20, graph_sizes=(1, 2, 4), graph_seconds=0.25)
+    with caplog.at_level(logging.INFO, logger="kvpilot.engine"):
+        log_load(report, "safetensors", "--num-kv-blocks 100", "-", world_size=2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "weights: 1073741824 bytes (1.00 GiB, safetensors) per rank (rank 0 of 2) loaded in 1.50s",
+        "KV cache: 100 blocks x 16 tokens = 1600 tokens, 0.10 GiB per rank (rank 0 of 2) "
+        "(sized by --num-kv-blocks 100)",
+        "CUDA graphs: captured 3 decode batch sizes (1..4) per rank (rank 0 of 2) in 0.25s",
+    ]
 
 
 class _Terminal(io.StringIO):
@@ -129,8 +167,9 @@ def test_serve_positional_with_a_chat_template_logs_then_listens(tmp_path: Path)
     proc, base = start_server(log, extra=("--chat-template", str(template)))
     try:
         text = log.read_text()
-        order = [text.index(s) for s in ("loading model tiny-llama", "weights: ", "KV cache: ",
-                                         "CUDA graphs: ", "engine ready in ", "listening on")]
+        order = [text.index(s) for s in ("loading model tiny-llama", "topology: ", "weights: ",
+                                         "KV cache: ", "CUDA graphs: ", "engine ready in ",
+                                         "listening on")]
         assert order == sorted(order)  # nothing listens (no /health, no /ready) while loading
         assert httpx.get(f"{base}/ready", timeout=10).status_code == 200
         body = {"model": "tiny-llama", "max_tokens": 1,

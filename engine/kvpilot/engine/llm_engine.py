@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +27,8 @@ from kvpilot.engine.core.output_processor import OutputProcessor
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
-from kvpilot.engine.model_runner import BatchEntry, ModelRunner
+from kvpilot.engine.executor import ModelExecutor, make_executor
+from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ class LLMEngine:
     """A paged-KV engine over one model: continuous batching, prefix caching, preemption."""
 
     def __init__(self, engine_args: EngineArgs, model_config: ModelConfig, tokenizer: TokenizerLike,
-                 runner: ModelRunner) -> None:
+                 runner: ModelExecutor) -> None:
         self.engine_args = engine_args
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -106,28 +107,23 @@ class LLMEngine:
         from kvpilot.engine import startup_log as log
         from kvpilot.engine.contracts.tokenizer import load_tokenizer
         from kvpilot.engine.models.config import ModelConfig
-        from kvpilot.engine.models.hub_cache import local_model
+        from kvpilot.engine.models.hub_cache import with_local_model
         from kvpilot.engine.models.loader import resolve_load_format
 
         started = time.perf_counter()
-        local = local_model(args.model)
-        if local != args.model:  # clients keep using the Hub id
-            args = replace(args, model=local, served_model_name=args.name)
+        args = with_local_model(args)
         device = resolve_device(args.device)
         torch.manual_seed(args.seed)
         model_config = ModelConfig.from_engine_args(args, device)
         log.log_model(args, model_config.architecture, model_config.num_layers,
                       str(model_config.dtype).removeprefix("torch."), str(device))
         tokenizer = load_tokenizer(args.tokenizer or args.model)
-        runner = ModelRunner(args, model_config, device)
-        log.log_weights(sum(p.numel() * p.element_size() for p in runner.model.parameters()),
-                        runner.load_seconds, resolve_load_format(model_config, args.load_format))
-        log.log_kv_cache(runner.num_blocks, runner.block_size, runner.bytes_per_block,
-                         log.kv_budget_source(args, device.type))
-        graphs = runner.decode_graphs
-        log.log_graphs(graphs.buckets if graphs else None, runner.graph_seconds,
-                       "CPU" if device.type != "cuda" else "--enforce-eager or the torch "
-                       "attention backend")
+        # refuses an unsupported topology before any weight is loaded or process started
+        runner = make_executor(args, model_config, device)
+        log.log_load(runner.load_report(), resolve_load_format(model_config, args.load_format),
+                     log.kv_budget_source(args, device.type),
+                     "CPU" if device.type != "cuda" else "--enforce-eager or the torch "
+                     "attention backend", args.tensor_parallel_size * args.pipeline_parallel_size)
         engine = cls(args, model_config, tokenizer, runner)
         if device.type == "cuda":
             engine.freeze_gc_heap()
@@ -484,7 +480,8 @@ class LLMEngine:
         return f"GPU wait {self._gpu_wait_s * 1e3:.1f} ms [{phases} ms; {batch}]"
 
     def shutdown(self) -> None:
-        """Stops nothing: the engine runs no threads of its own (a RoleEngine's KV agent does)."""
+        """Stops the executor's worker processes (a tensor-parallel engine's; none on one rank)."""
+        self.runner.shutdown()
 
     def get_stats(self) -> EngineStats:
         """Gives the gauges and counters the server exports."""
@@ -496,6 +493,7 @@ class LLMEngine:
             num_waiting_prompt_tokens=sum(r.num_prompt_tokens for r in waiting),
             kv_cache_usage=self.kv.usage,
             num_total_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size,
             num_free_blocks=self.kv.pool.num_free_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,

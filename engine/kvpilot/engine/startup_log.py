@@ -1,8 +1,10 @@
 """The lines an engine logs while it starts: what it loads, how big, how long, what it can hold.
 
 A platform engineer reading a pod's log during the minutes before /health answers sees
-the model, dtype, device and topology first, then the weights (bytes and seconds), the KV
-cache (blocks, tokens, bytes, where the budget came from), CUDA graphs, and the total.
+the model, dtype and device first, then the topology the engine accepted (ranks, nodes,
+how the experts are split), the weights (bytes and seconds), the KV cache (blocks, tokens,
+bytes, where the budget came from), CUDA graphs, and the total. With tensor parallelism
+the sizes are rank 0's (the driver's), said as per rank.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 from kvpilot.engine.contracts.args import EngineArgs
@@ -17,6 +20,20 @@ from kvpilot.engine.contracts.args import EngineArgs
 logger = logging.getLogger("kvpilot.engine")
 Item = TypeVar("Item")
 GIB = 2**30
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What one rank loaded and sized while starting: rank 0's with tensor parallelism."""
+
+    weight_bytes: int
+    load_seconds: float
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    graph_sizes: tuple[int, ...] | None
+    """Decode batch sizes captured as CUDA graphs; None: none captured."""
+    graph_seconds: float
 
 
 def gib(num_bytes: int) -> str:
@@ -38,29 +55,38 @@ def kv_budget_source(args: EngineArgs, device_type: str) -> str:
 
 def log_model(args: EngineArgs, architecture: str, num_layers: int, dtype: str,
               device: str) -> None:
-    logger.info("loading model %s (%s, %d layers) as %s, dtype %s, on %s; topology "
-                "tensor_parallel_size=%d pipeline_parallel_size=%d expert_parallel_size=%d",
-                args.model, architecture, num_layers, args.name, dtype, device,
-                args.tensor_parallel_size, args.pipeline_parallel_size,
-                args.expert_parallel_size)
+    logger.info("loading model %s (%s, %d layers) as %s, dtype %s, on %s", args.model,
+                architecture, num_layers, args.name, dtype, device)
 
 
-def log_weights(num_bytes: int, seconds: float, load_format: str) -> None:
-    logger.info("weights: %d bytes (%s, %s) loaded in %.2fs", num_bytes, gib(num_bytes),
-                load_format, seconds)
+def log_topology(tp: int, pp: int, ep: int, nnodes: int, num_experts: int) -> None:
+    """Logs the topology the engine accepted, before it loads a weight or starts a worker."""
+    world = tp * pp
+    ranks = "one rank" if world == 1 else \
+        f"{world} ranks, {world // nnodes} per node on {nnodes} node{'s' if nnodes > 1 else ''}"
+    experts = ""
+    if num_experts and tp > 1:
+        experts = f"; each rank holds {num_experts // ep} of {num_experts} experts whole" \
+            if ep > 1 else f"; each rank holds a 1/{tp} slice of all {num_experts} experts"
+    logger.info("topology: tensor_parallel_size=%d pipeline_parallel_size=%d "
+                "expert_parallel_size=%d: %s%s", tp, pp, ep, ranks, experts)
 
 
-def log_kv_cache(num_blocks: int, block_size: int, bytes_per_block: int, source: str) -> None:
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s (sized by %s)", num_blocks,
-                block_size, num_blocks * block_size, gib(num_blocks * bytes_per_block), source)
-
-
-def log_graphs(sizes: list[int] | None, seconds: float, why_not: str) -> None:
+def log_load(report: LoadReport, load_format: str, kv_budget: str, why_no_graphs: str,
+             world_size: int) -> None:
+    """Logs the weights, the KV cache and the CUDA graphs one rank set up (`report`)."""
+    rank = "" if world_size == 1 else f" per rank (rank 0 of {world_size})"
+    logger.info("weights: %d bytes (%s, %s)%s loaded in %.2fs", report.weight_bytes,
+                gib(report.weight_bytes), load_format, rank, report.load_seconds)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s%s (sized by %s)",
+                report.num_blocks, report.block_size, report.num_blocks * report.block_size,
+                gib(report.num_blocks * report.bytes_per_block), rank, kv_budget)
+    sizes = report.graph_sizes
     if sizes is None:
-        logger.info("CUDA graphs: none (%s)", why_not)
+        logger.info("CUDA graphs: none (%s)", why_no_graphs)
     else:
-        logger.info("CUDA graphs: captured %d decode batch sizes (%d..%d) in %.2fs",
-                    len(sizes), min(sizes), max(sizes), seconds)
+        logger.info("CUDA graphs: captured %d decode batch sizes (%d..%d)%s in %.2fs",
+                    len(sizes), min(sizes), max(sizes), rank, report.graph_seconds)
 
 
 def log_ready(seconds: float, max_model_len: int, max_num_seqs: int) -> None:

@@ -9,8 +9,10 @@ snapshot, as `vllm serve org/name` does once the files are there.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
+from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.builtin_models import BUILTIN_CONFIGS, is_builtin
 
 
@@ -49,3 +51,11 @@ def local_model(model: str) -> str:
         f"({', '.join(BUILTIN_CONFIGS)}) and not in the local Hugging Face cache "
         f"({hub_cache_dir()}): download it first (`hf download {model}`, or `kvpilot fetch "
         f"{model} --local-dir DIR` and serve DIR); kvpilot serve never downloads")
+
+
+def with_local_model(args: EngineArgs) -> EngineArgs:
+    """Gives `args` with the model where it is (`local_model`); clients keep using the name
+    they gave (a Hub id stays the served model name)."""
+    local = local_model(args.model)
+    return args if local == args.model else replace(args, model=local,
+                                                     served_model_name=args.name)

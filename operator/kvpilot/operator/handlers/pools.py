@@ -9,7 +9,7 @@ import aiohttp
 import kopf
 
 from kvpilot.operator.diagnose import diagnose
-from kvpilot.operator.handlers.children import sync_children
+from kvpilot.operator.handlers.children import field_conflicts, sync_children
 from kvpilot.operator.handlers.events import record_transition
 from kvpilot.operator.handlers.observed import Observed
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
@@ -62,17 +62,25 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
     kinds = [*workload_kinds(config), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
     try:
         # Pruning covers scale-down of multi-node groups and a single/multi-node switch.
-        current = await sync_children(kube, pool, objects, kinds, {POOL_LABEL: meta["name"]},
+        applied = await sync_children(kube, pool, objects, kinds, {POOL_LABEL: meta["name"]},
                                       prune_stale=reason != "create")
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
         await reject_apply_error(exc, kube, pool, patch, status, now)
         return
+    observed = Observed.of(kwargs)
     kinds_run = {kind for _, kind in workload_kinds(config)}
-    workloads = [o for o in current if o.get("kind") in kinds_run]
-    failure = diagnose(Observed.of(kwargs).pool_pods(namespace, meta["name"]), workloads,
+    applied_workloads = [o for o in applied.stored if o.get("kind") in kinds_run]
+    # The index follows the workloads' watch events, so it may hold a readiness newer than
+    # the apply answers; the roll-up skips this pool until its first status is written.
+    indexed = observed.workloads(meta["uid"])
+    workloads = indexed if len(indexed) >= len(applied_workloads) else applied_workloads
+    failure = diagnose(observed.pool_pods(namespace, meta["name"]), workloads,
                        resolved.progress_deadline_seconds, time.time())
     new = pool_status(resolved.replicas, workload_ready(workloads), pool_selector(pool),
                       generation, status.get("conditions"), now, failure)
     await record_transition(kube, pool, status.get("conditions"), new["conditions"])
     patch.status.update(new)
     patch.status["observedGeneration"] = generation
+    conflicts = field_conflicts(applied.conflicts)
+    if conflicts or status.get("fieldConflicts"):
+        patch.status["fieldConflicts"] = conflicts or None
