@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_harness import MODEL, RunningServer, serve_in_thread, tiny_engine
 
+from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.server.app import build_app
 from kvpilot.engine.server.errors import validation_message
 
@@ -94,7 +95,7 @@ def test_api_key_queue_limit_and_kv_refusal() -> None:
     # A KV cache of 4 blocks (64 tokens) under a 512-token context.
     engine = tiny_engine(num_kv_blocks=4)
     # max_queue_len=0: any request would wait, so every generation gets 429.
-    app = build_app(engine, MODEL, max_queue_len=0, api_key="sesame")
+    app = build_app(engine, MODEL, max_queue_len=0, auth=HttpAuth(api_key="sesame"))
     with serve_in_thread(app) as running:
         url = f"{running.base_url}/v1/completions"
         missing = httpx.post(url, json=OK_COMPLETION, timeout=10)

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpilot.engine.contracts.args import KV_PORT_OFFSET, ROLES, _to_cli
+from kvpilot.engine.contracts.args import (
+    API_KEY_ENV,
+    FLEET_SECRET_HELP,
+    KV_PORT_OFFSET,
+    ROLES,
+    _to_cli,
+)
 
 POLICIES = ("round-robin", "least-load", "prefix-aware")
 DISCOVERIES = ("static", "kubernetes")
@@ -81,7 +87,11 @@ class RouterArgs:
         "help": "disaggregated: seconds a KV pull may take before the decode side prefills "
                 "locally"})
     api_key: str | None = field(default=None, metadata={
-        "help": "require this bearer token (also read from KVPILOT_ROUTER_API_KEY)"})
+        "help": f"require this bearer token on /v1/* and send it to the engines (default: "
+                f"${API_KEY_ENV}, if set)"})
+    metrics_require_api_key: bool = field(default=False, metadata={
+        "help": "require the API key on /metrics too (open by default)"})
+    fleet_secret_file: str | None = field(default=None, metadata={"help": FLEET_SECRET_HELP})
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvpilot.engine.contracts import metric_names as names
+from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.contracts.metrics_text import read_metrics
 from kvpilot.engine.router.discovery import Discovery
 from kvpilot.engine.router.health import Health
+from kvpilot.engine.router.kv_events import parse_event
 from kvpilot.engine.router.policy import InstanceView
 from kvpilot.engine.router.prefix_index import PrefixIndex
 
@@ -53,9 +55,10 @@ class Fleet:
     """Instances by URL, refreshed from discovery and scraped for load."""
 
     def __init__(self, discovery: Discovery, index: PrefixIndex, *, eject_after: int,
-                 eject_seconds: float) -> None:
+                 eject_seconds: float, auth: HttpAuth | None = None) -> None:
         self.discovery = discovery
         self.index = index
+        self.auth = auth or HttpAuth()  # signs the GET /kv_events polls
         self.eject_after, self.eject_seconds = eject_after, eject_seconds
         self.instances: dict[str, Instance] = {}
         self.changed = asyncio.Event()  # set whenever instances appear or come back
@@ -136,19 +139,23 @@ class Fleet:
         The engine bounds an answer to its ring (65,536 events); a gap arrives as a
         `cleared` event, which resets the instance's entries.
         """
+        target = f"/kv_events?since={instance.kv_events_next}"
         try:
-            response = await client.get(f"{instance.url}/kv_events",
-                                        params={"since": instance.kv_events_next},
-                                        timeout=KV_EVENTS_TIMEOUT)
+            response = await client.get(instance.url + target, timeout=KV_EVENTS_TIMEOUT,
+                                        headers=self.auth.fleet_headers("GET", target))
             response.raise_for_status()
             body = response.json()
-            events, next_seq = body["events"], int(body["next"])
+            events = [parse_event(event) for event in body["events"]]
+            next_seq = int(body["next"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             # An engine without events (404) or a slow one is not unhealthy: /metrics says that.
-            log.debug("GET %s/kv_events failed: %r", instance.url, exc)
+            # A refusal is a fleet whose members hold different secrets: say so.
+            refused = isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401
+            (log.warning if refused else log.debug)("GET %s/kv_events failed: %r",
+                                                    instance.url, exc)
             return
         if self.instances.get(instance.url) is not instance:
             return  # it left (or changed role) while we waited
         for event in events:
-            self.index.apply_event(instance.url, event)
+            self.index.apply(instance.url, event)
         instance.kv_events_next = next_seq

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
+from kvpilot.engine.contracts.block_hash import UNSALTED, hash_prompt_blocks
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 
 BYTES_PER_TOKEN = 4
@@ -50,9 +50,11 @@ def prompt_text(body: dict[str, Any]) -> str | list[int]:
 class PromptHasher:
     """Turns request bodies into block hashes, with or without the engines' tokenizer."""
 
-    def __init__(self, block_size: int, tokenizer: TokenizerLike | None = None) -> None:
+    def __init__(self, block_size: int, tokenizer: TokenizerLike | None = None,
+                 salt: bytes = UNSALTED) -> None:
         self.block_size = block_size
         self.tokenizer = tokenizer
+        self.salt = salt  # the fleet's, so the hashes equal the engines' (`FleetSecret`)
         self._encode: Callable[[dict[str, Any]], list[int]] = (
             self._encode_tokens if tokenizer is not None else self._encode_bytes)
 
@@ -60,7 +62,7 @@ class PromptHasher:
         """Gives the chained hashes of the full blocks of the body's prompt."""
         ids = self._encode(body)
         size = self.block_size if self.tokenizer is not None else self.block_size * BYTES_PER_TOKEN
-        return hash_prompt_blocks(ids, size)
+        return hash_prompt_blocks(ids, size, salt=self.salt)
 
     def _encode_bytes(self, body: dict[str, Any]) -> list[int]:
         prompt = prompt_text(body)

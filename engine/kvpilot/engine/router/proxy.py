@@ -45,9 +45,10 @@ class Attempt:
     first: bytes
 
 
-def error_body(message: str, code: int, kind: str = "upstream_error") -> dict[str, Any]:
+def error_body(message: str, code: int, kind: str = "upstream_error",
+               param: str | None = None) -> dict[str, Any]:
     """Gives an OpenAI-style error object."""
-    return {"error": {"message": message, "type": kind, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def sse_error(message: str, code: int) -> bytes:

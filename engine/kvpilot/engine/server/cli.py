@@ -17,7 +17,15 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvpilot.engine.contracts.args import EngineArgs, ServerArgs, add_dataclass_args, from_namespace
+from kvpilot.engine.contracts.args import (
+    EngineArgs,
+    ServerArgs,
+    add_dataclass_args,
+    from_namespace,
+    resolve_api_key,
+)
+from kvpilot.engine.contracts.fleet_secret import UNAUTHENTICATED_WARNING, FleetSecret
+from kvpilot.engine.contracts.http_auth import HttpAuth
 
 if TYPE_CHECKING:
     import uvicorn
@@ -111,17 +119,21 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine_args = from_namespace(EngineArgs, args)
         server_args = from_namespace(ServerArgs, args)
+        fleet = FleetSecret.from_file(engine_args.fleet_secret_file)
     except ValueError as exc:
         print(f"kvpilot serve: {exc}", file=sys.stderr)
         return 2
+    if not fleet.enabled:
+        logger.warning(UNAUTHENTICATED_WARNING)
+    auth = HttpAuth(resolve_api_key(server_args.api_key), fleet,
+                    server_args.metrics_require_api_key)
     engine = LLMEngine.from_engine_args(engine_args)
     sock = bind(server_args.host, server_args.port)
     host, port = sock.getsockname()[:2]
     if engine_args.role != "both":  # prefill/decode: a KV agent beside the engine
         from kvpilot.engine.roles import attach_role
         engine = attach_role(engine, host, port)
-    app = build_app(engine, engine_args.name, max_queue_len=server_args.max_queue_len,
-                    api_key=server_args.api_key)
+    app = build_app(engine, engine_args.name, max_queue_len=server_args.max_queue_len, auth=auth)
     print(READY_LINE.format(host=host, port=port), file=sys.stderr, flush=True)
     asyncio.run(make_server(app, server_args).serve(sockets=[sock]))
     return 0
