@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -41,6 +42,15 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"prompt": [10**6]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "word " * 600}, 400, "prompt"),
     ("/v1/completions", {"prompt": None}, 400, "prompt"),
+    # a lone surrogate (JSON "\ud800") reached the tokenizer: TypeError, a 500
+    ("/v1/completions", {"prompt": "\ud800"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["fine", "a\udc00b"]}, 400, "prompt.1"),
+    ("/v1/completions", {"stop": ["\ud800"]}, 400, "stop.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400,
+     "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "ok"}, {"type": "text", "text": "x\ud800"}]}]}, 400,
+     "messages.0.content.1.text"),
     ("/v1/completions", {"echo": True}, 400, "echo"),
     ("/v1/completions", {"suffix": "tail"}, 400, "suffix"),
     ("/v1/completions", {"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
@@ -67,7 +77,9 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
 def test_bad_request_names_the_field(server: RunningServer, route: str, change: dict[str, Any],
                                      status: int, param: str | None) -> None:
     body = {**(OK_COMPLETION if route == "/v1/completions" else OK_CHAT), **change}
-    resp = httpx.post(f"{server.base_url}{route}", json=body, timeout=30)
+    # json.dumps escapes a lone surrogate as "\ud800" (httpx's json= cannot encode it)
+    resp = httpx.post(f"{server.base_url}{route}", content=json.dumps(body), timeout=30,
+                      headers={"content-type": "application/json"})
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

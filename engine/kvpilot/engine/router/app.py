@@ -116,7 +116,7 @@ class Router:
     async def handle(self, path: str, body: dict[str, Any], headers: dict[str, str],
                      pinned: str | None) -> Response:
         """Gives the response to one OpenAI request (aggregated or disaggregated)."""
-        hashes = self.hasher.hashes(body)
+        hashes = await asyncio.to_thread(self.hasher.hashes, body)  # CPU: off the loop
         if not self.disaggregated or not disaggregatable(body):
             roles = ("decode",) if self.disaggregated else ("both",)
 

@@ -64,6 +64,7 @@ def build_app(engine: ServedEngine, model_name: str, max_queue_len: int = 1024,
         try:
             yield
         finally:
+            ctx.cpu.shutdown(wait=False, cancel_futures=True)
             async_engine.shutdown()
             engine.shutdown()  # a role engine (prefill/decode) stops its KV agent here
 

@@ -62,7 +62,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
                                  ) -> ChatCompletionResponse | GenerationStream:
     """Gives the assistant's reply (n choices), or a stream of chunks when `stream` is set."""
     arrival = time.monotonic()
-    prompt = chat_prompt(request, ctx.tokenizer, ctx.limits)
+    # rendering and tokenising in a worker thread keeps the loop serving (a long chat)
+    prompt = await ctx.off_loop(chat_prompt, request, ctx.tokenizer, ctx.limits)
     params = sampling_params(request, len(prompt), ctx.limits)
     request_id, streams = await admit_requests(ctx, "chatcmpl", [prompt], [params], arrival,
                                                request.priority)
