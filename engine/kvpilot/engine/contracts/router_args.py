@@ -72,6 +72,11 @@ class RouterArgs:
         "help": "seconds to connect to an engine before trying another"})
     idle_timeout: float = field(default=60.0, metadata={
         "help": "seconds without a byte from a streaming engine before it counts as failed"})
+    stall_timeout: float = field(default=4.0, metadata={
+        "help": "seconds an instance may send nothing while the router waits for it (a "
+                "request, or the health check sent every --refresh-interval) and others answer "
+                "before it counts as stalled: out of rotation until it answers, its requests "
+                "that sent the client nothing yet retried elsewhere; 0 disables"})
     max_retries: int = field(default=2, metadata={
         "help": "other instances tried when one fails before the first byte"})
     eject_after_failures: int = field(default=3, metadata={

@@ -38,6 +38,7 @@ log = logging.getLogger("kvpilot.router")
 OPENAI_POST_PATHS = ("/v1/completions", "/v1/chat/completions")
 POLL_SECONDS = 0.2
 STARTING_POLL = 0.25
+STALL_TICK = 0.1  # how often the stall rule runs (cheap: a pass over the instances)
 
 
 class Router:
@@ -164,6 +165,12 @@ class Router:
             log.warning("KV transfer %s -> %s failed, decode prefills locally: %r",
                         prefill.url, decode.url, exc)
 
+    async def watch_stalls_forever(self) -> None:
+        """Ejects stalled instances (`router.stall`) within STALL_TICK of their timeout."""
+        while True:
+            await asyncio.sleep(STALL_TICK)
+            self.fleet.check_stalls(self.args.stall_timeout)
+
     async def refresh_forever(self) -> None:
         """Refreshes discovery and load every refresh_interval seconds."""
         while True:
@@ -195,13 +202,16 @@ def build_app(args: RouterArgs, discovery: Discovery | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(router.refresh_forever())
+        tasks = [asyncio.create_task(router.refresh_forever())]
+        if args.stall_timeout:
+            tasks.append(asyncio.create_task(router.watch_stalls_forever()))
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            router.fleet.close()
             await router.client.aclose()
 
     app = FastAPI(title="kvpilot router", lifespan=lifespan,

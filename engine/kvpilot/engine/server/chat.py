@@ -104,10 +104,11 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
         return sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
                                        choices=choices))
 
-    try:
-        # OpenAI opens every choice with an empty assistant delta.
-        yield chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+    # OpenAI opens every choice with an empty assistant delta. It leaves with the first
+    # token: until a stream's first byte, a router may still retry the request elsewhere.
+    opening = chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                      for i in range(request.n)])
+    try:
         progress = StreamProgress()
         final: RequestOutput | None = None
         async for _, output in merge(streams):
@@ -124,7 +125,10 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
                     if request.logprobs else None,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
             if choices:
-                yield chunk(choices)
+                yield opening + chunk(choices)
+                opening = ""
+        if opening:  # no choice produced a chunk
+            yield opening
         if include_usage:
             yield sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
                                           choices=[], usage=usage_of([final], [prompt_len])))
