@@ -1,14 +1,19 @@
 """Tokenising never blocks the server's event loop: /health answers while four 1 MB prompts
-are tokenised (each ~2 s of CPU on this 2-core box; before, /health waited up to 8 s)."""
+are tokenised (each ~2 s of CPU on this 2-core box; before, /health waited up to 5 s); and
+a chat stream sends no byte before its first token (a router can still retry it)."""
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
 
 import httpx
-from server_harness import MODEL, start_server
+from server_fake_engine import FakeEngine
+from server_harness import MODEL, serve_in_thread, start_server
+
+from kvpilot.engine.server.app import build_app
 
 PROMPT = "lorem ipsum dolor sit amet, consectetur " * 25_000  # 1 MB of text
 NUM_PROMPTS = 4
@@ -62,3 +67,30 @@ def test_health_answers_while_long_prompts_are_tokenised(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_chat_stream_sends_nothing_before_its_first_token():
+    """A router may retry a request elsewhere until its first body byte; chat's opening role
+    delta used to be that byte, sent before any token."""
+    engine = FakeEngine(step_delay=2.0)  # no token for 2 s after the request is added
+    body = (b'{"model": "fake", "stream": true, "max_tokens": 1, '
+            b'"messages": [{"role": "user", "content": "hi"}]}')
+    with serve_in_thread(build_app(engine, "fake")) as running:
+        port = int(running.base_url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nConnection: close\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            early = b""
+            while select.select([sock], [], [], 0.8)[0]:  # what arrives before the token
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                early += chunk
+            assert b"data:" not in early, early
+            rest = early
+            while chunk := sock.recv(65536):
+                rest += chunk
+        events = [line for line in rest.decode().splitlines() if line.startswith("data: {")]
+        assert '"role":"assistant"' in events[0].replace(" ", "")
+        assert "[DONE]" in rest.decode()
