@@ -64,6 +64,12 @@ def replica_pid(up: subprocess.Popen[str], url: str) -> int:
     raise LookupError(f"no engine process serves {url}")
 
 
+def stream_error(text: str) -> bool:
+    """Whether an SSE body carries an error event (generated text may say "error" too)."""
+    return any("error" in json.loads(line[6:]) for line in text.splitlines()
+               if line.startswith("data: {"))
+
+
 async def one_request(client: httpx.AsyncClient, rng: random.Random) -> Outcome:
     stream = rng.random() < 0.5
     body = {"model": "tiny-llama", "max_tokens": rng.randint(4, 16), "ignore_eos": True,
@@ -76,8 +82,8 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random) -> Outcome:
             text = "".join([chunk async for chunk in response.aiter_text()])
         if response.status_code != 200:
             detail = f"HTTP {response.status_code}: {text[:200]}"
-        elif stream and ('"error"' in text or not text.rstrip().endswith("data: [DONE]")):
-            detail = f"stream ended badly: {text[-200:]}"
+        elif stream and (stream_error(text) or not text.rstrip().endswith("data: [DONE]")):
+            detail = f"stream ended badly: {text[-300:]}"
         elif not stream and not json.loads(text)["choices"]:
             detail = f"no choices: {text[:200]}"
     except httpx.HTTPError as exc:

@@ -35,22 +35,22 @@ def secured(tmp_path_factory) -> Iterator[tuple[RunningServer, Any]]:
         yield running, engine
 
 
-def signed(secret: FleetSecret, target: str, now: float | None = None) -> dict[str, str]:
-    return {FLEET_AUTH_HEADER: secret.sign("GET", target, now=now)}
+def signed(secret: FleetSecret, target: str, age: float = 0.0) -> dict[str, str]:
+    return {FLEET_AUTH_HEADER: secret.sign("GET", target, now=time.time() - age)}
 
 
-@pytest.mark.parametrize(("headers", "status"), [
-    ({}, 401),  # the issue: open to anyone
-    ({"Authorization": f"Bearer {KEY}"}, 401),  # a user's key does not read the cache
-    (signed(FleetSecret(b"\x02" * 32), "/kv_events?since=0"), 401),  # another fleet
-    (signed(SECRET, "/kv_events?since=1"), 401),  # signed for another query
-    (signed(SECRET, "/kv_events?since=0", now=time.time() - 3600), 401),  # an hour old
-    ({FLEET_AUTH_HEADER: "garbage"}, 401),
-    (signed(SECRET, "/kv_events?since=0"), 200),
+@pytest.mark.parametrize(("headers", "status"), [  # headers signed when the test runs
+    (lambda: {}, 401),  # the issue: open to anyone
+    (lambda: {"Authorization": f"Bearer {KEY}"}, 401),  # a user's key does not read the cache
+    (lambda: signed(FleetSecret(b"\x02" * 32), "/kv_events?since=0"), 401),  # another fleet
+    (lambda: signed(SECRET, "/kv_events?since=1"), 401),  # signed for another query
+    (lambda: signed(SECRET, "/kv_events?since=0", age=3600), 401),  # an hour old
+    (lambda: {FLEET_AUTH_HEADER: "garbage"}, 401),
+    (lambda: signed(SECRET, "/kv_events?since=0"), 200),
 ])
 def test_kv_events_need_the_fleet_signature(secured, headers, status):
     server, _ = secured
-    answer = httpx.get(f"{server.base_url}/kv_events?since=0", headers=headers, timeout=10)
+    answer = httpx.get(f"{server.base_url}/kv_events?since=0", headers=headers(), timeout=10)
     assert answer.status_code == status, answer.text
     if status == 401:
         assert answer.json()["error"]["code"] == "invalid_fleet_auth"
