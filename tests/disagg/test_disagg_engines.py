@@ -25,8 +25,10 @@ SYSTEM = list(range(3, 3 + 4 * BLOCK))  # 4 blocks every prompt below starts wit
 
 
 def make_engine(role: str):
+    # float32 on any device: greedy tokens of a random tiny model are compared exactly, and in
+    # bf16 a different batch shape (prefix hit vs recompute) may flip a near-tie argmax
     args = EngineArgs(model="tiny-llama", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, role=role,
-                      kv_transfer_port=free_port())
+                      kv_transfer_port=free_port(), dtype="float32")
     return attach_role(LLMEngine.from_engine_args(args), "127.0.0.1", 0)
 
 

@@ -28,7 +28,8 @@ from kvpilot.engine.core.output_processor import OutputProcessor
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
-from kvpilot.engine.model_runner import BatchEntry, ModelRunner
+from kvpilot.engine.executor import ModelExecutor, make_executor
+from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class LLMEngine:
     """A paged-KV engine over one model: continuous batching, prefix caching, preemption."""
 
     def __init__(self, engine_args: EngineArgs, model_config: ModelConfig, tokenizer: TokenizerLike,
-                 runner: ModelRunner) -> None:
+                 runner: ModelExecutor) -> None:
         self.engine_args = engine_args
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -114,7 +115,8 @@ class LLMEngine:
         torch.manual_seed(args.seed)
         model_config = ModelConfig.from_engine_args(args, device)
         tokenizer = load_tokenizer(args.tokenizer or args.model)
-        engine = cls(args, model_config, tokenizer, ModelRunner(args, model_config, device))
+        # refuses an unsupported topology before any weight is loaded or process started
+        engine = cls(args, model_config, tokenizer, make_executor(args, model_config, device))
         if device.type == "cuda":
             engine.freeze_gc_heap()
         return engine
@@ -468,7 +470,8 @@ class LLMEngine:
         return f"GPU wait {self._gpu_wait_s * 1e3:.1f} ms [{phases} ms; {batch}]"
 
     def shutdown(self) -> None:
-        """Stops nothing: the engine runs no threads of its own (a RoleEngine's KV agent does)."""
+        """Stops the executor's worker processes (a tensor-parallel engine's; none on one rank)."""
+        self.runner.shutdown()
 
     def get_stats(self) -> EngineStats:
         """Gives the gauges and counters the server exports."""
@@ -480,6 +483,7 @@ class LLMEngine:
             num_waiting_prompt_tokens=sum(r.num_prompt_tokens for r in waiting),
             kv_cache_usage=self.kv.usage,
             num_total_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size,
             num_free_blocks=self.kv.pool.num_free_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,

@@ -42,8 +42,11 @@ def run(args: argparse.Namespace) -> int:
                                 ignore_eos=args.ignore_eos, beam_width=args.beam_width,
                                 seed=args.sampling_seed)
         llm = LLM(**asdict(engine_args))
-        outputs = (llm.beam_search(args.prompt, params) if args.beam_width > 1
-                   else llm.generate(args.prompt, params))
+        try:
+            outputs = (llm.beam_search(args.prompt, params) if args.beam_width > 1
+                       else llm.generate(args.prompt, params))
+        finally:
+            llm.engine.shutdown()  # stops the worker processes of a tensor-parallel engine
     except ValueError as exc:
         print(f"kvpilot generate: {exc}", file=sys.stderr)
         return 2

@@ -148,8 +148,15 @@ class EngineBlockStore:
 
     @classmethod
     def of_engine(cls, engine: LLMEngine) -> EngineBlockStore:
-        """Gives the store over `engine`'s block pool and KV caches."""
-        return cls(engine.kv.pool, engine.runner.kv_caches, engine.engine_args.block_size,
+        """Gives the store over `engine`'s block pool and KV caches (one rank's: a
+        tensor-parallel engine's caches are sharded, and config.validate refuses roles)."""
+        from kvpilot.engine.model_runner import ModelRunner
+
+        runner = engine.runner
+        if not isinstance(runner, ModelRunner):
+            raise ValueError("KV transfer needs a single-rank engine: use "
+                             "--tensor-parallel-size 1 with --role prefill|decode")
+        return cls(engine.kv.pool, runner.kv_caches, engine.engine_args.block_size,
                    engine.kv.hash_salt)
 
     # ---- with the lock held -------------------------------------------------------------

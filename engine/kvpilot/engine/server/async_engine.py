@@ -132,6 +132,18 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def fail(self, reason: str) -> None:
+        """Marks the engine failed, from any thread (a tensor-parallel worker died between
+        steps): /health and /ready answer 503, every waiter gets the error, new requests
+        are refused, and the engine thread stops."""
+        error = EngineDeadError(f"engine failed: {reason}")
+        if self._error is None:
+            self._error = error
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._fail_all(error)
+
     @property
     def dead(self) -> bool:
         """Whether the engine thread failed (the server can no longer generate)."""

@@ -5,6 +5,11 @@ after its graceful timeout; we take SIGTERM/SIGINT ourselves: the first one
 starts a drain (`/ready` 503, new requests refused, in-flight ones finish
 within `--drain-timeout`), then uvicorn is asked to exit and the process
 returns 0. A second SIGINT (Ctrl+C) exits at once; a repeated SIGTERM is ignored.
+
+With a world size above one the engine starts its worker processes itself; on the
+other pods of a multi-node group (NODE_RANK > 0) this command runs those pods'
+workers only (`parallel/worker_pod.py`). A topology the engine refuses exits 2 with
+the reason before anything loads.
 """
 
 from __future__ import annotations
@@ -110,7 +115,10 @@ def make_server(app: FastAPI, server_args: ServerArgs) -> uvicorn.Server:
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import os
 
+    from kvpilot.engine.contracts.rendezvous import Rendezvous
+    from kvpilot.engine.engine_core import ServedEngine
     from kvpilot.engine.llm_engine import LLMEngine
     from kvpilot.engine.server.app import build_app
 
@@ -120,20 +128,32 @@ def run(args: argparse.Namespace) -> int:
         engine_args = from_namespace(EngineArgs, args)
         server_args = from_namespace(ServerArgs, args)
         fleet = FleetSecret.from_file(engine_args.fleet_secret_file)
+        rendezvous = Rendezvous.from_env(os.environ, engine_args.tensor_parallel_size
+                                         * engine_args.pipeline_parallel_size)
     except ValueError as exc:
         print(f"kvpilot serve: {exc}", file=sys.stderr)
         return 2
+    if rendezvous is not None and not rendezvous.is_driver_node:
+        from kvpilot.engine.parallel.worker_pod import serve_worker_pod
+        return serve_worker_pod(engine_args, server_args, rendezvous)
     if not fleet.enabled:
         logger.warning(UNAUTHENTICATED_WARNING)
     auth = HttpAuth(resolve_api_key(server_args.api_key), fleet,
                     server_args.metrics_require_api_key)
-    engine = LLMEngine.from_engine_args(engine_args)
+    try:
+        llm_engine = LLMEngine.from_engine_args(engine_args)
+    except ValueError as exc:  # a refused topology or config, named by flag and value
+        print(f"kvpilot serve: {exc}", file=sys.stderr)
+        return 2
     sock = bind(server_args.host, server_args.port)
     host, port = sock.getsockname()[:2]
+    engine: ServedEngine = llm_engine
     if engine_args.role != "both":  # prefill/decode: a KV agent beside the engine
         from kvpilot.engine.roles import attach_role
-        engine = attach_role(engine, host, port)
+        engine = attach_role(llm_engine, host, port)
     app = build_app(engine, engine_args.name, max_queue_len=server_args.max_queue_len, auth=auth)
+    # a worker process that dies between steps takes the server down at once (503s)
+    llm_engine.runner.on_failure(app.state.ctx.engine.fail)
     print(READY_LINE.format(host=host, port=port), file=sys.stderr, flush=True)
     asyncio.run(make_server(app, server_args).serve(sockets=[sock]))
     return 0

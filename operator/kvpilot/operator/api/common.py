@@ -129,7 +129,7 @@ class TopologySpec(ApiModel):
     pipeline_parallel: int = Field(default=1, ge=1, le=64)
     """Pipeline stages; stages may sit on different nodes."""
     expert_parallel: int = Field(default=1, ge=1, le=64)
-    """Ways each MoE layer's experts are split; must divide tensorParallel and the experts."""
+    """Ways each MoE layer's experts are split: 1 or tensorParallel; must divide the experts."""
 
 
 ACCELERATOR_RULES = [

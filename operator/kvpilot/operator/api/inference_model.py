@@ -21,6 +21,7 @@ from kvpilot.operator.api.common import (
     check_fits_node,
     validations,
 )
+from kvpilot.operator.api.gateway import InferencePoolSpec
 from kvpilot.operator.api.stored import ObservedStatus, StoredObject
 
 ServingMode = Literal["aggregated", "disaggregated"]
@@ -87,6 +88,10 @@ INFERENCE_MODEL_RULES = [
             "prefill.topology needs more GPUs per replica than gpuBudget: "
             "raise gpuBudget or shrink it",
             ".gpuBudget"),
+    CelRule("!has(self.inferencePool) || self.servingMode == 'aggregated'",
+            "inferencePool selects engines that serve whole requests: with servingMode "
+            "disaggregated a gateway's endpoint picker would skip kvpilot's prefill handoff; "
+            "use aggregated, or send traffic to kvpilot's router", ".inferencePool"),
     CelRule(f"!has(self.gpuBudget) || {_pool_floor_gpus('decode')} + (has(self.prefill) ? "
             f"{_pool_floor_gpus('prefill')} : 0) <= self.gpuBudget",
             "the pools at their floor (autoscaling.minReplicas, else replicas) need more GPUs than "
@@ -124,6 +129,8 @@ class InferenceModelSpec(ApiModel):
     pools, and one replica of every pool must fit in it."""
     overrides: Overrides = Field(default_factory=Overrides, json_schema_extra={"default": {}})
     """Pod settings applied to every pool."""
+    inference_pool: InferencePoolSpec | None = None
+    """Also render a Gateway API InferencePool selecting the engines (aggregated mode only)."""
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceModelSpec:
@@ -132,6 +139,8 @@ class InferenceModelSpec(ApiModel):
             raise ValueError(f"servingMode=disaggregated without spec.prefill: {rules[0]}")
         if self.serving_mode == "aggregated" and self.prefill is not None:
             raise ValueError(f"servingMode=aggregated with spec.prefill set: {rules[1]}")
+        if self.inference_pool is not None and self.serving_mode != "aggregated":
+            raise ValueError(f"inferencePool with servingMode={self.serving_mode}: {rules[6]}")
         check_fits_node(self.topology, self.accelerator)
         for topo, message in ((self.topology, rules[3]),
                               (self.decode.topology, rules[4]),
@@ -150,7 +159,7 @@ class InferenceModelSpec(ApiModel):
             need = sum(n * topo.tensor_parallel * topo.pipeline_parallel for n, topo in terms)
             if need > self.gpu_budget:
                 raise ValueError(f"{need} GPUs at the pools' floor > gpuBudget={self.gpu_budget}: "
-                                 f"{rules[6]}")
+                                 f"{rules[7]}")
         return self
 
     def pool_topology(self, role: TemplateRole) -> TopologySpec:

@@ -9,12 +9,21 @@ import aiohttp
 import kopf
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
-from kvpilot.operator.handlers.children import sync_children
+from kvpilot.operator.handlers.children import field_conflicts, sync_children
+from kvpilot.operator.handlers.indexes import every
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.kube.errors import KubeError
-from kvpilot.operator.render.children import owned_pools, pool_name, pool_specs, render_children
-from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL
+from kvpilot.operator.ownership import PoolApply, pool_apply, replicas_owner
+from kvpilot.operator.render.children import (
+    OwnedPool,
+    owned_pools,
+    pool_name,
+    pool_specs,
+    render_children,
+)
+from kvpilot.operator.render.gateway import INFERENCE_POOL_API
+from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, RenderConfig
 from kvpilot.operator.render.router import endpoint_url
 from kvpilot.operator.status import (
     PoolCounts,
@@ -30,6 +39,12 @@ OWNED_KINDS = [
     ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
 ]
+
+
+def owned_kinds(config: RenderConfig) -> list[tuple[str, str]]:
+    """Gives the (apiVersion, kind) an InferenceModel may own under `config`."""
+    return [*OWNED_KINDS, *([(INFERENCE_POOL_API, "InferencePool")]
+                            if config.inference_pool else [])]
 POOL_ROLES = {"PrefillPool": "prefill", "DecodePool": "decode"}
 
 
@@ -41,6 +56,17 @@ def pool_problems(pools: Iterable[Mapping[str, Any]]) -> dict[str, str]:
         if message is not None:
             out[pool["metadata"]["name"]] = message
     return out
+
+
+def pool_writes(pools: Iterable[OwnedPool], rendered: Iterable[Mapping[str, Any]],
+                stored: Iterable[Mapping[str, Any]]) -> dict[str, PoolApply]:
+    """Gives how to write each rendered pool: who owns its replicas decides whether kvpilot
+    applies them, and the replicas the stored pools have (from the index) feed the handover."""
+    by_name = {o["metadata"]["name"]: o for o in rendered}
+    replicas = {p["metadata"]["name"]: (p.get("spec") or {}).get("replicas") for p in stored}
+    return {pool.name: pool_apply(by_name[pool.name], replicas_owner(pool.spec.autoscaling),
+                                  replicas.get(pool.name))
+            for pool in pools}
 
 
 def pool_counts(spec: InferenceModelSpec, model: str,
@@ -64,7 +90,8 @@ def pool_counts(spec: InferenceModelSpec, model: str,
 @kopf.on.update(GROUP, VERSION, "inferencemodels")
 async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
                           status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
-                          reason: str, **_: Any) -> None:
+                          reason: str, prefill_pools: kopf.Index, decode_pools: kopf.Index,
+                          **_: Any) -> None:
     """Brings an InferenceModel's children to its spec and writes its status."""
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     kube: Kube = memo.kube
@@ -77,18 +104,28 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     except ValueError as exc:
         await reject(kube, im, patch, status, "InvalidSpec", describe_error(exc), now)
         return
-    autoscaled = {pool.name: [("spec", "replicas")] for pool in pools
-                  if pool.spec.autoscaling is not None}
+    indexed = every((prefill_pools, decode_pools), ("model", meta["uid"]))
+    writes = pool_writes(pools, children, indexed)
     try:
         # A new object has nothing stale to remove.
-        stored = await sync_children(kube, im, children, OWNED_KINDS, {MODEL_LABEL: name},
-                                     prune_stale=reason != "create", keep=autoscaled)
+        applied = await sync_children(kube, im, children, owned_kinds(memo.render),
+                                      {MODEL_LABEL: name},
+                                      prune_stale=reason != "create", pools=writes)
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
         await reject_apply_error(exc, kube, im, patch, status, now)
         return
-    counts = pool_counts(parsed, name, stored)
+    applied_pools = [o for o in applied.stored if o.get("kind") in POOL_ROLES]
+    # The index follows the pools' watch events, so its statuses may be newer than the apply's
+    # answers; the roll-up skips this model until its first status is written.
+    names = {p["metadata"]["name"] for p in applied_pools}
+    fresh = [p for p in every((prefill_pools, decode_pools), ("model", meta["uid"]))
+             if p["metadata"]["name"] in names]
+    pools = fresh if len(fresh) == len(names) else applied_pools
+    counts = pool_counts(parsed, name, pools)
     endpoint = endpoint_url(name, namespace) if parsed.router.replicas > 0 else None
-    pools = [o for o in stored if o.get("kind") in POOL_ROLES]
     patch.status.update(model_status(counts, endpoint, generation, status.get("conditions"), now,
                                      pool_problems(pools)))
     patch.status["observedGeneration"] = generation
+    conflicts = field_conflicts(applied.conflicts)
+    if conflicts or status.get("fieldConflicts"):
+        patch.status["fieldConflicts"] = conflicts or None

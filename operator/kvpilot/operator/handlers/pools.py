@@ -7,7 +7,7 @@ from typing import Any
 import aiohttp
 import kopf
 
-from kvpilot.operator.handlers.children import sync_children
+from kvpilot.operator.handlers.children import field_conflicts, sync_children
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.handlers.resolve import resolve_stored_pool
 from kvpilot.operator.kube.client import Kube
@@ -41,7 +41,8 @@ def workload_kinds(config: RenderConfig) -> list[tuple[str, str]]:
 @kopf.on.update(GROUP, VERSION, "decodepools")
 async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status,
                          patch: kopf.Patch, memo: kopf.Memo, reason: str,
-                         models_by_name: kopf.Index, **_: Any) -> None:
+                         models_by_name: kopf.Index, deployments_by_pool: kopf.Index,
+                         statefulsets_by_pool: kopf.Index, **_: Any) -> None:
     """Brings a pool's workloads, Services and PDB to its spec and writes its status."""
     namespace, generation = meta["namespace"], meta.get("generation")
     kube: Kube = memo.kube
@@ -58,13 +59,22 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
     kinds = [*workload_kinds(config), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
     try:
         # Pruning covers scale-down of multi-node groups and a single/multi-node switch.
-        current = await sync_children(kube, pool, objects, kinds, {POOL_LABEL: meta["name"]},
+        applied = await sync_children(kube, pool, objects, kinds, {POOL_LABEL: meta["name"]},
                                       prune_stale=reason != "create")
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
         await reject_apply_error(exc, kube, pool, patch, status, now)
         return
     workloads = {kind for _, kind in workload_kinds(config)}
-    ready = workload_ready([o for o in current if o.get("kind") in workloads])
+    applied_workloads = [o for o in applied.stored if o.get("kind") in workloads]
+    # The index follows the workloads' watch events, so it may hold a readiness newer than
+    # the apply answers; the roll-up skips this pool until its first status is written.
+    indexed = [*deployments_by_pool.get(meta["uid"], []),
+               *statefulsets_by_pool.get(meta["uid"], [])]
+    ready = workload_ready(indexed if len(indexed) >= len(applied_workloads)
+                           else applied_workloads)
     patch.status.update(pool_status(resolved.replicas, ready, pool_selector(pool),
                                     generation, status.get("conditions"), now))
     patch.status["observedGeneration"] = generation
+    conflicts = field_conflicts(applied.conflicts)
+    if conflicts or status.get("fieldConflicts"):
+        patch.status["fieldConflicts"] = conflicts or None

@@ -1,4 +1,4 @@
-"""What an InferenceModel owns: its pools, its router, and the engine ConfigMap.
+"""What an InferenceModel owns: its pools, its router, the engine ConfigMap, its InferencePool.
 
 Aggregated serving gets one DecodePool with engine role `both`; disaggregated
 serving one PrefillPool and one DecodePool. Pools are rendered with every
@@ -17,6 +17,7 @@ from kvpilot.operator.api.inference_model import InferenceModelSpec, PoolTemplat
 from kvpilot.operator.api.pools import AnyPoolSpec, DecodePoolSpec, PrefillPoolSpec
 from kvpilot.operator.planning.pool import ResolvedPool, resolve_pool
 from kvpilot.operator.render.engine_args import serve_args
+from kvpilot.operator.render.gateway import render_inference_pool
 from kvpilot.operator.render.meta import (
     GROUP_VERSION,
     MODEL_LABEL,
@@ -90,4 +91,13 @@ def render_children(im: dict[str, Any], spec: InferenceModelSpec, pools: Sequenc
     })
     if spec.router.replicas > 0:
         objects += render_router(model, namespace, spec, im, config)
+    if spec.inference_pool is not None:
+        if not config.inference_pool:
+            raise ValueError("spec.inferencePool is set but the operator runs without "
+                             "--inference-pool: install the InferencePool CRD (Gateway API "
+                             "inference extension) and set operator.inferencePool=true in the "
+                             "chart, or remove spec.inferencePool")
+        serving = next(p for p in pools if p.resolved.role == "both")  # aggregated only
+        objects.append(render_inference_pool(model, namespace, serving.name, serving.resolved,
+                                             spec.inference_pool, im, config))
     return objects

@@ -34,6 +34,8 @@ class RenderConfig:
     """Render multi-node replicas as LeaderWorkerSets (the LWS CRD is installed)."""
     drain_timeout_seconds: int = 30
     """Seconds an engine gets to finish in-flight requests after SIGTERM."""
+    inference_pool: bool = False
+    """Render InferencePools for models that ask (the Gateway API inference CRD is installed)."""
 
 
 def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.engine.contracts.rendezvous import (
+    MASTER_ADDR,
+    MASTER_PORT,
+    NNODES,
+    NODE_RANK,
+    WORLD_SIZE,
+)
 from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.meta import (
     POD_INDEX_LABEL,
@@ -63,12 +70,13 @@ def _deployment(name: str, namespace: str, replicas: int, labels: dict[str, str]
 
 def _rendezvous_env(world_size: int, nodes: int, master_addr: str,
                     rank_label: str) -> list[dict[str, Any]]:
+    """Gives the group env the engine reads (`kvpilot.engine.contracts.rendezvous`)."""
     return [
-        {"name": "MASTER_ADDR", "value": master_addr},
-        {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
-        {"name": "WORLD_SIZE", "value": str(world_size)},
-        {"name": "NNODES", "value": str(nodes)},
-        {"name": "NODE_RANK", "valueFrom": {"fieldRef": {
+        {"name": MASTER_ADDR, "value": master_addr},
+        {"name": MASTER_PORT, "value": str(RENDEZVOUS_PORT)},
+        {"name": WORLD_SIZE, "value": str(world_size)},
+        {"name": NNODES, "value": str(nodes)},
+        {"name": NODE_RANK, "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.labels['{rank_label}']"}}},
     ]
 
