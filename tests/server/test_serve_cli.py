@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers.checkpoints import write_checkpoint
-from test_server_drain import start_server
+from server_harness import start_server
 
 from kvpilot.cli.main import main
 from kvpilot.engine.contracts.args import EngineArgs, model_from_cli

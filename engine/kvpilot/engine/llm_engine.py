@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.fleet_secret import FleetSecret
 from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
@@ -71,9 +72,13 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.runner = runner
+        # salts the block hashes (the router and the other engines use the same salt) and
+        # keys the KV agent of a prefill/decode role
+        self.fleet_secret = FleetSecret.from_file(engine_args.fleet_secret_file)
         self.kv = KVCacheManager(runner.num_blocks, engine_args.block_size,
                                  engine_args.enable_prefix_caching,
-                                 cache_prompt_tails=engine_args.role == "prefill")
+                                 cache_prompt_tails=engine_args.role == "prefill",
+                                 hash_salt=self.fleet_secret.block_hash_salt)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=engine_args.max_num_seqs,
             max_num_batched_tokens=engine_args.max_num_batched_tokens,

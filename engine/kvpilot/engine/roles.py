@@ -123,7 +123,8 @@ def attach_role(engine: LLMEngine, host: str, http_port: int) -> ServedEngine:
     if role == "decode" and store.device.type == "cuda":
         store.receive_buffers.fill()  # pinned now, not while pulls run beside steps
     lease_seconds = float(os.environ.get(LEASE_SECONDS_ENV, DEFAULT_LEASE_SECONDS))
-    connector = TcpConnector(store, host, kv_port(engine.engine_args, http_port), lease_seconds)
+    connector = TcpConnector(store, host, kv_port(engine.engine_args, http_port), lease_seconds,
+                             kv_key=engine.fleet_secret.kv_key)
     connector.start()
     log.info("role %s: KV agent on %s:%d", role, host, connector.port)
     return RoleEngine(engine, connector, role, store.lock)

@@ -23,6 +23,12 @@ from kvpilot.engine.contracts.builtin_models import (
     is_builtin,
 )
 
+# From this length on a text is encoded without holding the GIL (`encode_batch` of one; it
+# costs ~1.5x on a 1 KB text, so short ones take plain `encode`): a server tokenising a
+# long prompt in a worker thread keeps serving (its event loop needs the GIL), measured in
+# tests/server/test_server_availability.py.
+GIL_FREE_CHARS = 4096
+
 
 class TokenizerLike(Protocol):
     """Encodes text, decodes token ids and renders chats through the model's template."""
@@ -63,7 +69,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Gives the token ids of `text`; with special tokens, BOS leads when the files say so."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < GIL_FREE_CHARS:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        else:  # `encode` holds the GIL throughout; `encode_batch` releases it
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         # tokenizer.json's post-processor usually adds BOS; add_bos_token covers files
         # whose post-processor does not (HF's Llama tokenizer does the same).
         if add_special_tokens and self._add_bos and (not ids or ids[0] != self.bos_token_id):
@@ -99,6 +108,20 @@ class Tokenizer:
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
+
+def check_unicode(text: str) -> str:
+    """Gives `text` if it is valid Unicode; raises ValueError at its first lone surrogate.
+
+    JSON may escape half a surrogate pair ("\\ud800"); Python decodes it into a str that
+    UTF-8 cannot encode and the tokenizer refuses with a TypeError.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"has a lone surrogate {text[exc.start]!r} at index {exc.start}, "
+                         "which is not valid Unicode: send UTF-8 text (a surrogate only "
+                         "in a high-low pair)") from exc
+    return text
 
 def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
     """Gives the tokenizer of a model dir or of a built-in tiny config name."""

@@ -28,7 +28,10 @@ from kvpilot.engine.contracts.args import (
     add_dataclass_args,
     from_namespace,
     model_from_cli,
+    resolve_api_key,
 )
+from kvpilot.engine.contracts.fleet_secret import UNAUTHENTICATED_WARNING, FleetSecret
+from kvpilot.engine.contracts.http_auth import HttpAuth
 
 if TYPE_CHECKING:
     import uvicorn
@@ -133,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         server_args = from_namespace(ServerArgs, args)
         template = read_chat_template(server_args.chat_template) \
             if server_args.chat_template else None
+        fleet = FleetSecret.from_file(engine_args.fleet_secret_file)
         rendezvous = Rendezvous.from_env(os.environ, engine_args.tensor_parallel_size
                                          * engine_args.pipeline_parallel_size)
         # every pod of a group loads the same snapshot of a Hub id (never a download)
@@ -143,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
     if rendezvous is not None and not rendezvous.is_driver_node:
         from kvpilot.engine.parallel.worker_pod import serve_worker_pod
         return serve_worker_pod(engine_args, server_args, rendezvous)
+    if not fleet.enabled:
+        logger.warning(UNAUTHENTICATED_WARNING)
+    auth = HttpAuth(resolve_api_key(server_args.api_key), fleet,
+                    server_args.metrics_require_api_key)
     try:
         llm_engine = LLMEngine.from_engine_args(engine_args)
     except ValueError as exc:  # a refused topology, a model that is not there or does not load
@@ -156,8 +164,7 @@ def run(args: argparse.Namespace) -> int:
     if engine_args.role != "both":  # prefill/decode: a KV agent beside the engine
         from kvpilot.engine.roles import attach_role
         engine = attach_role(llm_engine, host, port)
-    app = build_app(engine, engine_args.name, max_queue_len=server_args.max_queue_len,
-                    api_key=server_args.api_key)
+    app = build_app(engine, engine_args.name, max_queue_len=server_args.max_queue_len, auth=auth)
     # a worker process that dies between steps takes the server down at once (503s)
     llm_engine.runner.on_failure(app.state.ctx.engine.fail)
     print(READY_LINE.format(host=host, port=port), file=sys.stderr, flush=True)
