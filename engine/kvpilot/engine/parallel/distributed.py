@@ -73,6 +73,19 @@ def init_distributed(parallel: ParallelConfig, rendezvous: Rendezvous, rank: int
 
 
 def destroy_distributed() -> None:
-    """Leaves the process groups (so a later engine in this process can join new ones)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Leaves the process groups (so a later engine in this process can join new ones).
+
+    NCCL's destroy finalizes each communicator with its peers: the driver leaves after its
+    workers have exited (or died), so there it would wait forever (seen on 4 H100s). At
+    shutdown nothing is in flight, so NCCL ranks abort their communicators instead, which
+    is local and also removes every group.
+    """
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+        if not dist.is_initialized():
+            return
+    dist.destroy_process_group()
