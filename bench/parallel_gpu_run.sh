@@ -10,9 +10,9 @@ source bench/device_env.sh
     > "$OUT/machine.txt" 2>&1
 head -4 "$OUT/machine.txt"
 if [ "${BENCH_ONLY:-0}" != 1 ]; then
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE --timeout 280 \
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE --timeout 200 -o faulthandler_timeout=190 \
         tests/parallel/test_parallel_gpu.py 2>&1 | tee "$OUT/parallel-gpu-tests.log" | tail -15
 fi
 if [ "${TESTS_ONLY:-0}" != 1 ]; then
-    timeout 560 python3 bench/parallel_gpu.py "$OUT/bench" "$@" 2>&1 | tail -40
+    timeout 330 python3 bench/parallel_gpu.py "$OUT/bench" "$@" 2>&1 | tail -40
 fi
