@@ -271,25 +271,34 @@ def main() -> int:
         parser.error("out_dir is required")
     tps = [1, 2] if args.smoke else [int(t) for t in args.tp.split(",")]
     shape = "tiny" if args.smoke else "8b"
-    configs = [{"label": "8b", **in_fresh_process(shape, tp, args.smoke)} for tp in tps]
-    if not args.no_70b:  # the smoke run stands in a tiny model at TP=2
-        configs.append({"label": "70b", **in_fresh_process("tiny" if args.smoke else "70b",
-                                                           2 if args.smoke else 4, args.smoke)})
     device_type = "cpu" if args.smoke else "cuda"
-    worlds = sorted({tp for tp in tps if tp > 1})
     report = {
         "machine": "CPU smoke run" if args.smoke else
         f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
         "date": datetime.date.today().isoformat(), "host": platform.node(),
         "torch": torch.__version__, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "configs": configs,
-        "allreduce": [measure_allreduce(w, device_type) for w in worlds],
+        "configs": [], "allreduce": [],
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "results.json").write_text(json.dumps(report, indent=2))
-    text = markdown(report)
-    (args.out_dir / "results.md").write_text(text)
-    print(text)
+
+    def write() -> str:  # after every run, so a run cut short keeps what finished
+        (args.out_dir / "results.json").write_text(json.dumps(report, indent=2))
+        text = markdown(report)
+        (args.out_dir / "results.md").write_text(text)
+        return text
+
+    # the all-reduce latencies first: they are quick and say what holds TP batch-1 back
+    for world in sorted({tp for tp in tps if tp > 1}):
+        report["allreduce"].append(measure_allreduce(world, device_type))
+        write()
+    for tp in tps:
+        report["configs"].append({"label": "8b", **in_fresh_process(shape, tp, args.smoke)})
+        write()
+        print(f"done: {shape} TP={tp}", flush=True)
+    if not args.no_70b:  # the smoke run stands in a tiny model at TP=2
+        report["configs"].append({"label": "70b", **in_fresh_process(
+            "tiny" if args.smoke else "70b", 2 if args.smoke else 4, args.smoke)})
+    print(write())
     return 0
 
 
