@@ -16,7 +16,7 @@ from kvpilot.operator.api.pools import DecodePoolSpec, PrefillPoolSpec
 from kvpilot.operator.planning.pool import resolve_pool
 from kvpilot.operator.render.children import owned_pools, render_children
 from kvpilot.operator.render.engine_args import model_location
-from kvpilot.operator.render.meta import RenderConfig, child_name
+from kvpilot.operator.render.meta import RenderConfig
 from kvpilot.operator.render.pool import render_pool
 
 IM = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel",
@@ -129,11 +129,3 @@ def test_model_location(source, model, load_format, claim, repo):
     loc = model_location(source)
     assert (loc.engine_model, loc.load_format, loc.pvc_claim, loc.hf_repo) == (
         model, load_format, claim, repo)
-
-
-def test_child_names_fit_dns_labels():
-    assert child_name("chat", "decode") == "chat-decode"
-    long_a, long_b = child_name("a" * 70, "decode"), child_name("a" * 70, "prefill")
-    assert len(long_a) == len(long_b) == 63
-    assert long_a.startswith("a" * 54 + "-") and long_a != long_b
-    assert child_name("a" * 70, "decode") == long_a  # stable across reconciles

@@ -9,11 +9,12 @@ import aiohttp
 import kopf
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.api.names import pool_name
 from kvpilot.operator.handlers.children import sync_children
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.kube.errors import KubeError
-from kvpilot.operator.render.children import owned_pools, pool_name, pool_specs, render_children
+from kvpilot.operator.render.children import owned_pools, pool_specs, render_children
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL
 from kvpilot.operator.render.router import endpoint_url
 from kvpilot.operator.status import (

@@ -12,16 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from kvpilot.operator.api.accelerator import AcceleratorSpec
 from kvpilot.operator.api.autoscaling import AutoscalingSpec
-from kvpilot.operator.api.common import (
-    AcceleratorSpec,
-    CommunicationSpec,
-    EngineSpec,
-    ModelSource,
-    Overrides,
-    TopologySpec,
-)
+from kvpilot.operator.api.common import CommunicationSpec, EngineSpec, ModelSource, TopologySpec
 from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.api.overrides import Overrides
 from kvpilot.operator.api.pools import AnyPoolSpec
 from kvpilot.operator.planning.placement import PodPlacement, plan_placement
 

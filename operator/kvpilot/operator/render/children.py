@@ -14,24 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec, PoolTemplate, TemplateRole
+from kvpilot.operator.api.names import engine_config_name, pool_name
 from kvpilot.operator.api.pools import AnyPoolSpec, DecodePoolSpec, PrefillPoolSpec
 from kvpilot.operator.planning.pool import ResolvedPool, resolve_pool
 from kvpilot.operator.render.engine_args import serve_args
-from kvpilot.operator.render.meta import (
-    GROUP_VERSION,
-    MODEL_LABEL,
-    RenderConfig,
-    child_name,
-    object_meta,
-)
+from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, RenderConfig, object_meta
 from kvpilot.operator.render.router import render_router
 
 MODEL_GENERATION_ANNOTATION = "kvpilot.dev/model-generation"
-
-
-def pool_name(model: str, role: str) -> str:
-    """Gives the name of an InferenceModel's prefill or decode pool."""
-    return child_name(model, "prefill" if role == "prefill" else "decode")
 
 
 def pool_specs(spec: InferenceModelSpec, model: str) -> list[AnyPoolSpec]:
@@ -85,7 +75,7 @@ def render_children(im: dict[str, Any], spec: InferenceModelSpec, pools: Sequenc
                    for pool in pools}
     objects.append({
         "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": object_meta(child_name(model, "engine"), namespace, {MODEL_LABEL: model}, im),
+        "metadata": object_meta(engine_config_name(model), namespace, {MODEL_LABEL: model}, im),
         "data": serve_lines,
     })
     if spec.router.replicas > 0:

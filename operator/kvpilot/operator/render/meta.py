@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,12 +67,3 @@ def selector_labels(labels: dict[str, str]) -> dict[str, str]:
     model switches serving mode) and the component stay out of them.
     """
     return {k: v for k, v in labels.items() if k in (MODEL_LABEL, POOL_LABEL, REPLICA_LABEL)}
-
-
-def child_name(*parts: str) -> str:
-    """Gives a DNS-1123 name from parts, shortened with a hash suffix past 63 characters."""
-    name = "-".join(p for p in parts if p).lower()
-    if len(name) <= 63:
-        return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-    return f"{name[:54].rstrip('-')}-{digest}"

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvpilot.engine.contracts.args import KV_PORT_OFFSET
-from kvpilot.operator.api.common import ModelSource, Overrides
+from kvpilot.operator.api.common import ModelSource
+from kvpilot.operator.api.overrides import Overrides
 from kvpilot.operator.planning.placement import PodPlacement
 from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.engine_args import HF_DIR, MODEL_DIR, model_location, serve_args

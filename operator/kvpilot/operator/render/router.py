@@ -6,19 +6,14 @@ from typing import Any
 
 from kvpilot.engine.contracts.router_args import RouterArgs
 from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.api.names import router_name
 from kvpilot.operator.render.meta import (
     COMPONENT_LABEL,
     MODEL_LABEL,
     ROUTER_PORT,
     RenderConfig,
-    child_name,
     object_meta,
 )
-
-
-def router_name(model: str) -> str:
-    """Gives the name of an InferenceModel's router Deployment, Service and ServiceAccount."""
-    return child_name(model, "router")
 
 
 def router_labels(model: str) -> dict[str, str]:
