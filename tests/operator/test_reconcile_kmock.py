@@ -277,7 +277,9 @@ async def test_multi_node_replicas_are_statefulset_groups_pruned_on_scale_down(
     await eventually(lambda: len(api.live(sets, NAMESPACE)) == 2, what="two groups")
     group = api.get(sets, NAMESPACE, "mn-decode-g0")
     assert (group["spec"]["replicas"], group["spec"]["serviceName"]) == (2, "mn-decode-workers")
-    assert api.get("v1/services", NAMESPACE, "mn-decode-workers")["spec"]["clusterIP"] == "None"
+    workers = await eventually(lambda: api.get("v1/services", NAMESPACE, "mn-decode-workers"),
+                               what="rendezvous Service")  # applied after the workloads
+    assert workers["spec"]["clusterIP"] == "None"
     # Rank 0 of one group becomes ready with its worker: one replica of two is ready.
     await client.patch(f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/mn-decode-g0/status",
                        json={"status": {"readyReplicas": 2}}, headers=MERGE)

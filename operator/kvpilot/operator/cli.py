@@ -35,13 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="render multi-node replicas as LeaderWorkerSets (LWS CRD installed)")
     parser.add_argument("--drain-timeout", type=int, default=defaults.drain_timeout_seconds,
                         metavar="SECONDS", help="seconds engines get to drain after SIGTERM")
+    parser.add_argument("--max-pool-gpus", type=int, default=defaults.max_pool_gpus,
+                        metavar="GPUS", help="refuse a pool whose replicas need more GPUs "
+                                             "(bounds what one object makes the operator render)")
 
 
 def render_config(args: argparse.Namespace) -> RenderConfig:
     """Gives the render settings the flags ask for."""
     return RenderConfig(engine_image=args.engine_image, router_image=args.router_image,
                         leader_worker_set=args.leader_worker_set,
-                        drain_timeout_seconds=args.drain_timeout)
+                        drain_timeout_seconds=args.drain_timeout,
+                        max_pool_gpus=args.max_pool_gpus)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -125,6 +125,9 @@ class ServerArgs:
     drain_timeout: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests get to finish after SIGTERM"})
     api_key: str | None = field(default=None, metadata={"help": "require this bearer token"})
+    fleet_secret_file: str | None = field(default=None, metadata={
+        "help": "file holding the fleet secret (hex text) that authenticates KV transfer "
+                "and /kv_events between this model's engines and routers"})
     log_level: str = "info"
 
     def to_cli(self) -> list[str]:

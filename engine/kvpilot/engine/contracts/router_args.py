@@ -82,6 +82,9 @@ class RouterArgs:
                 "locally"})
     api_key: str | None = field(default=None, metadata={
         "help": "require this bearer token (also read from KVPILOT_ROUTER_API_KEY)"})
+    fleet_secret_file: str | None = field(default=None, metadata={
+        "help": "file holding the fleet secret (hex text) that authenticates KV pulls and "
+                "/kv_events between this model's engines and routers"})
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -12,9 +12,10 @@ from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.names import pool_name
 from kvpilot.operator.handlers.children import sync_children
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
+from kvpilot.operator.handlers.worker import off_loop
 from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.kube.errors import KubeError
-from kvpilot.operator.render.children import owned_pools, pool_specs, render_children
+from kvpilot.operator.render.children import pool_specs, render_model
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL
 from kvpilot.operator.render.router import endpoint_url
 from kvpilot.operator.status import (
@@ -72,12 +73,11 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     now = now_rfc3339()
     im = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta)}
     try:
-        parsed = InferenceModelSpec.model_validate(dict(spec))
-        pools = owned_pools(parsed, name)
-        children = render_children(im, parsed, pools, memo.render)
+        rendered = await off_loop(render_model, im, dict(spec), memo.render)
     except ValueError as exc:
         await reject(kube, im, patch, status, "InvalidSpec", describe_error(exc), now)
         return
+    parsed, pools, children = rendered.spec, rendered.pools, rendered.children
     autoscaled = {pool.name: [("spec", "replicas")] for pool in pools
                   if pool.spec.autoscaling is not None}
     try:

@@ -10,6 +10,7 @@ import kopf
 from kvpilot.operator.handlers.children import sync_children
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.handlers.resolve import resolve_stored_pool
+from kvpilot.operator.handlers.worker import off_loop
 from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.kube.errors import KubeError
 from kvpilot.operator.render.meta import GROUP_VERSION, POOL_LABEL, RenderConfig
@@ -51,7 +52,7 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
             "spec": dict(spec)}
     try:
         resolved = await resolve_stored_pool(kube, body["kind"], namespace, spec, models_by_name)
-        objects = render_pool(pool, resolved, config)
+        objects = await off_loop(render_pool, pool, resolved, config)
     except ValueError as exc:
         await reject(kube, pool, patch, status, "InvalidSpec", describe_error(exc), now)
         return

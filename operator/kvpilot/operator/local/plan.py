@@ -15,9 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import SPEC_BY_KIND
-from kvpilot.operator.render.children import OwnedPool, owned_pools, render_children
+from kvpilot.operator.render.children import OwnedPool, render_model
 from kvpilot.operator.render.meta import COMPONENT_LABEL, RenderConfig
 from kvpilot.operator.render.pool import render_pool
 
@@ -90,14 +89,13 @@ def manifest_objects(manifest: dict[str, Any], config: RenderConfig) -> tuple[
     if manifest.get("kind") != "InferenceModel":
         raise ValueError(f"kind={manifest.get('kind')!r} is not supported by kvpilot up: "
                          "pass an InferenceModel manifest")
-    spec = InferenceModelSpec.model_validate(manifest.get("spec") or {})
     meta = manifest.get("metadata") or {}
     im = {"apiVersion": manifest.get("apiVersion", "kvpilot.dev/v1alpha1"),
           "kind": "InferenceModel",
           "metadata": {"name": meta.get("name", "local"), "namespace": "default",
                        "uid": "local", "generation": 1}}
-    pools = owned_pools(spec, im["metadata"]["name"])
-    return pools, render_children(im, spec, pools, config)
+    rendered = render_model(im, manifest.get("spec") or {}, config)
+    return rendered.pools, rendered.children
 
 
 def instances_text(engines: list[LocalProcess]) -> str:

@@ -9,16 +9,17 @@ the pool's own handler rolls its workloads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec, PoolTemplate, TemplateRole
-from kvpilot.operator.api.names import engine_config_name, pool_name
+from kvpilot.operator.api.names import check_name, engine_config_name, pool_name
 from kvpilot.operator.api.pools import AnyPoolSpec, DecodePoolSpec, PrefillPoolSpec
 from kvpilot.operator.planning.pool import ResolvedPool, resolve_pool
 from kvpilot.operator.render.engine_args import serve_args
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, RenderConfig, object_meta
+from kvpilot.operator.render.pool import check_pool_size
 from kvpilot.operator.render.router import render_router
 
 MODEL_GENERATION_ANNOTATION = "kvpilot.dev/model-generation"
@@ -81,3 +82,25 @@ def render_children(im: dict[str, Any], spec: InferenceModelSpec, pools: Sequenc
     if spec.router.replicas > 0:
         objects += render_router(model, namespace, spec, im, config)
     return objects
+
+
+@dataclass(frozen=True)
+class RenderedModel:
+    """An InferenceModel parsed, its pools resolved and its children rendered."""
+
+    spec: InferenceModelSpec
+    pools: list[OwnedPool]
+    children: list[dict[str, Any]]
+
+
+def render_model(im: dict[str, Any], spec: Mapping[str, Any],
+                 config: RenderConfig) -> RenderedModel:
+    """Gives a stored InferenceModel's spec, pools and children; raises ValueError naming the
+    field when any part cannot run, so nothing is applied for a spec the engine would refuse."""
+    name = im["metadata"]["name"]
+    check_name("InferenceModel", name)
+    parsed = InferenceModelSpec.model_validate(dict(spec))
+    pools = owned_pools(parsed, name)
+    for pool in pools:
+        check_pool_size(pool.resolved, config)
+    return RenderedModel(parsed, pools, render_children(im, parsed, pools, config))

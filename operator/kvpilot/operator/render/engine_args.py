@@ -2,14 +2,71 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+from typing import NoReturn
 
-from kvpilot.engine.contracts.args import EngineArgs, ServerArgs
+from kvpilot.engine.contracts.args import (
+    EngineArgs,
+    ServerArgs,
+    add_dataclass_args,
+    from_namespace,
+)
 from kvpilot.operator.planning.pool import ResolvedPool
-from kvpilot.operator.render.meta import ENGINE_PORT
+from kvpilot.operator.render.meta import ENGINE_PORT, FLEET_SECRET_FILE
 
 MODEL_DIR = "/models"
 HF_DIR = f"{MODEL_DIR}/hf"
+# `kvpilot serve` flags the operator renders itself, and the field (or reason) that sets each.
+OWNED_FLAGS = {
+    "model": "spec.model.source", "served_model_name": "spec.model.name",
+    "load_format": "spec.model.source", "dtype": "spec.engine.dtype",
+    "device": "spec.accelerator.vendor", "max_model_len": "spec.engine.maxModelLen",
+    "block_size": "spec.engine.blockSize", "kv_cache_memory": "spec.engine.kvCacheMemory",
+    "gpu_memory_utilization": "spec.engine.gpuMemoryUtilization",
+    "enable_prefix_caching": "spec.engine.enablePrefixCaching",
+    "max_num_seqs": "spec.engine.maxNumSeqs",
+    "max_num_batched_tokens": "spec.engine.maxNumBatchedTokens",
+    "tensor_parallel_size": "spec.topology", "pipeline_parallel_size": "spec.topology",
+    "expert_parallel_size": "spec.topology", "role": "the pool's kind and spec.servingMode",
+    "host": "the pod network", "port": "the pod's probes and Service",
+    "kv_transfer_port": "the pod's NetworkPolicy and Service",
+    "drain_timeout": "the operator's --drain-timeout",
+    "api_key": "spec.auth.apiKeySecretRef (never a key in a pod's args)",
+    "fleet_secret_file": "the fleet Secret the operator mounts",
+}
+
+
+class _Refusal(argparse.ArgumentParser):
+    """The engine's own flags, raising ValueError where `kvpilot serve` would exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = _Refusal(prog="kvpilot serve", add_help=False, allow_abbrev=False)
+    add_dataclass_args(parser, EngineArgs)
+    add_dataclass_args(parser, ServerArgs)
+    return parser
+
+
+def check_extra_args(extra: list[str]) -> None:
+    """Raises ValueError naming spec.engine.extraArgs when `kvpilot serve` would refuse them
+    or when they set a flag the operator renders from a field."""
+    given = [arg.split("=", 1)[0] for arg in extra if arg.startswith("--")]
+    for flag in given:
+        dest = flag.removeprefix("--").removeprefix("no-").replace("-", "_")
+        if dest in OWNED_FLAGS:
+            raise ValueError(f"spec.engine.extraArgs sets {flag}, which the operator renders "
+                             f"from {OWNED_FLAGS[dest]}: remove it from extraArgs")
+    try:
+        parsed = _serve_parser().parse_args(extra)
+        from_namespace(EngineArgs, parsed)
+        from_namespace(ServerArgs, parsed)
+    except ValueError as exc:
+        raise ValueError(f"spec.engine.extraArgs={extra}: kvpilot serve refuses them ({exc}): "
+                         "fix or remove the flag (kvpilot serve --help lists them)") from exc
 
 
 @dataclass(frozen=True)
@@ -61,7 +118,9 @@ def serve_args(pool: ResolvedPool, drain_timeout: int) -> list[str]:
         expert_parallel_size=topo.expert_parallel,
         role=pool.role,
     )
-    server = ServerArgs(host="0.0.0.0", port=ENGINE_PORT, drain_timeout=float(drain_timeout))
+    server = ServerArgs(host="0.0.0.0", port=ENGINE_PORT, drain_timeout=float(drain_timeout),
+                        fleet_secret_file=FLEET_SECRET_FILE)
+    check_extra_args(engine.extra_args)
     flags = args.to_cli()
     if "--model" not in flags:  # to_cli drops defaults; a pod's command should say what it serves
         flags = ["--model", args.model, *flags]
