@@ -10,9 +10,11 @@ import pytest
 from kvpilot.operator.rbac import RULES, verbs_by_resource
 
 
-def granted(objects: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
-    """Gives {(group, resource): verbs} of the rendered ClusterRole."""
-    role = next(o for o in objects if o["kind"] == "ClusterRole")
+def granted(objects: list[dict[str, Any]], kind: str = "ClusterRole",
+            namespace: str | None = None) -> dict[tuple[str, str], set[str]]:
+    """Gives {(group, resource): verbs} of the rendered ClusterRole (or a namespace's Role)."""
+    role = next(o for o in objects if o["kind"] == kind
+                and o["metadata"].get("namespace", namespace) == namespace)
     out: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:
         for group in rule["apiGroups"]:
@@ -21,10 +23,14 @@ def granted(objects: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
     return out
 
 
-def expected(flags: set[str]) -> dict[tuple[str, str], set[str]]:
-    """Gives the table's needs when the operator runs with `flags`."""
+def expected(flags: set[str], per_namespace: bool | None = None,
+             ) -> dict[tuple[str, str], set[str]]:
+    """Gives the table's needs when the operator runs with `flags` (only the rules granted
+    per namespace, or only the others, when `per_namespace` says so)."""
     out: dict[tuple[str, str], set[str]] = {}
     for rule in RULES:
+        if per_namespace is not None and rule.per_namespace != per_namespace:
+            continue
         if rule.optional_flag is None or rule.optional_flag in flags:
             out.setdefault((rule.group, rule.resource), set()).update(rule.verbs)
     return out
@@ -39,6 +45,17 @@ def expected(flags: set[str]) -> dict[tuple[str, str], set[str]]:
 def test_cluster_role_is_exactly_the_table(render: Callable[..., list[dict[str, Any]]],
                                            sets: tuple[str, ...], flags: set[str]):
     assert granted(render(sets=sets)) == expected(flags)
+
+
+def test_watched_namespaces_get_the_pod_grant_as_roles(
+        render: Callable[..., list[dict[str, Any]]]):
+    objects = render(sets=("operator.watchNamespaces={team-a,team-b}",))
+    assert granted(objects) == expected(set(), per_namespace=False)
+    for namespace in ("team-a", "team-b"):
+        assert granted(objects, "Role", namespace) == expected(set(), per_namespace=True)
+        binding = next(o for o in objects if o["kind"] == "RoleBinding"
+                       and o["metadata"]["namespace"] == namespace)
+        assert binding["subjects"][0]["namespace"] == "kvpilot-system"
 
 
 def test_rbac_create_false_renders_no_rbac(render: Callable[..., list[dict[str, Any]]]):

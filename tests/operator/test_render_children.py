@@ -64,7 +64,7 @@ def test_pools_carry_resolved_sections_and_the_model_generation():
 
 
 @pytest.mark.parametrize(("replicas", "router_kinds"), [
-    (1, ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]),
+    (1, ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "NetworkPolicy"]),
     (0, []),
 ])
 def test_router_objects_only_when_it_has_replicas(replicas, router_kinds):

@@ -23,6 +23,9 @@ class Rule:
     why: str
     optional_flag: str | None = None
     """Operator flag that turns this rule's calls on; None: always used."""
+    per_namespace: bool = False
+    """Granted by a Role in each watched namespace when the operator watches named
+    namespaces (the chart's ClusterRole holds it only when it watches all of them)."""
 
 
 def _verbs(*groups: tuple[str, ...]) -> tuple[str, ...]:
@@ -53,9 +56,16 @@ RULES: tuple[Rule, ...] = (
     Rule("discovery.k8s.io", "endpointslices", ("get", "list", "watch"),
          "held so the operator may grant them to the router (RBAC escalation check)"),
     Rule("policy", "poddisruptionbudgets", _verbs(APPLY, PRUNE), "one per pool"),
+    Rule("networking.k8s.io", "networkpolicies", _verbs(APPLY, PRUNE),
+         "one per pool and one per router"),
+    Rule("", "secrets", ("create",),
+         "the fleet Secret, created once; never read, so no get/list/watch on Secrets"),
     Rule("", "events", ("create",), "decision events (kopf.info / kopf.warn)"),
     Rule("", "pods", ("list", "patch"),
-         "the autoscaler scrapes ready pool pods and sets pod-deletion-cost before scale-down"),
+         "the autoscaler scrapes ready pool pods and sets pod-deletion-cost before scale-down "
+         "(the only pod field it writes; RBAC cannot narrow a patch to one annotation, so the "
+         "grant is narrowed to the watched namespaces where there are some)",
+         per_namespace=True),
     Rule("apiextensions.k8s.io", "customresourcedefinitions", WATCH,
          "kopf discovers the served resources"),
     Rule("", "namespaces", WATCH, "kopf follows namespaces when watching patterns"),

@@ -11,6 +11,7 @@ import kopf
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.names import pool_name
 from kvpilot.operator.handlers.children import sync_children
+from kvpilot.operator.handlers.fleet import ensure_fleet_secret
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.handlers.worker import off_loop
 from kvpilot.operator.kube.client import Kube
@@ -31,6 +32,7 @@ OWNED_KINDS = [
     (GROUP_VERSION, "PrefillPool"), (GROUP_VERSION, "DecodePool"), ("v1", "ConfigMap"),
     ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
 ]
 POOL_ROLES = {"PrefillPool": "prefill", "DecodePool": "decode"}
 
@@ -81,6 +83,7 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     autoscaled = {pool.name: [("spec", "replicas")] for pool in pools
                   if pool.spec.autoscaling is not None}
     try:
+        await ensure_fleet_secret(kube, name, namespace, im)
         # A new object has nothing stale to remove.
         stored = await sync_children(kube, im, children, OWNED_KINDS, {MODEL_LABEL: name},
                                      prune_stale=reason != "create", keep=autoscaled)

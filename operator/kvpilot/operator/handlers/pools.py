@@ -8,6 +8,7 @@ import aiohttp
 import kopf
 
 from kvpilot.operator.handlers.children import sync_children
+from kvpilot.operator.handlers.fleet import ensure_fleet_secret
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.handlers.resolve import resolve_stored_pool
 from kvpilot.operator.handlers.worker import off_loop
@@ -56,8 +57,11 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
     except ValueError as exc:
         await reject(kube, pool, patch, status, "InvalidSpec", describe_error(exc), now)
         return
-    kinds = [*workload_kinds(config), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
+    kinds = [*workload_kinds(config), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"),
+             ("networking.k8s.io/v1", "NetworkPolicy")]
     try:
+        if resolved.model_ref is None:  # no InferenceModel makes its fleet Secret
+            await ensure_fleet_secret(kube, meta["name"], namespace, pool)
         # Pruning covers scale-down of multi-node groups and a single/multi-node switch.
         current = await sync_children(kube, pool, objects, kinds, {POOL_LABEL: meta["name"]},
                                       prune_stale=reason != "create")

@@ -23,7 +23,9 @@ from kvpilot.operator.render.pool import render_pool
 LOCALHOST = "127.0.0.1"
 # Flags whose values a local process gets instead of the pod's.
 ROUTER_DROPPED = ("--discovery", "--namespace", "--selector", "--port-name", "--host", "--port",
-                  "--instances", "--instances-file")
+                  "--instances", "--instances-file", "--fleet-secret-file")
+# The pods' fleet Secret is a file only on Kubernetes; a local fleet passes its own.
+ENGINE_DROPPED = ("--fleet-secret-file",)
 
 
 @dataclass
@@ -120,7 +122,7 @@ def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_po
         pool = {**pool, "metadata": {**pool["metadata"], "uid": "local"}}
         pool_spec = resolved[pool["metadata"]["name"]]
         for workload in render_pool(pool, pool_spec, config):
-            if workload["kind"] in ("Service", "PodDisruptionBudget"):
+            if workload["kind"] in ("Service", "PodDisruptionBudget", "NetworkPolicy"):
                 continue
             if workload["kind"] != "Deployment":
                 raise ValueError(
@@ -134,6 +136,8 @@ def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_po
                 port = free_port()
                 argv = _set_flag(_set_flag(_command(container), "--host", LOCALHOST),
                                  "--port", str(port))
+                for flag in ENGINE_DROPPED:
+                    argv = _set_flag(argv, flag, None)
                 engines.append(LocalProcess(name, role, argv, _env(container, name), port,
                                             workload["metadata"]["name"]))
     routers = [o for o in children if o["kind"] == "Deployment"

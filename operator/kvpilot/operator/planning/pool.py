@@ -9,10 +9,11 @@ engine ConfigMap, `kvpilot up` and the autoscaler read the `ResolvedPool` it giv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from kvpilot.operator.api.accelerator import AcceleratorSpec
+from kvpilot.operator.api.access import AuthSpec, NetworkPeer
 from kvpilot.operator.api.autoscaling import AutoscalingSpec
 from kvpilot.operator.api.common import CommunicationSpec, EngineSpec, ModelSource, TopologySpec
 from kvpilot.operator.api.consistency import check_sections
@@ -40,6 +41,10 @@ class ResolvedPool:
     communication: CommunicationSpec
     overrides: Overrides
     placement: PodPlacement
+    auth: AuthSpec = field(default_factory=AuthSpec)
+    """Client authentication of the engines' API."""
+    allow_from: tuple[NetworkPeer, ...] = ()
+    """Who besides the model's router and the operator may reach the engines' HTTP port."""
     autoscaling: AutoscalingSpec | None = None
     """Absent: the pool keeps its replicas."""
     model_ref: str | None = None
@@ -54,6 +59,8 @@ class ResolvedPool:
             "communication": self.communication.to_json(),
             "overrides": self.overrides.to_json(), "role": self.role,
         }
+        if self.auth.api_key_secret_ref is not None:  # absent: the hash of older specs holds
+            out["auth"] = self.auth.to_json()
         if self.model_ref is not None:
             out["modelRef"] = self.model_ref
         if self.autoscaling is not None:
@@ -98,4 +105,6 @@ def resolve_pool(spec: AnyPoolSpec, owner: InferenceModelSpec | None) -> Resolve
     return ResolvedPool(
         role=spec.role, replicas=spec.replicas, model=model, engine=engine, topology=topology,
         accelerator=accelerator, communication=communication, overrides=overrides,
-        placement=placement, autoscaling=spec.autoscaling, model_ref=spec.model_ref)
+        placement=placement, autoscaling=spec.autoscaling, model_ref=spec.model_ref,
+        auth=_pick(spec.auth, owner.auth if owner else None, AuthSpec()),
+        allow_from=tuple(spec.allow_from or ()))

@@ -32,7 +32,8 @@ def pool_specs(spec: InferenceModelSpec, model: str) -> list[AnyPoolSpec]:
         return {"model_ref": model, "replicas": template.replicas,
                 "topology": spec.pool_topology(role), "accelerator": spec.accelerator,
                 "communication": spec.communication, "autoscaling": template.autoscaling,
-                "overrides": template.overrides or spec.overrides}
+                "overrides": template.overrides or spec.overrides,
+                "auth": spec.auth if spec.auth.api_key_secret_ref else None}
 
     if spec.prefill is None:  # aggregated: one pool serves both phases
         return [DecodePoolSpec(role="both", **fields(spec.decode, "decode"))]

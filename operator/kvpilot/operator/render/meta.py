@@ -41,6 +41,13 @@ class RenderConfig:
     max_pool_gpus: int = 4096
     """Most GPUs one pool may ask for at its replicas: what one object can make the operator
     render and apply stays bounded even without a gpuBudget."""
+    operator_namespace: str | None = None
+    """Namespace of the operator's pods (None: the models' own), for NetworkPolicies."""
+    operator_pod_labels: tuple[tuple[str, str], ...] = (
+        ("app.kubernetes.io/name", "kvpilot"), ("app.kubernetes.io/component", "operator"))
+    """Labels of the operator's pods: NetworkPolicies let them scrape engines and routers."""
+    metrics_namespaces: tuple[str, ...] = ()
+    """Namespaces (a Prometheus) whose pods may also scrape engines' and routers' /metrics."""
 
 
 def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,10 @@
-"""The engine pod template: container, resources, probes, drain hook, shm, security, scrape annotations."""
+"""The engine pod template: container, probes, drain hook, volumes, security, scrape annotations.
+
+Hardened: non-root, no privilege escalation, every capability dropped (RDMA adds back
+IPC_LOCK only), a read-only root filesystem with size-limited emptyDirs where the engine
+writes (/cache: the image's HOME, HF_HOME and TRITON_CACHE_DIR; /tmp; /dev/shm; the
+downloaded weights), no service-account token (engines never call the API server).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +12,18 @@ from typing import Any
 
 from kvpilot.engine.contracts.args import KV_PORT_OFFSET
 from kvpilot.operator.api.common import ModelSource
-from kvpilot.operator.api.overrides import Overrides
 from kvpilot.operator.planning.placement import PodPlacement
 from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.engine_args import HF_DIR, MODEL_DIR, model_location, serve_args
-from kvpilot.operator.render.meta import ENGINE_PORT, RENDEZVOUS_PORT, RenderConfig
+from kvpilot.operator.render.fleet import FLEET_MOUNT, api_key_env, fleet_volume
+from kvpilot.operator.render.meta import ENGINE_PORT, MODEL_LABEL, RENDEZVOUS_PORT, RenderConfig
+from kvpilot.operator.render.resources import FETCH_RESOURCES, engine_resources, gib, weight_bytes
 
-# Resource the NVIDIA network operator's RDMA shared device plugin advertises by default.
-RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+# images/engine-*.Dockerfile: HOME=/cache, HF_HOME=/cache/huggingface,
+# TRITON_CACHE_DIR=/cache/triton; compiled kernels and the HF cache's small files go there.
+CACHE_DIR = "/cache"
+CACHE_SIZE = "4Gi"
+TMP_SIZE = "4Gi"
 # preStop pause so Services and the router stop sending before SIGTERM starts the drain.
 PRESTOP_SLEEP_SECONDS = 5
 # The engine loads weights before /health answers; big models need minutes.
@@ -27,7 +37,9 @@ def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfi
     """Gives a PodTemplateSpec running `kvpilot serve` for one resolved pool."""
     overrides, placement = pool.overrides, pool.placement
     location = model_location(pool.model.source)
-    volumes, mounts = _volumes(placement, location.pvc_claim, location.hf_repo is not None)
+    volumes, mounts = _volumes(pool, location.pvc_claim, location.hf_repo is not None)
+    volumes.append(fleet_volume(labels[MODEL_LABEL]))
+    mounts.append(FLEET_MOUNT)
     container: dict[str, Any] = {
         "name": "engine",
         "image": overrides.image or config.engine_image,
@@ -35,7 +47,7 @@ def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfi
         "args": serve_args(pool, config.drain_timeout_seconds),
         "ports": _ports(placement),
         "env": _env(pool, extra_env),
-        "resources": _resources(pool.overrides, placement),
+        "resources": engine_resources(pool),
         "volumeMounts": mounts,
         "startupProbe": _probe("/health", period=10, failures=STARTUP_BUDGET_SECONDS // 10),
         "readinessProbe": _probe("/ready", period=5, failures=2),
@@ -53,6 +65,7 @@ def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfi
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
                             "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
     }
     if location.hf_repo is not None:
         pod["initContainers"] = [_fetch_container(pool.model, container, location.hf_repo)]
@@ -114,6 +127,7 @@ def _env(pool: ResolvedPool, extra_env: list[dict[str, Any]] | None) -> list[dic
     if secret is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {
             "secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    env += api_key_env(pool.auth)
     env += extra_env or []
     taken = {e["name"] for e in env}
     plain = {**pool.placement.env, **pool.overrides.env}
@@ -121,41 +135,26 @@ def _env(pool: ResolvedPool, extra_env: list[dict[str, Any]] | None) -> list[dic
     return env
 
 
-def _resources(overrides: Overrides, placement: PodPlacement) -> dict[str, Any]:
-    requests: dict[str, Any] = {"cpu": "1", "memory": "2Gi"}
-    limits: dict[str, Any] = {}
-    devices: dict[str, Any] = {}
-    if placement.gpu_resource:
-        devices[placement.gpu_resource] = str(placement.gpus_per_pod)
-    if placement.rdma:
-        devices[RDMA_RESOURCE] = "1"
-    extras = overrides.resources
-    requests.update({k: str(v) for k, v in extras.requests.items()})
-    limits.update({k: str(v) for k, v in extras.limits.items()})
-    # Extended resources cannot be overcommitted: requests must equal limits.
-    requests.update(devices)
-    limits.update(devices)
-    out: dict[str, Any] = {"requests": requests}
-    if limits:
-        out["limits"] = limits
-    return out
-
-
-def _volumes(placement: PodPlacement, pvc_claim: str | None,
+def _volumes(pool: ResolvedPool, pvc_claim: str | None,
              hf: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
-        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": placement.shm_size}},
-        {"name": "tmp", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": pool.placement.shm_size}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
+        {"name": "cache", "emptyDir": {"sizeLimit": CACHE_SIZE}},
     ]
     mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"},
-                                    {"name": "tmp", "mountPath": "/tmp"}]
+                                    {"name": "tmp", "mountPath": "/tmp"},
+                                    {"name": "cache", "mountPath": CACHE_DIR}]
     if pvc_claim is not None:
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": pvc_claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": f"{MODEL_DIR}/{pvc_claim}",
                        "readOnly": True})
     if hf:
-        volumes.append({"name": "model", "emptyDir": {}})
+        # The weights plus a tenth for tokenizer, configs and the download's own files.
+        weights = weight_bytes(pool)
+        volumes.append({"name": "model", "emptyDir": {"sizeLimit": gib(int(weights * 1.1))}
+                        if weights is not None else {}})
         mounts.append({"name": "model", "mountPath": HF_DIR})
     return volumes, mounts
 
@@ -167,8 +166,9 @@ def _fetch_container(model: ModelSource, engine: dict[str, Any], repo: str) -> d
         command += ["--revision", model.revision]
     env = [e for e in engine["env"] if e["name"] == "HF_TOKEN"]
     return {"name": "fetch-model", "image": engine["image"], "command": command, "env": env,
-            "volumeMounts": [m for m in engine["volumeMounts"] if m["name"] in ("model", "tmp")],
-            "securityContext": _container_security(False)}
+            "volumeMounts": [m for m in engine["volumeMounts"]
+                             if m["name"] in ("model", "tmp", "cache")],
+            "resources": FETCH_RESOURCES, "securityContext": _container_security(False)}
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
@@ -182,4 +182,5 @@ def _container_security(rdma: bool) -> dict[str, Any]:
         # Pinning RDMA buffers needs IPC_LOCK; nothing else is added back.
         capabilities["add"] = ["IPC_LOCK"]
     return {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
-            "capabilities": capabilities, "seccompProfile": {"type": "RuntimeDefault"}}
+            "readOnlyRootFilesystem": True, "capabilities": capabilities,
+            "seccompProfile": {"type": "RuntimeDefault"}}

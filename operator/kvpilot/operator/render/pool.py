@@ -1,4 +1,5 @@
-"""Everything one PrefillPool or DecodePool owns: workloads, Services and the PodDisruptionBudget."""
+"""Everything one PrefillPool or DecodePool owns: workloads, Services, PodDisruptionBudget and
+NetworkPolicy (and, without an InferenceModel, its fleet Secret: `handlers/fleet.py`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from kvpilot.operator.api.names import check_name
 from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.meta import RenderConfig, pool_labels, selector_labels
+from kvpilot.operator.render.network import pool_network_policy
 from kvpilot.operator.render.pdb import pool_pdb
 from kvpilot.operator.render.services import pool_service, rendezvous_service
 from kvpilot.operator.render.workloads import pool_workloads
@@ -55,6 +57,8 @@ def render_pool(pool: dict[str, Any], resolved: ResolvedPool,
     if multi_node and not config.leader_worker_set:
         objects.append(rendezvous_service(name, namespace, labels, pool))
     objects.append(pool_pdb(name, namespace, labels, pool))
+    objects.append(pool_network_policy(name, namespace, labels, pool, resolved.allow_from,
+                                       multi_node, config))
     return objects
 
 
