@@ -29,6 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
     (("policy/v1", "PodDisruptionBudget", "ns", "p"),
      "/apis/policy/v1/namespaces/ns/poddisruptionbudgets/p"),
     (("v1", "Namespace", None, "ns"), "/api/v1/namespaces/ns"),
+    (("networking.k8s.io/v1", "NetworkPolicy", "ns", "p"),
+     "/apis/networking.k8s.io/v1/namespaces/ns/networkpolicies/p"),
+    (("v1", "Secret", "ns", "s"), "/api/v1/namespaces/ns/secrets/s"),
 ])
 def test_resource_path(args, path):
     assert resource_path(*args) == path

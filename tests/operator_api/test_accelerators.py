@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from kvpilot.operator.api import AcceleratorSpec
 from kvpilot.operator.planning.accelerators import (
