@@ -79,6 +79,15 @@ async def test_disaggregated_model_gets_prefill_and_decode_pools(api, operator, 
     assert (im["status"]["prefillReplicas"], im["status"]["decodeReplicas"]) == ("0/2", "0/1")
 
 
+async def pool_handled(api: ApiServer, name: str) -> None:
+    """Waits until the pool's handler has written its status. Ready counts of workload
+    events roll up from then on; the emulator plays the controllers once per test, where
+    a real one keeps updating a workload's status as each pod becomes ready."""
+    await eventually(lambda: (api.get("kvpilot.dev/v1alpha1/decodepools", NAMESPACE, name)
+                              or {}).get("status", {}).get("observedGeneration"),
+                     what=f"{name} handled")
+
+
 def conditions(obj: dict[str, Any] | None) -> dict[str, str]:
     return {c["type"]: c["status"] for c in (obj or {}).get("status", {}).get("conditions", [])}
 
@@ -130,6 +139,7 @@ async def test_ready_counts_roll_up_from_deployment_to_model(api, operator, clie
     await client.post(IM_PATH, json=tiny("up"))
     await eventually(lambda: api.get("apps/v1/deployments", NAMESPACE, "up-decode"))
     await eventually(lambda: conditions(api.get(IMS, NAMESPACE, "up")).get("Ready") == "False")
+    await pool_handled(api, "up-decode")
     # Play the Deployment controller: one replica became ready.
     r = await client.patch(f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/up-decode/status",
                            json={"status": {"replicas": 1, "readyReplicas": 1}}, headers=MERGE)
@@ -244,6 +254,7 @@ async def test_multi_node_replicas_are_statefulset_groups_pruned_on_scale_down(
     workers = await eventually(lambda: api.get("v1/services", NAMESPACE, "mn-decode-workers"),
                                what="rendezvous Service")  # applied after the workloads
     assert workers["spec"]["clusterIP"] == "None"
+    await pool_handled(api, "mn-decode")
     # Rank 0 of one group becomes ready with its worker: one replica of two is ready.
     await client.patch(f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/mn-decode-g0/status",
                        json={"status": {"readyReplicas": 2}}, headers=MERGE)
