@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from types import SimpleNamespace
 
 import torch
 
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
-from kvpilot.engine.contracts.kv_protocol import request_pull
+from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.core.block_pool import BlockPool
 from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
 from kvpilot.engine.kv_transfer.tcp import TcpConnector
@@ -32,11 +31,7 @@ def make_store(num_blocks: int, shape: str, device: str) -> EngineBlockStore:
     layers, heads, dim = SHAPES[shape]
     caches = [torch.randn(2, num_blocks, BLOCK, heads, dim, device=device).to(torch.bfloat16)
               for _ in range(layers)]
-    block_bytes = caches[0][:, 0].numel() * 2 * layers
-    engine = SimpleNamespace(kv=SimpleNamespace(pool=BlockPool(num_blocks)),
-                             runner=SimpleNamespace(kv_caches=caches, bytes_per_block=block_bytes),
-                             engine_args=SimpleNamespace(block_size=BLOCK))
-    return EngineBlockStore(engine)
+    return EngineBlockStore(BlockPool(num_blocks), caches, BLOCK)
 
 
 async def pull_once(src: EngineBlockStore, dst: EngineBlockStore, tokens: list[int],

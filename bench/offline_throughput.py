@@ -32,7 +32,11 @@ def write_model(root: Path) -> Path:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvpilot.engine.models.builtin import BUILTIN_CONFIGS, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+    from kvpilot.engine.contracts.builtin_models import (
+        BUILTIN_CONFIGS,
+        TOKENIZER_CONFIG_FILE,
+        TOKENIZER_FILE,
+    )
 
     hf = {k: v for k, v in BUILTIN_CONFIGS["tiny-llama"].items()
           if k not in ("architectures", "model_type")}

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import httpx
 
+from kvpilot.engine.contracts.tokenizer import load_tokenizer
 from kvpilot.engine.loadgen.datasets import shared_prefix_dataset
 from kvpilot.engine.loadgen.report import summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
-from kvpilot.engine.tokenizer import load_tokenizer
 from kvpilot.operator.local.plan import LocalProcess
 from kvpilot.operator.local.supervisor import Supervisor, free_port
 

@@ -50,11 +50,21 @@ def namespace() -> Iterator[str]:
         kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
+INFERENCE_POOL_CRD = "crd/inferencepools.inference.networking.k8s.io"
+
+
 @pytest.fixture(scope="session")
-def operator(namespace: str) -> Iterator[subprocess.Popen[bytes]]:
-    """Runs `kvpilot operator` for the test namespace on this machine."""
+def inference_pool_crd() -> bool:
+    """Gives whether the cluster has the Gateway API inference extension's InferencePool CRD."""
+    return bool(kubectl("get", INFERENCE_POOL_CRD, "-o", "name", check=False).strip())
+
+
+@pytest.fixture(scope="session")
+def operator(namespace: str, inference_pool_crd: bool) -> Iterator[subprocess.Popen[bytes]]:
+    """Runs `kvpilot operator` for the test namespace on this machine (rendering InferencePools
+    when the cluster has their CRD)."""
     command = [sys.executable, "-m", "kvpilot.cli.main", "operator", "-n", namespace,
-               "--standalone"]
+               "--standalone", *(["--inference-pool"] if inference_pool_crd else [])]
     for flag, variable in (("--engine-image", "KVPILOT_ENGINE_IMAGE"),
                            ("--router-image", "KVPILOT_ROUTER_IMAGE")):
         if os.environ.get(variable):

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/kvpilot crds --write crds
-cp crds/*.yaml charts/kvpilot/crds/
+cp crds/*.yaml charts/kvpilot/files/crds/

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Command (2) of the README: set up if needed, lint, then run the whole suite.
+# Command (2) of the README: set up if needed, lint, type-check, then run the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.tools/bin:$PATH"
 .venv/bin/ruff check .
+.venv/bin/pyright   # operator/, engine/, kernels/, cli/ and the typed test fakes: 0 errors
 set +e
 .venv/bin/python -m pytest -q "$@"
 rc=$?

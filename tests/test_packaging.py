@@ -89,7 +89,7 @@ def test_wheels_split_the_engine_namespace(wheels: dict[str, Path]) -> None:
     assert "kvpilot/engine/contracts/args.py" in control
     assert "kvpilot/engine/router/app.py" in control
     assert "kvpilot/engine/llm_engine.py" in engine
-    assert "kvpilot/engine/models/assets/tiny-tokenizer.json" in engine
+    assert "kvpilot/engine/contracts/assets/tiny-tokenizer.json" in control
     assert not control & engine
     assert not any(n.startswith("kvpilot/engine/") and "/contracts/" not in n
                    and "/router/" not in n for n in control)
@@ -120,6 +120,12 @@ def test_operator_and_router_run_without_torch(wheels: dict[str, Path], tmp_path
         done = subprocess.run([str(python), "-c", launcher, *argv], capture_output=True,
                               text=True, timeout=120, cwd=tmp_path)
         assert done.returncode == 0, (argv, done.stderr[-2000:])
+    # The router's --tokenizer (the operator renders it for built-in models) needs no torch.
+    tokenize = ("from kvpilot.engine.contracts.tokenizer import load_tokenizer\n"
+                "assert load_tokenizer('tiny-llama').encode('hello')\n")
+    done = subprocess.run([str(python), "-c", tokenize], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
     done = subprocess.run([str(python), "-c", "import torch"], capture_output=True, text=True,
                           timeout=60, cwd=tmp_path)
     assert done.returncode != 0 and "No module named 'torch'" in done.stderr

@@ -54,8 +54,8 @@ def overrides(**fields: Any) -> dict[str, Any]:
 
 CATEGORIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
     "names": [
-        ("64-characters", im("a" * 64), "metadata.name may have at most 39"),
-        ("40-characters", im("a" * 40), "metadata.name may have at most 39"),
+        ("64-characters", im("a" * 64), "metadata.name may have at most 37"),
+        ("38-characters", im("a" * 38), "metadata.name may have at most 37"),
         ("dot", im("chat.v1"), "metadata.name must be a DNS-1035 label"),
         ("leading-digit", im("7b-chat"), "metadata.name must be a DNS-1035 label"),
         ("uppercase", im("Chat"), "metadata.name must be a DNS-1035 label"),
@@ -153,6 +153,8 @@ CATEGORIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
          "sets --api-key, which the operator renders from spec.auth.apiKeySecretRef"),
         ("owned-block-size", im(engine={"extraArgs": ["--block-size", "0"]}),
          "sets --block-size, which the operator renders from spec.engine.blockSize"),
+        ("positional-model", im(engine={"extraArgs": ["--seed", "3", "tiny-qwen3"]}),
+         "names the model 'tiny-qwen3', which the operator renders from spec.model.source"),
     ],
     "kv-cache-memory": [
         ("zero", im(engine={"kvCacheMemory": "0"}), "kvCacheMemory must hold at least one"),

@@ -18,7 +18,8 @@ OPERATOR_ONLY = {
     "env-names/leading-digit", "env-names/space", "env-names/prefill-override",
     "labels/key-leading-dash", "labels/annotation-key-space", "extra-args/unknown-flag",
     "extra-args/bad-value", "extra-args/bad-choice", "extra-args/owned-port",
-    "extra-args/api-key-in-args", "extra-args/owned-block-size", "kv-cache-memory/one-block",
+    "extra-args/api-key-in-args", "extra-args/owned-block-size", "extra-args/positional-model",
+    "kv-cache-memory/one-block",
     "kv-cache-memory/below-one-block", "kv-cache-memory/below-one-sequence",
     "model-shape-and-fit/tp-not-dividing-heads", "model-shape-and-fit/pp-beyond-layers",
     "model-shape-and-fit/weights-do-not-fit", "gpu-budget/pool-over-operator-limit",
@@ -92,7 +93,7 @@ def test_gpu_budget():
 
 @pytest.mark.parametrize("manifest", [
     {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel",
-     "metadata": {"name": "a" * 39, "namespace": "default"},
+     "metadata": {"name": "a" * 37, "namespace": "default"},
      "spec": {"model": {"name": "x", "source": "dummy:tiny-llama"},
               "accelerator": {"vendor": "cpu"}, "engine": {"kvCacheMemory": "4MiB",
                                                            "extraArgs": ["--seed", "3"]},

@@ -1,5 +1,5 @@
-"""The longest names admission allows make only valid child names, at the most replicas; one
-character more would not (so the bound is the tight one)."""
+"""The longest names admission allows make only valid child names, at the most replicas and
+with a weight cache; one character more would not (so the bound is the tight one)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.names import (
     DNS_1035,
+    DNS_LABEL_MAX,
     MAX_NAME,
     MAX_REPLICAS,
     STATEFULSET_NAME_MAX,
-    group_name,
+    check_name,
     lws_group_name,
-    pool_name,
 )
 from kvpilot.operator.api.pools import SPEC_BY_KIND
 from kvpilot.operator.planning.pool import resolve_pool
@@ -30,7 +30,7 @@ LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
 def everything(name: str) -> list[dict[str, Any]]:
     """Gives every object of a disaggregated two-node model with the most replicas."""
     spec = InferenceModelSpec.model_validate({
-        "model": {"name": "x", "source": "dummy:tiny-llama"},
+        "model": {"name": "x", "source": "hf://org/model", "cache": {"size": "40Gi"}},
         "topology": {"tensorParallel": 8, "pipelineParallel": 2},
         "accelerator": {"vendor": "nvidia"}, "servingMode": "disaggregated",
         "prefill": {"replicas": MAX_REPLICAS}, "decode": {"replicas": MAX_REPLICAS}})
@@ -65,11 +65,13 @@ def problems(objects: list[dict[str, Any]]) -> list[str]:
 def test_the_longest_model_name_makes_valid_children():
     objects = everything("m" * MAX_NAME["InferenceModel"])
     assert len([o for o in objects if o["kind"] == "StatefulSet"]) == 2 * MAX_REPLICAS
+    assert {o["kind"] for o in objects} >= {"PersistentVolumeClaim", "Job"}
     assert problems(objects) == []
 
 
-def test_one_character_more_would_make_an_invalid_statefulset_name():
+def test_one_character_more_would_make_an_invalid_weights_job_name():
     name = "m" * (MAX_NAME["InferenceModel"] + 1)
-    assert len(group_name(pool_name(name, "prefill"), MAX_REPLICAS - 1)) > STATEFULSET_NAME_MAX
-    with pytest.raises(ValueError, match=r"metadata\.name"):  # the pool refuses it too
-        everything(name)
+    with pytest.raises(ValueError, match=r"metadata\.name"):
+        check_name("InferenceModel", name)
+    job = next(o for o in everything(name) if o["kind"] == "Job")  # rendered unchecked
+    assert len(job["metadata"]["name"]) > DNS_LABEL_MAX

@@ -45,14 +45,14 @@ def test_rendered_objects_validate(render: Callable[..., list[dict[str, Any]]],
 
 def test_default_install_objects(render: Callable[..., list[dict[str, Any]]]):
     kinds = sorted(o["kind"] for o in render())
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment",
-                     "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap",
+                     *["CustomResourceDefinition"] * 3, "Deployment", "ServiceAccount"]
 
 
 def test_standbys_get_peering_and_a_disruption_budget(render: Callable[..., list[dict[str, Any]]]):
     kinds = sorted(o["kind"] for o in render(sets=("replicaCount=2",)))
     assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "ConfigMap",
-                     "CustomResourceDefinition", "CustomResourceDefinition", "Deployment",
+                     *["CustomResourceDefinition"] * 5, "Deployment",
                      "PodDisruptionBudget", "ServiceAccount"]
 
 
@@ -64,7 +64,7 @@ def _args(objects: list[dict[str, Any]]) -> list[str]:
 @pytest.mark.parametrize(("values", "present", "absent"), [
     (None, ["operator", "--liveness=8080", "--engine-image=ghcr.io/kvpilot/engine:0.1.0",
             "--router-image=ghcr.io/kvpilot/operator:0.1.0"],
-     ["--peering=kv-kvpilot", "--leader-worker-set"]),
+     ["--peering=kv-kvpilot", "--leader-worker-set", "--inference-pool"]),
     (CHART / "ci" / "peering-values.yaml", ["--peering=kv-kvpilot", "--leader-worker-set"], []),
     (CHART / "ci" / "namespaced-values.yaml",
      ["--namespace=team-a", "--namespace=team-b", "--dev",

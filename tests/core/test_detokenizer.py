@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.tokenizer import load_tokenizer
+from kvpilot.engine.core.detokenizer import append_text, decode_new_text, init_offsets, visible_text
 from kvpilot.engine.core.request import Request
-from kvpilot.engine.detokenizer import append_text, decode_new_text, init_offsets, visible_text
-from kvpilot.engine.tokenizer import load_tokenizer
 
 TOKENIZER = load_tokenizer("tiny-llama")
 

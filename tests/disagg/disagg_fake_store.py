@@ -1,12 +1,19 @@
-"""A BlockStore over plain dicts: blocks by hash, pin counts, a capacity."""
+"""A BlockStore over plain dicts: blocks by hash, pin counts, a capacity.
+
+pyright checks it against the protocol (see the end of the file).
+"""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.contracts.kv_protocol import ProtocolError, checksum
+
+if TYPE_CHECKING:
+    from kvpilot.engine.kv_transfer.connector import BlockStore
 
 BLOCK_SIZE = 4
 
@@ -81,7 +88,7 @@ class FakeStore:
             if checksum(data) != digest:
                 raise ProtocolError(f"checksum mismatch on block {block_hash:#x}")
 
-    def import_blocks(self, staged: FakeStaged, prefix_hashes=()) -> int:
+    def import_blocks(self, staged: FakeStaged, prefix_hashes: Sequence[int] = ()) -> int:
         room = self.capacity - len(self.blocks)
         new = [(h, d) for h, d in staged.blocks if h not in self.blocks][:max(room, 0)]
         self.blocks.update(new)
@@ -124,3 +131,7 @@ class FakeStaged:
 
     def wait(self) -> None:
         pass
+
+
+if TYPE_CHECKING:  # the connector's tests run against FakeStore as against an engine's store
+    _: BlockStore[list[int], FakeBuffer, FakeStaged] = FakeStore()

@@ -9,7 +9,6 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,9 +18,10 @@ from disagg_import import import_data
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
-from kvpilot.engine.contracts.kv_protocol import ProtocolError, request_pull
+from kvpilot.engine.contracts.kv_client import request_pull
+from kvpilot.engine.contracts.kv_protocol import ProtocolError
 from kvpilot.engine.core.block_pool import BlockPool
-from kvpilot.engine.kv_transfer import engine_store, tcp
+from kvpilot.engine.kv_transfer import engine_store, host_buffers, tcp
 from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
 from kvpilot.engine.kv_transfer.tcp import TcpConnector
 
@@ -39,11 +39,7 @@ def make_store(num_blocks: int, dtype: torch.dtype = torch.float16, device: str 
     shape = (2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     caches = [torch.randint(-2**31, 2**31 - 1, shape, generator=generator, dtype=torch.int64)
               .to(bits).view(dtype).to(device) for _ in range(LAYERS)]
-    block_bytes = caches[0][:, 0].numel() * caches[0].element_size() * LAYERS
-    engine = SimpleNamespace(kv=SimpleNamespace(pool=BlockPool(num_blocks)),
-                             runner=SimpleNamespace(kv_caches=caches, bytes_per_block=block_bytes),
-                             engine_args=SimpleNamespace(block_size=BLOCK))
-    return EngineBlockStore(engine)
+    return EngineBlockStore(BlockPool(num_blocks), caches, BLOCK)
 
 
 def prompt(num_blocks: int, start: int = 1000) -> list[int]:
@@ -309,7 +305,7 @@ async def test_more_pulls_than_receive_buffers_wait_their_turn(monkeypatch):
 
 def test_buffer_pool_is_bounded_and_times_out():
     made = []
-    pool = engine_store.BufferPool(lambda p: made.append(object()) or made[-1], 2)
+    pool = host_buffers.BufferPool(lambda p: made.append(object()) or made[-1], 2)
     first, second = pool.get(1), pool.get(1)
     assert first is not second and len(made) == 2
     with pytest.raises(TimeoutError, match="2 receive buffers"):
@@ -318,7 +314,7 @@ def test_buffer_pool_is_bounded_and_times_out():
     assert pool.get(1) is first and len(made) == 2
     pool.fill()
     assert len(made) == 2  # already at its limit
-    filled = engine_store.BufferPool(lambda p: made.append(object()) or made[-1], 3)
+    filled = host_buffers.BufferPool(lambda p: made.append(object()) or made[-1], 3)
     filled.fill()
     assert len(made) == 5 and {id(filled.get(1)) for _ in range(3)} == {id(b) for b in made[2:]}
 
@@ -361,7 +357,7 @@ def test_spare_read_buffers_are_bounded():
 def test_device_checksums_equal_the_wire_checksum(device, size):
     """Engines sum many blocks at once where they are; peers check with protocol.checksum."""
     from kvpilot.engine.contracts.kv_protocol import checksum, pack_checksum
-    from kvpilot.engine.kv_transfer.engine_store import block_checksums
+    from kvpilot.engine.kv_transfer.block_checksums import block_checksums
 
     data = torch.randint(0, 256, (7, size), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(size))

@@ -6,7 +6,7 @@
 
 Each dir holds config.json, generation_config.json, *.safetensors and the bundled
 tiny tokenizer (tokenizer.json + tokenizer_config.json with a chat template), so
-both `kvpilot.engine.tokenizer.load_tokenizer(dir)` and HF `AutoTokenizer` load it.
+both `kvpilot.engine.contracts.tokenizer.load_tokenizer(dir)` and HF `AutoTokenizer` load it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvpilot.engine.models.builtin import (
+from kvpilot.engine.contracts.builtin_models import (
     BOS_ID,
     ENDOFTEXT_ID,
     TINY_VOCAB_SIZE,

@@ -9,8 +9,8 @@ from helpers.checkpoints import write_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.engine.models.builtin import BOS_ID, ENDOFTEXT_ID, TINY_VOCAB_SIZE
-from kvpilot.engine.tokenizer import load_tokenizer
+from kvpilot.engine.contracts.builtin_models import BOS_ID, ENDOFTEXT_ID, TINY_VOCAB_SIZE
+from kvpilot.engine.contracts.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello world",

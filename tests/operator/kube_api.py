@@ -4,10 +4,11 @@ kmock's `KubernetesEmulator` stores objects as plain JSON and merges patches.
 The operator also needs what a real API server adds: `metadata.uid`,
 `generation` (bumped only when `spec` changes), `resourceVersion`,
 `creationTimestamp`, `metadata.generateName`, a `status` subresource that ignores
-everything but `status`, HTTP 422 for a failed JSON-patch `test`, and cascading deletion
-through owner references. This module adds those and nothing else; see
-the reconcile section of docs/architecture.md for what it still does not prove (admission, schema
-defaulting and validation, real controllers).
+everything but `status`, a `scale` subresource that takes only `spec.replicas`, HTTP 422 for
+a failed JSON-patch `test`, cascading deletion through owner references, and server-side
+apply with `managedFields` (field_managers.py). This module adds those and nothing else;
+decisions 0017 and 0050 say what it still does not prove (admission, schema defaulting and
+validation, keyed list merges, real controllers).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
+from field_managers import Conflicts, apply, conflict_status, update
 from kmock._internal import dicts, enums
 
 CORE_RESOURCES: dict[str, dict[str, Any]] = {
@@ -38,6 +40,9 @@ CORE_RESOURCES: dict[str, dict[str, Any]] = {
     "rbac.authorization.k8s.io/v1/roles": {"kind": "Role", "namespaced": True},
     "rbac.authorization.k8s.io/v1/rolebindings": {"kind": "RoleBinding", "namespaced": True},
     "v1/pods": {"kind": "Pod", "namespaced": True, "subresources": {"status"}},
+    "v1/persistentvolumeclaims": {"kind": "PersistentVolumeClaim", "namespaced": True,
+                                  "subresources": {"status"}},
+    "batch/v1/jobs": {"kind": "Job", "namespaced": True, "subresources": {"status"}},
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True,
                             "subresources": {"status", "scale"}},
     "apps/v1/statefulsets": {"kind": "StatefulSet", "namespaced": True,
@@ -48,6 +53,7 @@ CORE_RESOURCES: dict[str, dict[str, Any]] = {
         "kind": "CustomResourceDefinition", "namespaced": False, "subresources": {"status"}},
 }
 IMMUTABLE_SELECTORS = {"deployments", "statefulsets"}  # as the real API server enforces
+APPLY_PATCH = "application/apply-patch+yaml"
 VERBS = {"create", "delete", "get", "list", "patch", "update", "watch"}
 
 
@@ -82,6 +88,10 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
     """Requests served, by (action, resource plural[/subresource]): list, watch, fetch, ..."""
     base_url: str = attrs.field(default="", init=False)
     """http://host:port the emulator listens on (set by whoever starts its server)."""
+    pod_logs: dict[tuple[str, str, str], str] = attrs.field(factory=dict, init=False)
+    """What GET pods/{name}/log answers, by (namespace, pod, container): a test plays the kubelet."""
+    tokens: set[str] | None = attrs.field(default=None, init=False)
+    """Bearer tokens it accepts (401 for any other request); None: no authentication."""
 
     def add_resource(self, key: str, kind: str, namespaced: bool = True,
                      subresources: set[str] | frozenset[str] = frozenset(),
@@ -158,8 +168,22 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
         # kmock 0.8 cannot parse the path /api/v1/namespaces (it takes "namespaces" for the
         # namespace prefix and fails), which kopf lists and watches when it serves named
         # namespaces; answer that one path here.
+        if self.tokens is not None and raw_request.headers.get("Authorization") not in \
+                {f"Bearer {token}" for token in self.tokens}:
+            return aiohttp.web.json_response(
+                {"kind": "Status", "code": 401, "reason": "Unauthorized", "message": "Unauthorized"},
+                status=401)
         if raw_request.path.rstrip("/") == "/api/v1/namespaces":
             return await self._serve_namespaces(raw_request)
+        parts = raw_request.path.strip("/").split("/")
+        if len(parts) == 7 and parts[:3] == ["api", "v1", "namespaces"] and \
+                parts[4] == "pods" and parts[6] == "log":
+            key = (parts[3], parts[5], raw_request.query.get("container", ""))
+            if key not in self.pod_logs:
+                return aiohttp.web.json_response({"message": "not found"}, status=404)
+            tail = int(raw_request.query.get("tailLines", "0") or 0)
+            lines = self.pod_logs[key].splitlines(keepends=True)
+            return aiohttp.web.Response(text="".join(lines[-tail:] if tail else lines))
         return await super().__call__(raw_request)
 
     async def _serve_namespaces(self, raw_request: aiohttp.web.BaseRequest) -> Any:
@@ -192,6 +216,12 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
         if request.resource is not None and request.action is not None:
             plural = f"{request.resource.plural}/{request.subresource or ''}".rstrip("/")
             self.calls[request.action.name.lower(), plural] += 1
+        if request.resource is not None and request.action == enums.action.UPDATE and \
+                request.headers.get("Content-Type", "").startswith(APPLY_PATCH):
+            try:
+                return await self._serve_apply(request)
+            finally:
+                self._forget(request)
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == enums.action.CREATE:
                 meta = request.data.setdefault("metadata", {})
@@ -202,6 +232,7 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
                     request.data.setdefault("metadata", {})["namespace"] = request.namespace
                 request.data.pop("status", None) if request.resource in self._with_status else None
                 self._stamp(request.data)
+                update(None, request.data, _manager(request))
             elif request.action == enums.action.UPDATE and request.name is not None:
                 self._amend_patch(request)
         try:
@@ -216,6 +247,12 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
             self._forget(request)
         if request.action == enums.action.DELETE and request.name is not None:
             await self._collect_garbage()
+        elif request.action == enums.action.UPDATE and request.name is not None:
+            # The last finalizer removed from a deleting object (kopf's, on objects with
+            # timers) deletes it; its dependents follow, as after a DELETE.
+            key = (request.resource, request.namespace, request.name)
+            if key in self.objects and self.objects[key].deleted:
+                await self._collect_garbage()
         return response
 
     def _forget(self, request: kmock.Request) -> None:
@@ -226,7 +263,11 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
 
     def _amend_patch(self, request: kmock.Request) -> None:
         patch: dict[str, Any] = request.data
-        if request.resource in self._with_status:
+        if request.subresource == "scale":  # a Scale object: only its replicas reach the spec
+            replicas = (patch.get("spec") or {}).get("replicas")
+            patch.clear()
+            patch.update({"spec": {"replicas": replicas}} if replicas is not None else {})
+        elif request.resource in self._with_status:
             if request.subresource == "status":
                 kept = {"status": patch.get("status")} if "status" in patch else {}
                 patch.clear()
@@ -234,19 +275,65 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
             else:
                 patch.pop("status", None)
         key = (request.resource, request.namespace, request.name)
-        if key in self.objects and not self.objects[key].deleted and "spec" in patch:
+        if key in self.objects and not self.objects[key].deleted:
             current = self.objects[key].raw
-            merged = dicts.merge_patch_dict(current, patch)
-            if request.resource.plural in IMMUTABLE_SELECTORS and \
-                    merged["spec"].get("selector") != current.get("spec", {}).get("selector"):
-                raise kmock.KubernetesError(
-                    status=422, reason="Invalid",
-                    message=f"{request.resource.plural} {request.name}: spec.selector: "
-                            "Invalid value: field is immutable")
+            merged = copy.deepcopy(dict(dicts.merge_patch_dict(current, patch)))
+            self._check_selector(request, current, merged)
             if merged.get("spec") != current.get("spec"):
                 generation = current.get("metadata", {}).get("generation", 1) + 1
                 patch.setdefault("metadata", {})["generation"] = generation
+            update(current, merged, _manager(request), request.subresource or "")
+            patch.setdefault("metadata", {})["managedFields"] = merged["metadata"]["managedFields"]
         patch.setdefault("metadata", {})["resourceVersion"] = str(next(self._versions))
+
+    @staticmethod
+    def _check_selector(request: kmock.Request, current: dict[str, Any],
+                        new: dict[str, Any]) -> None:
+        if request.resource is not None and request.resource.plural in IMMUTABLE_SELECTORS and \
+                (new.get("spec") or {}).get("selector") != \
+                (current.get("spec") or {}).get("selector"):
+            raise kmock.KubernetesError(
+                status=422, reason="Invalid",
+                message=f"{request.resource.plural} {request.name}: spec.selector: "
+                        "Invalid value: field is immutable")
+
+    async def _serve_apply(self, request: kmock.Request) -> Any:
+        """Server-side apply: merge by field ownership, 409 on conflicts, create when absent."""
+        manager = request.params.get("fieldManager")
+        if request.name is None or request.subresource or not isinstance(request.data, dict):
+            raise kmock.KubernetesError(status=415, reason="UnsupportedMediaType",
+                                        message="the emulator applies whole objects only")
+        if not manager:
+            raise kmock.KubernetesError(status=422, reason="Invalid",
+                                        message="fieldManager is required for apply patch")
+        applied = copy.deepcopy(request.data)
+        if request.resource in self._with_status:
+            applied.pop("status", None)
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            exists = key in self.objects and not self.objects[key].deleted
+            current = self.objects[key].raw if exists else None
+            try:
+                new = apply(current, applied, manager, request.params.get("force") == "true")
+            except Conflicts as exc:
+                raise kmock.KubernetesError(status=409, reason="Conflict", **conflict_status(
+                    exc.found, applied.get("apiVersion", ""))) from exc
+            if current is not None:
+                if new == current:
+                    return aiohttp.web.json_response(current)  # a no-op writes nothing
+                self._check_selector(request, current, new)
+                if new.get("spec") != current.get("spec"):
+                    new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
+                new["metadata"]["resourceVersion"] = str(next(self._versions))
+                self.objects[key].create(new)
+                event = "MODIFIED"
+            else:
+                new["metadata"].update(name=request.name, namespace=request.namespace)
+                self.objects[key] = self._stamp(new)
+                event = "ADDED"
+            stored = self.objects[key].raw
+            await self._buses[request.resource].put({"type": event, "object": stored})
+        return aiohttp.web.json_response(stored, status=201 if current is None else 200)
 
     async def _collect_garbage(self) -> None:
         # Deleting an owner deletes its dependents (background cascading deletion).
@@ -265,3 +352,9 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
                     raw = obj.raw
                     obj.delete()
                     await self._buses[resource].put({"type": "DELETED", "object": raw})
+
+
+def _manager(request: kmock.Request) -> str:
+    """Gives the field manager of a write: its fieldManager, else its User-Agent's product."""
+    return request.params.get("fieldManager") or \
+        request.headers.get("User-Agent", "unknown").split("/")[0]

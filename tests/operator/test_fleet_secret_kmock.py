@@ -1,5 +1,6 @@
-"""The fleet Secret on the emulator: created once per model, never overwritten, mounted by
-the engines and the router; a pool without an InferenceModel gets its own."""
+"""The fleet Secret on the emulator: created once per model under kvpilot's field manager,
+never read, patched or overwritten, mounted by the engines and the router; a pool without
+an InferenceModel gets its own."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ async def test_fleet_secret_is_created_once_and_kept(api: ApiServer, operator, c
     value = secret["stringData"]["secret"]
     assert len(value) == 64 and int(value, 16) >= 0
     assert secret["metadata"]["ownerReferences"][0]["kind"] == "InferenceModel"
+    assert [e["manager"] for e in secret["metadata"]["managedFields"]] == ["kvpilot"]
     await eventually(lambda: secret_volume(api, "fs-decode") == "fs-fleet", what="engines")
     assert secret_volume(api, "fs-router") == "fs-fleet"
     await client.patch(f"{IM_PATH}/fs", json={"spec": {"engine": {"maxNumSeqs": 8}}},
@@ -32,7 +34,8 @@ async def test_fleet_secret_is_created_once_and_kept(api: ApiServer, operator, c
     await eventually(lambda: (api.get(IMS, NAMESPACE, "fs") or {}).get("status", {})
                      .get("observedGeneration") == 2, what="second reconcile")
     assert api.get(SECRETS, NAMESPACE, "fs-fleet")["stringData"]["secret"] == value
-    assert api.calls["fetch", "secrets"] == 0  # never read, only created
+    for action in ("fetch", "list", "watch", "update"):  # never read nor patched: created
+        assert api.calls[action, "secrets"] == 0, action
 
 
 async def test_a_pool_without_a_model_owns_its_fleet_secret(api: ApiServer, operator, client):

@@ -251,8 +251,9 @@ async def test_multi_node_replicas_are_statefulset_groups_pruned_on_scale_down(
     await eventually(lambda: len(api.live(sets, NAMESPACE)) == 2, what="two groups")
     group = api.get(sets, NAMESPACE, "mn-decode-g0")
     assert (group["spec"]["replicas"], group["spec"]["serviceName"]) == (2, "mn-decode-workers")
+    # The Services are applied after the groups: wait for them too.
     workers = await eventually(lambda: api.get("v1/services", NAMESPACE, "mn-decode-workers"),
-                               what="rendezvous Service")  # applied after the workloads
+                               what="rendezvous Service")
     assert workers["spec"]["clusterIP"] == "None"
     await pool_handled(api, "mn-decode")
     # Rank 0 of one group becomes ready with its worker: one replica of two is ready.

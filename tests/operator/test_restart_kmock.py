@@ -55,12 +55,12 @@ def stop_after(monkeypatch: pytest.MonkeyPatch, applied: int,
     original = Kube.apply
     count = 0
 
-    async def apply(self: Kube, obj: Any, keep: Any = ()) -> Any:
+    async def apply(self: Kube, obj: Any, **options: Any) -> Any:
         nonlocal count
         refs = obj["metadata"].get("ownerReferences") or [{}]
         if refs[0].get("kind") == "InferenceModel" and count < applied:
             count += 1
-            result = await original(self, obj, keep)
+            result = await original(self, obj, **options)
             if count == applied:
                 reached.set()
             return result

@@ -1,9 +1,14 @@
-"""A tiny LLMEngine stand-in with controlled timing (each step sleeps `step_delay`)."""
+"""A tiny LLMEngine stand-in with controlled timing (each step sleeps `step_delay`).
+
+It is a `ServedEngine`: pyright checks it against the protocol (see the end of the file).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.outputs import (
@@ -13,6 +18,10 @@ from kvpilot.engine.contracts.outputs import (
     RequestOutput,
 )
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.core.kv_events import KVEventLog
+
+if TYPE_CHECKING:
+    from kvpilot.engine.engine_core import ServedEngine
 
 
 class ByteTokenizer:
@@ -24,7 +33,7 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 
     def apply_chat_template(self, messages: list[dict[str, str]],
@@ -55,13 +64,15 @@ class FakeEngine:
         self.tokenizer = ByteTokenizer()
         self.model_config = ModelConfig()
         self.engine_args = EngineArgs(model="fake")
+        self.kv_events = KVEventLog()  # stays empty: no prefix cache here
         self.step_delay = step_delay
         self.num_blocks = num_blocks
         self.reqs: dict[str, _Req] = {}
         self.generated = 0
         self.prompt_tokens = 0
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if len(ids) + (params.max_tokens or 0) > self.model_config.max_model_len:
             raise ValueError(f"max_tokens={params.max_tokens} is invalid: too long")
@@ -69,8 +80,8 @@ class FakeEngine:
                                      RequestMetrics(arrival_time or time.monotonic()),
                                      [[] for _ in range(params.n)])
 
-    def abort_request(self, ids):
-        for rid in ids:
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
             self.reqs.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -106,3 +117,13 @@ class FakeEngine:
                            num_total_blocks=self.num_blocks,
                            num_free_blocks=self.num_blocks - used,
                            prompt_tokens=self.prompt_tokens, generation_tokens=self.generated)
+
+    def step_timing(self) -> str:
+        return "no breakdown"
+
+    def shutdown(self) -> None:
+        pass
+
+
+if TYPE_CHECKING:  # FakeEngine stands in for LLMEngine wherever the server takes one
+    _: ServedEngine = FakeEngine()

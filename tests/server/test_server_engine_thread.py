@@ -13,6 +13,7 @@ import pytest
 from server_fake_engine import FakeEngine
 from server_harness import serve_in_thread, wait_for
 
+from kvpilot.engine.contracts.outputs import RequestOutput
 from kvpilot.engine.server.app import build_app
 
 BODY = {"model": "fake", "prompt": "hi", "max_tokens": 3}
@@ -25,7 +26,7 @@ class CountingEngine(FakeEngine):
         self.fail_on_step = fail_on_step
         self.in_step = False
 
-    def step(self):  # type: ignore[no-untyped-def]
+    def step(self) -> list[RequestOutput]:
         self.steps += 1
         if self.steps == self.fail_on_step:
             raise RuntimeError("boom")

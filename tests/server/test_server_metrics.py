@@ -107,3 +107,17 @@ def test_disconnected_non_streaming_request_is_aborted(server: RunningServer) ->
                                           finished_reason="abort") == aborts_before + 1)
     assert wait_for(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 0)
     assert wait_for(lambda: server.metric(names.KV_CACHE_USAGE_PERC) == idle_kv)
+
+
+def test_cache_config_info_carries_what_gateway_endpoint_pickers_read(
+        server: RunningServer) -> None:
+    """The Gateway API inference extension's pickers read block_size (prefix scorer) and
+    num_gpu_blocks from vllm:cache_config_info's labels, beside queue and KV gauges."""
+    found = {dict(labels).get(names.BLOCK_SIZE_LABEL): dict(labels)
+             for (name, labels), value in server.metrics().items()
+             if name == names.CACHE_CONFIG_INFO and value == 1}
+    assert len(found) == 1, found
+    labels = next(iter(found.values()))
+    assert int(labels[names.BLOCK_SIZE_LABEL]) > 0
+    assert int(labels[names.NUM_GPU_BLOCKS_LABEL]) > 0
+    assert labels[names.MODEL_NAME_LABEL] == MODEL

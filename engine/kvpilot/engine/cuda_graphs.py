@@ -16,9 +16,20 @@ makes one graph valid for every context length up to ``max_model_len``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
+
 import torch
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kvpilot.engine.contracts.args import EngineArgs
+    from kvpilot.engine.models.llama import LlamaForCausalLM
+
+# the model's forward: (input_ids, positions, kv_caches, meta) -> hidden states
+Forward: TypeAlias = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata],
+                              torch.Tensor]
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -31,9 +42,9 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Holds one captured decode forward per bucket and the static buffers they read."""
 
-    def __init__(self, forward, kv_caches: list[torch.Tensor], max_num_seqs: int,
+    def __init__(self, forward: Forward, kv_caches: list[torch.Tensor], max_num_seqs: int,
                  max_blocks_per_seq: int, max_model_len: int, device: torch.device) -> None:
-        self.forward = forward  # the model: (input_ids, positions, kv_caches, meta) -> hidden
+        self.forward = forward
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.buckets = batch_buckets(max_num_seqs)
@@ -96,19 +107,21 @@ class DecodeGraphs:
         return self.outputs[size][:n]
 
 
-def capture_decode_graphs(runner) -> DecodeGraphs | None:
-    """Gives captured decode graphs for a ModelRunner, or None where graphs do not apply.
+def capture_decode_graphs(model: LlamaForCausalLM, kv_caches: list[torch.Tensor],
+                          args: EngineArgs, max_model_len: int) -> DecodeGraphs | None:
+    """Gives captured decode graphs of a model runner's model over its KV cache, or None
+    where graphs do not apply.
 
     None on CPU, with ``--enforce-eager``, or with an attention backend that syncs
     with the host (the torch reference reads lengths back with ``tolist``).
     """
     from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
 
-    if (runner.device.type != "cuda" or runner.args.enforce_eager
-            or not isinstance(runner.model.attn_backend, TritonAttentionBackend)):
+    device = kv_caches[0].device
+    if (device.type != "cuda" or args.enforce_eager
+            or not isinstance(model.attn_backend, TritonAttentionBackend)):
         return None
-    max_len = runner.config.max_model_len
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.args.max_num_seqs,
-                          -(-max_len // runner.block_size), max_len, runner.device)
+    graphs = DecodeGraphs(model, kv_caches, args.max_num_seqs,
+                          -(-max_model_len // args.block_size), max_model_len, device)
     graphs.capture()
     return graphs

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
+from typing import Any
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
 
-Prompts = str | list[str] | list[list[int]]
+Prompt = str | list[int]  # text, or its token ids
+Prompts = Prompt | Sequence[Prompt]
 
 
 class LLM:
     """Runs an LLMEngine to completion over a list of prompts (tests, benchmarks, scripts)."""
 
-    def __init__(self, model: str = "tiny-llama", **engine_arg_overrides) -> None:
+    def __init__(self, model: str, **engine_arg_overrides: Any) -> None:
         from kvpilot.engine.llm_engine import LLMEngine
 
         self.engine_args = EngineArgs(model=model, **engine_arg_overrides)
@@ -23,7 +27,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> TokenizerLike:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompts,
@@ -66,10 +70,13 @@ class LLM:
         return [done[i] for i in ids]
 
 
-def _as_list(prompts: Prompts) -> list[str] | list[list[int]]:
+def _as_list(prompts: Prompts) -> list[Prompt]:
+    """Gives the prompts one by one: a lone text or token-id list is one prompt."""
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
-        return [prompts]
-    return prompts
+    token_ids = [p for p in prompts if isinstance(p, int)]
+    others = [p for p in prompts if not isinstance(p, int)]
+    if token_ids and others:
+        raise ValueError("prompts mixes token ids with prompts: pass one list of token ids, "
+                         "or a list of prompts (texts or token-id lists)")
+    return [token_ids] if token_ids else others

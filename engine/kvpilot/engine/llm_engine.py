@@ -11,21 +11,25 @@ import gc
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
+from kvpilot.engine.contracts.fleet_secret import FleetSecret
+from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core.beam_search import apply_selection, select_beams
+from kvpilot.engine.core.detokenizer import init_offsets
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_events import KVEventLog
 from kvpilot.engine.core.output_processor import OutputProcessor
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvpilot.engine.detokenizer import init_offsets
-from kvpilot.engine.model_runner import BatchEntry, ModelRunner, resolve_device, to_device
+from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
+from kvpilot.engine.executor import ModelExecutor, make_executor
+from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 
 if TYPE_CHECKING:
@@ -62,15 +66,19 @@ class _InFlight:
 class LLMEngine:
     """A paged-KV engine over one model: continuous batching, prefix caching, preemption."""
 
-    def __init__(self, engine_args: EngineArgs, model_config: ModelConfig, tokenizer: Any,
-                 runner: ModelRunner) -> None:
+    def __init__(self, engine_args: EngineArgs, model_config: ModelConfig, tokenizer: TokenizerLike,
+                 runner: ModelExecutor) -> None:
         self.engine_args = engine_args
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.runner = runner
+        # salts the block hashes (the router and the other engines use the same salt) and
+        # keys the KV agent of a prefill/decode role
+        self.fleet_secret = FleetSecret.from_file(engine_args.fleet_secret_file)
         self.kv = KVCacheManager(runner.num_blocks, engine_args.block_size,
                                  engine_args.enable_prefix_caching,
-                                 cache_prompt_tails=engine_args.role == "prefill")
+                                 cache_prompt_tails=engine_args.role == "prefill",
+                                 hash_salt=self.fleet_secret.block_hash_salt)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=engine_args.max_num_seqs,
             max_num_batched_tokens=engine_args.max_num_batched_tokens,
@@ -95,22 +103,37 @@ class LLMEngine:
         self._phases: dict[str, float] = {}
         self._last_plan: SchedulerOutput | None = None
         self._host_sampling: set[str] = set()  # live request ids that need host sampling
-        self._token_buffers: list[torch.Tensor] = []  # two pinned buffers, one per flight
-        self._num_flights = 0
+        self._readback = PinnedReadback(engine_args.max_num_seqs)  # sampled ids to the host
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        """Gives an engine with the model, tokenizer and KV cache that `args` describe."""
+        """Gives an engine with the model, tokenizer and KV cache that `args` describe (a Hub
+        id resolved in the local cache), logging each start-up phase (startup_log.py)."""
+        from kvpilot.engine import startup_log as log
+        from kvpilot.engine.contracts.tokenizer import load_tokenizer
         from kvpilot.engine.models.config import ModelConfig
-        from kvpilot.engine.tokenizer import load_tokenizer
+        from kvpilot.engine.models.hub_cache import with_local_model
+        from kvpilot.engine.models.loader import resolve_load_format
 
+        started = time.perf_counter()
+        args = with_local_model(args)
         device = resolve_device(args.device)
         torch.manual_seed(args.seed)
         model_config = ModelConfig.from_engine_args(args, device)
+        log.log_model(args, model_config.architecture, model_config.num_layers,
+                      str(model_config.dtype).removeprefix("torch."), str(device))
         tokenizer = load_tokenizer(args.tokenizer or args.model)
-        engine = cls(args, model_config, tokenizer, ModelRunner(args, model_config, device))
+        # refuses an unsupported topology before any weight is loaded or process started
+        runner = make_executor(args, model_config, device)
+        log.log_load(runner.load_report(), resolve_load_format(model_config, args.load_format),
+                     log.kv_budget_source(args, device.type),
+                     "CPU" if device.type != "cuda" else "--enforce-eager or the torch "
+                     "attention backend", args.tensor_parallel_size * args.pipeline_parallel_size)
+        engine = cls(args, model_config, tokenizer, runner)
         if device.type == "cuda":
             engine.freeze_gc_heap()
+        log.log_ready(time.perf_counter() - started, model_config.max_model_len,
+                      args.max_num_seqs)
         return engine
 
     @staticmethod
@@ -183,6 +206,7 @@ class LLMEngine:
             self._pending.append(self.outputs.build(request))
 
     def has_unfinished_requests(self) -> bool:
+        """Gives whether a `step` has work (requests, or outputs still to return)."""
         return bool(self.requests) or bool(self._pending) or self._inflight is not None
 
     def _seed(self, seq: Sequence) -> None:
@@ -296,15 +320,7 @@ class LLMEngine:
             0, dtype=torch.long)
         if tokens.device.type != "cuda":
             return _InFlight(seqs, tokens, tokens, None)
-        if not self._token_buffers:
-            size = self.engine_args.max_num_seqs
-            self._token_buffers = [torch.empty(size, dtype=torch.long, pin_memory=True)
-                                   for _ in range(2)]
-        self._num_flights += 1
-        host = self._token_buffers[self._num_flights % 2][:len(seqs)]
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
+        host, ready = self._readback.start(tokens)
         return _InFlight(seqs, tokens, host, ready)
 
     def _advance(self, plan: SchedulerOutput, sampled: list[Sequence]) -> None:
@@ -407,12 +423,12 @@ class LLMEngine:
                 seq.beam_candidates = list(zip(out.top_logprobs[i], out.top_ids[i], strict=True))
                 continue
             lp, lp_map = None, None
-            if out.logprobs is not None and request.params.logprobs is not None:
+            if out.logprobs and request.params.logprobs is not None:
                 lp = out.logprobs[i]
                 k = request.params.logprobs
                 # logprobs=0 (or every row asking for 0): only the sampled token's logprob
-                top_ids = out.top_ids[i][:k] if out.top_ids is not None else []
-                top_lps = out.top_logprobs[i][:k] if out.top_logprobs is not None else []
+                top_ids = out.top_ids[i][:k] if out.top_ids else []
+                top_lps = out.top_logprobs[i][:k] if out.top_logprobs else []
                 lp_map = self.outputs.token_logprobs(out.token_ids[i], lp, out.ranks[i],
                                                      top_ids, top_lps)
             self._append(seq, out.token_ids[i], lp, lp_map, now)
@@ -424,7 +440,8 @@ class LLMEngine:
                                     lambda s, t, lp: self._append(s, t, lp, None, now))
         return list(touched.values())
 
-    def _append(self, seq: Sequence, token: int, lp: float | None, lp_map, now: float) -> None:
+    def _append(self, seq: Sequence, token: int, lp: float | None, lp_map: TokenLogprobs | None,
+                now: float) -> None:
         metrics = seq.request.metrics
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
@@ -439,14 +456,15 @@ class LLMEngine:
 
     def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
         request = seq.request
-        lps = request.prompt_logprobs
+        lps, k = request.prompt_logprobs, request.params.prompt_logprobs
+        if lps is None or k is None:
+            return  # only a request that asks for prompt logprobs gets their rows (_entries)
         # row j predicts prompt position start + j + 1; rows already recorded are skipped
         first = max(len(lps) - 1 - start, 0)
         last = min(logits.shape[0], seq.num_prompt_tokens - 1 - start)
         if first >= last:
             return
         targets = request.prompt_token_ids[start + first + 1:start + last + 1]
-        k = request.params.prompt_logprobs
         computed = prompt_logprobs(logits[first:last], targets, k)
         for token, (lp, rank, ids, top) in zip(targets, computed, strict=True):
             lps.append(self.outputs.token_logprobs(token, lp, rank, ids, top))
@@ -466,6 +484,10 @@ class LLMEngine:
                  f"{len(plan.block_copies)} block copies") if plan else "no batch"
         return f"GPU wait {self._gpu_wait_s * 1e3:.1f} ms [{phases} ms; {batch}]"
 
+    def shutdown(self) -> None:
+        """Stops the executor's worker processes (a tensor-parallel engine's; none on one rank)."""
+        self.runner.shutdown()
+
     def get_stats(self) -> EngineStats:
         """Gives the gauges and counters the server exports."""
         running = {s.request.request_id for s in self.scheduler.running}
@@ -476,6 +498,7 @@ class LLMEngine:
             num_waiting_prompt_tokens=sum(r.num_prompt_tokens for r in waiting),
             kv_cache_usage=self.kv.usage,
             num_total_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size,
             num_free_blocks=self.kv.pool.num_free_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,

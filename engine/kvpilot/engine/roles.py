@@ -17,11 +17,19 @@ import os
 import sys
 import time
 from collections.abc import Iterable
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
-from kvpilot.engine.contracts.args import KV_PORT_OFFSET
-from kvpilot.engine.contracts.outputs import RequestOutput
+from kvpilot.engine.contracts.args import KV_PORT_OFFSET, EngineArgs
+from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
+from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from kvpilot.engine.core.kv_events import KVEventLog
+from kvpilot.engine.engine_core import ModelLimits, ServedEngine
 from kvpilot.engine.kv_transfer.connector import KVConnector
+
+if TYPE_CHECKING:
+    from kvpilot.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvpilot.roles")
 LEASE_SECONDS_ENV = "KVPILOT_KV_LEASE_SECONDS"
@@ -30,18 +38,35 @@ ROLE_SWITCH_INTERVAL_S = 0.001
 
 
 class RoleEngine:
-    """Delegates to an LLMEngine; a prefill one leases its finished prompts' blocks."""
+    """Serves an engine under the block store's lock; a prefill one leases its finished
+    prompts' blocks."""
 
-    def __init__(self, engine: Any, connector: KVConnector, role: str, lock: Any) -> None:
+    def __init__(self, engine: ServedEngine, connector: KVConnector, role: str,
+                 lock: AbstractContextManager[object]) -> None:
         self.engine, self.connector, self.role, self.lock = engine, connector, role, lock
         self._lock_wait_s = 0.0
 
-    def __getattr__(self, name: str) -> Any:  # tokenizer, model_config, engine_args, ...
-        return getattr(self.engine, name)
+    @property
+    def engine_args(self) -> EngineArgs:
+        return self.engine.engine_args
 
-    def add_request(self, *args: Any, **kwargs: Any) -> None:
+    @property
+    def model_config(self) -> ModelLimits:
+        return self.engine.model_config
+
+    @property
+    def tokenizer(self) -> TokenizerLike:
+        return self.engine.tokenizer
+
+    @property
+    def kv_events(self) -> KVEventLog:
+        """Gives the engine's event log (read without the lock, see `core.kv_events`)."""
+        return self.engine.kv_events
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         with self.lock:
-            self.engine.add_request(*args, **kwargs)
+            self.engine.add_request(request_id, prompt, params, arrival_time, priority)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         with self.lock:
@@ -50,7 +75,7 @@ class RoleEngine:
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
 
-    def get_stats(self) -> Any:
+    def get_stats(self) -> EngineStats:
         with self.lock:
             return self.engine.get_stats()
 
@@ -73,14 +98,15 @@ class RoleEngine:
 
     def shutdown(self) -> None:
         self.connector.stop()
+        self.engine.shutdown()
 
 
-def kv_port(engine_args: Any, http_port: int) -> int:
+def kv_port(engine_args: EngineArgs, http_port: int) -> int:
     """Gives the KV agent's port: --kv-transfer-port, else the HTTP port + KV_PORT_OFFSET."""
     return engine_args.kv_transfer_port or http_port + KV_PORT_OFFSET
 
 
-def attach_role(engine: Any, host: str, http_port: int) -> Any:
+def attach_role(engine: LLMEngine, host: str, http_port: int) -> ServedEngine:
     """Gives the engine to serve: itself for role `both`, else a RoleEngine with its KV agent."""
     role = engine.engine_args.role
     if role == "both":
@@ -93,11 +119,12 @@ def attach_role(engine: Any, host: str, http_port: int) -> Any:
     # interval (5 ms by default) for the GIL, per block received: at 1 ms a pull is not
     # paced by the engine's host work (and the engine gives the GIL up sooner).
     sys.setswitchinterval(min(sys.getswitchinterval(), ROLE_SWITCH_INTERVAL_S))
-    store = EngineBlockStore(engine)
+    store = EngineBlockStore.of_engine(engine)
     if role == "decode" and store.device.type == "cuda":
         store.receive_buffers.fill()  # pinned now, not while pulls run beside steps
     lease_seconds = float(os.environ.get(LEASE_SECONDS_ENV, DEFAULT_LEASE_SECONDS))
-    connector = TcpConnector(store, host, kv_port(engine.engine_args, http_port), lease_seconds)
+    connector = TcpConnector(store, host, kv_port(engine.engine_args, http_port), lease_seconds,
+                             kv_key=engine.fleet_secret.kv_key)
     connector.start()
     log.info("role %s: KV agent on %s:%d", role, host, connector.port)
     return RoleEngine(engine, connector, role, store.lock)

@@ -10,14 +10,14 @@ row's draw depends only on its own torch.Generator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 import torch
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.model_runner import to_device
+from kvpilot.engine.device import to_device
 
 
 @dataclass
@@ -34,13 +34,14 @@ class SamplingRow:
 
 @dataclass
 class SamplerOutput:
-    """Sampled token per row, with its raw logprob, rank and the top alternatives when asked."""
+    """Sampled token per row; where any row asks, every row's raw logprob and rank, and its
+    top alternatives where any row asks for some (the lists stay empty otherwise)."""
 
     token_ids: list[int]
-    logprobs: list[float] | None = None
-    ranks: list[int] | None = None
-    top_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

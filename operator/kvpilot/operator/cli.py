@@ -5,15 +5,25 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from kvpilot.operator.render.meta import RenderConfig
+
+
+def namespace_name(text: str) -> str:
+    """Gives `text` if it names one namespace; refuses glob patterns (argparse type)."""
+    if any(c in text for c in "*?[]!,"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a pattern: name each namespace (the operator's Roles are granted "
+            "per named namespace, and it does not list namespaces to match patterns)")
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the operator's flags."""
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
-                       help="watch this namespace (repeatable; glob patterns allowed)")
+                       type=namespace_name, help="watch this namespace (repeatable)")
     scope.add_argument("-A", "--all-namespaces", action="store_true",
                        help="watch every namespace (the default when no --namespace is given)")
     parser.add_argument("--liveness", type=int, default=None, metavar="PORT",
@@ -34,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="image of the router pods")
     parser.add_argument("--leader-worker-set", action="store_true",
                         help="render multi-node replicas as LeaderWorkerSets (LWS CRD installed)")
+    parser.add_argument("--inference-pool", action="store_true",
+                        help="render an InferencePool (Gateway API inference extension, its CRD "
+                             "installed) for each InferenceModel with spec.inferencePool")
     parser.add_argument("--drain-timeout", type=int, default=defaults.drain_timeout_seconds,
                         metavar="SECONDS", help="seconds engines get to drain after SIGTERM")
     parser.add_argument("--operator-namespace", default=os.environ.get("POD_NAMESPACE"),
@@ -56,6 +69,7 @@ def render_config(args: argparse.Namespace) -> RenderConfig:
     return RenderConfig(engine_image=args.engine_image, router_image=args.router_image,
                         leader_worker_set=args.leader_worker_set,
                         drain_timeout_seconds=args.drain_timeout,
+                        inference_pool=args.inference_pool,
                         max_pool_gpus=args.max_pool_gpus,
                         operator_namespace=args.operator_namespace,
                         operator_pod_labels=_labels(args.operator_pod_labels),
@@ -70,20 +84,28 @@ def _labels(text: str) -> tuple[tuple[str, str], ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs the operator until SIGINT/SIGTERM; gives the exit code."""
+    """Runs the operator until SIGINT/SIGTERM; gives the exit code (1, and one line on
+    stderr, when there are no credentials or the API server cannot be reached)."""
     import asyncio
 
     import kopf
 
     from kvpilot.operator.handlers import register
     from kvpilot.operator.handlers.lifecycle import operator_settings
+    from kvpilot.operator.kube.login import LoginError, check_reachable, login
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = operator_settings(fast=args.dev)
+    try:
+        asyncio.run(check_reachable(login(settings)))
+    except LoginError as exc:
+        print(f"kvpilot operator: {exc}", file=sys.stderr)
+        return 1
     register()
     namespaces = list(args.namespace)
     asyncio.run(kopf.operator(
-        settings=operator_settings(fast=args.dev),
+        settings=settings,
         memo=kopf.Memo(render=render_config(args)),
         clusterwide=not namespaces,
         namespaces=namespaces,

@@ -1,16 +1,26 @@
 """Every (API group, resource, verbs) the operator calls, kept next to the code that calls it.
 
-The Helm chart's ClusterRole is tested against `RULES`; when a handler starts
-calling a new verb or resource, add it here in the same change.
+RBAC follows the namespaces the operator watches (`grants`): watching all of them, one
+ClusterRole holds every rule; watching named ones, each gets a Role with the namespaced
+rules, and only cluster-scoped rules (`scope="cluster"`) stay in a ClusterRole. There are
+none of those in namespaced mode: kopf's resource and namespace scanning is off
+(handlers/lifecycle.py), so it lists neither CRDs nor namespaces, and the peering of
+namespaced operators is a KopfPeering per namespace. The Helm chart renders the same
+(tested per mode); when a handler starts calling a new verb or resource, add it here in the
+same change.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-APPLY = ("create", "get", "patch")  # Kube.apply: POST, then GET + PATCH on a name conflict
-PRUNE = ("list", "delete")  # handlers.children.prune
+APPLY = ("create", "patch")  # Kube.apply: server-side apply, a PATCH that creates when absent
+PRUNE = ("list", "delete")  # handlers.children.sync_children lists, then deletes the stale
 WATCH = ("list", "watch")  # kopf watch streams
+Grants = dict[tuple[str, str], set[str]]
+"""{(API group, resource): verbs}."""
 
 
 @dataclass(frozen=True)
@@ -23,9 +33,10 @@ class Rule:
     why: str
     optional_flag: str | None = None
     """Operator flag that turns this rule's calls on; None: always used."""
-    per_namespace: bool = False
-    """Granted by a Role in each watched namespace when the operator watches named
-    namespaces (the chart's ClusterRole holds it only when it watches all of them)."""
+    scope: Literal["namespaced", "cluster"] = "namespaced"
+    """cluster: a cluster-scoped resource, granted by a ClusterRole in every mode."""
+    only: Literal["clusterwide", "namespaced"] | None = None
+    """Used only when the operator watches all namespaces, or only named ones; None: both."""
 
 
 def _verbs(*groups: tuple[str, ...]) -> tuple[str, ...]:
@@ -59,24 +70,47 @@ RULES: tuple[Rule, ...] = (
     Rule("networking.k8s.io", "networkpolicies", _verbs(APPLY, PRUNE),
          "one per pool and one per router"),
     Rule("", "secrets", ("create",),
-         "the fleet Secret, created once; never read, so no get/list/watch on Secrets"),
+         "the fleet Secret, created once (handlers.children: create-only); never read nor "
+         "patched, so no get/list/watch/patch on Secrets"),
     Rule("", "events", ("create",), "decision events (kopf.info / kopf.warn)"),
-    Rule("", "pods", ("list", "patch"),
-         "the autoscaler scrapes ready pool pods and sets pod-deletion-cost before scale-down "
-         "(the only pod field it writes; RBAC cannot narrow a patch to one annotation, so the "
-         "grant is narrowed to the watched namespaces where there are some)",
-         per_namespace=True),
-    Rule("apiextensions.k8s.io", "customresourcedefinitions", WATCH,
-         "kopf discovers the served resources"),
-    Rule("", "namespaces", WATCH, "kopf follows namespaces when watching patterns"),
+    Rule("", "pods", _verbs(WATCH, ("patch",)),
+         "status reasons read from pool and weights Job pods; the autoscaler scrapes ready "
+         "pods and sets pod-deletion-cost before scale-down (the only pod field it writes: "
+         "RBAC cannot narrow a patch to one annotation, so watching named namespaces narrows "
+         "the grant to them)"),
+    Rule("", "pods/log", ("get",),
+         "the last progress line of a weights download (status.weights.progress)"),
+    Rule("batch", "jobs", _verbs(WATCH, APPLY, PRUNE),
+         "the Job that fills a model's weight cache; watched for status.weights"),
+    Rule("", "persistentvolumeclaims", _verbs(APPLY, PRUNE), "a model's weight cache"),
     Rule("leaderworkerset.x-k8s.io", "leaderworkersets", _verbs(APPLY, PRUNE),
          "multi-node groups as LeaderWorkerSets", optional_flag="--leader-worker-set"),
+    Rule("inference.networking.k8s.io", "inferencepools", _verbs(APPLY, PRUNE),
+         "a model's engines behind a Gateway API gateway", optional_flag="--inference-pool"),
     Rule("kopf.dev", "kopfpeerings", _verbs(WATCH, ("get", "patch")),
-         "peering between operator replicas", optional_flag="--peering"),
+         "peering between operator replicas watching named namespaces",
+         optional_flag="--peering", only="namespaced"),
     Rule("kopf.dev", "clusterkopfpeerings", _verbs(WATCH, ("get", "patch")),
          "peering between operator replicas watching all namespaces",
-         optional_flag="--peering"),
+         optional_flag="--peering", scope="cluster", only="clusterwide"),
 )
+
+
+def grants(namespaces: Sequence[str], flags: set[str]) -> dict[str | None, Grants]:
+    """Gives what the operator needs when it watches `namespaces` (none: all) with `flags`:
+    {None: the ClusterRole's grants, namespace: that namespace's Role's grants}; a role
+    with nothing to grant is left out."""
+    mode = "namespaced" if namespaces else "clusterwide"
+    out: dict[str | None, Grants] = {}
+    for rule in RULES:
+        if (rule.optional_flag and rule.optional_flag not in flags) or \
+                (rule.only and rule.only != mode):
+            continue
+        holders = [None] if rule.scope == "cluster" or not namespaces else list(namespaces)
+        for holder in holders:
+            out.setdefault(holder, {}).setdefault((rule.group, rule.resource), set()) \
+                .update(rule.verbs)
+    return out
 
 
 def verbs_by_resource(include_optional: bool = True) -> dict[tuple[str, str], set[str]]:

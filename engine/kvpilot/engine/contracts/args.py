@@ -8,9 +8,13 @@ without loading the engine.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -21,10 +25,24 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 # With --kv-transfer-port 0 an engine's KV agent listens on its HTTP port plus this.
 KV_PORT_OFFSET = 1000
+# Engines and routers read their API key from this variable when --api-key is absent (the
+# operator sets it from a Secret, so the key never shows in a pod's args).
+API_KEY_ENV = "KVPILOT_API_KEY"
+FLEET_SECRET_HELP = ("file holding the fleet's secret as hex text (the operator mounts it at "
+                     "/var/run/kvpilot/fleet/secret): authenticates KV-agent connections and "
+                     "/kv_events and salts block hashes; without it they are open and unsalted "
+                     "(a warning at start-up)")
+# one of the flag dataclasses (EngineArgs, ServerArgs, RouterArgs)
+ArgsT = TypeVar("ArgsT", bound="DataclassInstance")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def resolve_api_key(flag: str | None) -> str | None:
+    """Gives the API key: the --api-key flag's, else $KVPILOT_API_KEY's, else None (open)."""
+    return flag or os.environ.get(API_KEY_ENV) or None
 
 
 def parse_size(text: str | int) -> int:
@@ -43,9 +61,10 @@ def parse_size(text: str | int) -> int:
 class EngineArgs:
     """Flags of the engine; each field is a `--kebab-case` flag of `kvpilot serve`."""
 
-    model: str = field(default="tiny-llama", metadata={
-        "help": "HF-format model directory, or a built-in tiny config "
-                "(tiny-llama, tiny-qwen3, tiny-mixtral)"})
+    model: str = field(metadata={
+        "help": "HF-format model directory, a Hub id found in the local Hugging Face cache "
+                "(HF_HUB_CACHE, HF_HOME; never downloaded), or a built-in tiny config with "
+                "random weights (tiny-llama, tiny-qwen3, tiny-mixtral)"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "name clients use in the `model` field (default: --model)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer dir (default: model)"})
@@ -85,6 +104,7 @@ class EngineArgs:
         "help": "both: aggregated; prefill/decode: disaggregated roles"})
     kv_transfer_port: int = field(default=0, metadata={
         "help": f"TCP port of the KV-transfer listener (0: the server port + {KV_PORT_OFFSET})"})
+    fleet_secret_file: str | None = field(default=None, metadata={"help": FLEET_SECRET_HELP})
 
     def __post_init__(self) -> None:
         for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
@@ -124,14 +144,30 @@ class ServerArgs:
         "help": "waiting requests beyond which new ones get 429"})
     drain_timeout: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests get to finish after SIGTERM"})
-    api_key: str | None = field(default=None, metadata={"help": "require this bearer token"})
-    fleet_secret_file: str | None = field(default=None, metadata={
-        "help": "file holding the fleet secret (hex text) that authenticates KV transfer "
-                "and /kv_events between this model's engines and routers"})
+    api_key: str | None = field(default=None, metadata={
+        "help": f"require this bearer token on /v1/* (default: ${API_KEY_ENV}, if set)"})
+    metrics_require_api_key: bool = field(default=False, metadata={
+        "help": "require the API key on /metrics too (open by default, as vLLM's)"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "a Jinja chat template, or a file holding one, used instead of the model's"})
     log_level: str = "info"
 
     def to_cli(self) -> list[str]:
         return _to_cli(self)
+
+
+def model_from_cli(positional: str | None, flag: str | None, command: str) -> str:
+    """Gives the model a command line names, positionally (`kvpilot serve MODEL`, as vLLM) or
+    with --model; raises ValueError naming the fix when it names none or two different ones."""
+    if positional and flag and positional != flag:
+        raise ValueError(f"model={positional!r} and --model={flag!r} disagree: give the model "
+                         f"once, e.g. `kvpilot {command} {positional}`")
+    model = positional or flag
+    if not model:
+        raise ValueError(f"no model given: `kvpilot {command} MODEL` takes a model directory "
+                         "or a Hub id in the local Hugging Face cache; `kvpilot "
+                         f"{command} tiny-llama` serves the built-in random-weight model")
+    return model
 
 
 def _flag(name: str) -> str:
@@ -152,7 +188,8 @@ def _to_cli(obj: Any) -> list[str]:
     return out
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                       cls: type) -> None:
     """Adds one flag per field of `cls` (bools get --x / --no-x)."""
     for f in fields(cls):
         meta = dict(f.metadata)
@@ -171,6 +208,6 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         parser.add_argument(_flag(f.name), **kwargs)
 
 
-def from_namespace(cls: type, args: argparse.Namespace) -> Any:
+def from_namespace(cls: type[ArgsT], args: argparse.Namespace) -> ArgsT:
     """Builds `cls` from the parsed flags of `add_dataclass_args`."""
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

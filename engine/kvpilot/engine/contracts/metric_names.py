@@ -9,6 +9,11 @@ label. (prometheus_client appends `_total` to counters when exposing them.)
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
 KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"
+# An info gauge (always 1) whose labels carry the KV layout; Gateway API endpoint pickers read
+# block_size for their prefix-cache scorer and num_gpu_blocks for its capacity.
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+BLOCK_SIZE_LABEL = "block_size"
+NUM_GPU_BLOCKS_LABEL = "num_gpu_blocks"
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 NUM_PREEMPTIONS = "vllm:num_preemptions"

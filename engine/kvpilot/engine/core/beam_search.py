@@ -17,11 +17,15 @@ from kvpilot.engine.core.request import Request, Sequence
 def select_beams(request: Request) -> list[tuple[Sequence, int, float]] | None:
     """Gives the surviving (parent, token, token logprob) triples, or None while a beam is pending."""
     live = request.live_seqs()
-    if not live or any(seq.beam_candidates is None for seq in live):
+    if not live:
         return None
+    pool: list[tuple[float, int, Sequence, int, float]] = []
+    for order, seq in enumerate(live):
+        if seq.beam_candidates is None:
+            return None
+        pool += [(seq.cumulative_logprob + lp, order, seq, token, lp)
+                 for lp, token in seq.beam_candidates]
     width = request.params.beam_width - (len(request.seqs) - len(live))
-    pool = [(seq.cumulative_logprob + lp, order, seq, token, lp)
-            for order, seq in enumerate(live) for lp, token in seq.beam_candidates]
     # ties go to the earlier beam, then the more likely token (stable sort)
     pool.sort(key=lambda item: -item[0])
     return [(seq, token, lp) for _, _, seq, token, lp in pool[:max(width, 1)]]

@@ -64,11 +64,12 @@ class KVEventLog:
             return self.read(since=-1, limit=limit)
         events: list[dict[str, Any]] = [{"cleared": True}] if gap else []
         for value in slots:
-            kind = "cleared" if value is CLEARED else "stored" if value >= 0 else "removed"
-            if kind == "cleared":
+            if value is None:  # CLEARED
                 events.append({"cleared": True})
-            elif events and kind in events[-1]:
-                events[-1][kind].append(value if kind == "stored" else ~value)
+                continue
+            kind, block_hash = ("stored", value) if value >= 0 else ("removed", ~value)
+            if events and kind in events[-1]:
+                events[-1][kind].append(block_hash)
             else:
-                events.append({kind: [value if kind == "stored" else ~value]})
+                events.append({kind: [block_hash]})
         return {"next": end, "events": events}

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvpilot.engine.contracts.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from kvpilot.engine.core.detokenizer import (
+    append_text,
+    check_stop_token,
+    decode_new_text,
+    visible_text,
+)
 from kvpilot.engine.core.request import Request, Sequence
-from kvpilot.engine.detokenizer import append_text, check_stop_token, decode_new_text, visible_text
 
 
 class OutputProcessor:
     """Appends tokens to sequences and builds the cumulative outputs the engine returns."""
 
-    def __init__(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int) -> None:
+    def __init__(self, tokenizer: TokenizerLike, eos_token_ids: list[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len

@@ -10,10 +10,13 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.contracts.outputs import RequestMetrics, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # for the annotation only: the scheduling core runs without torch
+    import torch
 
 _seq_ids = itertools.count()
 
@@ -44,7 +47,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     beam_candidates: list[tuple[float, int]] | None = None  # (logprob, token) awaiting selection
-    generator: Any = None  # torch.Generator of a seeded request's branch
+    generator: torch.Generator | None = None  # of a seeded request's branch
     sched_key: tuple[int, float, int] | None = None  # the scheduler's order, set on first use
     # >= 0 while the last token id is a placeholder for row `inflight_row` of the step in
     # flight (async scheduling); the engine replaces it when it reads that step back
@@ -102,15 +105,14 @@ class Request:
     arrival_time: float
     priority: int = 0
     seqs: list[Sequence] = field(default_factory=list)
-    metrics: RequestMetrics | None = None
+    metrics: RequestMetrics = field(init=False)  # from arrival_time
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on first admission
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     forked: bool = False  # whether the n / beam branches exist yet
 
     def __post_init__(self) -> None:
-        if self.metrics is None:
-            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         if not self.seqs:
             self.seqs.append(Sequence(request=self, token_ids=list(self.prompt_token_ids)))
         if self.params.prompt_logprobs is not None:

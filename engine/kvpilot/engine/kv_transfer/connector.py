@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Protocol
+from contextlib import AbstractContextManager
+from typing import Protocol, TypeVar
 
 
 class PendingRead(Protocol):
@@ -45,7 +46,12 @@ class StagedBlocks(Protocol):
         ...
 
 
-class BlockStore(Protocol):
+HandleT = TypeVar("HandleT")  # what `pin` gives and `unpin` and `read` take
+BufferT = TypeVar("BufferT", bound=ReceiveBuffer)
+StagedT = TypeVar("StagedT", bound=StagedBlocks)
+
+
+class BlockStore(Protocol[HandleT, BufferT, StagedT]):
     """The engine's KV cache as the connector sees it: pin, read, probe and import by hash.
 
     The engine thread holds `lock` while it steps. `pin`, `unpin`,
@@ -58,19 +64,24 @@ class BlockStore(Protocol):
     `read` and `stage` give are called without it too.
     """
 
-    lock: Any  # reentrant; FairLock in engines (a waiting agent is not starved by steps)
     block_bytes: int
     read_chunk_blocks: int  # most blocks one `read` should be asked for
 
-    def pin(self, token_ids: Sequence[int]) -> tuple[list[int], Any]:
+    @property
+    def lock(self) -> AbstractContextManager[object]:
+        """Gives the reentrant lock the engine steps under (FairLock in engines: a waiting
+        agent is not starved by steps)."""
+        ...
+
+    def pin(self, token_ids: Sequence[int]) -> tuple[list[int], HandleT]:
         """Gives (hashes, handle) of the prompt's cached leading full blocks, now pinned."""
         ...
 
-    def unpin(self, handle: Any) -> None:
+    def unpin(self, handle: HandleT) -> None:
         """Drops the pins `pin` took."""
         ...
 
-    def read(self, handle: Any, hashes: Sequence[int]) -> PendingRead:
+    def read(self, handle: HandleT, hashes: Sequence[int]) -> PendingRead:
         """Starts copying the pinned blocks with these hashes, in order, into a host buffer
         (no lock; `handle` stays pinned until the call returns)."""
         ...
@@ -83,22 +94,22 @@ class BlockStore(Protocol):
         """Gives how many blocks something holds (requests or leases): 0 when idle."""
         ...
 
-    def receive_buffer(self, timeout: float) -> ReceiveBuffer:
+    def receive_buffer(self, timeout: float) -> BufferT:
         """Gives a host buffer from a bounded pool, waiting up to `timeout` seconds while all
         are in use (TimeoutError); no lock."""
         ...
 
-    def stage(self, buffer: ReceiveBuffer, hashes: Sequence[int]) -> StagedBlocks:
+    def stage(self, buffer: BufferT, hashes: Sequence[int]) -> StagedT:
         """Starts moving the first len(hashes) blocks of `buffer`, which hold `hashes`, toward
         the cache's device (no lock)."""
         ...
 
-    def verify(self, staged: StagedBlocks, digests: Sequence[bytes]) -> None:
+    def verify(self, staged: StagedT, digests: Sequence[bytes]) -> None:
         """Raises ProtocolError unless each staged block matches its frame's checksum field
         (no lock)."""
         ...
 
-    def import_blocks(self, staged: StagedBlocks, prefix_hashes: Sequence[int] = ()) -> int:
+    def import_blocks(self, staged: StagedT, prefix_hashes: Sequence[int] = ()) -> int:
         """Writes staged blocks into free slots as cached (keeping `prefix_hashes` cached
         meanwhile), skipping those already cached; only the leading ones that fit go in.
         Gives how many it wrote."""

@@ -27,17 +27,19 @@ at once (the gather and the per-layer `index_copy_` under the lock).
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvpilot.engine.contracts.block_hash import hash_prompt_blocks, hash_prompt_tail
-from kvpilot.engine.contracts.kv_protocol import CHECKSUM_MODULUS, ProtocolError, pack_checksum
-from kvpilot.engine.core.block_pool import KVCacheBlock
+from kvpilot.engine.contracts.block_hash import UNSALTED, hash_prompt_blocks, hash_prompt_tail
+from kvpilot.engine.contracts.kv_protocol import ProtocolError, pack_checksum
+from kvpilot.engine.core.block_pool import BlockPool, KVCacheBlock
+from kvpilot.engine.device import to_device
+from kvpilot.engine.kv_transfer.block_checksums import block_checksums
 from kvpilot.engine.kv_transfer.fair_lock import FairLock
-from kvpilot.engine.model_runner import to_device
+from kvpilot.engine.kv_transfer.host_buffers import BufferPool, ReceiveBuffer
 
 # one reusable host buffer of `read` holds up to this many bytes (and at most 256 blocks): each
 # read takes the lock once, and on a busy prefill engine the lock comes once per step
@@ -49,13 +51,18 @@ SPARE_READ_BUFFERS = 4  # host buffers kept for reuse; more in flight at once ar
 RECEIVE_BUFFER_BYTES = 64 * 2**20
 RECEIVE_BUFFERS = 8
 
+if TYPE_CHECKING:
+    from kvpilot.engine.llm_engine import LLMEngine
+
+
 
 class PendingRead:
     """Blocks being copied into a host buffer; `wait` gives their data, `release` recycles it."""
 
     def __init__(self, store: EngineBlockStore, buffer: torch.Tensor, count: int,
-                 event: Any, sums: torch.Tensor) -> None:
-        self._store, self._buffer, self._count, self._event = store, buffer, count, event
+                 event: torch.cuda.Event | None, sums: torch.Tensor) -> None:
+        self._store, self._count, self._event = store, count, event
+        self._buffer: torch.Tensor | None = buffer  # None once released
         self._sums = sums  # [count, 2] int64 on the host (pinned on CUDA), see block_checksums
 
     def wait(self) -> list[memoryview]:
@@ -63,10 +70,12 @@ class PendingRead:
 
         The views alias the host buffer: use them before `release`.
         """
+        if self._buffer is None:
+            raise RuntimeError("PendingRead.wait after release: its host buffer is reused")
         if self._event is not None:
             self._event.synchronize()
         size = self._store.block_bytes
-        data = memoryview(self._buffer.view(-1).numpy())
+        data = self._buffer.view(-1).numpy().data
         return [data[i * size:(i + 1) * size] for i in range(self._count)]
 
     def checksums(self) -> list[bytes]:
@@ -77,86 +86,17 @@ class PendingRead:
         """Gives the host buffer back for reuse; the views `wait` gave must not be used after."""
         if self._buffer is not None:
             self._store._recycle(self._buffer)
-            self._buffer = None  # type: ignore[assignment]
-
-
-class ReceiveBuffer:
-    """A pooled host buffer (pinned on CUDA) for up to `capacity` incoming blocks, block i at
-    row i; `release` gives it back to the pool."""
-
-    def __init__(self, tensor: torch.Tensor, pool: BufferPool) -> None:
-        self.tensor = tensor  # uint8 [capacity, block_bytes]
-        self.capacity: int = tensor.shape[0]
-        self._view = memoryview(tensor.view(-1).numpy())
-        self._size = tensor.shape[1]
-        self._pool = pool
-
-    def block(self, index: int) -> memoryview:
-        """Gives block `index`'s bytes, writable."""
-        return self._view[index * self._size:(index + 1) * self._size]
-
-    def release(self) -> None:
-        self._pool.put(self)
-
-
-class BufferPool:
-    """At most `limit` buffers made by `make` and reused; `get` waits while all are out."""
-
-    def __init__(self, make: Callable[[BufferPool], Any], limit: int) -> None:
-        self._make, self._limit = make, limit
-        self._free: list[Any] = []
-        self._made = 0
-        self._cond = threading.Condition()
-
-    def fill(self) -> None:
-        """Makes every buffer now, at start-up: pinning memory mid-serving is the suspect
-        in measured multi-second stalls of the engine beside it."""
-        with self._cond:
-            missing = self._limit - self._made
-            self._made = self._limit  # reserved: a `get` meanwhile waits instead of making one
-        made: list[Any] = []
-        try:
-            for _ in range(missing):
-                made.append(self._make(self))
-        finally:
-            with self._cond:
-                self._made -= missing - len(made)
-                self._free += made
-                self._cond.notify_all()
-
-    def get(self, timeout: float) -> Any:
-        """Gives a free buffer, a new one while fewer than `limit` exist, else waits for one
-        up to `timeout` seconds (TimeoutError)."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not self._free and self._made >= self._limit:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"all {self._limit} receive buffers stayed in use")
-                self._cond.wait(left)
-            if self._free:
-                return self._free.pop()
-            self._made += 1
-        try:
-            return self._make(self)
-        except BaseException:
-            with self._cond:
-                self._made -= 1
-                self._cond.notify()
-            raise
-
-    def put(self, buffer: Any) -> None:
-        with self._cond:
-            self._free.append(buffer)
-            self._cond.notify()
+            self._buffer = None
 
 
 class StagedBlocks:
     """Blocks on their way to the cache's device (uint8 [n, block_bytes]) and their hashes."""
 
-    def __init__(self, hashes: list[int], data: torch.Tensor, copied: Any) -> None:
-        self.hashes, self.data, self.copied = hashes, data, copied
-        self.written: Any = None  # event after the cache writes, recorded by import_blocks
+    def __init__(self, hashes: list[int], data: torch.Tensor,
+                 copied: torch.cuda.Event | None) -> None:
+        self.hashes, self.data, self.copied = hashes, data, copied  # copied: None on CPU
+        # event after the cache writes, recorded by import_blocks (CUDA only)
+        self.written: torch.cuda.Event | None = None
 
     def wait(self) -> None:
         """Blocks until `import_blocks`' writes into the cache have run (call without the lock)."""
@@ -164,33 +104,60 @@ class StagedBlocks:
             self.written.synchronize()
 
 
-class EngineBlockStore:
-    """Pins, reads and imports blocks of one engine by content hash."""
+@dataclass
+class CudaStreams:
+    """Where a store on a GPU enqueues its copies."""
 
-    def __init__(self, engine: Any) -> None:
-        self.pool = engine.kv.pool
-        self.caches: list[torch.Tensor] = engine.runner.kv_caches
-        self.block_size: int = engine.engine_args.block_size
-        self.block_bytes: int = engine.runner.bytes_per_block
+    engine: torch.cuda.Stream  # the engine's steps, and the cache writes of imports after them
+    side: torch.cuda.Stream  # reads, staging and checksums, beside the steps
+    last_read: torch.cuda.Event | None = None  # of the last read enqueued on `side`
+
+
+class EngineBlockStore:
+    """Pins, reads and imports blocks of one engine by content hash.
+
+    It sees the engine through its block pool (the bookkeeping) and its per-layer KV
+    caches, each [2, num_blocks, block_size, num_kv_heads, head_dim].
+    """
+
+    def __init__(self, pool: BlockPool, caches: list[torch.Tensor], block_size: int,
+                 hash_salt: bytes = UNSALTED) -> None:
+        self.pool = pool
+        self.caches = caches
+        self.block_size = block_size
+        self.hash_salt = hash_salt  # the prefix cache's (`KVCacheManager.hash_salt`)
+        first = caches[0]
+        self.block_bytes: int = first[:, 0].numel() * first.element_size() * len(caches)
         self.lock = FairLock()  # the engine thread retakes it every step: FIFO, not RLock
         self.read_chunk_blocks = max(1, min(READ_BUFFER_MAX_BLOCKS,
                                             READ_BUFFER_BYTES // self.block_bytes))
         self.receive_chunk_blocks = max(1, min(READ_BUFFER_MAX_BLOCKS,
                                                RECEIVE_BUFFER_BYTES // self.block_bytes))
         self.receive_buffers = BufferPool(self._new_receive_buffer, RECEIVE_BUFFERS)
-        first = self.caches[0]
         self.device = first.device
-        self._shape = (len(self.caches), 2, *first.shape[2:])
+        self._shape = (len(caches), 2, *first.shape[2:])
         self._dtype = first.dtype
-        self._cuda = first.is_cuda
         # The engine enqueues its steps on this thread's current stream (the default one);
         # imported cache writes go there too, so they are ordered after any step in flight.
-        # An engine that steps on another stream must set `engine_stream` to it.
-        self.engine_stream = torch.cuda.current_stream(self.device) if self._cuda else None
-        self._side = torch.cuda.Stream(self.device) if self._cuda else None
-        self._last_read: Any = None  # event of the last read enqueued on the side stream
+        # An engine that steps on another stream must set `cuda.engine` to it. None on CPU,
+        # where every copy is synchronous.
+        self.cuda = CudaStreams(torch.cuda.current_stream(self.device),
+                                torch.cuda.Stream(self.device)) if first.is_cuda else None
         self._spare: list[torch.Tensor] = []
         self._spare_lock = threading.Lock()
+
+    @classmethod
+    def of_engine(cls, engine: LLMEngine) -> EngineBlockStore:
+        """Gives the store over `engine`'s block pool and KV caches (one rank's: a
+        tensor-parallel engine's caches are sharded, and config.validate refuses roles)."""
+        from kvpilot.engine.model_runner import ModelRunner
+
+        runner = engine.runner
+        if not isinstance(runner, ModelRunner):
+            raise ValueError("KV transfer needs a single-rank engine: use "
+                             "--tensor-parallel-size 1 with --role prefill|decode")
+        return cls(engine.kv.pool, runner.kv_caches, engine.engine_args.block_size,
+                   engine.kv.hash_salt)
 
     # ---- with the lock held -------------------------------------------------------------
 
@@ -200,9 +167,9 @@ class EngineBlockStore:
         (a prefill engine does, `KVCacheManager.cache_prompt_tails`): the decode engine then
         computes only the prompt's last token."""
         tokens = list(token_ids)
-        hashes = hash_prompt_blocks(tokens, self.block_size)
+        hashes = hash_prompt_blocks(tokens, self.block_size, salt=self.hash_salt)
         blocks = self._cached_prefix(hashes)
-        tail = hash_prompt_tail(tokens, self.block_size, hashes)
+        tail = hash_prompt_tail(tokens, self.block_size, hashes, self.hash_salt)
         if len(blocks) == len(hashes) and tail is not None:
             block = self.pool.lookup(tail)
             if block is not None:
@@ -227,8 +194,8 @@ class EngineBlockStore:
         wait), so a step that reuses a freed block cannot overwrite it before a read of
         it still in flight (a lease expiring mid-transfer) has run.
         """
-        if self._last_read is not None:
-            self.engine_stream.wait_event(self._last_read)
+        if self.cuda is not None and self.cuda.last_read is not None:
+            self.cuda.engine.wait_event(self.cuda.last_read)
         self.pool.free(handle[::-1])
 
     def owned_blocks(self) -> int:
@@ -263,13 +230,15 @@ class EngineBlockStore:
     def _write(self, staged: StagedBlocks, rows: list[int]) -> None:
         slots = self.pool.allocate(len(rows))
         try:
-            if self._cuda:
-                with torch.cuda.device(self.device), torch.cuda.stream(self.engine_stream):
-                    self.engine_stream.wait_event(staged.copied)
-                    staged.data.record_stream(self.engine_stream)
+            if self.cuda is not None:
+                stream = self.cuda.engine
+                with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                    if staged.copied is not None:
+                        stream.wait_event(staged.copied)
+                    staged.data.record_stream(stream)
                     self._scatter(staged, rows, [s.block_id for s in slots])
                     staged.written = torch.cuda.Event()
-                    staged.written.record(self.engine_stream)
+                    staged.written.record(stream)
             else:
                 self._scatter(staged, rows, [s.block_id for s in slots])
             for slot, row in zip(slots, rows, strict=True):
@@ -301,10 +270,11 @@ class EngineBlockStore:
         ids = [by_hash[h].block_id for h in hashes]
         buffer = self._host_buffer(len(ids))
         out = buffer[:len(ids)].view(self._dtype).view(len(ids), *self._shape)
-        if not self._cuda:
+        if self.cuda is None:
             self._gather(torch.tensor(ids), out)
             return PendingRead(self, buffer, len(ids), None, block_checksums(buffer[:len(ids)]))
-        with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+        side = self.cuda.side
+        with torch.cuda.device(self.device), torch.cuda.stream(side):
             index = to_device(ids, self.device, torch.long)
             staging = torch.empty(out.shape, dtype=self._dtype, device=self.device)
             self._gather(index, staging)
@@ -313,8 +283,8 @@ class EngineBlockStore:
             sums.copy_(block_checksums(staging.view(torch.uint8).view(len(ids), -1)),
                        non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self._side)
-        self._last_read = event
+            event.record(side)
+        self.cuda.last_read = event
         return PendingRead(self, buffer, len(ids), event, sums)
 
     def _gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
@@ -334,9 +304,10 @@ class EngineBlockStore:
         """
         return self.receive_buffers.get(timeout)
 
-    def _new_receive_buffer(self, pool: BufferPool) -> ReceiveBuffer:
+    def _new_receive_buffer(self, pool: BufferPool[ReceiveBuffer]) -> ReceiveBuffer:
         return ReceiveBuffer(torch.empty((self.receive_chunk_blocks, self.block_bytes),
-                                         dtype=torch.uint8, pin_memory=self._cuda), pool)
+                                         dtype=torch.uint8, pin_memory=self.cuda is not None),
+                             pool)
 
     def stage(self, buffer: ReceiveBuffer, hashes: Sequence[int]) -> StagedBlocks:
         """Starts copying the first len(hashes) blocks of `buffer` to the cache's device.
@@ -346,12 +317,13 @@ class EngineBlockStore:
         On CPU the buffer's rows are used as they are, until `import_blocks` copies them.
         """
         rows = buffer.tensor[:len(hashes)]
-        if not self._cuda:
+        if self.cuda is None:
             return StagedBlocks(list(hashes), rows, None)
-        with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+        side = self.cuda.side
+        with torch.cuda.device(self.device), torch.cuda.stream(side):
             data = rows.to(self.device, non_blocking=True)
             copied = torch.cuda.Event()
-            copied.record(self._side)
+            copied.record(side)
         return StagedBlocks(list(hashes), data, copied)
 
     def verify(self, staged: StagedBlocks, digests: Sequence[bytes]) -> None:
@@ -361,9 +333,11 @@ class EngineBlockStore:
         the [n, 2] sums come back to the host.
         """
         data = staged.data
-        if self._cuda:
-            with torch.cuda.device(self.device), torch.cuda.stream(self._side):
-                self._side.wait_event(staged.copied)
+        if self.cuda is not None:
+            side = self.cuda.side
+            with torch.cuda.device(self.device), torch.cuda.stream(side):
+                if staged.copied is not None:
+                    side.wait_event(staged.copied)
                 sums = block_checksums(data).cpu()
         else:
             sums = block_checksums(data)
@@ -383,7 +357,7 @@ class EngineBlockStore:
                     return self._spare.pop()
             num_blocks = self.read_chunk_blocks
         return torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8,
-                           pin_memory=self._cuda)
+                           pin_memory=self.cuda is not None)
 
     def _recycle(self, buffer: torch.Tensor) -> None:
         if buffer.shape[0] != self.read_chunk_blocks:
@@ -391,30 +365,3 @@ class EngineBlockStore:
         with self._spare_lock:
             if len(self._spare) < SPARE_READ_BUFFERS:
                 self._spare.append(buffer)
-
-
-CHECKSUM_PIECE_BYTES = 64 * 2**20  # data summed per piece: bounds the int32 temporaries
-
-
-def block_checksums(data: torch.Tensor) -> torch.Tensor:
-    """Gives [n, 2] int64 (plain, weighted) sums of each row of a uint8 [n, bytes] tensor,
-    on its device: `protocol.checksum`'s two sums (low 32 bits), for many blocks at once.
-
-    On CUDA one Triton kernel reads the data once (it runs beside decode steps on the
-    same GPU); elsewhere a few torch ops per 64 MiB piece.
-    """
-    if data.is_cuda:
-        from kvpilot.kernels.block_checksum import block_checksums_triton
-
-        return block_checksums_triton(data, CHECKSUM_MODULUS)
-    rows, size = data.shape
-    words = data.view(torch.int16)
-    weights = (torch.arange(size // 2, dtype=torch.int32, device=data.device)
-               % CHECKSUM_MODULUS + 1)
-    out = torch.empty((rows, 2), dtype=torch.int64, device=data.device)
-    step = max(1, CHECKSUM_PIECE_BYTES // max(size, 1))
-    for first in range(0, rows, step):
-        piece = words[first:first + step].to(torch.int32) & 0xFFFF
-        out[first:first + step, 0] = piece.sum(1, dtype=torch.int64)
-        out[first:first + step, 1] = (piece * weights).sum(1, dtype=torch.int64)
-    return out

@@ -20,8 +20,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, ParamSpec, TypeVar
 
+from kvpilot.engine.contracts.kv_auth import AUTH_TIMEOUT, accept_peer, prove_to_agent_sync
+from kvpilot.engine.contracts.kv_client import NO_SECRET_KEY
 from kvpilot.engine.contracts.kv_protocol import (
     Frame,
     ProtocolError,
@@ -35,25 +37,33 @@ from kvpilot.engine.contracts.kv_protocol import (
 )
 from kvpilot.engine.kv_transfer.connector import (
     BlockStore,
+    BufferT,
+    HandleT,
     KVConnector,
     PendingRead,
-    ReceiveBuffer,
+    StagedT,
 )
 from kvpilot.engine.kv_transfer.leases import Lease, LeaseTable
 
 log = logging.getLogger("kvpilot.kv_transfer")
 FETCH_IO_TIMEOUT = 30.0  # a decode peer silent this long mid-transfer is gone (the lease expires)
 EXPIRY_TICK = 0.5
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-class TcpConnector(KVConnector):
-    """Serves FETCH/WANT/RELEASE (prefill) and PULL (decode) on host:port."""
+class TcpConnector(KVConnector, Generic[HandleT, BufferT, StagedT]):
+    """Serves FETCH/WANT/RELEASE (prefill) and PULL (decode) on host:port to peers that prove
+    they hold `kv_key` (the fleet secret's; `kv_auth`), and proves it to the agents it pulls
+    from."""
 
-    def __init__(self, store: BlockStore, host: str, port: int, lease_seconds: float = 30.0,
-                 pull_attempts: int = 2) -> None:
+    def __init__(self, store: BlockStore[HandleT, BufferT, StagedT], host: str, port: int,
+                 lease_seconds: float = 30.0, pull_attempts: int = 2,
+                 kv_key: bytes = NO_SECRET_KEY) -> None:
         self.store = store
+        self._kv_key = kv_key
         self.host, self.port = host, port
-        self.leases: LeaseTable[Any] = LeaseTable(lease_seconds)
+        self.leases: LeaseTable[HandleT] = LeaseTable(lease_seconds)
         # Guards `leases` and the reads of leased blocks. Taken after the store's lock where
         # both are needed, alone by reads and by the expiry tick: neither waits for a step.
         self._lease_lock = threading.Lock()
@@ -168,7 +178,7 @@ class TcpConnector(KVConnector):
         expect_sync(sock, Frame.RELEASE)
         self._release(lease_id)
 
-    def _read(self, lease: Lease[Any], hashes: list[int]) -> PendingRead:
+    def _read(self, lease: Lease[HandleT], hashes: list[int]) -> PendingRead:
         """Starts copying a chunk of a live lease's blocks (enqueue only). The lease lock
         keeps the blocks pinned meanwhile; the engine lock is not needed, so a read does
         not wait for the prefill engine's step."""
@@ -221,6 +231,7 @@ class TcpConnector(KVConnector):
             # socket non-blocking and MSG_WAITALL would return after every partial read
             sock.settimeout(None)
             set_kernel_timeouts(sock, remaining())
+            prove_to_agent_sync(sock, self._kv_key)
             sock.sendall(encode(Frame.FETCH, {"lease_id": lease_id}))
             _, lease = expect_sync(sock, Frame.LEASE)
             hashes = [int(h) for h in lease["hashes"]]
@@ -277,11 +288,12 @@ class TcpConnector(KVConnector):
 
     # ---- dispatch ---------------------------------------------------------------------
 
-    async def _in_worker(self, function: Any, *args: Any) -> Any:
+    async def _in_worker(self, function: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+                         ) -> R:
         """Runs one transfer conversation in a worker thread, counted while it runs."""
         self.transfers_running += 1  # on the agent's event loop only
         try:
-            return await asyncio.to_thread(function, *args)
+            return await asyncio.to_thread(function, *args, **kwargs)
         finally:
             self.transfers_running -= 1
 
@@ -294,6 +306,8 @@ class TcpConnector(KVConnector):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            # nothing is read past the handshake from a peer without the fleet's secret
+            await asyncio.wait_for(accept_peer(reader, writer, self._kv_key), AUTH_TIMEOUT)
             frame, message = await expect(reader, Frame.FETCH, Frame.PULL, Frame.STATS)
             if frame is Frame.STATS:
                 writer.write(encode(Frame.STATS, self.stats()))
@@ -307,18 +321,22 @@ class TcpConnector(KVConnector):
             else:
                 # the rest of the conversation runs in a worker thread on a blocking copy of
                 # the socket; the transport stops reading so it cannot take those bytes
-                writer.transport.pause_reading()
+                # typeshed gives StreamWriter.transport as a WriteTransport; a server
+                # connection's is a socket transport, which reads too
+                writer.transport.pause_reading()  # pyright: ignore[reportAttributeAccessIssue]
                 with _blocking_copy(writer) as sock:
                     await self._in_worker(self._serve_fetch, sock, message)
             await writer.drain()
-        except (OSError, ProtocolError, ValueError, KeyError) as exc:
-            log.warning("KV agent connection failed: %r", exc)
+        except (OSError, ProtocolError, ValueError, KeyError, TimeoutError) as exc:
+            log.warning("KV agent connection from %s failed: %r",
+                        writer.get_extra_info("peername"), exc)
         finally:
             writer.close()
 
 
-def import_group(store: BlockStore, buffer: ReceiveBuffer, hashes: list[int],
-                 digests: Sequence[bytes], prefix: Sequence[int]) -> tuple[int, bool, Any]:
+def import_group(store: BlockStore[HandleT, BufferT, StagedT], buffer: BufferT,
+                 hashes: list[int], digests: Sequence[bytes], prefix: Sequence[int]
+                 ) -> tuple[int, bool, StagedT]:
     """Imports the first len(hashes) blocks of a filled receive buffer after `prefix`: staged
     toward the device and checked there without the lock (a mismatch raises before anything
     goes in), then imported under it. Gives (how many went in, whether some did not fit,

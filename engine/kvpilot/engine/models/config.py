@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.models.builtin import BUILTIN_CONFIGS, is_builtin
+from kvpilot.engine.contracts.builtin_models import BUILTIN_CONFIGS, is_builtin
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

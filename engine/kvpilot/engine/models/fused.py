@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from kvpilot.engine.models.layers import RMSNorm
+from kvpilot.engine.models.layers import FeedForward, RMSNorm
 from kvpilot.engine.models.rope import RotaryEmbedding
 
 
@@ -24,7 +24,7 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
                 module.cos_sin.shape[1]):
             module.kernel = rotary_embedding
             swapped.add("rotary")
-        elif hasattr(module, "act"):
+        elif isinstance(module, FeedForward):
             module.act = silu_and_mul
             swapped.add("silu_and_mul")
     return sorted(swapped)

@@ -1,17 +1,43 @@
 """Small building blocks shared by the model files: the seams where fused kernels plug in.
 
-Each seam holds its implementation in an attribute (`RMSNorm.kernel`, `MLP.act`,
+Each seam holds its implementation in an attribute (`RMSNorm.kernel`, `FeedForward.act`,
 `RotaryEmbedding.kernel`) that `fused.use_fused_kernels` swaps for a Triton kernel
 on CUDA; the torch code here is what runs everywhere else.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where one checkpoint tensor lands on this rank: `source` (its slice of the tensor,
+    () for all of it) is copied into `param[index]`; `param` None: another rank's tensor
+    (an expert this rank does not hold), read by nobody here."""
+
+    param: str | None
+    shape: tuple[int, ...]  # the checkpoint tensor's full shape
+    index: tuple = ()
+    source: tuple = ()
+
+
+# checkpoint tensor name -> where (which slice of) it lands
+WeightLayout: TypeAlias = dict[str, WeightSlot]
+
+
+def rows_source(rows: slice, full: int, dim: int = 0) -> tuple:
+    """Gives the WeightSlot.source taking `rows` of dimension `dim` (() when that is all)."""
+    if rows.start in (0, None) and rows.stop == full:
+        return ()
+    return (slice(None),) * dim + (rows,)
 
 
 class RMSNorm(nn.Module):
@@ -25,7 +51,8 @@ class RMSNorm(nn.Module):
         # a fused kernel with the signature of kvpilot.kernels.rmsnorm.rms_norm, or None
         self.kernel: Callable | None = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Gives norm(x); with `residual`, gives (norm(x + residual), x + residual)."""
         if self.kernel is not None:
             return self.kernel(x, self.weight, self.eps, residual)
@@ -43,18 +70,54 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+class FeedForward(nn.Module, ABC):
+    """A decoder layer's feed-forward block (dense MLP or mixture of experts): [T, hidden]
+    in and out, with its gated activation in the `act` seam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul  # the fused-kernel seam
+
+    @abstractmethod
+    def weight_layout(self, prefix: str) -> WeightLayout:
+        """Gives where the checkpoint tensors of layer `prefix` (model.layers.i) land here."""
+
+
 class MergedLinear(nn.Linear):
     """A linear layer whose output rows stack several checkpoint matrices (q|k|v, gate|up).
 
-    One matmul instead of several; `shard_rows` tells the loader which rows each
-    checkpoint tensor fills.
+    One matmul instead of several. Under tensor parallelism it is column-parallel:
+    part i holds rows `sources[i]` of its `full_sizes[i]`-row checkpoint matrix (this
+    rank's heads, or its slice of the intermediate size).
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
+                 full_sizes: list[int] | None = None,
+                 sources: list[slice] | None = None) -> None:
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = output_sizes
+        self.full_sizes = full_sizes or output_sizes
+        self.sources = sources or [slice(0, n) for n in output_sizes]
 
     def shard_rows(self, index: int) -> slice:
-        """Gives the output rows of shard `index`."""
+        """Gives the output rows of part `index`."""
         start = sum(self.output_sizes[:index])
         return slice(start, start + self.output_sizes[index])
+
+    def weight_layout(self, prefix: str, merged_name: str, parts: list[str]) -> WeightLayout:
+        """Gives where checkpoint tensors `prefix.<part>.weight` (and biases) land."""
+        layout: WeightLayout = {}
+        for i, part in enumerate(parts):
+            rows, full = self.shard_rows(i), self.full_sizes[i]
+            source = rows_source(self.sources[i], full)
+            layout[f"{prefix}.{part}.weight"] = WeightSlot(
+                f"{prefix}.{merged_name}.weight", (full, self.in_features), (rows,), source)
+            if self.bias is not None:
+                layout[f"{prefix}.{part}.bias"] = WeightSlot(
+                    f"{prefix}.{merged_name}.bias", (full,), (rows,), source)
+        return layout
+
+
+def whole(name: str, param: nn.Parameter | torch.Tensor) -> WeightLayout:
+    """Gives the layout of a tensor every rank holds whole (norms, the MoE router)."""
+    return {name: WeightSlot(name, tuple(param.shape))}

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from kvpilot.engine.models.config import SUPPORTED_ARCHITECTURES
 from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.models.mixtral import MixtralForCausalLM
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
+# every class is the Llama decoder or a variant of it (Mixtral swaps in a sparse MoE)
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -18,7 +17,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
     """Gives the model class for an HF architecture name."""
     if architecture not in MODEL_CLASSES:
         raise ValueError(

@@ -16,7 +16,9 @@ def inverse_frequencies(head_dim: int, theta: float,
     """Gives the float32 inverse frequencies [head_dim // 2] that HF computes for this rope."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
-    rope_type = (scaling or {}).get("rope_type", "default")
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling.get("rope_type", "default")
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -44,6 +46,8 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """Holds the cos|sin table of every position up to `max_positions` (one per model)."""
+
+    cos_sin: torch.Tensor  # [max_positions, head_dim] float32, a buffer (register_buffer)
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None) -> None:

@@ -7,7 +7,6 @@ work to `completions` / `chat`, which talk to the engine thread only through
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -15,11 +14,14 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvpilot.engine.contracts.http_auth import HttpAuth
+from kvpilot.engine.engine_core import ServedEngine
 from kvpilot.engine.server.async_engine import AsyncEngine
+from kvpilot.engine.server.auth import authorizer
 from kvpilot.engine.server.chat import create_chat_completion
 from kvpilot.engine.server.completions import create_completion
 from kvpilot.engine.server.drain import Gate
-from kvpilot.engine.server.errors import OpenAIError, error_response, install_error_handlers
+from kvpilot.engine.server.errors import OpenAIError, install_error_handlers
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.params import Limits
 from kvpilot.engine.server.protocol import (
@@ -36,14 +38,18 @@ from kvpilot.engine.server.serving import ServingContext
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}
     for status, text in ((400, "invalid request (param names the field)"),
-                         (401, "missing or wrong API key"), (404, "unknown model"),
+                         (401, "missing or wrong API key (or fleet signature on /kv_events)"),
+                         (404, "unknown model"),
                          (429, "waiting queue full; see Retry-After"),
                          (503, "draining or engine failed"))}
 
 
-def build_app(engine: Any, model_name: str, max_queue_len: int = 1024,
-              api_key: str | None = None) -> FastAPI:
-    """Gives the app serving `engine` (an LLMEngine) under `model_name`; it owns the engine thread."""
+def build_app(engine: ServedEngine, model_name: str, max_queue_len: int = 1024,
+              auth: HttpAuth | None = None) -> FastAPI:
+    """Gives the app serving `engine` under `model_name`; it owns the engine thread.
+
+    `auth` says which credential each path needs (`contracts.http_auth`; none: all open).
+    """
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, metrics)
     gate = Gate(max_queue_len, lambda: async_engine.stats.num_waiting + async_engine.num_pending,
@@ -58,24 +64,15 @@ def build_app(engine: Any, model_name: str, max_queue_len: int = 1024,
         try:
             yield
         finally:
+            ctx.cpu.shutdown(wait=False, cancel_futures=True)
             async_engine.shutdown()
-            # A role engine (prefill/decode) stops its KV agent here.
-            stop = getattr(engine, "shutdown", None)
-            if callable(stop):
-                stop()
+            engine.shutdown()  # a role engine (prefill/decode) stops its KV agent here
 
-    app = FastAPI(title="kvpilot engine", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="kvpilot engine", version="0.1.0", lifespan=lifespan,
+                  dependencies=[Depends(authorizer(auth or HttpAuth()))])
     app.state.ctx = ctx
     app.state.metrics = metrics
     install_error_handlers(app)
-
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                              code="invalid_api_key")
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -105,28 +102,24 @@ def build_app(engine: Any, model_name: str, max_queue_len: int = 1024,
     async def kv_events(since: int = 0) -> Response:
         """Gives the prefix cache's events since `since`: {"next": M, "events": [...]}.
 
-        The router polls this with `since` = the last answer's `next`. The log is read
-        without the engine lock (see `kvpilot.engine.core.kv_events`).
+        The router polls this with `since` = the last answer's `next`, signed with the
+        fleet secret (`contracts.http_auth`). The log is read without the engine lock (see
+        `kvpilot.engine.core.kv_events`).
         """
-        log = getattr(engine, "kv_events", None)
-        if log is None:
-            return error_response(404, "this engine publishes no KV events")
-        return JSONResponse(log.read(since))
+        return JSONResponse(engine.kv_events.read(since))
 
-    @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(check_api_key)],
-             responses=ERRORS)
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, root=engine.engine_args.model,
                                          max_model_len=limits.max_model_len)])
 
-    @app.post("/v1/completions", response_model=None, dependencies=[Depends(check_api_key)],
+    @app.post("/v1/completions", response_model=None,
               responses={200: {"model": CompletionResponse}, **ERRORS})
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         check_model(body.model)
         return await create_completion(body, raw, ctx)
 
     @app.post("/v1/chat/completions", response_model=None,
-              dependencies=[Depends(check_api_key)],
               responses={200: {"model": ChatCompletionResponse}, **ERRORS})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         check_model(body.model)

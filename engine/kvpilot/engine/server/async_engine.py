@@ -16,23 +16,20 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.engine_core import EngineCore
 from kvpilot.engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 # Log each engine iteration longer than this many milliseconds, with where its time went
 # (inbox, step, lock and GPU waits, delivery, garbage collection): what stretched an ITL.
 SLOW_ITERATION_ENV = "KVPILOT_SLOW_STEP_MS"
-
-
-def _step_timing(engine: Any) -> str:
-    timing = getattr(engine, "step_timing", None)
-    return timing() if timing else "no breakdown"
+# one request's cumulative outputs; closing it before the last aborts the request
+OutputStream = AsyncGenerator[RequestOutput, None]
 
 
 class _GcClock:
@@ -108,9 +105,9 @@ def _resolve(add: _Add, error: BaseException | None) -> None:
 
 
 class AsyncEngine:
-    """Runs an LLMEngine on its own thread and streams its outputs to asyncio callers."""
+    """Runs an engine on its own thread and streams its outputs to asyncio callers."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: EngineCore, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self._cond = threading.Condition()
@@ -135,6 +132,18 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def fail(self, reason: str) -> None:
+        """Marks the engine failed, from any thread (a tensor-parallel worker died between
+        steps): /health and /ready answer 503, every waiter gets the error, new requests
+        are refused, and the engine thread stops."""
+        error = EngineDeadError(f"engine failed: {reason}")
+        if self._error is None:
+            self._error = error
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._fail_all(error)
+
     @property
     def dead(self) -> bool:
         """Whether the engine thread failed (the server can no longer generate)."""
@@ -153,7 +162,7 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams, arrival_time: float | None = None,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+                          priority: int = 0) -> OutputStream:
         """Gives the request's output stream once the engine accepted it.
 
         Raises the engine's ValueError (naming the field) when it refuses the request.
@@ -176,7 +185,7 @@ class AsyncEngine:
 
     async def _iterate(self, request_id: str,
                        queue: asyncio.Queue[RequestOutput | BaseException]
-                       ) -> AsyncIterator[RequestOutput]:
+                       ) -> OutputStream:
         finished = False
         try:
             while True:
@@ -244,7 +253,7 @@ class AsyncEngine:
                         "slow engine iteration: %.1f ms (inbox %.1f ms, %d adds; step %.1f ms: "
                         "%s; deliver %.1f ms; GC %.1f ms)", (done - start) * 1e3,
                         (applied - start) * 1e3, len(inbox.adds), (stepped - applied) * 1e3,
-                        _step_timing(self.engine), (done - stepped) * 1e3,
+                        self.engine.step_timing(), (done - stepped) * 1e3,
                         (gc_clock.seconds - gc_before) * 1e3)
         except BaseException as exc:  # the engine is broken: fail every waiter
             logger.exception("engine thread failed")
@@ -255,7 +264,7 @@ class AsyncEngine:
                 gc_clock.close()
 
     def _has_work(self) -> bool:
-        return bool(self.engine.has_unfinished_requests())
+        return self.engine.has_unfinished_requests()
 
     def _apply(self, inbox: _Inbox) -> None:
         aborted = set(inbox.aborts)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
 
 from fastapi import Request
 
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from kvpilot.engine.server.async_engine import OutputStream
 from kvpilot.engine.server.params import chat_prompt, sampling_params
 from kvpilot.engine.server.protocol import (
     ChatChoice,
@@ -39,7 +40,7 @@ from kvpilot.engine.server.serving import (
 )
 
 
-def chat_logprobs(tokenizer: Any, completion: CompletionOutput, start: int,
+def chat_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, start: int,
                   k: int) -> ChatLogprobs:
     """Gives chat-style logprobs for the tokens of `completion` from `start` on."""
     content = []
@@ -61,7 +62,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
                                  ) -> ChatCompletionResponse | GenerationStream:
     """Gives the assistant's reply (n choices), or a stream of chunks when `stream` is set."""
     arrival = time.monotonic()
-    prompt = chat_prompt(request, ctx.tokenizer, ctx.limits)
+    # rendering and tokenising in a worker thread keeps the loop serving (a long chat)
+    prompt = await ctx.off_loop(chat_prompt, request, ctx.tokenizer, ctx.limits)
     params = sampling_params(request, len(prompt), ctx.limits)
     request_id, streams = await admit_requests(ctx, "chatcmpl", [prompt], [params], arrival,
                                                request.priority)
@@ -83,7 +85,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
                                   usage=usage_of([final], [len(prompt)]))
 
 
-async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def _last(stream: OutputStream) -> RequestOutput:
     last = None
     async for output in stream:
         last = output
@@ -92,8 +94,8 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_id: str,
-                  streams: list[AsyncIterator[RequestOutput]],
-                  prompt_len: int) -> AsyncIterator[str]:
+                  streams: list[OutputStream],
+                  prompt_len: int) -> AsyncGenerator[str, None]:
     created = int(time.time())
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     k = request.top_logprobs or 0
@@ -102,10 +104,11 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
         return sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
                                        choices=choices))
 
-    try:
-        # OpenAI opens every choice with an empty assistant delta.
-        yield chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+    # OpenAI opens every choice with an empty assistant delta. It leaves with the first
+    # token: until a stream's first byte, a router may still retry the request elsewhere.
+    opening = chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                      for i in range(request.n)])
+    try:
         progress = StreamProgress()
         final: RequestOutput | None = None
         async for _, output in merge(streams):
@@ -122,7 +125,10 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
                     if request.logprobs else None,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
             if choices:
-                yield chunk(choices)
+                yield opening + chunk(choices)
+                opening = ""
+        if opening:  # no choice produced a chunk
+            yield opening
         if include_usage:
             yield sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
                                           choices=[], usage=usage_of([final], [prompt_len])))

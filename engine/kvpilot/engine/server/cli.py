@@ -5,6 +5,11 @@ after its graceful timeout; we take SIGTERM/SIGINT ourselves: the first one
 starts a drain (`/ready` 503, new requests refused, in-flight ones finish
 within `--drain-timeout`), then uvicorn is asked to exit and the process
 returns 0. A second SIGINT (Ctrl+C) exits at once; a repeated SIGTERM is ignored.
+
+With a world size above one the engine starts its worker processes itself; on the
+other pods of a multi-node group (NODE_RANK > 0) this command runs those pods'
+workers only (`parallel/worker_pod.py`). A topology the engine refuses exits 2 with
+the reason before anything loads.
 """
 
 from __future__ import annotations
@@ -14,9 +19,23 @@ import logging
 import signal
 import socket
 import sys
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from kvpilot.engine.contracts.args import EngineArgs, ServerArgs, add_dataclass_args, from_namespace
+from kvpilot.engine.contracts.args import (
+    EngineArgs,
+    ServerArgs,
+    add_dataclass_args,
+    from_namespace,
+    model_from_cli,
+    resolve_api_key,
+)
+from kvpilot.engine.contracts.fleet_secret import UNAUTHENTICATED_WARNING, FleetSecret
+from kvpilot.engine.contracts.http_auth import HttpAuth
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
 
 logger = logging.getLogger("kvpilot.serve")
 
@@ -25,10 +44,13 @@ READY_LINE = "kvpilot serve: listening on http://{host}:{port}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve, as with vLLM (or --model): a directory, a Hub "
+                             "id in the local Hugging Face cache, or tiny-llama")
     engine = parser.add_argument_group("engine")
-    add_dataclass_args(engine, EngineArgs)  # type: ignore[arg-type]
+    add_dataclass_args(engine, EngineArgs)
     server = parser.add_argument_group("server")
-    add_dataclass_args(server, ServerArgs)  # type: ignore[arg-type]
+    add_dataclass_args(server, ServerArgs)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -42,7 +64,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app: Any, server_args: ServerArgs) -> Any:
+def make_server(app: FastAPI, server_args: ServerArgs) -> uvicorn.Server:
     """Gives a uvicorn server whose SIGTERM/SIGINT start a drain instead of a hard stop."""
     import asyncio
     import contextlib
@@ -54,7 +76,7 @@ def make_server(app: Any, server_args: ServerArgs) -> Any:
         drain_task: asyncio.Task[None] | None = None
 
         @contextlib.contextmanager
-        def capture_signals(self) -> Any:
+        def capture_signals(self) -> Iterator[None]:
             if threading.current_thread() is not threading.main_thread():
                 yield  # signals reach only the main thread; in-process tests drain by hand
                 return
@@ -97,26 +119,54 @@ def make_server(app: Any, server_args: ServerArgs) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import os
 
+    from kvpilot.engine.contracts.rendezvous import Rendezvous
+    from kvpilot.engine.contracts.tokenizer import Tokenizer, read_chat_template
+    from kvpilot.engine.engine_core import ServedEngine
     from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.models.hub_cache import with_local_model
     from kvpilot.engine.server.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        args.model = model_from_cli(args.model_tag, args.model, "serve")
         engine_args = from_namespace(EngineArgs, args)
         server_args = from_namespace(ServerArgs, args)
+        template = read_chat_template(server_args.chat_template) \
+            if server_args.chat_template else None
+        fleet = FleetSecret.from_file(engine_args.fleet_secret_file)
+        rendezvous = Rendezvous.from_env(os.environ, engine_args.tensor_parallel_size
+                                         * engine_args.pipeline_parallel_size)
+        # every pod of a group loads the same snapshot of a Hub id (never a download)
+        engine_args = with_local_model(engine_args)
     except ValueError as exc:
         print(f"kvpilot serve: {exc}", file=sys.stderr)
         return 2
-    engine = LLMEngine.from_engine_args(engine_args)
+    if rendezvous is not None and not rendezvous.is_driver_node:
+        from kvpilot.engine.parallel.worker_pod import serve_worker_pod
+        return serve_worker_pod(engine_args, server_args, rendezvous)
+    if not fleet.enabled:
+        logger.warning(UNAUTHENTICATED_WARNING)
+    auth = HttpAuth(resolve_api_key(server_args.api_key), fleet,
+                    server_args.metrics_require_api_key)
+    try:
+        llm_engine = LLMEngine.from_engine_args(engine_args)
+    except ValueError as exc:  # a refused topology, a model that is not there or does not load
+        print(f"kvpilot serve: {exc}", file=sys.stderr)
+        return 2
+    if template is not None and isinstance(llm_engine.tokenizer, Tokenizer):  # always, from files
+        llm_engine.tokenizer.chat_template = template
     sock = bind(server_args.host, server_args.port)
     host, port = sock.getsockname()[:2]
+    engine: ServedEngine = llm_engine
     if engine_args.role != "both":  # prefill/decode: a KV agent beside the engine
         from kvpilot.engine.roles import attach_role
-        engine = attach_role(engine, host, port)
-    app = build_app(engine, engine_args.name, max_queue_len=server_args.max_queue_len,
-                    api_key=server_args.api_key)
+        engine = attach_role(llm_engine, host, port)
+    app = build_app(engine, engine_args.name, max_queue_len=server_args.max_queue_len, auth=auth)
+    # a worker process that dies between steps takes the server down at once (503s)
+    llm_engine.runner.on_failure(app.state.ctx.engine.fail)
     print(READY_LINE.format(host=host, port=port), file=sys.stderr, flush=True)
     asyncio.run(make_server(app, server_args).serve(sockets=[sock]))
     return 0

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
 
 from fastapi import Request
 
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from kvpilot.engine.server.async_engine import OutputStream
 from kvpilot.engine.server.params import completion_prompts, sampling_params
 from kvpilot.engine.server.protocol import (
     CompletionChoice,
@@ -33,7 +34,7 @@ from kvpilot.engine.server.serving import (
 )
 
 
-def completion_logprobs(tokenizer: Any, completion: CompletionOutput, start: int, k: int,
+def completion_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, start: int, k: int,
                         text_offset: int) -> CompletionLogprobs:
     """Gives the legacy logprobs lists for the tokens of `completion` from `start` on."""
     out = CompletionLogprobs()
@@ -54,7 +55,8 @@ async def create_completion(request: CompletionRequest, raw: Request,
                             ctx: ServingContext) -> CompletionResponse | GenerationStream:
     """Gives the completion of every prompt, or a stream of chunks when `stream` is set."""
     arrival = time.monotonic()
-    prompts = completion_prompts(request, ctx.tokenizer, ctx.limits)
+    # tokenising (a 1 MB prompt: ~2 s of CPU) in a worker thread keeps the loop serving
+    prompts = await ctx.off_loop(completion_prompts, request, ctx.tokenizer, ctx.limits)
     params = [sampling_params(request, len(ids), ctx.limits) for ids in prompts]
     request_id, streams = await admit_requests(ctx, "cmpl", prompts, params, arrival,
                                                request.priority)
@@ -68,7 +70,7 @@ async def create_completion(request: CompletionRequest, raw: Request,
     return _response(request, ctx, request_id, finals, prompts)
 
 
-async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput | None]:
+async def _collect(streams: list[OutputStream]) -> list[RequestOutput | None]:
     finals: list[RequestOutput | None] = [None] * len(streams)
     async for i, output in merge(streams):
         finals[i] = output
@@ -93,8 +95,8 @@ def _response(request: CompletionRequest, ctx: ServingContext, request_id: str,
 
 
 async def _stream(request: CompletionRequest, ctx: ServingContext, request_id: str,
-                  streams: list[AsyncIterator[RequestOutput]],
-                  prompts: list[list[int]]) -> AsyncIterator[str]:
+                  streams: list[OutputStream],
+                  prompts: list[list[int]]) -> AsyncGenerator[str, None]:
     created = int(time.time())
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     progress = StreamProgress()

@@ -79,6 +79,12 @@ class _StatsCollector(Collector):
         steps.add_metric([*value, "graph"], float(stats.graph_steps))
         steps.add_metric([*value, "eager"], float(stats.eager_steps))
         yield steps
+        if stats.block_size:
+            info = GaugeMetricFamily(names.CACHE_CONFIG_INFO, "KV-cache layout, in its labels",
+                                     labels=[*label, names.BLOCK_SIZE_LABEL,
+                                             names.NUM_GPU_BLOCKS_LABEL])
+            info.add_metric([*value, str(stats.block_size), str(stats.num_total_blocks)], 1.0)
+            yield info
 
 
 class ServerMetrics:

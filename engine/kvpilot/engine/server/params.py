@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.server.errors import bad_request, from_value_error
 from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
@@ -35,7 +36,7 @@ def _check_common(request: SamplingFields) -> None:
                           "or remove stream_options", "stream_options")
 
 
-def completion_prompts(request: CompletionRequest, tokenizer: Any,
+def completion_prompts(request: CompletionRequest, tokenizer: TokenizerLike,
                        limits: Limits) -> list[list[int]]:
     """Gives one token-id list per prompt of a completions request."""
     _check_common(request)
@@ -49,10 +50,9 @@ def completion_prompts(request: CompletionRequest, tokenizer: Any,
     raw = request.prompt
     if isinstance(raw, str):
         items: list[str | list[int]] = [raw]
-    elif raw and all(isinstance(x, int) for x in raw):
-        items = [list(raw)]  # type: ignore[arg-type]
-    else:
-        items = list(raw)  # type: ignore[arg-type]
+    else:  # one list of token ids, or a list of prompts (the schema allows no mix)
+        token_ids = [x for x in raw if isinstance(x, int)]
+        items = [token_ids] if token_ids else [x for x in raw if not isinstance(x, int)]
     if not items:
         raise bad_request("prompt=[] is invalid: send at least one prompt", "prompt")
     prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
@@ -61,7 +61,8 @@ def completion_prompts(request: CompletionRequest, tokenizer: Any,
     return prompts
 
 
-def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> list[int]:
+def chat_prompt(request: ChatCompletionRequest, tokenizer: TokenizerLike,
+                limits: Limits) -> list[int]:
     """Gives the token ids of the chat rendered through the tokenizer's chat template."""
     _check_common(request)
     if request.tools:

@@ -5,21 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
+    OutputStream,
     RequestAbortedError,
 )
 from kvpilot.engine.server.drain import Gate
@@ -30,15 +36,30 @@ from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
 T = TypeVar("T")
 
 
+# Threads that tokenise (and render chats): one core fewer than the machine has, so the
+# event loop keeps one while long prompts are tokenised (measured in
+# tests/server/test_server_availability.py; the tokenizer releases the GIL, see
+# `contracts.tokenizer.GIL_FREE_CHARS`).
+TOKENIZE_THREADS = max(1, (os.cpu_count() or 2) - 1)
+P = ParamSpec("P")
+
+
 @dataclass
 class ServingContext:
     """What a generation handler needs from the server."""
 
     engine: AsyncEngine
-    tokenizer: Any
+    tokenizer: TokenizerLike
     model_name: str
     limits: Limits
     gate: Gate
+    cpu: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        TOKENIZE_THREADS, thread_name_prefix="kvpilot-tokenize"))
+
+    async def off_loop(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Gives `function`'s result, run in a tokenising thread (CPU work off the loop)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.cpu, functools.partial(function, *args, **kwargs))
 
 
 def new_request_id(prefix: str) -> str:
@@ -47,9 +68,9 @@ def new_request_id(prefix: str) -> str:
 
 async def start_requests(ctx: ServingContext, request_id: str, prompts: list[list[int]],
                          params: list[SamplingParams], arrival_time: float, priority: int = 0
-                         ) -> list[AsyncIterator[RequestOutput]]:
+                         ) -> list[OutputStream]:
     """Gives one output stream per prompt; on a refusal aborts the ones started and raises 400."""
-    streams: list[AsyncIterator[RequestOutput]] = []
+    streams: list[OutputStream] = []
     try:
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
@@ -69,7 +90,7 @@ async def start_requests(ctx: ServingContext, request_id: str, prompts: list[lis
 
 async def admit_requests(ctx: ServingContext, prefix: str, prompts: list[list[int]],
                          params: list[SamplingParams], arrival_time: float, priority: int = 0
-                         ) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
+                         ) -> tuple[str, list[OutputStream]]:
     """Gives (request id, one output stream per prompt) once the drain gate admits the request.
 
     From here the gate slot is the caller's to give back (GenerationStream or a `finally`);
@@ -105,11 +126,11 @@ class StreamProgress:
         return start_text, start_tok
 
 
-async def close_all(streams: list[AsyncIterator[RequestOutput]]) -> None:
+async def close_all(streams: Sequence[AsyncGenerator[object, None]]) -> None:
     """Closes streams, which aborts their unfinished requests."""
     for stream in streams:
         with contextlib.suppress(RuntimeError):  # already running elsewhere: it closes itself
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
 
 
 class GenerationStream(StreamingResponse):
@@ -120,34 +141,35 @@ class GenerationStream(StreamingResponse):
     `finally`).
     """
 
-    def __init__(self, body: AsyncIterator[str], gate: Gate,
-                 streams: list[AsyncIterator[RequestOutput]]) -> None:
+    def __init__(self, body: AsyncGenerator[str, None], gate: Gate,
+                 streams: list[OutputStream]) -> None:
         super().__init__(body, media_type="text/event-stream")
         self._body = body
         self._gate = gate
         self._streams = streams
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._body.aclose()  # type: ignore[attr-defined]
+            await self._body.aclose()
             await close_all(self._streams)
             self._gate.release()
 
 
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge(streams: list[AsyncGenerator[T, None]]
+                ) -> AsyncGenerator[tuple[int, T], None]:
     """Gives (stream index, item) from all streams as items arrive; closing it closes them."""
     if len(streams) == 1:
         try:
             async for item in streams[0]:
                 yield 0, item
         finally:
-            await close_all(streams)  # type: ignore[arg-type]
+            await close_all(streams)
         return
     queue: asyncio.Queue[tuple[int, T] | BaseException | None] = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+    async def pump(i: int, stream: AsyncGenerator[T, None]) -> None:
         try:
             async for item in stream:
                 await queue.put((i, item))
@@ -170,7 +192,7 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await close_all(streams)  # type: ignore[arg-type]
+        await close_all(streams)
 
 
 async def until_disconnected(request: Request) -> None:
@@ -239,7 +261,7 @@ def check_error(output: RequestOutput) -> None:
     raise OpenAIError(400, f"the engine refused this request: {message}")
 
 
-def token_text(tokenizer: Any, token_id: int, entry: TokenLogprobs | None) -> str:
+def token_text(tokenizer: TokenizerLike, token_id: int, entry: TokenLogprobs | None) -> str:
     """Gives the text of one token, preferring the engine's decoded form."""
     if entry and token_id in entry and entry[token_id].decoded_token:
         return entry[token_id].decoded_token

@@ -1,10 +1,14 @@
-"""The `autoscaling` block of a pool: targets, bounds, windows and rate limits.
+"""The `autoscaling` block of a pool: who scales it, and kvpilot's targets, bounds and windows.
 
-Field names are the ones `kvpilot.operator.autoscale.spec.from_api` reads; an
-`autoscaling` block that is present means autoscaling is on.
+Field names are the ones `kvpilot.operator.autoscale.spec.from_api` reads. An `autoscaling`
+block that is present means the operator leaves `spec.replicas` to an autoscaler:
+kvpilot's own (`mode: kvpilot`, the other fields), or an HPA / KEDA ScaledObject on the
+pool's scale subresource (`mode: external`, no other field). Absent: static replicas.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -45,6 +49,9 @@ class AutoscalingTargets(ApiModel):
     """Optional p90 inter-token latency SLO in seconds."""
 
 
+AutoscalingMode = Literal["kvpilot", "external"]
+"""Who writes a pool's spec.replicas: kvpilot's autoscaler, or an external HPA / KEDA."""
+
 AUTOSCALING_RULES = [
     CelRule("self.minReplicas <= self.maxReplicas",
             "minReplicas must be at most maxReplicas: lower minReplicas or raise maxReplicas"),
@@ -56,6 +63,10 @@ class AutoscalingSpec(ApiModel):
 
     model_config = ConfigDict(json_schema_extra=validations(AUTOSCALING_RULES))
 
+    mode: AutoscalingMode = "kvpilot"
+    """kvpilot: this block's policy scales the pool; external: an HPA or KEDA ScaledObject on
+    the pool's scale subresource does, and kvpilot never writes spec.replicas after creating
+    the pool (the other fields are kvpilot's policy: leave them unset)."""
     min_replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
     """Fewest replicas (0 allows scale to zero)."""
     max_replicas: int = Field(default=4, ge=1, le=MAX_REPLICAS)
@@ -81,4 +92,16 @@ class AutoscalingSpec(ApiModel):
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"autoscaling.minReplicas={self.min_replicas} > maxReplicas="
                              f"{self.max_replicas}: {AUTOSCALING_RULES[0].message}")
+        if self.mode == "external":
+            for name, value in self.to_json().items():
+                default = _DEFAULTS.get(name)
+                if name != "mode" and value != default:
+                    raise ValueError(
+                        f"autoscaling.{name}={value!r} with autoscaling.mode=external: kvpilot's "
+                        "policy fields are not read when an HPA or KEDA scales the pool; set "
+                        "the bounds and targets on that object and remove this field")
         return self
+
+
+_DEFAULTS = AutoscalingSpec.model_construct().to_json()
+"""Every field at its default (what the API server fills in), to tell which ones a user set."""

@@ -20,6 +20,7 @@ from kvpilot.operator.api.common import (
     check_fits_node,
 )
 from kvpilot.operator.api.consistency import EXPERTS, check_sections, vendor_rules
+from kvpilot.operator.api.gateway import InferencePoolSpec
 from kvpilot.operator.api.names import MAX_REPLICAS
 from kvpilot.operator.api.overrides import Overrides
 from kvpilot.operator.api.rules import CelRule, validations
@@ -110,6 +111,10 @@ INFERENCE_MODEL_RULES = [
             "prefill.topology needs more GPUs per replica than gpuBudget: "
             "raise gpuBudget or shrink it",
             ".gpuBudget"),
+    CelRule("!has(self.inferencePool) || self.servingMode == 'aggregated'",
+            "inferencePool selects engines that serve whole requests: with servingMode "
+            "disaggregated a gateway's endpoint picker would skip kvpilot's prefill handoff; "
+            "use aggregated, or send traffic to kvpilot's router", ".inferencePool"),
     CelRule(f"!has(self.gpuBudget) || {_pool_floor_gpus('decode')} + (has(self.prefill) ? "
             f"{_pool_floor_gpus('prefill')} : 0) <= self.gpuBudget",
             "the pools at their floor (autoscaling.minReplicas, else replicas) need more GPUs than "
@@ -156,6 +161,11 @@ class InferenceModelSpec(ApiModel):
     """Pod settings applied to every pool."""
     auth: AuthSpec = Field(default_factory=AuthSpec, json_schema_extra={"default": {}})
     """Client authentication of the OpenAI API (engines and router)."""
+    progress_deadline_seconds: int | None = Field(default=None, ge=60)
+    """Seconds a replica may stay not ready (downloading, loading, waiting for a node) before
+    its pool reports ProgressDeadlineExceeded (default 3600)."""
+    inference_pool: InferencePoolSpec | None = None
+    """Also render a Gateway API InferencePool selecting the engines (aggregated mode only)."""
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceModelSpec:
@@ -164,6 +174,8 @@ class InferenceModelSpec(ApiModel):
             raise ValueError(f"servingMode=disaggregated without spec.prefill: {rules[0]}")
         if self.serving_mode == "aggregated" and self.prefill is not None:
             raise ValueError(f"servingMode=aggregated with spec.prefill set: {rules[1]}")
+        if self.inference_pool is not None and self.serving_mode != "aggregated":
+            raise ValueError(f"inferencePool with servingMode={self.serving_mode}: {rules[6]}")
         check_fits_node(self.topology, self.accelerator)
         for topo, message in ((self.topology, rules[3]),
                               (self.decode.topology, rules[4]),
@@ -182,7 +194,7 @@ class InferenceModelSpec(ApiModel):
             need = sum(n * topo.tensor_parallel * topo.pipeline_parallel for n, topo in terms)
             if need > self.gpu_budget:
                 raise ValueError(f"{need} GPUs at the pools' floor > gpuBudget={self.gpu_budget}: "
-                                 f"{rules[6]}")
+                                 f"{rules[7]}")
         pools = [t for t in (self.decode, self.prefill) if t is not None]
         check_sections(self.model, [self.topology, *(t.topology for t in pools)],
                        self.accelerator, self.communication,
@@ -203,6 +215,26 @@ class PoolReplicas(ApiModel):
     """Replicas asked for."""
     ready: int = 0
     """Replicas passing readiness."""
+
+
+WeightsPhase = Literal["Pending", "Downloading", "Downloaded", "Cached", "Failed"]
+
+
+class WeightsStatus(ApiModel):
+    """Where an hf:// model's weights are, as far as the operator can see (Job and pod states,
+    the download's progress line in the pod log)."""
+
+    phase: WeightsPhase
+    """Pending (the Job's pod has not started), Downloading, Cached (the claim is filled),
+    Downloaded (every engine pod finished its own download) or Failed."""
+    progress: int | None = Field(default=None, ge=0, le=100)
+    """Percent of the bytes downloaded, from the downloader's last progress line."""
+    message: str = ""
+    """What is happening or went wrong, naming the pod or Job."""
+    claim: str | None = None
+    """PersistentVolumeClaim holding the cache (spec.model.cache)."""
+    state: str = ""
+    """phase and progress as text, e.g. Downloading 42% (printer column)."""
 
 
 class InferenceModelStatus(ObservedStatus):
@@ -226,6 +258,8 @@ class InferenceModelStatus(ObservedStatus):
     """Waiting requests summed over all replicas."""
     last_scale_decision: ScaleDecision | None = None
     """The autoscaler's latest decision."""
+    weights: WeightsStatus | None = None
+    """Where the weights of an hf:// model are (absent for pvc://, oci:// and dummy: sources)."""
 
 
 class InferenceModel(StoredObject):

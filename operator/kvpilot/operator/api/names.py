@@ -63,6 +63,29 @@ def fleet_secret_name(model: str) -> str:
     return child_name(model, "fleet")
 
 
+WEIGHTS_KEY_CHARS = 10
+"""Hex digits of a weight download's key (repository, revision, filters) in its cache's name
+(`weights/request.py: FetchRequest.key`; tests/admission/test_names.py renders one)."""
+JOB_DIGEST_CHARS = 6
+"""Hex digits of a weights Job's pod-template digest in its name."""
+
+
+def weights_claim_name(model: str, key: str) -> str:
+    """Gives the name of the claim caching one download of a model's weights (its Job's
+    `kvpilot.dev/weights` label too)."""
+    return child_name(model, "weights", key)
+
+
+def weights_job_name(claim: str, digest: str) -> str:
+    """Gives the name of the Job that fills `claim` with the pod template of `digest`."""
+    return child_name(claim, digest)
+
+
+def _weights_job(model: str) -> str:
+    return weights_job_name(weights_claim_name(model, "k" * WEIGHTS_KEY_CHARS),
+                            "d" * JOB_DIGEST_CHARS)
+
+
 Derived = tuple[Callable[[str], str], int]
 """A name derived from the owner's name, and the most characters its kind allows."""
 
@@ -78,6 +101,9 @@ MODEL_DERIVED: list[Derived] = [
       for f, limit in POOL_DERIVED for s in POOL_SUFFIXES),
     (router_name, DNS_LABEL_MAX), (engine_config_name, DNS_LABEL_MAX),
     (fleet_secret_name, DNS_LABEL_MAX),
+    # The weight cache's claim name is a label value; a Job's name labels its pods.
+    (lambda m: weights_claim_name(m, "k" * WEIGHTS_KEY_CHARS), DNS_LABEL_MAX),
+    (_weights_job, DNS_LABEL_MAX),
 ]
 
 
@@ -102,7 +128,8 @@ def name_rules(kind: str) -> list[CelRule]:
         CelRule(f"size(self.metadata.name) <= {limit}",
                 f"metadata.name may have at most {limit} characters: the operator derives "
                 "longer names from it (pools, StatefulSets of up to "
-                f"{MAX_REPLICAS} replicas, Services); shorten it", ".metadata.name"),
+                f"{MAX_REPLICAS} replicas, Services, weights Jobs); shorten it",
+                ".metadata.name"),
     ]
 
 

@@ -73,6 +73,9 @@ class PoolSpec(ApiModel):
     """Who besides the InferenceModel's router and the operator may connect to the engines'
     HTTP port (NetworkPolicy peers); unset: nobody else. A pool without an InferenceModel
     has no router: name its clients here."""
+    progress_deadline_seconds: int | None = Field(default=None, ge=60)
+    """Seconds a replica may stay not ready before the pool reports ProgressDeadlineExceeded
+    (unset: the InferenceModel's, else 3600)."""
 
     @model_validator(mode="after")
     def _source(self) -> PoolSpec:

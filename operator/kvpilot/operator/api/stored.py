@@ -15,6 +15,17 @@ from kvpilot.operator.api.common import CONDITIONS_LIST, Condition
 from kvpilot.operator.api.names import check_name
 
 
+class FieldDrift(ApiModel):
+    """A field of a child another writer had changed, which kvpilot owns and applied back."""
+
+    object: str
+    """The child, as Kind/name."""
+    field: str
+    """The field's path, e.g. .spec.replicas."""
+    manager: str
+    """The field manager that had changed it, e.g. kubectl-edit."""
+
+
 class ObservedStatus(ApiModel):
     """Status fields every kind starts with; each kind's status adds its own after them."""
 
@@ -22,6 +33,8 @@ class ObservedStatus(ApiModel):
     """Ready, Progressing and Degraded."""
     observed_generation: int | None = None
     """metadata.generation this status reflects."""
+    field_conflicts: list[FieldDrift] | None = None
+    """Fields the last reconcile took back from other writers (unset when there were none)."""
 
 
 class StoredObject(ApiModel):

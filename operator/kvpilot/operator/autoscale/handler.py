@@ -1,11 +1,11 @@
 """kopf timers that autoscale pools: scrape, decide, share the GPU budget, patch, report.
 
-One timer per pool ticks every second and acts every `intervalSeconds`. It
-scrapes the pool's ready pods (and, at zero replicas, the routers' held
-requests), runs the pure policy, caps the result by the InferenceModel's GPU
-budget, marks the least-loaded pods for deletion before a scale-down, patches
-`spec.replicas` (the pool handler rolls it out) and writes KV%, QUEUE and the
-last decision into the status with an event. Per-pool policy state lives in
+One timer per pool in `autoscaling.mode: kvpilot` ticks every second and acts every
+`intervalSeconds`. It scrapes the pool's ready pods (and, at zero replicas, the routers'
+held requests), runs the pure policy, caps the result by the InferenceModel's GPU budget,
+marks the least-loaded pods for deletion before a scale-down, applies `spec.replicas` as
+the `kvpilot-autoscaler` field manager (the pool handler rolls it out) and writes KV%,
+QUEUE and the last decision into the status with an event. Per-pool policy state lives in
 kopf's per-object memo; the loads the budget compares live in the operator's memo.
 """
 
@@ -38,9 +38,11 @@ from kvpilot.operator.autoscale.scrape import (
 )
 from kvpilot.operator.autoscale.signals import PoolMetrics
 from kvpilot.operator.autoscale.spec import PolicySpec, from_api
+from kvpilot.operator.handlers.events import record
 from kvpilot.operator.handlers.resolve import resolve_stored_pool
 from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.kube.errors import KubeError
+from kvpilot.operator.ownership import AUTOSCALER_MANAGER, replicas_only
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, POOL_LABEL
 from kvpilot.operator.render.router import router_labels
 from kvpilot.operator.status import describe_error, now_rfc3339
@@ -99,8 +101,10 @@ async def shared_reports(memo: kopf.Memo, **_: Any) -> None:
 
 
 def autoscaled(spec: kopf.Spec, **_: Any) -> bool:
-    """Gives whether a pool asks for autoscaling (its timer runs only then)."""
-    return bool(spec.get("autoscaling"))
+    """Gives whether a pool asks kvpilot to scale it (its timer runs only then); mode external
+    leaves it to an HPA or KEDA."""
+    autoscaling = spec.get("autoscaling")
+    return bool(autoscaling) and autoscaling.get("mode", "kvpilot") == "kvpilot"
 
 
 @kopf.timer(GROUP, VERSION, "prefillpools", interval=TICK_S, when=autoscaled)
@@ -108,7 +112,7 @@ def autoscaled(spec: kopf.Spec, **_: Any) -> bool:
 async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
                          status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
                          models_by_name: kopf.Index, **_: Any) -> None:
-    """Scrapes the pool, decides its replicas and patches spec.replicas and status."""
+    """Scrapes the pool, decides its replicas and applies spec.replicas; patches status."""
     runtime: PoolRuntime = memo.setdefault("autoscale_runtime", PoolRuntime())
     now = time.time()
     if now < runtime.next_run:
@@ -161,6 +165,12 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     patch.status.update({k: v for k, v in fields.items() if status.get(k) != v})
     decision = await _decide_and_report(body, d, current, desired, binding, now, runtime,
                                         patch, kube, samples, pods)
+    if im is not None and decision is not None:
+        # The decision goes on the model too: `kubectl describe im` is where people look.
+        moved = decision["toReplicas"] - decision["fromReplicas"]
+        await record(kube, im, "ScaledUp" if moved > 0 else "ScaledDown" if moved else
+                     "ScaleHeld", f"{name}: {decision['fromReplicas']} -> "
+                     f"{decision['toReplicas']} replicas: {decision['reason']}")
     model_patch = model_status_patch(im, namespace, shared, decision)
     if im is not None and model_patch is not None:
         await kube.patch(GROUP_VERSION, "InferenceModel", namespace, im["metadata"]["name"],
@@ -171,7 +181,7 @@ async def _decide_and_report(body: kopf.Body, d: Decision, current: int, desired
                              budget: str | None, now: float, runtime: PoolRuntime,
                              patch: kopf.Patch, kube: Kube, samples: dict[str, PodSample],
                              pods: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Patches spec.replicas, writes lastScaleDecision and posts the event; gives the
+    """Applies spec.replicas, writes lastScaleDecision and posts the event; gives the
     decision written (None when there was nothing new to say)."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     hold = decision_reason(d, budget)
@@ -191,7 +201,8 @@ async def _decide_and_report(body: kopf.Body, d: Decision, current: int, desired
         return decision
     if desired < current:
         await _mark_for_removal(kube, namespace, samples, pods)
-    patch.spec["replicas"] = desired
+    # Applied as the autoscaler's field manager, forced: in mode kvpilot replicas are its own.
+    await kube.apply(replicas_only(body, desired), force=True, manager=AUTOSCALER_MANAGER)
     # kopf.event, not kopf.info: the operator posts only warnings of its own log
     # lines (settings.posting.level), but scale decisions must reach `kubectl describe`.
     kopf.event(body, type="Normal", reason="ScaledUp" if desired > current else "ScaledDown",

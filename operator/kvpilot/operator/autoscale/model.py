@@ -38,7 +38,8 @@ def gpus_per_replica(spec: Mapping[str, Any]) -> int:
 def budget_demands(pools: Sequence[Mapping[str, Any]], model: str, name: str, desired: int,
                    shared: Mapping[tuple[str, str], PoolReport]) -> list[PoolDemand]:
     """Gives the budget's view of the model's pools: this one wants `desired`, the others
-    keep their size; a pool without autoscaling cannot give replicas back."""
+    keep their size; a pool kvpilot does not scale (static, or mode external) cannot give
+    replicas back."""
     out = []
     for pool in pools:
         spec = pool.get("spec") or {}
@@ -50,7 +51,8 @@ def budget_demands(pools: Sequence[Mapping[str, Any]], model: str, name: str, de
         report = shared.get((meta.get("namespace", ""), meta["name"]))
         out.append(PoolDemand(
             meta["name"], current=current, desired=desired if meta["name"] == name else current,
-            min_replicas=int(autoscaling.get("minReplicas", 1)) if autoscaling else current,
+            min_replicas=int(autoscaling.get("minReplicas", 1))
+            if autoscaling and autoscaling.get("mode", "kvpilot") == "kvpilot" else current,
             gpus_per_replica=gpus_per_replica(spec),
             load=report.load if report else float(current)))
     return out

@@ -2,39 +2,36 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from typing import Any
 
 import kopf
 
 from kvpilot.operator.kube.client import Kube
-from kvpilot.operator.render.meta import RenderConfig
+from kvpilot.operator.kube.login import LoginError, login
+from kvpilot.operator.render.meta import MODEL_LABEL, RenderConfig
 
 # kopf ignores every annotation under its storage prefix when diffing, so it must not be
 # the prefix of annotations that should trigger handlers (kvpilot.dev/model-generation).
 ANNOTATION_PREFIX = "kopf.kvpilot.dev"
 
 
-def connection(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
-    """Gives the in-cluster service account's connection, else the kubeconfig's."""
-    info = kopf.login_with_service_account(settings=settings) or \
-        kopf.login_with_kubeconfig(settings=settings)
-    if info is None:
-        raise kopf.LoginError("no service account and no kubeconfig: run in a pod, or set "
-                              "KUBECONFIG to a kubeconfig file")
-    return info
-
-
 @kopf.on.login()
-async def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
-    """Gives kopf the same credentials the handlers' client uses."""
-    return connection(settings)
+async def login_handler(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    """Gives kopf the same credentials the handlers' client uses (again when they expire)."""
+    try:
+        return await asyncio.to_thread(login, settings)  # an exec plugin may run
+    except LoginError as exc:
+        raise kopf.LoginError(str(exc)) from exc
 
 
 @kopf.on.startup()
 async def open_client(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Puts the API client and the render settings into the operator memo."""
-    memo.kube = Kube.from_connection(connection(settings))
+    memo.kube = Kube(await asyncio.to_thread(login, settings),
+                     relogin=functools.partial(login, settings))
     if getattr(memo, "render", None) is None:
         memo.render = RenderConfig()
 
@@ -58,6 +55,12 @@ def operator_settings(fast: bool = False) -> kopf.OperatorSettings:
     # Handlers post their own decision events; kopf's per-handler log lines stay in the log.
     settings.posting.level = logging.WARNING
     settings.networking.request_timeout = 30
+    # Only pods of kvpilot's workloads and weights Jobs (they carry the model label) reach
+    # the operator: the API server filters, so a big cluster's other pods cost nothing.
+    settings.watching.label_selectors["", "v1", "pods"] = MODEL_LABEL
+    # No CRD or namespace scanning: kopf serves the resources discovery shows at start and
+    # the namespaces named, so the operator needs no cluster-scoped reads (kvpilot.operator.rbac).
+    settings.scanning.disabled = True
     if fast:
         settings.watching.connect_timeout = 5
         settings.watching.server_timeout = 30

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 
 import aiohttp
+
+_MANAGER = re.compile(r'conflict with "([^"]*)"')
 
 
 class KubeError(RuntimeError):
@@ -17,6 +21,39 @@ class KubeError(RuntimeError):
         except (ValueError, AttributeError):
             detail = text
         super().__init__(f"{verb} {path} failed with HTTP {status}: {str(detail)[:300]}")
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """One field a server-side apply would have changed under another field manager."""
+
+    field: str
+    """The field's path as the API server prints it, e.g. `.spec.replicas`."""
+    manager: str
+    """The field manager that owns it now, e.g. `kubectl-edit`."""
+
+
+def conflicts_in(text: str) -> list[Conflict]:
+    """Gives the field-manager conflicts a 409 Status body lists (none for other 409s)."""
+    try:
+        causes = (json.loads(text).get("details") or {}).get("causes") or []
+    except (ValueError, AttributeError):
+        return []
+    out = []
+    for cause in causes:
+        if cause.get("reason") != "FieldManagerConflict":
+            continue
+        found = _MANAGER.search(cause.get("message", ""))
+        out.append(Conflict(cause.get("field", ""), found.group(1) if found else "unknown"))
+    return out
+
+
+class FieldConflict(KubeError):
+    """A server-side apply was refused: fields it sets belong to other managers (HTTP 409)."""
+
+    def __init__(self, verb: str, path: str, text: str, conflicts: list[Conflict]) -> None:
+        super().__init__(verb, path, 409, text)
+        self.conflicts = conflicts
 
 
 def transient(exc: BaseException) -> bool:

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from kvpilot.engine.contracts.args import parse_size
+from kvpilot.engine.contracts.builtin_models import BUILTIN_CONFIGS
 from kvpilot.operator.api.accelerator import Vendor
 from kvpilot.operator.api.common import EngineSpec, ModelSource
 from kvpilot.operator.planning.accelerators import bytes_per_param
@@ -28,9 +29,12 @@ class KvShape:
     max_model_len: int
 
 
-# kvpilot.engine.models.builtin.BUILTIN_CONFIGS, read torch-free (a test keeps them equal).
-BUILTIN_SHAPES = {name: KvShape(num_layers=2, num_kv_heads=2, head_dim=32, max_model_len=4096)
-                  for name in ("tiny-llama", "tiny-qwen3", "tiny-mixtral")}
+BUILTIN_SHAPES = {name: KvShape(num_layers=config["num_hidden_layers"],
+                                num_kv_heads=config["num_key_value_heads"],
+                                head_dim=config["head_dim"],
+                                max_model_len=config["max_position_embeddings"])
+                  for name, config in BUILTIN_CONFIGS.items()}
+"""The KV shape of each of the engine's built-in models (`dummy:` sources)."""
 
 
 def bytes_per_block(shape: KvShape, block_size: int, dtype_bytes: int) -> int:

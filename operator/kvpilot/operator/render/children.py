@@ -1,4 +1,5 @@
-"""What an InferenceModel owns: its pools, its router, and the engine ConfigMap.
+"""What an InferenceModel owns: its pools, its router, the engine ConfigMap, its weight cache
+and its InferencePool.
 
 Aggregated serving gets one DecodePool with engine role `both`; disaggregated
 serving one PrefillPool and one DecodePool. Pools are rendered with every
@@ -18,9 +19,12 @@ from kvpilot.operator.api.names import check_name, engine_config_name, pool_name
 from kvpilot.operator.api.pools import AnyPoolSpec, DecodePoolSpec, PrefillPoolSpec
 from kvpilot.operator.planning.pool import ResolvedPool, resolve_pool
 from kvpilot.operator.render.engine_args import serve_args
+from kvpilot.operator.render.gateway import render_inference_pool
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, RenderConfig, object_meta
 from kvpilot.operator.render.pool import check_pool_size
 from kvpilot.operator.render.router import render_router
+from kvpilot.operator.render.weight_cache import weight_cache
+from kvpilot.operator.render.weights import model_location
 
 MODEL_GENERATION_ANNOTATION = "kvpilot.dev/model-generation"
 
@@ -33,7 +37,8 @@ def pool_specs(spec: InferenceModelSpec, model: str) -> list[AnyPoolSpec]:
                 "topology": spec.pool_topology(role), "accelerator": spec.accelerator,
                 "communication": spec.communication, "autoscaling": template.autoscaling,
                 "overrides": template.overrides or spec.overrides,
-                "auth": spec.auth if spec.auth.api_key_secret_ref else None}
+                "auth": spec.auth if spec.auth.api_key_secret_ref else None,
+                "progress_deadline_seconds": spec.progress_deadline_seconds}
 
     if spec.prefill is None:  # aggregated: one pool serves both phases
         return [DecodePoolSpec(role="both", **fields(spec.decode, "decode"))]
@@ -80,8 +85,21 @@ def render_children(im: dict[str, Any], spec: InferenceModelSpec, pools: Sequenc
         "metadata": object_meta(engine_config_name(model), namespace, {MODEL_LABEL: model}, im),
         "data": serve_lines,
     })
+    location = model_location(spec.model, model)
+    if location.cache_claim is not None:
+        objects += weight_cache(im, spec.model, location.cache_claim, config,
+                                spec.overrides.env)
     if spec.router.replicas > 0:
         objects += render_router(model, namespace, spec, im, config)
+    if spec.inference_pool is not None:
+        if not config.inference_pool:
+            raise ValueError("spec.inferencePool is set but the operator runs without "
+                             "--inference-pool: install the InferencePool CRD (Gateway API "
+                             "inference extension) and set operator.inferencePool=true in the "
+                             "chart, or remove spec.inferencePool")
+        serving = next(p for p in pools if p.resolved.role == "both")  # aggregated only
+        objects.append(render_inference_pool(model, namespace, serving.name, serving.resolved,
+                                             spec.inference_pool, im, config))
     return objects
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from typing import NoReturn
 
 from kvpilot.engine.contracts.args import (
@@ -12,11 +11,11 @@ from kvpilot.engine.contracts.args import (
     add_dataclass_args,
     from_namespace,
 )
+from kvpilot.engine.contracts.fleet_secret import FLEET_SECRET_PATH
 from kvpilot.operator.planning.pool import ResolvedPool
-from kvpilot.operator.render.meta import ENGINE_PORT, FLEET_SECRET_FILE
+from kvpilot.operator.render.meta import ENGINE_PORT
+from kvpilot.operator.render.weights import model_location
 
-MODEL_DIR = "/models"
-HF_DIR = f"{MODEL_DIR}/hf"
 # `kvpilot serve` flags the operator renders itself, and the field (or reason) that sets each.
 OWNED_FLAGS = {
     "model": "spec.model.source", "served_model_name": "spec.model.name",
@@ -46,6 +45,8 @@ class _Refusal(argparse.ArgumentParser):
 
 def _serve_parser() -> argparse.ArgumentParser:
     parser = _Refusal(prog="kvpilot serve", add_help=False, allow_abbrev=False)
+    # `kvpilot serve MODEL` takes the model positionally too (engine/server/cli.py).
+    parser.add_argument("model_tag", nargs="?", default=None)
     add_dataclass_args(parser, EngineArgs)
     add_dataclass_args(parser, ServerArgs)
     return parser
@@ -53,7 +54,7 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 def check_extra_args(extra: list[str]) -> None:
     """Raises ValueError naming spec.engine.extraArgs when `kvpilot serve` would refuse them
-    or when they set a flag the operator renders from a field."""
+    or when they set a flag (or the positional MODEL) the operator renders from a field."""
     given = [arg.split("=", 1)[0] for arg in extra if arg.startswith("--")]
     for flag in given:
         dest = flag.removeprefix("--").removeprefix("no-").replace("-", "_")
@@ -67,39 +68,16 @@ def check_extra_args(extra: list[str]) -> None:
     except ValueError as exc:
         raise ValueError(f"spec.engine.extraArgs={extra}: kvpilot serve refuses them ({exc}): "
                          "fix or remove the flag (kvpilot serve --help lists them)") from exc
-
-
-@dataclass(frozen=True)
-class ModelLocation:
-    """Where the engine finds its weights inside the pod."""
-
-    engine_model: str
-    """Value of `--model`: a built-in config name or a directory in the pod."""
-    load_format: str
-    """auto or dummy."""
-    pvc_claim: str | None = None
-    """PersistentVolumeClaim mounted read-only at /models/<claim> (pvc:// sources)."""
-    hf_repo: str | None = None
-    """Hugging Face repository an init container downloads to /models/hf (hf:// sources)."""
-
-
-def model_location(source: str) -> ModelLocation:
-    """Gives where a `spec.model.source` ends up inside the pod."""
-    if source.startswith("dummy:"):
-        return ModelLocation(source.removeprefix("dummy:"), "dummy")
-    if source.startswith("pvc://"):
-        claim, _, path = source.removeprefix("pvc://").partition("/")
-        return ModelLocation(f"{MODEL_DIR}/{claim}/{path}".rstrip("/"), "auto", pvc_claim=claim)
-    if source.startswith("hf://"):
-        return ModelLocation(HF_DIR, "auto", hf_repo=source.removeprefix("hf://"))
-    raise ValueError(f"spec.model.source={source!r} is not supported: write hf://org/name, "
-                     "pvc://claim/path or dummy:tiny-llama")
+    if parsed.model_tag is not None:
+        raise ValueError(f"spec.engine.extraArgs names the model {parsed.model_tag!r}, which "
+                         f"the operator renders from {OWNED_FLAGS['model']}: remove it from "
+                         "extraArgs")
 
 
 def serve_args(pool: ResolvedPool, drain_timeout: int) -> list[str]:
     """Gives the arguments after `kvpilot serve` for a resolved pool."""
     engine, topo = pool.engine, pool.topology
-    location = model_location(pool.model.source)
+    location = model_location(pool.model, pool.model_ref)
     args = EngineArgs(
         model=location.engine_model,
         served_model_name=pool.model.name,
@@ -117,11 +95,8 @@ def serve_args(pool: ResolvedPool, drain_timeout: int) -> list[str]:
         pipeline_parallel_size=topo.pipeline_parallel,
         expert_parallel_size=topo.expert_parallel,
         role=pool.role,
+        fleet_secret_file=FLEET_SECRET_PATH,
     )
-    server = ServerArgs(host="0.0.0.0", port=ENGINE_PORT, drain_timeout=float(drain_timeout),
-                        fleet_secret_file=FLEET_SECRET_FILE)
+    server = ServerArgs(host="0.0.0.0", port=ENGINE_PORT, drain_timeout=float(drain_timeout))
     check_extra_args(engine.extra_args)
-    flags = args.to_cli()
-    if "--model" not in flags:  # to_cli drops defaults; a pod's command should say what it serves
-        flags = ["--model", args.model, *flags]
-    return [*flags, *server.to_cli(), *engine.extra_args]
+    return [*args.to_cli(), *server.to_cli(), *engine.extra_args]

@@ -2,27 +2,30 @@
 
 The fleet secret authenticates what engines and routers say to each other (KV transfer,
 `/kv_events`): one Secret per InferenceModel (or per pool without one), 32 random bytes as
-hex under key `secret`, created once and never read or overwritten by the operator, mounted
-read-only at FLEET_SECRET_FILE. The API key comes from the user's Secret as the
-KVPILOT_API_KEY variable (a secretKeyRef: the key never appears in an object we write).
+hex under key FLEET_SECRET_KEY, created once and never read or overwritten by the operator,
+mounted read-only at FLEET_SECRET_PATH (kvpilot.engine.contracts.fleet_secret). The API key
+comes from the user's Secret as the API_KEY_ENV variable (a secretKeyRef: the key never
+appears in an object we write).
 """
 
 from __future__ import annotations
 
+import posixpath
 import secrets
 from typing import Any
 
+from kvpilot.engine.contracts.args import API_KEY_ENV
+from kvpilot.engine.contracts.fleet_secret import (
+    FLEET_SECRET_KEY,
+    FLEET_SECRET_PATH,
+    GENERATED_SECRET_BYTES,
+)
 from kvpilot.operator.api.access import AuthSpec
 from kvpilot.operator.api.names import fleet_secret_name
-from kvpilot.operator.render.meta import (
-    API_KEY_ENV,
-    FLEET_SECRET_DIR,
-    FLEET_SECRET_KEY,
-    MODEL_LABEL,
-    object_meta,
-)
+from kvpilot.operator.render.meta import MODEL_LABEL, object_meta
 
 FLEET_VOLUME = "fleet-secret"
+FLEET_SECRET_DIR = posixpath.dirname(FLEET_SECRET_PATH)
 
 
 def fleet_secret(model: str, namespace: str, owner: dict[str, Any]) -> dict[str, Any]:
@@ -30,13 +33,14 @@ def fleet_secret(model: str, namespace: str, owner: dict[str, Any]) -> dict[str,
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": object_meta(fleet_secret_name(model), namespace, {MODEL_LABEL: model},
                                     owner),
-            "stringData": {FLEET_SECRET_KEY: secrets.token_hex(32)}}
+            "stringData": {FLEET_SECRET_KEY: secrets.token_hex(GENERATED_SECRET_BYTES)}}
 
 
 def fleet_volume(model: str) -> dict[str, Any]:
     """Gives the pod volume of a model's fleet Secret (readable by the pods' group only)."""
-    return {"name": FLEET_VOLUME, "secret": {"secretName": fleet_secret_name(model),
-                                             "defaultMode": 0o440}}
+    return {"name": FLEET_VOLUME, "secret": {
+        "secretName": fleet_secret_name(model), "defaultMode": 0o440,
+        "items": [{"key": FLEET_SECRET_KEY, "path": posixpath.basename(FLEET_SECRET_PATH)}]}}
 
 
 FLEET_MOUNT = {"name": FLEET_VOLUME, "mountPath": FLEET_SECRET_DIR, "readOnly": True}

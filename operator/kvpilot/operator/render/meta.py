@@ -17,11 +17,6 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "kvpilot", "app.kubernetes.io/part
 ENGINE_PORT = 8000
 ROUTER_PORT = 8080
 RENDEZVOUS_PORT = 29500
-# The fleet Secret (key `secret`) is mounted read-only here in every engine and router pod.
-FLEET_SECRET_KEY = "secret"
-FLEET_SECRET_DIR = "/var/run/kvpilot/fleet"
-FLEET_SECRET_FILE = f"{FLEET_SECRET_DIR}/{FLEET_SECRET_KEY}"
-API_KEY_ENV = "KVPILOT_API_KEY"  # engines and routers read their API key from it
 
 __all__ = ["ROLE_LABEL"]
 
@@ -38,6 +33,8 @@ class RenderConfig:
     """Render multi-node replicas as LeaderWorkerSets (the LWS CRD is installed)."""
     drain_timeout_seconds: int = 30
     """Seconds an engine gets to finish in-flight requests after SIGTERM."""
+    inference_pool: bool = False
+    """Render InferencePools for models that ask (the Gateway API inference CRD is installed)."""
     max_pool_gpus: int = 4096
     """Most GPUs one pool may ask for at its replicas: what one object can make the operator
     render and apply stays bounded even without a gpuBudget."""

@@ -3,7 +3,8 @@
 Hardened: non-root, no privilege escalation, every capability dropped (RDMA adds back
 IPC_LOCK only), a read-only root filesystem with size-limited emptyDirs where the engine
 writes (/cache: the image's HOME, HF_HOME and TRITON_CACHE_DIR; /tmp; /dev/shm; the
-downloaded weights), no service-account token (engines never call the API server).
+downloaded weights), no service-account token (engines never call the API server). The
+init container that downloads or waits for the weights (render/weights.py) gets the same.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvpilot.engine.contracts.args import KV_PORT_OFFSET
-from kvpilot.operator.api.common import ModelSource
 from kvpilot.operator.planning.placement import PodPlacement
 from kvpilot.operator.planning.pool import ResolvedPool
-from kvpilot.operator.render.engine_args import HF_DIR, MODEL_DIR, model_location, serve_args
+from kvpilot.operator.render.engine_args import serve_args
 from kvpilot.operator.render.fleet import FLEET_MOUNT, api_key_env, fleet_volume
 from kvpilot.operator.render.meta import ENGINE_PORT, MODEL_LABEL, RENDEZVOUS_PORT, RenderConfig
 from kvpilot.operator.render.resources import FETCH_RESOURCES, engine_resources, gib, weight_bytes
+from kvpilot.operator.render.weights import ModelLocation, model_location, weight_init_containers
 
 # images/engine-*.Dockerfile: HOME=/cache, HF_HOME=/cache/huggingface,
 # TRITON_CACHE_DIR=/cache/triton; compiled kernels and the HF cache's small files go there.
@@ -36,8 +37,8 @@ def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfi
                  annotations: dict[str, str] | None = None) -> dict[str, Any]:
     """Gives a PodTemplateSpec running `kvpilot serve` for one resolved pool."""
     overrides, placement = pool.overrides, pool.placement
-    location = model_location(pool.model.source)
-    volumes, mounts = _volumes(pool, location.pvc_claim, location.hf_repo is not None)
+    location = model_location(pool.model, pool.model_ref)
+    volumes, mounts = _volumes(pool, location)
     volumes.append(fleet_volume(labels[MODEL_LABEL]))
     mounts.append(FLEET_MOUNT)
     container: dict[str, Any] = {
@@ -67,8 +68,10 @@ def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfi
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
     }
-    if location.hf_repo is not None:
-        pod["initContainers"] = [_fetch_container(pool.model, container, location.hf_repo)]
+    init = weight_init_containers(location, pool.model, container["image"], overrides.env,
+                                  _container_security(False), FETCH_RESOURCES)
+    if init:
+        pod["initContainers"] = init
     if overrides.node_selector:
         pod["nodeSelector"] = dict(overrides.node_selector)
     tolerations = [*placement.tolerations, *overrides.tolerations]
@@ -135,8 +138,8 @@ def _env(pool: ResolvedPool, extra_env: list[dict[str, Any]] | None) -> list[dic
     return env
 
 
-def _volumes(pool: ResolvedPool, pvc_claim: str | None,
-             hf: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(pool: ResolvedPool,
+             location: ModelLocation) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": pool.placement.shm_size}},
         {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
@@ -145,30 +148,17 @@ def _volumes(pool: ResolvedPool, pvc_claim: str | None,
     mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"},
                                     {"name": "tmp", "mountPath": "/tmp"},
                                     {"name": "cache", "mountPath": CACHE_DIR}]
-    if pvc_claim is not None:
-        volumes.append({"name": "model", "persistentVolumeClaim": {
-            "claimName": pvc_claim, "readOnly": True}})
-        mounts.append({"name": "model", "mountPath": f"{MODEL_DIR}/{pvc_claim}",
-                       "readOnly": True})
-    if hf:
-        # The weights plus a tenth for tokenizer, configs and the download's own files.
+    if location.volume is not None and location.mount_path is not None:
+        volume = location.volume
         weights = weight_bytes(pool)
-        volumes.append({"name": "model", "emptyDir": {"sizeLimit": gib(int(weights * 1.1))}
-                        if weights is not None else {}})
-        mounts.append({"name": "model", "mountPath": HF_DIR})
+        if "emptyDir" in volume and weights is not None:
+            # A per-pod download: the weights plus a tenth for tokenizer, configs and the
+            # download's own files.
+            volume = {**volume, "emptyDir": {"sizeLimit": gib(int(weights * 1.1))}}
+        # The engine only reads the weights, whoever writes them (an init container, a Job).
+        volumes.append(volume)
+        mounts.append({"name": "model", "mountPath": location.mount_path, "readOnly": True})
     return volumes, mounts
-
-
-def _fetch_container(model: ModelSource, engine: dict[str, Any], repo: str) -> dict[str, Any]:
-    """Gives the init container that downloads hf:// weights into /models/hf."""
-    command = ["huggingface-cli", "download", repo, "--local-dir", HF_DIR]
-    if model.revision:
-        command += ["--revision", model.revision]
-    env = [e for e in engine["env"] if e["name"] == "HF_TOKEN"]
-    return {"name": "fetch-model", "image": engine["image"], "command": command, "env": env,
-            "volumeMounts": [m for m in engine["volumeMounts"]
-                             if m["name"] in ("model", "tmp", "cache")],
-            "resources": FETCH_RESOURCES, "securityContext": _container_security(False)}
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Everything one PrefillPool or DecodePool owns: workloads, Services, PodDisruptionBudget and
-NetworkPolicy (and, without an InferenceModel, its fleet Secret: `handlers/fleet.py`)."""
+NetworkPolicy (and, without an InferenceModel, its fleet Secret, created once: `handlers/children.py`)."""
 
 from __future__ import annotations
 

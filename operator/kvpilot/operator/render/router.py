@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.engine.contracts.fleet_secret import FLEET_SECRET_PATH
 from kvpilot.engine.contracts.router_args import RouterArgs
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.names import router_name
 from kvpilot.operator.render.fleet import FLEET_MOUNT, api_key_env, fleet_volume
 from kvpilot.operator.render.meta import (
     COMPONENT_LABEL,
-    FLEET_SECRET_FILE,
     MODEL_LABEL,
     ROUTER_PORT,
     RenderConfig,
@@ -50,7 +50,7 @@ def router_args(model: str, namespace: str, spec: InferenceModelSpec) -> list[st
         policy=spec.router.policy, block_size=spec.engine.block_size,
         # Built-in models ship their tokenizer in the image, so prefix hashes match the engines'.
         tokenizer=source.removeprefix("dummy:") if source.startswith("dummy:") else None,
-        fleet_secret_file=FLEET_SECRET_FILE,
+        fleet_secret_file=FLEET_SECRET_PATH,
     )
     return args.to_cli()
 

@@ -1,0 +1,78 @@
+"""The engine as the server sees it: the step loop's calls, and what the HTTP layer reads.
+
+`LLMEngine` implements both protocols; so do the role wrapper (`roles.RoleEngine`)
+and the server tests' fake engine. The server's engine thread (`AsyncEngine`)
+needs only `EngineCore`; the app (`server.app.build_app`) takes a `ServedEngine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
+from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from kvpilot.engine.core.kv_events import KVEventLog
+
+
+class EngineCore(Protocol):
+    """Add and abort requests, step, report: one thread drives it (not thread-safe)."""
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queues a request; raises ValueError naming the field when it is invalid."""
+        ...
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        """Stops requests; each gets a final output with finish reason "abort"."""
+        ...
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; gives the outputs of requests that progressed or ended."""
+        ...
+
+    def has_unfinished_requests(self) -> bool:
+        """Gives whether a `step` has work (requests, or outputs still to return)."""
+        ...
+
+    def get_stats(self) -> EngineStats:
+        """Gives the gauges and counters the server exports."""
+        ...
+
+    def step_timing(self) -> str:
+        """Says where the last step's time went (for the slow-iteration log)."""
+        ...
+
+
+class ModelLimits(Protocol):
+    """What the server checks requests against."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+class ServedEngine(EngineCore, Protocol):
+    """An EngineCore plus what the OpenAI server reads of it."""
+
+    @property
+    def engine_args(self) -> EngineArgs: ...
+
+    @property
+    def model_config(self) -> ModelLimits: ...
+
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
+
+    @property
+    def kv_events(self) -> KVEventLog:
+        """Gives the prefix cache's event log, which GET /kv_events reads without a lock."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stops what runs beside the engine (a role engine's KV agent)."""
+        ...
