@@ -123,3 +123,17 @@ def test_kopf_scans_nothing_cluster_wide():
     assert operator_settings().scanning.disabled
     assert not {r for r in verbs_by_resource() if r[1] in ("customresourcedefinitions",
                                                           "namespaces")}
+
+
+@pytest.mark.parametrize(("sets", "namespaces", "flags"), MODES, ids=IDS)
+def test_secrets_are_create_only_and_pod_patches_stay_in_watched_namespaces(
+        render: Callable[..., list[dict[str, Any]]], sets: tuple[str, ...],
+        namespaces: list[str], flags: set[str]):
+    """The operator may create the fleet Secrets but never read or overwrite any Secret; it
+    may patch pods (pod-deletion-cost) only where it watches."""
+    roles = granted(render(sets=sets))
+    for holder, table in roles.items():
+        assert table[("", "secrets")] == {"create"}, holder
+        assert ("networking.k8s.io", "networkpolicies") in table, holder
+        if "patch" in table.get(("", "pods"), set()):
+            assert holder in (namespaces or [None]), holder

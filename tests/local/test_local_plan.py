@@ -94,6 +94,29 @@ def test_every_process_reads_the_fleet_secret_kvpilot_up_wrote():
         assert flag(process.argv, "--fleet-secret-file") == "/tmp/up-secret"
 
 
+def test_without_a_secret_file_no_process_reads_the_pods_path():
+    ports = itertools.count(9000)
+    engines, router = plan_local(manifest(), lambda: next(ports), 8080)
+    for process in [*engines, router]:
+        assert "--fleet-secret-file" not in process.argv
+
+
+@pytest.mark.parametrize(("key", "error"), [
+    ("", "export KVPILOT_API_KEY"), ("k3y", None)])
+def test_an_api_key_secret_needs_the_key_in_the_environment(monkeypatch, key, error):
+    from kvpilot.operator.local.cli import check_api_key
+
+    monkeypatch.setenv("KVPILOT_API_KEY", key)
+    with_auth = manifest(auth={"apiKeySecretRef": {"name": "keys", "key": "api"}})
+    check_api_key(manifest())  # no auth: nothing asked
+    if error is None:
+        check_api_key(with_auth)
+        return
+    with pytest.raises(ValueError, match=error) as caught:
+        check_api_key(with_auth)
+    assert "spec.auth.apiKeySecretRef" in str(caught.value)
+
+
 def test_the_fleet_secret_file_is_private_and_loads(tmp_path):
     import os
     import stat

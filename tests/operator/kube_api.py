@@ -35,6 +35,8 @@ CORE_RESOURCES: dict[str, dict[str, Any]] = {
     "v1/services": {"kind": "Service", "namespaced": True},
     "v1/events": {"kind": "Event", "namespaced": True},
     "v1/serviceaccounts": {"kind": "ServiceAccount", "namespaced": True},
+    "v1/secrets": {"kind": "Secret", "namespaced": True},
+    "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
     "rbac.authorization.k8s.io/v1/roles": {"kind": "Role", "namespaced": True},
     "rbac.authorization.k8s.io/v1/rolebindings": {"kind": "RoleBinding", "namespaced": True},
     "v1/pods": {"kind": "Pod", "namespaced": True, "subresources": {"status"}},

@@ -59,7 +59,7 @@ async def running_operator(**memo: Any) -> AsyncIterator[asyncio.Task[None]]:
             await asyncio.wait_for(task, 20)
 
 
-async def eventually(check: Callable[[], Any | Awaitable[Any]], timeout: float = 20,
+async def eventually(check: Callable[[], Any | Awaitable[Any]], timeout: float = 120,
                      what: str = "condition") -> Any:
     """Gives the first truthy result of `check`, polling until `timeout` seconds pass."""
     deadline = time.monotonic() + timeout

@@ -91,8 +91,9 @@ async def test_an_hpa_managed_pool_keeps_its_replicas_across_edits_and_restarts(
                                params={"fieldManager": "kube-controller-manager"},
                                json={"spec": {"replicas": 5}})
         assert r.status_code == 200, r.text
-        await eventually(lambda: api.get("apps/v1/deployments", NAMESPACE, "hpa-decode")
-                         ["spec"]["replicas"] == 5, what="Deployment follows the HPA")
+        await eventually(lambda: (api.get("apps/v1/deployments", NAMESPACE, "hpa-decode")
+                                or {}).get("spec", {}).get("replicas") == 5,
+                         what="Deployment follows the HPA")
         await edit_model(client, "hpa", 8)
         await rolled_out(api, "hpa-decode", 8)
         await edit_model(client, "hpa", 16)

@@ -29,6 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
     (("policy/v1", "PodDisruptionBudget", "ns", "p"),
      "/apis/policy/v1/namespaces/ns/poddisruptionbudgets/p"),
     (("v1", "Namespace", None, "ns"), "/api/v1/namespaces/ns"),
+    (("networking.k8s.io/v1", "NetworkPolicy", "ns", "p"),
+     "/apis/networking.k8s.io/v1/namespaces/ns/networkpolicies/p"),
+    (("v1", "Secret", "ns", "s"), "/api/v1/namespaces/ns/secrets/s"),
 ])
 def test_resource_path(args, path):
     assert resource_path(*args) == path
@@ -126,7 +129,8 @@ def test_every_kind_the_handlers_apply_and_prune_is_in_the_rbac_table():
              ("policy/v1", "PodDisruptionBudget")]
     for api_version, kind in kinds:
         group = api_version.rpartition("/")[0]
-        assert {"create", "patch", "list", "delete"} <= verbs[(group, kind.lower() + "s")]
+        plural = kind.lower().removesuffix("y") + ("ies" if kind.endswith("y") else "s")
+        assert {"create", "patch", "list", "delete"} <= verbs[(group, plural)]
 
 
 def test_cli_flags():

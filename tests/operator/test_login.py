@@ -92,7 +92,7 @@ async def test_operator_logs_in_with_an_exec_plugin_and_reconciles(api, tmp_path
                                 "inferencemodels", json=manifest)
             assert r.status_code == 200, r.text
         await eventually(lambda: (api.get(IMS, NAMESPACE, "ex") or {}).get("status", {})
-                         .get("observedGeneration") == 1, timeout=30, what="status")
+                         .get("observedGeneration") == 1, timeout=120, what="status")
         assert api.get("apps/v1/deployments", NAMESPACE, "ex-decode")
         assert (tmp_path / "plugin-runs").read_text().count("run") >= 1
         proc.send_signal(signal.SIGTERM)

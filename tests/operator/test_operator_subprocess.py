@@ -38,7 +38,7 @@ async def test_operator_command_reconciles_and_stops_cleanly(api, client):
                               "inferencemodels", json=manifest)
         assert r.status_code == 200, r.text
         await eventually(lambda: (api.get(IMS, NAMESPACE, "proc") or {}).get("status", {})
-                         .get("observedGeneration") == 1, timeout=30, what="status")
+                         .get("observedGeneration") == 1, timeout=120, what="status")
         deployment = await eventually(
             lambda: api.get("apps/v1/deployments", NAMESPACE, "proc-decode"))
         assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "engine:test"

@@ -15,7 +15,7 @@ from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import DecodePoolSpec, PrefillPoolSpec
 from kvpilot.operator.planning.pool import resolve_pool
 from kvpilot.operator.render.children import owned_pools, render_children
-from kvpilot.operator.render.meta import RenderConfig, child_name
+from kvpilot.operator.render.meta import RenderConfig
 from kvpilot.operator.render.pool import render_pool
 
 IM = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel",
@@ -63,7 +63,7 @@ def test_pools_carry_resolved_sections_and_the_model_generation():
 
 
 @pytest.mark.parametrize(("replicas", "router_kinds"), [
-    (1, ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]),
+    (1, ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "NetworkPolicy"]),
     (0, []),
 ])
 def test_router_objects_only_when_it_has_replicas(replicas, router_kinds):
@@ -116,11 +116,3 @@ def test_prefill_pool_spec_round_trips():
                                               "prefill": {"replicas": 2}})
     prefill = next(o for o in render(spec) if o["kind"] == "PrefillPool")
     assert PrefillPoolSpec.model_validate(prefill["spec"]).replicas == 2
-
-
-def test_child_names_fit_dns_labels():
-    assert child_name("chat", "decode") == "chat-decode"
-    long_a, long_b = child_name("a" * 70, "decode"), child_name("a" * 70, "prefill")
-    assert len(long_a) == len(long_b) == 63
-    assert long_a.startswith("a" * 54 + "-") and long_a != long_b
-    assert child_name("a" * 70, "decode") == long_a  # stable across reconciles

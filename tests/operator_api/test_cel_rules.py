@@ -25,7 +25,15 @@ def pool(kind: str, **spec: Any) -> dict[str, Any]:
             "spec": spec}
 
 
+def named(obj: dict[str, Any], name: str) -> dict[str, Any]:
+    return {**obj, "metadata": {"name": name}}
+
+
 AMD = {"vendor": "amd", "model": "MI300X"}
+EP2 = {"tensorParallel": 2, "expertParallel": 2}
+AMD_ENV = "configure AMD's ROCm stack"
+NVLS = "NVLS (communication.nvlsEnable, NCCL_NVLS_*) is NVLink SHARP"
+EXPERTS = "declare model.numExperts"
 
 # (case id, object, expected message fragment or None when the object is accepted)
 CASES: list[tuple[str, dict[str, Any], str | None]] = [
@@ -73,11 +81,12 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
      "prefill.topology needs more GPUs per replica than gpuBudget"),
     ("floor-fits-budget",
      im(gpuBudget=8, topology={"tensorParallel": 2}, servingMode="disaggregated",
-        prefill={"replicas": 2}, decode={"replicas": 5, "autoscaling": {"minReplicas": 2}}),
+        prefill={"replicas": 2},
+        decode={"replicas": 5, "autoscaling": {"minReplicas": 2, "maxReplicas": 5}}),
      None),
     ("floor-over-budget",
      im(gpuBudget=8, topology={"tensorParallel": 2}, servingMode="disaggregated",
-        prefill={"replicas": 2}, decode={"autoscaling": {"minReplicas": 3}}),
+        prefill={"replicas": 2}, decode={"replicas": 3, "autoscaling": {"minReplicas": 3}}),
      "the pools at their floor (autoscaling.minReplicas, else replicas) need more GPUs"),
     ("fixed-replicas-over-budget", im(gpuBudget=4, decode={"replicas": 5}),
      "the pools at their floor"),
@@ -110,6 +119,50 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("pool-tp-exceeds-node",
      pool("DecodePool", modelRef="m", topology={"tensorParallel": 16},
           accelerator={"gpusPerNode": 8}), "topology.tensorParallel must fit one node"),
+    ("name-dotted", named(im(), "chat.v1"), "metadata.name must be a DNS-1035 label"),
+    ("name-leading-digit", named(im(), "1chat"), "metadata.name must be a DNS-1035 label"),
+    ("name-at-limit", named(im(), "a" * 37), None),
+    ("name-too-long", named(im(), "a" * 38), "metadata.name may have at most 37 characters"),
+    ("pool-name-at-limit", named(pool("DecodePool", modelRef="m"), "p" * 47), None),
+    ("pool-name-too-long", named(pool("DecodePool", modelRef="m"), "p" * 48),
+     "metadata.name may have at most 47 characters"),
+    ("amd-unknown-model", im(accelerator={"vendor": "amd", "model": "MI999"}),
+     "not a known AMD model"),
+    ("nvidia-unknown-model", im(accelerator={"model": "V100"}), "not a known NVIDIA model"),
+    ("amd-unpartitionable", im(accelerator={"vendor": "amd", "model": "MI250X",
+                                            "computePartition": "CPX"}), "cannot be partitioned"),
+    ("cpx-12-gpus", im(accelerator={**AMD, "computePartition": "CPX", "gpusPerNode": 12}),
+     "gpusPerNode must be a whole number of partitioned GPUs"),
+    ("cpx-80-gpus", im(accelerator={**AMD, "computePartition": "CPX", "gpusPerNode": 80}),
+     "gpusPerNode must be a whole number of partitioned GPUs"),
+    ("cpx-16-gpus", im(accelerator={**AMD, "computePartition": "CPX", "gpusPerNode": 16}), None),
+    ("kv-cache-zero", im(engine={"kvCacheMemory": "0"}), "kvCacheMemory must hold at least one"),
+    ("kv-cache-zero-gib", im(engine={"kvCacheMemory": "0.00GiB"}),
+     "kvCacheMemory must hold at least one"),
+    ("kv-cache-half-gib", im(engine={"kvCacheMemory": "0.5GiB"}), None),
+    ("rccl-on-nvidia", im(communication={"env": {"RCCL_MSCCL_ENABLE": "0"}}), AMD_ENV),
+    ("hsa-in-decode-overrides", im(decode={"overrides": {"env": {"HSA_NO_SCRATCH_RECLAIM": "1"}}}),
+     AMD_ENV),
+    ("rccl-on-amd", im(accelerator=AMD, communication={"env": {"RCCL_MSCCL_ENABLE": "0"}}), None),
+    ("nvls-on-amd", im(accelerator=AMD, communication={"nvlsEnable": True}), NVLS),
+    ("nvls-env-on-cpu", im(accelerator={"vendor": "cpu"},
+                           overrides={"env": {"NCCL_NVLS_ENABLE": "1"}}), NVLS),
+    ("ep-on-dense", im(topology=EP2), EXPERTS),
+    ("ep-on-dense-decode", im(decode={"topology": EP2}), EXPERTS),
+    ("ep-on-moe", im(model={**MODEL, "numExperts": 8}, topology=EP2), None),
+    ("pool-ep-on-dense", pool("DecodePool", model=MODEL, topology=EP2), EXPERTS),
+    ("pool-rccl-on-nvidia", pool("DecodePool", modelRef="m", accelerator={"vendor": "nvidia"},
+                                 communication={"env": {"RCCL_MSCCL_ENABLE": "0"}}), AMD_ENV),
+    ("pool-nvls-on-cpu", pool("PrefillPool", modelRef="m", accelerator={"vendor": "cpu"},
+                              communication={"nvlsEnable": False}), NVLS),
+    ("replicas-below-autoscaling", im(decode={"replicas": 1, "autoscaling": {
+        "minReplicas": 2, "maxReplicas": 4}}), "must lie within autoscaling.minReplicas"),
+    ("peer-empty", im(router={"allowFrom": [{}]}), "a peer needs podSelector"),
+    ("peer-ip-and-pods", im(router={"allowFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"},
+                                                  "podSelector": {}}]}),
+     "ipBlock cannot be combined"),
+    ("peer-namespace", im(router={"allowFrom": [{"namespaceSelector": {
+        "matchLabels": {"team": "a"}}}]}), None),
 ]
 
 

@@ -7,7 +7,8 @@ from typing import Any, Literal
 import pytest
 from pydantic import ConfigDict, Field
 
-from kvpilot.operator.api.common import ApiModel, CelRule, validations
+from kvpilot.operator.api.base import ApiModel
+from kvpilot.operator.api.rules import CelRule, validations
 from kvpilot.operator.api.schema import structural
 
 

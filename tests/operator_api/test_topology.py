@@ -60,15 +60,15 @@ ERRORS = [
      TopologyError, "topology.tensorParallel=3 does not divide model.numAttentionHeads=64 "
                     "(64 % 3 = 1): use one of 1, 2, 4, 8, 16, 32, 64"),
     ("tp-not-multiple-of-kv", topo(tp=12),
-     ModelSource(name="x", source="dummy:x", num_attention_heads=96, num_key_value_heads=8),
+     ModelSource(name="x", source="dummy:tiny-llama", num_attention_heads=96, num_key_value_heads=8),
      AcceleratorSpec(gpus_per_node=16), TopologyError,
      "topology.tensorParallel=12 exceeds model.numKeyValueHeads=8 but is not a multiple of it "
      "(12 % 8 = 4)"),
     ("tp-not-dividing-kv", topo(tp=4),
-     ModelSource(name="x", source="dummy:x", num_attention_heads=24, num_key_value_heads=6),
+     ModelSource(name="x", source="dummy:tiny-llama", num_attention_heads=24, num_key_value_heads=6),
      AcceleratorSpec(), TopologyError,
      "topology.tensorParallel=4 does not divide model.numKeyValueHeads=6 (6 % 4 = 2)"),
-    ("pp-over-layers", topo(pp=4), ModelSource(name="x", source="dummy:x", num_layers=2),
+    ("pp-over-layers", topo(pp=4), ModelSource(name="x", source="dummy:tiny-llama", num_layers=2),
      AcceleratorSpec(), TopologyError,
      "topology.pipelineParallel=4 exceeds model.numLayers=2: each stage needs at least one "
      "layer; use at most 2"),
@@ -136,7 +136,7 @@ def test_layout_invariants(tp: int, pp: int, per_node: int):
 def test_plan_accepts_exactly_the_valid_shapes(tp: int, pp: int, ep: int, heads: int, kv: int,
                                                layers: int, experts: int):
     """An oracle of the documented rules; rejections always name a topology field."""
-    model = ModelSource(name="m", source="dummy:m", num_attention_heads=heads,
+    model = ModelSource(name="m", source="dummy:tiny-llama", num_attention_heads=heads,
                         num_key_value_heads=kv, num_layers=layers, num_experts=experts)
     valid = (heads % tp == 0
              and (kv % tp == 0 if tp <= kv else tp % kv == 0)

@@ -31,6 +31,15 @@ the ClusterRole when every namespace is watched, else into one Role per watched 
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["create", "delete", "list", "patch"]
+# One per pool and one per router.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create", "delete", "list", "patch"]
+# The fleet Secret of each model, created once: never read (no get/list/watch) and never
+# patched, so the operator can neither read nor overwrite any Secret.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from kvpilot.operator.render.meta import RenderConfig
@@ -48,6 +49,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "installed) for each InferenceModel with spec.inferencePool")
     parser.add_argument("--drain-timeout", type=int, default=defaults.drain_timeout_seconds,
                         metavar="SECONDS", help="seconds engines get to drain after SIGTERM")
+    parser.add_argument("--operator-namespace", default=os.environ.get("POD_NAMESPACE"),
+                        metavar="NS", help="namespace of the operator's pods, which the models' "
+                                           "NetworkPolicies let in (default: $POD_NAMESPACE; "
+                                           "unset: the models' own namespace)")
+    parser.add_argument("--operator-pod-labels", default=",".join(
+        f"{k}={v}" for k, v in defaults.operator_pod_labels), metavar="K=V,...",
+                        help="labels of the operator's pods, which the NetworkPolicies let in")
+    parser.add_argument("--metrics-namespace", action="append", default=[], metavar="NS",
+                        help="also let pods of this namespace (e.g. a Prometheus) reach engines' "
+                             "and routers' /metrics (repeatable)")
+    parser.add_argument("--max-pool-gpus", type=int, default=defaults.max_pool_gpus,
+                        metavar="GPUS", help="refuse a pool whose replicas need more GPUs "
+                                             "(bounds what one object makes the operator render)")
 
 
 def render_config(args: argparse.Namespace) -> RenderConfig:
@@ -55,7 +69,18 @@ def render_config(args: argparse.Namespace) -> RenderConfig:
     return RenderConfig(engine_image=args.engine_image, router_image=args.router_image,
                         leader_worker_set=args.leader_worker_set,
                         drain_timeout_seconds=args.drain_timeout,
-                        inference_pool=args.inference_pool)
+                        inference_pool=args.inference_pool,
+                        max_pool_gpus=args.max_pool_gpus,
+                        operator_namespace=args.operator_namespace,
+                        operator_pod_labels=_labels(args.operator_pod_labels),
+                        metrics_namespaces=tuple(args.metrics_namespace))
+
+
+def _labels(text: str) -> tuple[tuple[str, str], ...]:
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(pair) != 2 for pair in pairs):
+        raise SystemExit(f"--operator-pod-labels={text!r}: write KEY=VALUE[,KEY=VALUE...]")
+    return tuple((k, v) for k, v in pairs)
 
 
 def run(args: argparse.Namespace) -> int:

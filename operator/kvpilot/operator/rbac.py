@@ -67,10 +67,17 @@ RULES: tuple[Rule, ...] = (
     Rule("discovery.k8s.io", "endpointslices", ("get", "list", "watch"),
          "held so the operator may grant them to the router (RBAC escalation check)"),
     Rule("policy", "poddisruptionbudgets", _verbs(APPLY, PRUNE), "one per pool"),
+    Rule("networking.k8s.io", "networkpolicies", _verbs(APPLY, PRUNE),
+         "one per pool and one per router"),
+    Rule("", "secrets", ("create",),
+         "the fleet Secret, created once (handlers.children: create-only); never read nor "
+         "patched, so no get/list/watch/patch on Secrets"),
     Rule("", "events", ("create",), "decision events (kopf.info / kopf.warn)"),
     Rule("", "pods", _verbs(WATCH, ("patch",)),
          "status reasons read from pool and weights Job pods; the autoscaler scrapes ready "
-         "pods and sets pod-deletion-cost before scale-down"),
+         "pods and sets pod-deletion-cost before scale-down (the only pod field it writes: "
+         "RBAC cannot narrow a patch to one annotation, so watching named namespaces narrows "
+         "the grant to them)"),
     Rule("", "pods/log", ("get",),
          "the last progress line of a weights download (status.weights.progress)"),
     Rule("batch", "jobs", _verbs(WATCH, APPLY, PRUNE),

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.operator.api.accelerator import AcceleratorSpec
+from kvpilot.operator.api.access import AuthSpec, NetworkPeer, SecretKeyRef
 from kvpilot.operator.api.autoscaling import AutoscalingSpec, AutoscalingTargets, ScalingRules
 from kvpilot.operator.api.common import (
-    AcceleratorSpec,
     CommunicationSpec,
     Condition,
     EngineSpec,
     ModelSource,
-    Overrides,
-    ResourceExtras,
     ScaleDecision,
     SecretRef,
     TopologySpec,
@@ -27,6 +26,7 @@ from kvpilot.operator.api.inference_model import (
     RouterSpec,
     WeightsStatus,
 )
+from kvpilot.operator.api.overrides import Overrides, ResourceExtras
 from kvpilot.operator.api.pools import (
     DecodePool,
     DecodePoolSpec,
@@ -95,10 +95,11 @@ def crd_manifests() -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "API_VERSION", "GROUP", "KINDS", "VERSION", "AcceleratorSpec", "AutoscalingSpec",
+    "API_VERSION", "GROUP", "KINDS", "VERSION", "AcceleratorSpec", "AuthSpec", "AutoscalingSpec",
     "AutoscalingTargets", "CommunicationSpec", "Condition", "DecodePool", "DecodePoolSpec",
     "EngineSpec", "InferenceModel", "InferenceModelSpec", "InferenceModelStatus", "ModelSource",
-    "Overrides", "PoolReplicas", "PoolSpec", "PoolStatus", "PoolTemplate", "PrefillPool",
-    "PrefillPoolSpec", "ResourceExtras", "RouterSpec", "ScaleDecision", "ScalingRules",
-    "SecretRef", "TopologySpec", "WeightCacheSpec", "WeightsStatus", "crd_manifests",
+    "NetworkPeer", "Overrides", "PoolReplicas", "PoolSpec", "PoolStatus", "PoolTemplate",
+    "PrefillPool", "PrefillPoolSpec", "ResourceExtras", "RouterSpec", "ScaleDecision",
+    "ScalingRules", "SecretKeyRef", "SecretRef", "TopologySpec", "WeightCacheSpec",
+    "WeightsStatus", "crd_manifests",
 ]

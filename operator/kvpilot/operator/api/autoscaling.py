@@ -12,7 +12,9 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from kvpilot.operator.api.common import ApiModel, CelRule, validations
+from kvpilot.operator.api.base import ApiModel
+from kvpilot.operator.api.names import MAX_REPLICAS
+from kvpilot.operator.api.rules import CelRule, validations
 
 
 class ScalingRules(ApiModel):
@@ -20,7 +22,7 @@ class ScalingRules(ApiModel):
 
     stabilization_window_seconds: int = Field(default=0, ge=0, le=3600)
     """The decision must have held this long before it applies."""
-    max_replicas_per_period: int = Field(default=4, ge=1)
+    max_replicas_per_period: int = Field(default=4, ge=1, le=MAX_REPLICAS)
     """At most this many replicas added or removed per period."""
     period_seconds: int = Field(default=60, ge=1, le=3600)
     """Length of the rate-limit period."""
@@ -65,9 +67,9 @@ class AutoscalingSpec(ApiModel):
     """kvpilot: this block's policy scales the pool; external: an HPA or KEDA ScaledObject on
     the pool's scale subresource does, and kvpilot never writes spec.replicas after creating
     the pool (the other fields are kvpilot's policy: leave them unset)."""
-    min_replicas: int = Field(default=1, ge=0)
+    min_replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
     """Fewest replicas (0 allows scale to zero)."""
-    max_replicas: int = Field(default=4, ge=1)
+    max_replicas: int = Field(default=4, ge=1, le=MAX_REPLICAS)
     """Most replicas."""
     targets: AutoscalingTargets = Field(default_factory=AutoscalingTargets,
                                         json_schema_extra={"default": {}})

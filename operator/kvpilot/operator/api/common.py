@@ -1,4 +1,4 @@
-"""Types shared by the three kinds: model, engine, topology, accelerator, NCCL, scaling, overrides.
+"""Types shared by the three kinds: model, engine, topology, NCCL, conditions, scale decisions.
 
 Python names are snake_case; the JSON the API server stores is camelCase (pydantic
 aliases). Every cross-field rule lives twice on purpose: as a CEL rule in the
@@ -9,72 +9,34 @@ reject it with the same message). A test checks that both agree on every fixture
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+import re
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, model_validator
 
-Vendor = Literal["nvidia", "amd", "cpu"]
-ComputePartition = Literal["SPX", "DPX", "QPX", "CPX"]
-MemoryPartition = Literal["NPS1", "NPS4"]
-ResourceNaming = Literal["single", "mixed"]
+from kvpilot.engine.contracts.builtin_models import BUILTIN_CONFIGS
+from kvpilot.operator.api.accelerator import AcceleratorSpec
+from kvpilot.operator.api.base import ApiModel
+from kvpilot.operator.api.formats import QUANTITY, DnsSubdomain, EnvMap, SecretKey
+from kvpilot.operator.api.rules import CelRule, JsonDict, validations
+
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 NcclDebug = Literal["VERSION", "WARN", "INFO", "TRACE"]
-JsonDict = dict[str, JsonValue]
-"""A JSON object, as `json_schema_extra` takes it."""
 
 
-@dataclass(frozen=True)
-class CelRule:
-    """One `x-kubernetes-validations` entry: a CEL rule, the message it fails with, its field."""
-
-    rule: str
-    message: str
-    field_path: str | None = None
-
-    def to_json(self) -> JsonDict:
-        """Gives the entry as the CRD schema spells it."""
-        entry: JsonDict = {"rule": self.rule, "message": self.message}
-        if self.field_path:
-            entry["fieldPath"] = self.field_path
-        return entry
-
-
-def validations(rules: Sequence[CelRule]) -> JsonDict:
-    """Gives the `json_schema_extra` that puts `rules` into a type's schema."""
-    return {"x-kubernetes-validations": [rule.to_json() for rule in rules]}
-
-
-class ApiModel(BaseModel):
-    """Base of every API type: camelCase JSON, unknown fields rejected, docstrings as descriptions."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        use_attribute_docstrings=True,
-        validate_default=True,
-    )
-
-    def to_json(self) -> dict[str, Any]:
-        """Gives the camelCase dict the API server stores (unset optionals left out)."""
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+# `dummy:` serves one of the engine's built-in configs with random weights and no files.
+SOURCE_PATTERN = (r"^(hf://[^/\s]+/[^\s]+|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^\s]*)?|"
+                  rf"oci://[^\s]+|dummy:({'|'.join(BUILTIN_CONFIGS)}))$")
 
 
 class SecretRef(ApiModel):
     """A key of a Secret in the object's namespace."""
 
-    name: str = Field(min_length=1)
+    name: DnsSubdomain
     """Name of the Secret."""
-    key: str = "HF_TOKEN"
+    key: SecretKey = "HF_TOKEN"
     """Key inside the Secret whose value is exported as HF_TOKEN."""
-
-
-QUANTITY = r"^\d+(\.\d+)?([KMGTPE]i|[kMGTPE])?$"
-"""A Kubernetes resource quantity such as 40Gi or 500G."""
 
 
 class WeightCacheSpec(ApiModel):
@@ -107,11 +69,11 @@ class ModelSource(ApiModel):
 
     name: str = Field(min_length=1, max_length=253)
     """Model name clients send in the OpenAI `model` field."""
-    source: str = Field(pattern=r"^(hf://[^/\s]+/[^\s]+|pvc://[^/\s]+(/[^\s]*)?|oci://[^\s]+|"
-                                r"dummy:[a-z0-9-]+)$")
+    source: str = Field(pattern=SOURCE_PATTERN)
     """Where weights come from: hf://org/name (downloaded), pvc://claim/path (pre-staged on a
     claim), oci://registry/image:tag (an image volume holding the weights under /models, the
-    KServe modelcar layout; Kubernetes 1.33+) or dummy:tiny-llama (random weights)."""
+    KServe modelcar layout; Kubernetes 1.33+) or dummy:<built-in> (random weights of
+    tiny-llama, tiny-qwen3 or tiny-mixtral)."""
     revision: str | None = Field(default=None, max_length=255)
     """Hugging Face revision (branch, tag or commit) for hf:// sources; a commit pins the
     weights, a branch is resolved once per download (and once per cache)."""
@@ -131,7 +93,7 @@ class ModelSource(ApiModel):
     num_layers: int | None = Field(default=None, ge=1)
     """Transformer layers; pipelineParallel may not exceed them."""
     num_experts: int | None = Field(default=None, ge=1)
-    """Routed experts per MoE layer; expertParallel must divide them."""
+    """Routed experts per MoE layer (unset: a dense model); expertParallel must divide them."""
     parameter_count: int | None = Field(default=None, ge=1)
     """Total parameters; weight bytes are derived from it and the dtype when weightBytes is unset."""
     weight_bytes: int | None = Field(default=None, ge=1)
@@ -149,8 +111,17 @@ class ModelSource(ApiModel):
         return self
 
 
+KV_CACHE_NOT_ZERO = ("kvCacheMemory must hold at least one KV block: a zero cache serves no "
+                     "request; set e.g. 512MiB or unset it")
+ENGINE_RULES = [CelRule("!has(self.kvCacheMemory) || "
+                        "!self.kvCacheMemory.matches('^0+([.]0+)?[^1-9]*$')",
+                        KV_CACHE_NOT_ZERO, ".kvCacheMemory")]
+
+
 class EngineSpec(ApiModel):
     """Engine settings rendered into `kvpilot serve` flags (see kvpilot.engine.contracts.args)."""
+
+    model_config = ConfigDict(json_schema_extra=validations(ENGINE_RULES))
 
     dtype: Dtype = "auto"
     """Weight and activation dtype; auto is bfloat16 on GPU, float32 on CPU."""
@@ -169,7 +140,15 @@ class EngineSpec(ApiModel):
     kv_cache_memory: str | None = Field(default=None, pattern=r"^\d+(\.\d+)?\s*([KMGT]i?B?|B)?$")
     """Bytes for the KV cache on CPU, e.g. 512MiB."""
     extra_args: list[str] = Field(default_factory=list, max_length=64)
-    """Further `kvpilot serve` flags appended verbatim, e.g. ["--seed", "1"]."""
+    """Further `kvpilot serve` flags, e.g. ["--seed", "1"]; the operator parses them with the
+    engine's own parser and refuses unknown flags and flags it sets itself."""
+
+    @model_validator(mode="after")
+    def _cache_not_zero(self) -> EngineSpec:
+        if self.kv_cache_memory is not None and re.search(r"^0+([.]0+)?[^1-9]*$",
+                                                          self.kv_cache_memory):
+            raise ValueError(f"engine.kvCacheMemory={self.kv_cache_memory!r}: {KV_CACHE_NOT_ZERO}")
+        return self
 
 
 class TopologySpec(ApiModel):
@@ -181,57 +160,6 @@ class TopologySpec(ApiModel):
     """Pipeline stages; stages may sit on different nodes."""
     expert_parallel: int = Field(default=1, ge=1, le=64)
     """Ways each MoE layer's experts are split: 1 or tensorParallel; must divide the experts."""
-
-
-ACCELERATOR_RULES = [
-    CelRule("self.vendor == 'amd' || !has(self.computePartition)",
-            "computePartition is an AMD setting: set vendor: amd or remove computePartition",
-            ".computePartition"),
-    CelRule("self.vendor == 'amd' || !has(self.memoryPartition)",
-            "memoryPartition is an AMD setting: set vendor: amd or remove memoryPartition",
-            ".memoryPartition"),
-    CelRule("!has(self.memoryPartition) || self.memoryPartition != 'NPS4' || "
-            "(has(self.computePartition) && self.computePartition == 'CPX')",
-            "memoryPartition NPS4 needs computePartition CPX (SPX/DPX/QPX run with NPS1 only)",
-            ".memoryPartition"),
-    CelRule("self.resourceNaming == 'single' || has(self.computePartition)",
-            "resourceNaming mixed names resources after the partition (e.g. amd.com/cpx_nps4): "
-            "set computePartition or use resourceNaming single", ".resourceNaming"),
-]
-
-
-class AcceleratorSpec(ApiModel):
-    """The devices a replica runs on and how the cluster names them."""
-
-    model_config = ConfigDict(json_schema_extra=validations(ACCELERATOR_RULES))
-
-    vendor: Vendor = "nvidia"
-    """nvidia, amd, or cpu (no accelerator: the engine runs on CPU)."""
-    model: str | None = Field(default=None, max_length=63)
-    """Accelerator model, e.g. H100-80GB, H200, A100-80GB, L40S, MI300X, MI325X; selects nodes and sets memory per GPU."""
-    gpus_per_node: int | None = Field(default=None, ge=1, le=128)
-    """Logical GPUs each node offers (default: from the model and partition, else 8)."""
-    compute_partition: ComputePartition | None = None
-    """AMD compute partition of each physical GPU (SPX 1, DPX 2, QPX 4, CPX 8 logical GPUs)."""
-    memory_partition: MemoryPartition | None = None
-    """AMD memory partition (NPS1, or NPS4 with CPX)."""
-    resource_naming: ResourceNaming = "single"
-    """AMD device plugin naming: single (amd.com/gpu) or mixed (amd.com/<compute>_<memory>)."""
-
-    @model_validator(mode="after")
-    def _partition_rules(self) -> AcceleratorSpec:
-        given = (f"vendor={self.vendor}, computePartition={self.compute_partition}, "
-                 f"memoryPartition={self.memory_partition}, resourceNaming={self.resource_naming}")
-        broken = [
-            self.vendor != "amd" and self.compute_partition is not None,
-            self.vendor != "amd" and self.memory_partition is not None,
-            self.memory_partition == "NPS4" and self.compute_partition != "CPX",
-            self.resource_naming == "mixed" and self.compute_partition is None,
-        ]
-        for rule, is_broken in zip(ACCELERATOR_RULES, broken, strict=True):
-            if is_broken:
-                raise ValueError(f"accelerator ({given}): {rule.message}")
-        return self
 
 
 TP_FITS_NODE = ("topology.tensorParallel must fit one node: lower it to accelerator.gpusPerNode "
@@ -266,45 +194,8 @@ class CommunicationSpec(ApiModel):
     """NCCL_NVLS_ENABLE: NVLink SHARP multicast (unset: NCCL decides)."""
     rdma: bool = False
     """Use InfiniBand/RoCE between nodes: adds IPC_LOCK and keeps NCCL's IB transport on."""
-    env: dict[str, str] = Field(default_factory=dict)
+    env: EnvMap = Field(default_factory=dict)
     """Extra environment variables; they override everything derived above."""
-
-
-class ResourceExtras(ApiModel):
-    """Resources added to the engine container on top of the GPUs the topology needs."""
-
-    requests: dict[str, str | int] = Field(default_factory=dict)
-    """Extra requests, e.g. {cpu: "8", memory: 64Gi}."""
-    limits: dict[str, str | int] = Field(default_factory=dict)
-    """Extra limits, e.g. {memory: 128Gi}."""
-
-
-class Overrides(ApiModel):
-    """The curated part of the pod users may change; no full PodSpec on purpose (small CRDs)."""
-
-    image: str | None = Field(default=None, max_length=512)
-    """Engine image (default: the operator's --engine-image)."""
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
-    """Pull policy of the engine image."""
-    image_pull_secrets: list[str] = Field(default_factory=list)
-    """Names of Secrets for pulling the image."""
-    resources: ResourceExtras = Field(default_factory=ResourceExtras,
-                                      json_schema_extra={"default": {}})
-    """Extra CPU, memory or other resources."""
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    """Labels nodes must carry, merged with the accelerator's own."""
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    """Pod tolerations (Kubernetes Toleration objects), added to the accelerator's."""
-    affinity: dict[str, Any] | None = None
-    """Pod affinity (a Kubernetes Affinity object), used as given."""
-    env: dict[str, str] = Field(default_factory=dict)
-    """Extra environment variables of the engine container."""
-    annotations: dict[str, str] = Field(default_factory=dict)
-    """Extra pod annotations."""
-    labels: dict[str, str] = Field(default_factory=dict)
-    """Extra pod labels."""
-    service_account_name: str | None = None
-    """Service account of the engine pods."""
 
 
 # Conditions merge by type under server-side apply (the Kubernetes convention).

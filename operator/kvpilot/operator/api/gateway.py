@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvpilot.operator.api.common import ApiModel
+from kvpilot.operator.api.base import ApiModel
 
 
 class EndpointPickerRef(ApiModel):

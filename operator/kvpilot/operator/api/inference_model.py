@@ -6,22 +6,24 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from kvpilot.operator.api.accelerator import AcceleratorSpec
+from kvpilot.operator.api.access import AuthSpec, NetworkPeer
 from kvpilot.operator.api.autoscaling import AutoscalingSpec
+from kvpilot.operator.api.base import ApiModel
 from kvpilot.operator.api.common import (
     TP_FITS_NODE,
-    AcceleratorSpec,
-    ApiModel,
-    CelRule,
     CommunicationSpec,
     EngineSpec,
     ModelSource,
-    Overrides,
     ScaleDecision,
     TopologySpec,
     check_fits_node,
-    validations,
 )
+from kvpilot.operator.api.consistency import EXPERTS, check_sections, vendor_rules
 from kvpilot.operator.api.gateway import InferencePoolSpec
+from kvpilot.operator.api.names import MAX_REPLICAS
+from kvpilot.operator.api.overrides import Overrides
+from kvpilot.operator.api.rules import CelRule, validations
 from kvpilot.operator.api.stored import ObservedStatus, StoredObject
 
 ServingMode = Literal["aggregated", "disaggregated"]
@@ -30,10 +32,19 @@ TemplateRole = Literal["prefill", "decode"]
 """Which of the InferenceModel's pool templates: spec.prefill or spec.decode."""
 
 
+REPLICAS_IN_BOUNDS = ("replicas is the starting count of an autoscaled pool and must lie "
+                     "within autoscaling.minReplicas..maxReplicas: move it between them")
+TEMPLATE_RULES = [CelRule("!has(self.autoscaling) || (self.replicas >= "
+                          "self.autoscaling.minReplicas && self.replicas <= "
+                          "self.autoscaling.maxReplicas)", REPLICAS_IN_BOUNDS, ".replicas")]
+
+
 class PoolTemplate(ApiModel):
     """What the InferenceModel asks of one of its pools (prefill or decode)."""
 
-    replicas: int = Field(default=1, ge=0)
+    model_config = ConfigDict(json_schema_extra=validations(TEMPLATE_RULES))
+
+    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
     """Replicas when autoscaling is off; the starting count when it is on."""
     autoscaling: AutoscalingSpec | None = None
     """Scale this pool on KV-cache pressure and queue depth."""
@@ -41,6 +52,15 @@ class PoolTemplate(ApiModel):
     """Overrides spec.topology for this pool (e.g. a smaller TP for prefill)."""
     overrides: Overrides | None = None
     """Overrides spec.overrides for this pool's pods."""
+
+    @model_validator(mode="after")
+    def _replicas_in_bounds(self) -> PoolTemplate:
+        bounds = self.autoscaling
+        if bounds is not None and not bounds.min_replicas <= self.replicas <= bounds.max_replicas:
+            raise ValueError(f"replicas={self.replicas} outside autoscaling.minReplicas="
+                             f"{bounds.min_replicas}..maxReplicas={bounds.max_replicas}: "
+                             f"{REPLICAS_IN_BOUNDS}")
+        return self
 
 
 class RouterSpec(ApiModel):
@@ -50,6 +70,9 @@ class RouterSpec(ApiModel):
     """Router replicas (stateless; 0 disables the router)."""
     policy: RoutingPolicy = "prefix-aware"
     """How the router picks an engine for each request."""
+    allow_from: list[NetworkPeer] | None = Field(default=None, max_length=32)
+    """Who may connect to the router (NetworkPolicy peers); unset: anyone, as for a plain
+    Service. The operator may always connect (it scrapes /metrics)."""
 
 
 def _budget_rule(path: str) -> str:
@@ -96,6 +119,13 @@ INFERENCE_MODEL_RULES = [
             f"{_pool_floor_gpus('prefill')} : 0) <= self.gpuBudget",
             "the pools at their floor (autoscaling.minReplicas, else replicas) need more GPUs than "
             "gpuBudget: raise gpuBudget or lower the replicas", ".gpuBudget"),
+    *vendor_rules("self.accelerator.vendor", "false", [
+        "self.communication.env", "self.overrides.env", "self.decode.overrides.env",
+        "self.prefill.overrides.env"], "self.communication.nvlsEnable"),
+    CelRule("has(self.model.numExperts) || (self.topology.expertParallel == 1 && "
+            "(!has(self.decode.topology) || self.decode.topology.expertParallel == 1) && "
+            "(!has(self.prefill) || !has(self.prefill.topology) || "
+            "self.prefill.topology.expertParallel == 1))", EXPERTS, ".model.numExperts"),
 ]
 
 
@@ -129,6 +159,8 @@ class InferenceModelSpec(ApiModel):
     pools, and one replica of every pool must fit in it."""
     overrides: Overrides = Field(default_factory=Overrides, json_schema_extra={"default": {}})
     """Pod settings applied to every pool."""
+    auth: AuthSpec = Field(default_factory=AuthSpec, json_schema_extra={"default": {}})
+    """Client authentication of the OpenAI API (engines and router)."""
     progress_deadline_seconds: int | None = Field(default=None, ge=60)
     """Seconds a replica may stay not ready (downloading, loading, waiting for a node) before
     its pool reports ProgressDeadlineExceeded (default 3600)."""
@@ -163,6 +195,11 @@ class InferenceModelSpec(ApiModel):
             if need > self.gpu_budget:
                 raise ValueError(f"{need} GPUs at the pools' floor > gpuBudget={self.gpu_budget}: "
                                  f"{rules[7]}")
+        pools = [t for t in (self.decode, self.prefill) if t is not None]
+        check_sections(self.model, [self.topology, *(t.topology for t in pools)],
+                       self.accelerator, self.communication,
+                       [self.communication.env, self.overrides.env,
+                        *(t.overrides.env for t in pools if t.overrides)])
         return self
 
     def pool_topology(self, role: TemplateRole) -> TopologySpec:

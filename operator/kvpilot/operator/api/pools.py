@@ -6,21 +6,23 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from kvpilot.operator.api.accelerator import AcceleratorSpec
+from kvpilot.operator.api.access import AuthSpec, NetworkPeer
 from kvpilot.operator.api.autoscaling import AutoscalingSpec
+from kvpilot.operator.api.base import ApiModel
 from kvpilot.operator.api.common import (
     TP_FITS_NODE,
-    AcceleratorSpec,
-    ApiModel,
-    CelRule,
     CommunicationSpec,
     EngineSpec,
     ModelSource,
-    Overrides,
     ScaleDecision,
     TopologySpec,
     check_fits_node,
-    validations,
 )
+from kvpilot.operator.api.consistency import EXPERTS, check_sections, vendor_rules
+from kvpilot.operator.api.names import MAX_REPLICAS
+from kvpilot.operator.api.overrides import Overrides
+from kvpilot.operator.api.rules import CelRule, validations
 from kvpilot.operator.api.stored import ObservedStatus, StoredObject
 
 POOL_RULES = [
@@ -33,6 +35,11 @@ POOL_RULES = [
             "!has(self.accelerator.gpusPerNode) || "
             "self.topology.tensorParallel <= self.accelerator.gpusPerNode",
             TP_FITS_NODE, ".topology.tensorParallel"),
+    *vendor_rules("self.accelerator.vendor", "!has(self.accelerator)",
+                  ["self.communication.env", "self.overrides.env"],
+                  "self.communication.nvlsEnable"),
+    CelRule("!has(self.model) || has(self.model.numExperts) || !has(self.topology) || "
+            "self.topology.expertParallel == 1", EXPERTS, ".topology.expertParallel"),
 ]
 
 
@@ -48,7 +55,7 @@ class PoolSpec(ApiModel):
     """Inline model, instead of modelRef."""
     engine: EngineSpec | None = None
     """Inline engine settings (only with model)."""
-    replicas: int = Field(default=1, ge=0)
+    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
     """Engine replicas; the scale subresource and the autoscaler write it."""
     topology: TopologySpec | None = None
     """Parallelism of each replica (unset: the InferenceModel's, else 1/1/1)."""
@@ -60,6 +67,12 @@ class PoolSpec(ApiModel):
     """Scale on KV-cache pressure and queue depth; absent means fixed replicas."""
     overrides: Overrides | None = None
     """Pod settings (unset: the InferenceModel's)."""
+    auth: AuthSpec | None = None
+    """Client authentication of the engines' API (unset: the InferenceModel's)."""
+    allow_from: list[NetworkPeer] | None = Field(default=None, max_length=32)
+    """Who besides the InferenceModel's router and the operator may connect to the engines'
+    HTTP port (NetworkPolicy peers); unset: nobody else. A pool without an InferenceModel
+    has no router: name its clients here."""
     progress_deadline_seconds: int | None = Field(default=None, ge=60)
     """Seconds a replica may stay not ready before the pool reports ProgressDeadlineExceeded
     (unset: the InferenceModel's, else 3600)."""
@@ -72,6 +85,9 @@ class PoolSpec(ApiModel):
         if self.engine is not None and self.model is None:
             raise ValueError(POOL_RULES[1].message)
         check_fits_node(self.topology, self.accelerator)
+        check_sections(self.model, [self.topology], self.accelerator, self.communication,
+                       [self.communication.env if self.communication else {},
+                        self.overrides.env if self.overrides else {}])
         return self
 
 

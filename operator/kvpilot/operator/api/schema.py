@@ -15,11 +15,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from kvpilot.operator.api.names import name_rules
+
 # JSON Schema keywords Kubernetes accepts in a CRD's openAPIV3Schema (subset we emit).
 _KEEP = {
     "type", "description", "properties", "required", "items", "additionalProperties", "enum",
     "default", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
-    "maxLength", "pattern", "minItems", "maxItems", "format", "nullable",
+    "maxLength", "pattern", "minItems", "maxItems", "minProperties", "maxProperties", "format",
+    "nullable",
     "x-kubernetes-validations", "x-kubernetes-preserve-unknown-fields",
     "x-kubernetes-int-or-string", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
 }
@@ -88,6 +91,8 @@ def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     if node.get("const") is not None:
         node["enum"] = [node.pop("const")]
     out = _keep(node)
+    if out.get("type") == "object" and "maxLength" in out:
+        out["maxProperties"] = out.pop("maxLength")  # pydantic's max_length of a dict
     if out.get("type") == "object":
         props = node.get("properties")
         if props:
@@ -146,6 +151,8 @@ def crd(kind: Kind, group: str, version: str) -> dict[str, Any]:
             "status": status_schema,
         },
         "required": ["spec"],
+        # Only root rules may read metadata.name; they bound the names the operator derives.
+        "x-kubernetes-validations": [rule.to_json() for rule in name_rules(kind.kind)],
     }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

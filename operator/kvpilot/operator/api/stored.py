@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
-from kvpilot.operator.api.common import CONDITIONS_LIST, ApiModel, Condition
+from kvpilot.operator.api.base import ApiModel
+from kvpilot.operator.api.common import CONDITIONS_LIST, Condition
+from kvpilot.operator.api.names import check_name
 
 
 class FieldDrift(ApiModel):
@@ -42,3 +44,10 @@ class StoredObject(ApiModel):
 
     api_version: str = "kvpilot.dev/v1alpha1"
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _name(self) -> StoredObject:
+        name = self.metadata.get("name")
+        if name is not None:
+            check_name(type(self).model_fields["kind"].default, str(name))
+        return self

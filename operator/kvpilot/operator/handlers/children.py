@@ -1,4 +1,11 @@
-"""Applying rendered children by server-side apply, and removing the ones a spec no longer renders."""
+"""Applying rendered children by server-side apply, and removing the ones a spec no longer renders.
+
+Create-only children (the fleet Secret) are the exception: server-side apply is a PATCH, and
+a PATCH would both need and use the right to overwrite any Secret of the namespace. They are
+created (a POST under kvpilot's field manager, so `managedFields` name kvpilot) when absent
+and left as they are when present (409): never read, never changed, never listed for
+pruning; their owner reference deletes them with their owner.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ from typing import Any
 from kvpilot.operator.handlers.events import record
 from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.kube.diff import without
-from kvpilot.operator.kube.errors import Conflict, FieldConflict
+from kvpilot.operator.kube.errors import Conflict, FieldConflict, KubeError
 from kvpilot.operator.ownership import (
     HANDOVER_MANAGER,
     REPLICAS,
@@ -84,6 +91,17 @@ async def apply_owned(kube: Kube, obj: Mapping[str, Any], applied: Applied,
         applied.changes.append(f"{key[0]}/{key[1]} changed")
 
 
+async def create_once(kube: Kube, obj: Mapping[str, Any], applied: Applied) -> None:
+    """Creates `obj` unless an object of its name exists (which is left untouched)."""
+    try:
+        await kube.create(obj)
+    except KubeError as exc:
+        if exc.status == 409:
+            return
+        raise
+    applied.changes.append(f"{obj['kind']}/{obj['metadata']['name']} created")
+
+
 async def listed(kube: Kube, kinds: Iterable[tuple[str, str]], namespace: str,
                  labels: Mapping[str, str]) -> dict[Key, tuple[str, dict[str, Any]]]:
     """Gives the objects of `kinds` with `labels`: {(kind, name): (apiVersion, object)}."""
@@ -97,18 +115,22 @@ async def listed(kube: Kube, kinds: Iterable[tuple[str, str]], namespace: str,
 async def sync_children(kube: Kube, owner: Mapping[str, Any], objects: Sequence[Mapping[str, Any]],
                         kinds: Iterable[tuple[str, str]], labels: Mapping[str, str], *,
                         prune_stale: bool,
-                        pools: Mapping[str, PoolApply] | None = None) -> Applied:
+                        pools: Mapping[str, PoolApply] | None = None,
+                        create_only: Sequence[Mapping[str, Any]] = ()) -> Applied:
     """Gives what applying `objects` did, after deleting `owner`'s children of `kinds` it no longer
     renders (when `prune_stale`: the current children are listed first) and posting one
     Reconciled event listing the changes and one FieldConflict warning per child that drifted.
 
-    `pools` replaces the body of the named pools and adds their replicas handover. API errors
+    `pools` replaces the body of the named pools and adds their replicas handover;
+    `create_only` objects are created first when absent, never applied. API errors
     propagate: the caller decides between retrying and rejecting.
     """
     meta = owner["metadata"]
     current = await listed(kube, kinds, meta["namespace"], labels) if prune_stale else None
     before = {key: obj for key, (_, obj) in current.items()} if current is not None else None
     applied = Applied()
+    for obj in create_only:  # before the pods that mount them
+        await create_once(kube, obj, applied)
     for obj in objects:
         plan = (pools or {}).get(obj["metadata"]["name"]) if obj["kind"].endswith("Pool") else None
         handover = plan.handover if plan is not None else None

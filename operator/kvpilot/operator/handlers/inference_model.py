@@ -10,21 +10,18 @@ import aiohttp
 import kopf
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.api.names import pool_name
 from kvpilot.operator.diagnose import Diagnosis
 from kvpilot.operator.handlers.children import field_conflicts, sync_children
 from kvpilot.operator.handlers.events import record_transition
 from kvpilot.operator.handlers.observed import Observed
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
+from kvpilot.operator.handlers.worker import off_loop
 from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.kube.errors import KubeError
 from kvpilot.operator.ownership import PoolApply, pool_apply, replicas_owner
-from kvpilot.operator.render.children import (
-    OwnedPool,
-    owned_pools,
-    pool_name,
-    pool_specs,
-    render_children,
-)
+from kvpilot.operator.render.children import OwnedPool, pool_specs, render_model
+from kvpilot.operator.render.fleet import fleet_secret
 from kvpilot.operator.render.gateway import INFERENCE_POOL_API
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, RenderConfig
 from kvpilot.operator.render.router import endpoint_url
@@ -41,7 +38,8 @@ OWNED_KINDS = [
     (GROUP_VERSION, "PrefillPool"), (GROUP_VERSION, "DecodePool"), ("v1", "ConfigMap"),
     ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
-    ("v1", "PersistentVolumeClaim"), ("batch/v1", "Job"),
+    ("networking.k8s.io/v1", "NetworkPolicy"), ("v1", "PersistentVolumeClaim"),
+    ("batch/v1", "Job"),
 ]
 
 
@@ -104,19 +102,18 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     observed = Observed.of(kwargs)
     im = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta)}
     try:
-        parsed = InferenceModelSpec.model_validate(dict(spec))
-        pools = owned_pools(parsed, name)
-        children = render_children(im, parsed, pools, memo.render)
+        rendered = await off_loop(render_model, im, dict(spec), memo.render)
     except ValueError as exc:
         await reject(kube, im, patch, status, "InvalidSpec", describe_error(exc), now)
         return
-    indexed = observed.model_pools(meta["uid"])
-    writes = pool_writes(pools, children, indexed)
+    parsed, pools, children = rendered.spec, rendered.pools, rendered.children
+    writes = pool_writes(pools, children, observed.model_pools(meta["uid"]))
     try:
         # A new object has nothing stale to remove.
         applied = await sync_children(kube, im, children, owned_kinds(memo.render),
                                       {MODEL_LABEL: name},
-                                      prune_stale=reason != "create", pools=writes)
+                                      prune_stale=reason != "create", pools=writes,
+                                      create_only=[fleet_secret(name, namespace, im)])
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
         await reject_apply_error(exc, kube, im, patch, status, now)
         return

@@ -14,8 +14,10 @@ from kvpilot.operator.handlers.events import record_transition
 from kvpilot.operator.handlers.observed import Observed
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.handlers.resolve import resolve_stored_pool
+from kvpilot.operator.handlers.worker import off_loop
 from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.kube.errors import KubeError
+from kvpilot.operator.render.fleet import fleet_secret
 from kvpilot.operator.render.meta import GROUP_VERSION, POOL_LABEL, RenderConfig
 from kvpilot.operator.render.pool import pool_selector, render_pool
 from kvpilot.operator.render.workloads import LWS_API_VERSION
@@ -55,15 +57,19 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
             "spec": dict(spec)}
     try:
         resolved = await resolve_stored_pool(kube, body["kind"], namespace, spec, models_by_name)
-        objects = render_pool(pool, resolved, config)
+        objects = await off_loop(render_pool, pool, resolved, config)
     except ValueError as exc:
         await reject(kube, pool, patch, status, "InvalidSpec", describe_error(exc), now)
         return
-    kinds = [*workload_kinds(config), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
+    kinds = [*workload_kinds(config), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"),
+             ("networking.k8s.io/v1", "NetworkPolicy")]
     try:
         # Pruning covers scale-down of multi-node groups and a single/multi-node switch.
+        # No InferenceModel makes a standalone pool's fleet Secret: the pool does.
+        secret = [fleet_secret(meta["name"], namespace, pool)] if resolved.model_ref is None \
+            else []
         applied = await sync_children(kube, pool, objects, kinds, {POOL_LABEL: meta["name"]},
-                                      prune_stale=reason != "create")
+                                      prune_stale=reason != "create", create_only=secret)
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
         await reject_apply_error(exc, kube, pool, patch, status, now)
         return

@@ -33,12 +33,14 @@ FIELD_MANAGER = "kvpilot"
 
 def resource_path(api_version: str, kind: str, namespace: str | None,
                   name: str | None = None, subresource: str | None = None) -> str:
-    """Gives the REST path of a kind (plural = lower-case kind + 's', true for every kind used)."""
+    """Gives the REST path of a kind (plural: lower-case kind + 's', or 'y' -> 'ies' as in
+    networkpolicies; true for every kind used)."""
     root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     parts = [root]
     if namespace:
         parts += ["namespaces", namespace]
-    parts.append(kind.lower() + "s")
+    lower = kind.lower()
+    parts.append(lower[:-1] + "ies" if lower.endswith("y") else lower + "s")
     if name:
         parts.append(name)
     if subresource:

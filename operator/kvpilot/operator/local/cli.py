@@ -42,6 +42,18 @@ def write_fleet_secret() -> Path:
     return Path(path)
 
 
+def check_api_key(manifest: dict[str, Any]) -> None:
+    """Raises ValueError when the manifest asks for an API key that the local processes,
+    which cannot read a Secret, would not get from $KVPILOT_API_KEY."""
+    from kvpilot.engine.contracts.args import API_KEY_ENV, resolve_api_key
+
+    ref = ((manifest.get("spec") or {}).get("auth") or {}).get("apiKeySecretRef")
+    if ref and resolve_api_key(None) is None:
+        raise ValueError(f"spec.auth.apiKeySecretRef names Secret {ref.get('name')!r}, which "
+                         f"kvpilot up cannot read: export {API_KEY_ENV}=<the key> (every "
+                         "process inherits it), or remove spec.auth to run the API open")
+
+
 def _once(url: str, model: str) -> str:
     """Gives the answer to one greedy chat request through the router."""
     import httpx
@@ -91,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         engines, router = plan_local(manifest, free_port, args.port,
                                      instances_file=str(instances_file),
                                      fleet_secret_file=str(secret_file))
+        check_api_key(manifest)
     except (OSError, ValueError, yaml.YAMLError) as exc:
         secret_file.unlink()
         print(f"kvpilot up: {args.file}: {exc}", file=sys.stderr)

@@ -15,16 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import SPEC_BY_KIND
-from kvpilot.operator.render.children import OwnedPool, owned_pools, render_children
+from kvpilot.operator.render.children import OwnedPool, render_model
 from kvpilot.operator.render.meta import COMPONENT_LABEL, RenderConfig
 from kvpilot.operator.render.pool import render_pool
 
 LOCALHOST = "127.0.0.1"
 # Flags whose values a local process gets instead of the pod's.
 ROUTER_DROPPED = ("--discovery", "--namespace", "--selector", "--port-name", "--host", "--port",
-                  "--instances", "--instances-file")
+                  "--instances", "--instances-file", "--fleet-secret-file")
 
 
 @dataclass
@@ -90,14 +89,13 @@ def manifest_objects(manifest: dict[str, Any], config: RenderConfig) -> tuple[
     if manifest.get("kind") != "InferenceModel":
         raise ValueError(f"kind={manifest.get('kind')!r} is not supported by kvpilot up: "
                          "pass an InferenceModel manifest")
-    spec = InferenceModelSpec.model_validate(manifest.get("spec") or {})
     meta = manifest.get("metadata") or {}
     im = {"apiVersion": manifest.get("apiVersion", "kvpilot.dev/v1alpha1"),
           "kind": "InferenceModel",
           "metadata": {"name": meta.get("name", "local"), "namespace": "default",
                        "uid": "local", "generation": 1}}
-    pools = owned_pools(spec, im["metadata"]["name"])
-    return pools, render_children(im, spec, pools, config)
+    rendered = render_model(im, manifest.get("spec") or {}, config)
+    return rendered.pools, rendered.children
 
 
 def instances_text(engines: list[LocalProcess]) -> str:
@@ -125,7 +123,7 @@ def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_po
         pool = {**pool, "metadata": {**pool["metadata"], "uid": "local"}}
         pool_spec = resolved[pool["metadata"]["name"]]
         for workload in render_pool(pool, pool_spec, config):
-            if workload["kind"] in ("Service", "PodDisruptionBudget"):
+            if workload["kind"] in ("Service", "PodDisruptionBudget", "NetworkPolicy"):
                 continue
             if workload["kind"] != "Deployment":
                 raise ValueError(
@@ -139,8 +137,9 @@ def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_po
                 port = free_port()
                 argv = _set_flag(_set_flag(_command(container), "--host", LOCALHOST),
                                  "--port", str(port))
-                if fleet_secret_file:
-                    argv = _set_flag(argv, "--fleet-secret-file", fleet_secret_file)
+                # The pods' fleet Secret is a file only on Kubernetes: the local fleet's own
+                # file, else none.
+                argv = _set_flag(argv, "--fleet-secret-file", fleet_secret_file)
                 engines.append(LocalProcess(name, role, argv, _env(container, name), port,
                                             workload["metadata"]["name"]))
     routers = [o for o in children if o["kind"] == "Deployment"

@@ -21,35 +21,21 @@ import math
 from dataclasses import dataclass, field
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.operator.api.common import AcceleratorSpec
+from kvpilot.operator.api.accelerator import (
+    AMD_MEMORY_GB,
+    AMD_PARTITIONABLE,
+    LOGICAL_PER_GPU,
+    NVIDIA_MODELS,
+    PHYSICAL_GPUS_PER_NODE,
+    VALID_AMD_MODES,
+    AcceleratorSpec,
+)
 
 GIB = 2**30
 GB = 10**9
 
 AMD_PARTITION_LABELS = ("amd.com/compute-memory-partition", "amd.com/gpu.compute-memory-partition")
 NVIDIA_PRODUCT_LABEL = "nvidia.com/gpu.product"
-
-# Logical GPUs one physical AMD GPU becomes in each compute partition mode.
-LOGICAL_PER_GPU = {"SPX": 1, "DPX": 2, "QPX": 4, "CPX": 8}
-# (compute, memory) pairs AMD validates on MI300-series GPUs.
-VALID_AMD_MODES = {("SPX", "NPS1"), ("DPX", "NPS1"), ("QPX", "NPS1"), ("CPX", "NPS1"),
-                   ("CPX", "NPS4")}
-PHYSICAL_GPUS_PER_NODE = 8
-
-# HBM per physical GPU in GB (vendor-rated, decimal).
-AMD_MEMORY_GB = {"MI300X": 192, "MI325X": 256, "MI250X": 128, "MI210": 64}
-# Models with compute/memory partitioning (CDNA 3).
-AMD_PARTITIONABLE = ("MI300X", "MI325X")
-# NVIDIA model -> (memory GB, GPU feature discovery product label values).
-NVIDIA_MODELS: dict[str, tuple[int, tuple[str, ...]]] = {
-    "H100-80GB": (80, ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe")),
-    "H200": (141, ("NVIDIA-H200",)),
-    "B200": (180, ("NVIDIA-B200",)),
-    "A100-80GB": (80, ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe")),
-    "A100-40GB": (40, ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB")),
-    "L40S": (48, ("NVIDIA-L40S",)),
-    "L4": (24, ("NVIDIA-L4",)),
-}
 
 
 class AcceleratorError(ValueError):
@@ -123,10 +109,7 @@ def placement(acc: AcceleratorSpec) -> Placement:
 def _nvidia(acc: AcceleratorSpec) -> Placement:
     toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     memory, terms = None, []
-    if acc.model is not None:
-        if acc.model not in NVIDIA_MODELS:
-            raise AcceleratorError(f"accelerator.model={acc.model!r} is not a known NVIDIA model: "
-                                   f"use one of {', '.join(NVIDIA_MODELS)}")
+    if acc.model is not None:  # AcceleratorSpec admits known models only
         gb, products = NVIDIA_MODELS[acc.model]
         memory = gb * GB
         terms = [[{"key": NVIDIA_PRODUCT_LABEL, "operator": "In", "values": list(products)}]]

@@ -16,7 +16,8 @@ Order of precedence: defaults < typed fields < communication.env.
 
 from __future__ import annotations
 
-from kvpilot.operator.api.common import AcceleratorSpec, CommunicationSpec
+from kvpilot.operator.api.accelerator import AcceleratorSpec
+from kvpilot.operator.api.common import CommunicationSpec
 from kvpilot.operator.planning.topology import TopologyPlan
 
 MI300_SERIES = ("MI300X", "MI325X")

@@ -5,13 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.operator.api.common import (
-    AcceleratorSpec,
-    CommunicationSpec,
-    EngineSpec,
-    ModelSource,
-    TopologySpec,
-)
+from kvpilot.operator.api.accelerator import AcceleratorSpec
+from kvpilot.operator.api.common import CommunicationSpec, EngineSpec, ModelSource, TopologySpec
 from kvpilot.operator.planning import comm, topology
 
 

@@ -9,20 +9,18 @@ engine ConfigMap, `kvpilot up` and the autoscaler read the `ResolvedPool` it giv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from kvpilot.operator.api.accelerator import AcceleratorSpec
+from kvpilot.operator.api.access import AuthSpec, NetworkPeer
 from kvpilot.operator.api.autoscaling import AutoscalingSpec
-from kvpilot.operator.api.common import (
-    AcceleratorSpec,
-    CommunicationSpec,
-    EngineSpec,
-    ModelSource,
-    Overrides,
-    TopologySpec,
-)
+from kvpilot.operator.api.common import CommunicationSpec, EngineSpec, ModelSource, TopologySpec
+from kvpilot.operator.api.consistency import check_sections
 from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.api.overrides import Overrides
 from kvpilot.operator.api.pools import AnyPoolSpec
+from kvpilot.operator.planning.kv_cache import check_kv_cache
 from kvpilot.operator.planning.placement import PodPlacement, plan_placement
 
 # A replica may take this long to become ready (download, load, a node) before its pool
@@ -46,6 +44,10 @@ class ResolvedPool:
     communication: CommunicationSpec
     overrides: Overrides
     placement: PodPlacement
+    auth: AuthSpec = field(default_factory=AuthSpec)
+    """Client authentication of the engines' API."""
+    allow_from: tuple[NetworkPeer, ...] = ()
+    """Who besides the model's router and the operator may reach the engines' HTTP port."""
     autoscaling: AutoscalingSpec | None = None
     """Absent: the pool keeps its replicas."""
     model_ref: str | None = None
@@ -62,6 +64,8 @@ class ResolvedPool:
             "communication": self.communication.to_json(),
             "overrides": self.overrides.to_json(), "role": self.role,
         }
+        if self.auth.api_key_secret_ref is not None:  # absent: the hash of older specs holds
+            out["auth"] = self.auth.to_json()
         if self.model_ref is not None:
             out["modelRef"] = self.model_ref
         if self.autoscaling is not None:
@@ -79,7 +83,9 @@ def _pick(own: Section | None, inherited: Section | None, default: Section) -> S
 
 def resolve_pool(spec: AnyPoolSpec, owner: InferenceModelSpec | None) -> ResolvedPool:
     """Gives the pool with every section filled (own value, else `owner`'s, else the default)
-    and its placement planned; raises ValueError naming the field when it cannot run."""
+    and its placement planned; raises ValueError naming the field when it cannot run: the
+    sections contradict each other, the KV cache cannot hold one sequence, or its replicas
+    need more GPUs than the InferenceModel's gpuBudget."""
     model = _pick(spec.model, owner.model if owner else None, None)
     if model is None:
         raise ValueError(f"spec.modelRef={spec.model_ref!r} names no InferenceModel in this "
@@ -92,12 +98,23 @@ def resolve_pool(spec: AnyPoolSpec, owner: InferenceModelSpec | None) -> Resolve
                         AcceleratorSpec())
     communication = _pick(spec.communication, owner.communication if owner else None,
                           CommunicationSpec())
+    overrides = _pick(spec.overrides, owner.overrides if owner else None, Overrides())
+    check_sections(model, [topology], accelerator, communication,
+                   [communication.env, overrides.env])
+    check_kv_cache(model, engine, accelerator.vendor)
+    placement = plan_placement(topology, model, accelerator, engine, communication)
+    budget = owner.gpu_budget if owner else None
+    gpus = spec.replicas * placement.gpus_per_pod * placement.nodes_per_replica
+    if budget is not None and gpus > budget:
+        raise ValueError(f"spec.replicas={spec.replicas} x {gpus // spec.replicas} GPUs per "
+                         f"replica = {gpus} GPUs > the InferenceModel's gpuBudget={budget}: "
+                         "lower replicas or raise gpuBudget")
     return ResolvedPool(
         role=spec.role, replicas=spec.replicas, model=model, engine=engine, topology=topology,
-        accelerator=accelerator, communication=communication,
-        overrides=_pick(spec.overrides, owner.overrides if owner else None, Overrides()),
-        placement=plan_placement(topology, model, accelerator, engine, communication),
-        autoscaling=spec.autoscaling, model_ref=spec.model_ref,
+        accelerator=accelerator, communication=communication, overrides=overrides,
+        placement=placement, autoscaling=spec.autoscaling, model_ref=spec.model_ref,
+        auth=_pick(spec.auth, owner.auth if owner else None, AuthSpec()),
+        allow_from=tuple(spec.allow_from or ()),
         progress_deadline_seconds=_pick(
             spec.progress_deadline_seconds, owner.progress_deadline_seconds if owner else None,
             PROGRESS_DEADLINE_SECONDS))

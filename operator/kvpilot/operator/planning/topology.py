@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.operator.api.common import AcceleratorSpec, EngineSpec, ModelSource, TopologySpec
+from kvpilot.operator.api.accelerator import AcceleratorSpec
+from kvpilot.operator.api.common import EngineSpec, ModelSource, TopologySpec
 from kvpilot.operator.planning.accelerators import (
     Placement,
     bytes_per_param,

@@ -10,32 +10,23 @@ the pool's own handler rolls its workloads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec, PoolTemplate, TemplateRole
+from kvpilot.operator.api.names import check_name, engine_config_name, pool_name
 from kvpilot.operator.api.pools import AnyPoolSpec, DecodePoolSpec, PrefillPoolSpec
 from kvpilot.operator.planning.pool import ResolvedPool, resolve_pool
 from kvpilot.operator.render.engine_args import serve_args
 from kvpilot.operator.render.gateway import render_inference_pool
-from kvpilot.operator.render.meta import (
-    GROUP_VERSION,
-    MODEL_LABEL,
-    RenderConfig,
-    child_name,
-    object_meta,
-)
+from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, RenderConfig, object_meta
+from kvpilot.operator.render.pool import check_pool_size
 from kvpilot.operator.render.router import render_router
 from kvpilot.operator.render.weight_cache import weight_cache
 from kvpilot.operator.render.weights import model_location
 
 MODEL_GENERATION_ANNOTATION = "kvpilot.dev/model-generation"
-
-
-def pool_name(model: str, role: str) -> str:
-    """Gives the name of an InferenceModel's prefill or decode pool."""
-    return child_name(model, "prefill" if role == "prefill" else "decode")
 
 
 def pool_specs(spec: InferenceModelSpec, model: str) -> list[AnyPoolSpec]:
@@ -46,6 +37,7 @@ def pool_specs(spec: InferenceModelSpec, model: str) -> list[AnyPoolSpec]:
                 "topology": spec.pool_topology(role), "accelerator": spec.accelerator,
                 "communication": spec.communication, "autoscaling": template.autoscaling,
                 "overrides": template.overrides or spec.overrides,
+                "auth": spec.auth if spec.auth.api_key_secret_ref else None,
                 "progress_deadline_seconds": spec.progress_deadline_seconds}
 
     if spec.prefill is None:  # aggregated: one pool serves both phases
@@ -90,7 +82,7 @@ def render_children(im: dict[str, Any], spec: InferenceModelSpec, pools: Sequenc
                    for pool in pools}
     objects.append({
         "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": object_meta(child_name(model, "engine"), namespace, {MODEL_LABEL: model}, im),
+        "metadata": object_meta(engine_config_name(model), namespace, {MODEL_LABEL: model}, im),
         "data": serve_lines,
     })
     location = model_location(spec.model, model)
@@ -109,3 +101,25 @@ def render_children(im: dict[str, Any], spec: InferenceModelSpec, pools: Sequenc
         objects.append(render_inference_pool(model, namespace, serving.name, serving.resolved,
                                              spec.inference_pool, im, config))
     return objects
+
+
+@dataclass(frozen=True)
+class RenderedModel:
+    """An InferenceModel parsed, its pools resolved and its children rendered."""
+
+    spec: InferenceModelSpec
+    pools: list[OwnedPool]
+    children: list[dict[str, Any]]
+
+
+def render_model(im: dict[str, Any], spec: Mapping[str, Any],
+                 config: RenderConfig) -> RenderedModel:
+    """Gives a stored InferenceModel's spec, pools and children; raises ValueError naming the
+    field when any part cannot run, so nothing is applied for a spec the engine would refuse."""
+    name = im["metadata"]["name"]
+    check_name("InferenceModel", name)
+    parsed = InferenceModelSpec.model_validate(dict(spec))
+    pools = owned_pools(parsed, name)
+    for pool in pools:
+        check_pool_size(pool.resolved, config)
+    return RenderedModel(parsed, pools, render_children(im, parsed, pools, config))

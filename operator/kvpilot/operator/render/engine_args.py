@@ -2,10 +2,76 @@
 
 from __future__ import annotations
 
-from kvpilot.engine.contracts.args import EngineArgs, ServerArgs
+import argparse
+from typing import NoReturn
+
+from kvpilot.engine.contracts.args import (
+    EngineArgs,
+    ServerArgs,
+    add_dataclass_args,
+    from_namespace,
+)
+from kvpilot.engine.contracts.fleet_secret import FLEET_SECRET_PATH
 from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.meta import ENGINE_PORT
 from kvpilot.operator.render.weights import model_location
+
+# `kvpilot serve` flags the operator renders itself, and the field (or reason) that sets each.
+OWNED_FLAGS = {
+    "model": "spec.model.source", "served_model_name": "spec.model.name",
+    "load_format": "spec.model.source", "dtype": "spec.engine.dtype",
+    "device": "spec.accelerator.vendor", "max_model_len": "spec.engine.maxModelLen",
+    "block_size": "spec.engine.blockSize", "kv_cache_memory": "spec.engine.kvCacheMemory",
+    "gpu_memory_utilization": "spec.engine.gpuMemoryUtilization",
+    "enable_prefix_caching": "spec.engine.enablePrefixCaching",
+    "max_num_seqs": "spec.engine.maxNumSeqs",
+    "max_num_batched_tokens": "spec.engine.maxNumBatchedTokens",
+    "tensor_parallel_size": "spec.topology", "pipeline_parallel_size": "spec.topology",
+    "expert_parallel_size": "spec.topology", "role": "the pool's kind and spec.servingMode",
+    "host": "the pod network", "port": "the pod's probes and Service",
+    "kv_transfer_port": "the pod's NetworkPolicy and Service",
+    "drain_timeout": "the operator's --drain-timeout",
+    "api_key": "spec.auth.apiKeySecretRef (never a key in a pod's args)",
+    "fleet_secret_file": "the fleet Secret the operator mounts",
+}
+
+
+class _Refusal(argparse.ArgumentParser):
+    """The engine's own flags, raising ValueError where `kvpilot serve` would exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = _Refusal(prog="kvpilot serve", add_help=False, allow_abbrev=False)
+    # `kvpilot serve MODEL` takes the model positionally too (engine/server/cli.py).
+    parser.add_argument("model_tag", nargs="?", default=None)
+    add_dataclass_args(parser, EngineArgs)
+    add_dataclass_args(parser, ServerArgs)
+    return parser
+
+
+def check_extra_args(extra: list[str]) -> None:
+    """Raises ValueError naming spec.engine.extraArgs when `kvpilot serve` would refuse them
+    or when they set a flag (or the positional MODEL) the operator renders from a field."""
+    given = [arg.split("=", 1)[0] for arg in extra if arg.startswith("--")]
+    for flag in given:
+        dest = flag.removeprefix("--").removeprefix("no-").replace("-", "_")
+        if dest in OWNED_FLAGS:
+            raise ValueError(f"spec.engine.extraArgs sets {flag}, which the operator renders "
+                             f"from {OWNED_FLAGS[dest]}: remove it from extraArgs")
+    try:
+        parsed = _serve_parser().parse_args(extra)
+        from_namespace(EngineArgs, parsed)
+        from_namespace(ServerArgs, parsed)
+    except ValueError as exc:
+        raise ValueError(f"spec.engine.extraArgs={extra}: kvpilot serve refuses them ({exc}): "
+                         "fix or remove the flag (kvpilot serve --help lists them)") from exc
+    if parsed.model_tag is not None:
+        raise ValueError(f"spec.engine.extraArgs names the model {parsed.model_tag!r}, which "
+                         f"the operator renders from {OWNED_FLAGS['model']}: remove it from "
+                         "extraArgs")
 
 
 def serve_args(pool: ResolvedPool, drain_timeout: int) -> list[str]:
@@ -29,6 +95,8 @@ def serve_args(pool: ResolvedPool, drain_timeout: int) -> list[str]:
         pipeline_parallel_size=topo.pipeline_parallel,
         expert_parallel_size=topo.expert_parallel,
         role=pool.role,
+        fleet_secret_file=FLEET_SECRET_PATH,
     )
     server = ServerArgs(host="0.0.0.0", port=ENGINE_PORT, drain_timeout=float(drain_timeout))
+    check_extra_args(engine.extra_args)
     return [*args.to_cli(), *server.to_cli(), *engine.extra_args]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +35,16 @@ class RenderConfig:
     """Seconds an engine gets to finish in-flight requests after SIGTERM."""
     inference_pool: bool = False
     """Render InferencePools for models that ask (the Gateway API inference CRD is installed)."""
+    max_pool_gpus: int = 4096
+    """Most GPUs one pool may ask for at its replicas: what one object can make the operator
+    render and apply stays bounded even without a gpuBudget."""
+    operator_namespace: str | None = None
+    """Namespace of the operator's pods (None: the models' own), for NetworkPolicies."""
+    operator_pod_labels: tuple[tuple[str, str], ...] = (
+        ("app.kubernetes.io/name", "kvpilot"), ("app.kubernetes.io/component", "operator"))
+    """Labels of the operator's pods: NetworkPolicies let them scrape engines and routers."""
+    metrics_namespaces: tuple[str, ...] = ()
+    """Namespaces (a Prometheus) whose pods may also scrape engines' and routers' /metrics."""
 
 
 def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
@@ -70,12 +79,3 @@ def selector_labels(labels: dict[str, str]) -> dict[str, str]:
     model switches serving mode) and the component stay out of them.
     """
     return {k: v for k, v in labels.items() if k in (MODEL_LABEL, POOL_LABEL, REPLICA_LABEL)}
-
-
-def child_name(*parts: str) -> str:
-    """Gives a DNS-1123 name from parts, shortened with a hash suffix past 63 characters."""
-    name = "-".join(p for p in parts if p).lower()
-    if len(name) <= 63:
-        return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-    return f"{name[:54].rstrip('-')}-{digest}"

@@ -1,19 +1,30 @@
-"""The engine pod template: container, resources, probes, drain hook, shm, security, scrape annotations."""
+"""The engine pod template: container, probes, drain hook, volumes, security, scrape annotations.
+
+Hardened: non-root, no privilege escalation, every capability dropped (RDMA adds back
+IPC_LOCK only), a read-only root filesystem with size-limited emptyDirs where the engine
+writes (/cache: the image's HOME, HF_HOME and TRITON_CACHE_DIR; /tmp; /dev/shm; the
+downloaded weights), no service-account token (engines never call the API server). The
+init container that downloads or waits for the weights (render/weights.py) gets the same.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kvpilot.engine.contracts.args import KV_PORT_OFFSET
-from kvpilot.operator.api.common import Overrides
 from kvpilot.operator.planning.placement import PodPlacement
 from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.engine_args import serve_args
-from kvpilot.operator.render.meta import ENGINE_PORT, RENDEZVOUS_PORT, RenderConfig
+from kvpilot.operator.render.fleet import FLEET_MOUNT, api_key_env, fleet_volume
+from kvpilot.operator.render.meta import ENGINE_PORT, MODEL_LABEL, RENDEZVOUS_PORT, RenderConfig
+from kvpilot.operator.render.resources import FETCH_RESOURCES, engine_resources, gib, weight_bytes
 from kvpilot.operator.render.weights import ModelLocation, model_location, weight_init_containers
 
-# Resource the NVIDIA network operator's RDMA shared device plugin advertises by default.
-RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+# images/engine-*.Dockerfile: HOME=/cache, HF_HOME=/cache/huggingface,
+# TRITON_CACHE_DIR=/cache/triton; compiled kernels and the HF cache's small files go there.
+CACHE_DIR = "/cache"
+CACHE_SIZE = "4Gi"
+TMP_SIZE = "4Gi"
 # preStop pause so Services and the router stop sending before SIGTERM starts the drain.
 PRESTOP_SLEEP_SECONDS = 5
 # The engine loads weights before /health answers; big models need minutes.
@@ -27,7 +38,9 @@ def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfi
     """Gives a PodTemplateSpec running `kvpilot serve` for one resolved pool."""
     overrides, placement = pool.overrides, pool.placement
     location = model_location(pool.model, pool.model_ref)
-    volumes, mounts = _volumes(placement, location)
+    volumes, mounts = _volumes(pool, location)
+    volumes.append(fleet_volume(labels[MODEL_LABEL]))
+    mounts.append(FLEET_MOUNT)
     container: dict[str, Any] = {
         "name": "engine",
         "image": overrides.image or config.engine_image,
@@ -35,7 +48,7 @@ def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfi
         "args": serve_args(pool, config.drain_timeout_seconds),
         "ports": _ports(placement),
         "env": _env(pool, extra_env),
-        "resources": _resources(pool.overrides, placement),
+        "resources": engine_resources(pool),
         "volumeMounts": mounts,
         "startupProbe": _probe("/health", period=10, failures=STARTUP_BUDGET_SECONDS // 10),
         "readinessProbe": _probe("/ready", period=5, failures=2),
@@ -53,9 +66,10 @@ def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfi
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
                             "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
     }
     init = weight_init_containers(location, pool.model, container["image"], overrides.env,
-                                  _container_security(False))
+                                  _container_security(False), FETCH_RESOURCES)
     if init:
         pod["initContainers"] = init
     if overrides.node_selector:
@@ -116,6 +130,7 @@ def _env(pool: ResolvedPool, extra_env: list[dict[str, Any]] | None) -> list[dic
     if secret is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {
             "secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    env += api_key_env(pool.auth)
     env += extra_env or []
     taken = {e["name"] for e in env}
     plain = {**pool.placement.env, **pool.overrides.env}
@@ -123,37 +138,25 @@ def _env(pool: ResolvedPool, extra_env: list[dict[str, Any]] | None) -> list[dic
     return env
 
 
-def _resources(overrides: Overrides, placement: PodPlacement) -> dict[str, Any]:
-    requests: dict[str, Any] = {"cpu": "1", "memory": "2Gi"}
-    limits: dict[str, Any] = {}
-    devices: dict[str, Any] = {}
-    if placement.gpu_resource:
-        devices[placement.gpu_resource] = str(placement.gpus_per_pod)
-    if placement.rdma:
-        devices[RDMA_RESOURCE] = "1"
-    extras = overrides.resources
-    requests.update({k: str(v) for k, v in extras.requests.items()})
-    limits.update({k: str(v) for k, v in extras.limits.items()})
-    # Extended resources cannot be overcommitted: requests must equal limits.
-    requests.update(devices)
-    limits.update(devices)
-    out: dict[str, Any] = {"requests": requests}
-    if limits:
-        out["limits"] = limits
-    return out
-
-
-def _volumes(placement: PodPlacement,
+def _volumes(pool: ResolvedPool,
              location: ModelLocation) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
-        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": placement.shm_size}},
-        {"name": "tmp", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": pool.placement.shm_size}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
+        {"name": "cache", "emptyDir": {"sizeLimit": CACHE_SIZE}},
     ]
     mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"},
-                                    {"name": "tmp", "mountPath": "/tmp"}]
+                                    {"name": "tmp", "mountPath": "/tmp"},
+                                    {"name": "cache", "mountPath": CACHE_DIR}]
     if location.volume is not None and location.mount_path is not None:
+        volume = location.volume
+        weights = weight_bytes(pool)
+        if "emptyDir" in volume and weights is not None:
+            # A per-pod download: the weights plus a tenth for tokenizer, configs and the
+            # download's own files.
+            volume = {**volume, "emptyDir": {"sizeLimit": gib(int(weights * 1.1))}}
         # The engine only reads the weights, whoever writes them (an init container, a Job).
-        volumes.append(location.volume)
+        volumes.append(volume)
         mounts.append({"name": "model", "mountPath": location.mount_path, "readOnly": True})
     return volumes, mounts
 
@@ -169,4 +172,5 @@ def _container_security(rdma: bool) -> dict[str, Any]:
         # Pinning RDMA buffers needs IPC_LOCK; nothing else is added back.
         capabilities["add"] = ["IPC_LOCK"]
     return {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
-            "capabilities": capabilities, "seccompProfile": {"type": "RuntimeDefault"}}
+            "readOnlyRootFilesystem": True, "capabilities": capabilities,
+            "seccompProfile": {"type": "RuntimeDefault"}}

@@ -1,4 +1,5 @@
-"""Everything one PrefillPool or DecodePool owns: workloads, Services and the PodDisruptionBudget."""
+"""Everything one PrefillPool or DecodePool owns: workloads, Services, PodDisruptionBudget and
+NetworkPolicy (and, without an InferenceModel, its fleet Secret, created once: `handlers/children.py`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import hashlib
 import json
 from typing import Any
 
+from kvpilot.operator.api.names import check_name
 from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.meta import RenderConfig, pool_labels, selector_labels
+from kvpilot.operator.render.network import pool_network_policy
 from kvpilot.operator.render.pdb import pool_pdb
 from kvpilot.operator.render.services import pool_service, rendezvous_service
 from kvpilot.operator.render.workloads import pool_workloads
@@ -26,10 +29,25 @@ def spec_hash(pool: ResolvedPool) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def check_pool_size(resolved: ResolvedPool, config: RenderConfig) -> None:
+    """Raises ValueError naming spec.replicas when the pool asks for more GPUs than the
+    operator renders for one pool (checked before any of its objects is built)."""
+    per_replica = resolved.placement.gpus_per_pod * resolved.placement.nodes_per_replica
+    gpus = resolved.replicas * per_replica
+    if gpus > config.max_pool_gpus:
+        raise ValueError(f"spec.replicas={resolved.replicas} x {per_replica} GPUs per replica = "
+                         f"{gpus} GPUs > {config.max_pool_gpus}, the most the operator gives "
+                         "one pool (kvpilot operator --max-pool-gpus): lower the replicas or "
+                         "raise the limit")
+
+
 def render_pool(pool: dict[str, Any], resolved: ResolvedPool,
                 config: RenderConfig) -> list[dict[str, Any]]:
-    """Gives the objects a stored pool owns, rendered from its resolved spec."""
+    """Gives the objects a stored pool owns, rendered from its resolved spec; raises
+    ValueError naming the field when its name or size is out of bounds."""
     name, namespace = pool["metadata"]["name"], pool["metadata"]["namespace"]
+    check_name(pool["kind"], name)
+    check_pool_size(resolved, config)
     labels = pool_labels(pool_model_name(pool), name, resolved.role)
     multi_node = resolved.placement.nodes_per_replica > 1
     objects = pool_workloads(name, namespace, resolved, labels, pool, config,
@@ -39,6 +57,8 @@ def render_pool(pool: dict[str, Any], resolved: ResolvedPool,
     if multi_node and not config.leader_worker_set:
         objects.append(rendezvous_service(name, namespace, labels, pool))
     objects.append(pool_pdb(name, namespace, labels, pool))
+    objects.append(pool_network_policy(name, namespace, labels, pool, resolved.allow_from,
+                                       multi_node, config))
     return objects
 
 

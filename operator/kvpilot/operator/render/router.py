@@ -1,24 +1,38 @@
-"""The router in front of an InferenceModel's pools: Deployment, Service and its discovery RBAC."""
+"""The router in front of an InferenceModel's pools: Deployment, Service, its discovery RBAC and
+NetworkPolicy.
+
+The router is the one kvpilot pod with an API token: it lists its model's EndpointSlices
+(a Role allowing exactly that). The pod mounts no token automatically; the router
+container alone gets it, projected explicitly (as kubelet would, kube-root-ca.crt and the
+namespace beside it), so no other container of the pod ever holds it.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.engine.contracts.fleet_secret import FLEET_SECRET_PATH
 from kvpilot.engine.contracts.router_args import RouterArgs
 from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.api.names import router_name
+from kvpilot.operator.render.fleet import FLEET_MOUNT, api_key_env, fleet_volume
 from kvpilot.operator.render.meta import (
     COMPONENT_LABEL,
     MODEL_LABEL,
     ROUTER_PORT,
     RenderConfig,
-    child_name,
     object_meta,
 )
+from kvpilot.operator.render.network import router_network_policy
 
-
-def router_name(model: str) -> str:
-    """Gives the name of an InferenceModel's router Deployment, Service and ServiceAccount."""
-    return child_name(model, "router")
+TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # where discovery reads it
+# What kubelet projects when it mounts a token itself (3607 s, refreshed by kubelet).
+TOKEN_VOLUME = {"name": "api-token", "projected": {"defaultMode": 0o444, "sources": [
+    {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+    {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+    {"downwardAPI": {"items": [{"path": "namespace",
+                                "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
+]}}
 
 
 def router_labels(model: str) -> dict[str, str]:
@@ -36,6 +50,7 @@ def router_args(model: str, namespace: str, spec: InferenceModelSpec) -> list[st
         policy=spec.router.policy, block_size=spec.engine.block_size,
         # Built-in models ship their tokenizer in the image, so prefix hashes match the engines'.
         tokenizer=source.removeprefix("dummy:") if source.startswith("dummy:") else None,
+        fleet_secret_file=FLEET_SECRET_PATH,
     )
     return args.to_cli()
 
@@ -47,7 +62,8 @@ def endpoint_url(model: str, namespace: str) -> str:
 
 def render_router(model: str, namespace: str, spec: InferenceModelSpec, owner: dict[str, Any],
                   config: RenderConfig) -> list[dict[str, Any]]:
-    """Gives the router's ServiceAccount, Role, RoleBinding, Deployment and Service."""
+    """Gives the router's ServiceAccount, Role, RoleBinding, Deployment, Service and
+    NetworkPolicy."""
     name = router_name(model)
     labels = router_labels(model)
     meta = object_meta(name, namespace, labels, owner)
@@ -57,6 +73,10 @@ def render_router(model: str, namespace: str, spec: InferenceModelSpec, owner: d
         "command": ["kvpilot", "route"],
         "args": router_args(model, namespace, spec),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "env": api_key_env(spec.auth),
+        "volumeMounts": [FLEET_MOUNT, {"name": "tmp", "mountPath": "/tmp"},
+                         {"name": TOKEN_VOLUME["name"], "mountPath": TOKEN_DIR,
+                          "readOnly": True}],
         # /health, not /ready: the router must take requests while a pool scales from
         # zero (it holds them until an engine is ready), so it is ready without engines.
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
@@ -75,8 +95,13 @@ def render_router(model: str, namespace: str, spec: InferenceModelSpec, owner: d
             "template": {
                 "metadata": {"labels": labels, "annotations": {
                     "prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_PORT)}},
-                "spec": {"serviceAccountName": name, "containers": [container],
+                "spec": {"serviceAccountName": name, "automountServiceAccountToken": False,
+                         "containers": [container],
+                         "volumes": [fleet_volume(model), TOKEN_VOLUME,
+                                     {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}],
+                         "enableServiceLinks": False,
                          "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
+                                             "runAsGroup": 1000, "fsGroup": 1000,
                                              "seccompProfile": {"type": "RuntimeDefault"}}},
             },
         },
@@ -97,4 +122,6 @@ def render_router(model: str, namespace: str, spec: InferenceModelSpec, owner: d
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
     }
-    return [account, role, binding, deployment, service]
+    policy = router_network_policy(model, namespace, labels, owner, spec.router.allow_from,
+                                   config)
+    return [account, role, binding, deployment, service, policy]

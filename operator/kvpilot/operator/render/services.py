@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.operator.api.names import rendezvous_service_name
 from kvpilot.operator.render.meta import (
     ENGINE_PORT,
     POD_INDEX_LABEL,
     RENDEZVOUS_PORT,
-    child_name,
     object_meta,
     selector_labels,
 )
@@ -46,11 +46,6 @@ def pool_service(name: str, namespace: str, labels: dict[str, str], owner: dict[
             ],
         },
     }
-
-
-def rendezvous_service_name(pool: str) -> str:
-    """Gives the name of a pool's headless Service (the StatefulSets' governing Service)."""
-    return child_name(pool, "workers")
 
 
 def rendezvous_service(pool: str, namespace: str, labels: dict[str, str],

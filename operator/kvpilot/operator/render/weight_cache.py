@@ -17,7 +17,9 @@ import json
 from typing import Any
 
 from kvpilot.operator.api.common import ModelSource
-from kvpilot.operator.render.meta import MODEL_LABEL, RenderConfig, child_name, object_meta
+from kvpilot.operator.api.names import JOB_DIGEST_CHARS, weights_job_name
+from kvpilot.operator.render.meta import MODEL_LABEL, RenderConfig, object_meta
+from kvpilot.operator.render.resources import FETCH_RESOURCES
 from kvpilot.operator.render.weights import HF_DIR, fetch_args, fetch_env, fetch_request
 from kvpilot.operator.weights.cli import EXIT_FIX_THE_SPEC
 
@@ -25,6 +27,7 @@ WEIGHTS_LABEL = "kvpilot.dev/weights"
 """On the cache claim, its Job and the Job's pods: the claim's name."""
 JOB_BACKOFF_LIMIT = 6  # each retry resumes the partial files on the claim
 JOB_CONTAINER = "fetch-model"
+FETCH_TMP_SIZE = "4Gi"  # HF_HOME (token, locks, Xet caches), as an engine pod's /tmp
 FAILURE_POLICY = {"rules": [
     # `kvpilot fetch` exits 2 when only a spec change helps (gated, no such revision, no file
     # matches): fail the Job now rather than after every backoff.
@@ -50,23 +53,19 @@ def weight_cache(owner: dict[str, Any], model: ModelSource, claim: str,
     claim_object = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                     "metadata": object_meta(claim, namespace, labels, owner), "spec": pvc_spec}
     template = _job_pod(model, claim, config, user_env, labels)
-    digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:6]
+    digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:JOB_DIGEST_CHARS]
     job = {"apiVersion": "batch/v1", "kind": "Job",
-           "metadata": object_meta(job_name(claim, digest), namespace, labels, owner),
+           "metadata": object_meta(weights_job_name(claim, digest), namespace, labels, owner),
            "spec": {"backoffLimit": JOB_BACKOFF_LIMIT, "podFailurePolicy": FAILURE_POLICY,
                     "template": template}}
     return [claim_object, job]
 
 
-def job_name(claim: str, digest: str) -> str:
-    """Gives the name of the Job that fills `claim` with the pod template of `digest`."""
-    return child_name(claim, digest)
-
-
 def _job_pod(model: ModelSource, claim: str, config: RenderConfig, user_env: dict[str, str],
              labels: dict[str, str]) -> dict[str, Any]:
     security = {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
-                "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+                "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+                "seccompProfile": {"type": "RuntimeDefault"}}
     container = {
         "name": JOB_CONTAINER,
         # The operator image: torch-free and small, it carries `kvpilot fetch` too.
@@ -75,17 +74,18 @@ def _job_pod(model: ModelSource, claim: str, config: RenderConfig, user_env: dic
         "env": fetch_env(model, user_env),
         "volumeMounts": [{"name": "model", "mountPath": HF_DIR},
                          {"name": "tmp", "mountPath": "/tmp"}],
-        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"},
-                      "limits": {"memory": "4Gi"}},
+        "resources": FETCH_RESOURCES,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": security,
     }
     return {"metadata": {"labels": dict(labels)},
             "spec": {"restartPolicy": "Never", "containers": [container],
                      "volumes": [{"name": "model", "persistentVolumeClaim": {"claimName": claim}},
-                                 {"name": "tmp", "emptyDir": {}}],
+                                 {"name": "tmp", "emptyDir": {"sizeLimit": FETCH_TMP_SIZE}}],
                      # fsGroup makes the claim writable for the non-root downloader.
                      "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
                                          "runAsGroup": 1000, "fsGroup": 1000,
                                          "seccompProfile": {"type": "RuntimeDefault"}},
-                     "enableServiceLinks": False}}
+                     "enableServiceLinks": False,
+                     # The download never calls the API server.
+                     "automountServiceAccountToken": False}}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator.api.common import ModelSource
-from kvpilot.operator.render.meta import child_name
+from kvpilot.operator.api.names import weights_claim_name
 from kvpilot.operator.weights.request import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, FetchRequest
 
 MODEL_DIR = "/models"
@@ -58,7 +58,7 @@ def fetch_request(model: ModelSource) -> FetchRequest:
 def cache_claim_name(owner: str, request: FetchRequest) -> str:
     """Gives the name of an InferenceModel's weight cache: one per repository, revision and
     filters, so a new revision fills a new claim while the old one still serves."""
-    return child_name(owner, "weights", request.key())
+    return weights_claim_name(owner, request.key())
 
 
 def model_location(model: ModelSource, owner: str | None = None) -> ModelLocation:
@@ -117,8 +117,8 @@ def fetch_env(model: ModelSource, user_env: dict[str, str]) -> list[dict[str, An
 
 
 def weight_init_containers(location: ModelLocation, model: ModelSource, image: str,
-                           user_env: dict[str, str],
-                           security: dict[str, Any]) -> list[dict[str, Any]]:
+                           user_env: dict[str, str], security: dict[str, Any],
+                           resources: dict[str, Any]) -> list[dict[str, Any]]:
     """Gives the init container that puts the weights in place before the engine starts."""
     if location.fetch is None or location.mount_path is None:
         return []
@@ -132,5 +132,6 @@ def weight_init_containers(location: ModelLocation, model: ModelSource, image: s
                          {"name": "tmp", "mountPath": "/tmp"}],
         # The last log lines become the termination message the operator shows on failure.
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        "resources": resources,
         "securityContext": security,
     }]

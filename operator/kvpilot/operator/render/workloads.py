@@ -17,25 +17,20 @@ from kvpilot.engine.contracts.rendezvous import (
     NODE_RANK,
     WORLD_SIZE,
 )
+from kvpilot.operator.api.names import group_name, rendezvous_service_name
 from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.meta import (
     POD_INDEX_LABEL,
     RENDEZVOUS_PORT,
     REPLICA_LABEL,
     RenderConfig,
-    child_name,
     object_meta,
     selector_labels,
 )
 from kvpilot.operator.render.pods import pod_template
-from kvpilot.operator.render.services import LWS_WORKER_INDEX_LABEL, rendezvous_service_name
+from kvpilot.operator.render.services import LWS_WORKER_INDEX_LABEL
 
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
-
-
-def group_name(pool: str, replica: int) -> str:
-    """Gives the StatefulSet name of one multi-node replica."""
-    return child_name(pool, f"g{replica}")
 
 
 def pool_workloads(name: str, namespace: str, pool: ResolvedPool, labels: dict[str, str],

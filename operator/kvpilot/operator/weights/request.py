@@ -36,7 +36,7 @@ class FetchRequest:
     def key(self) -> str:
         """Gives a short digest of the request: caches of different requests never mix."""
         text = json.dumps([self.repo, self.revision, list(self.include), list(self.exclude)])
-        return hashlib.sha256(text.encode()).hexdigest()[:10]
+        return hashlib.sha256(text.encode()).hexdigest()[:10]  # api/names.py: WEIGHTS_KEY_CHARS
 
     def describe(self) -> str:
         """Gives 'org/name@revision' for log lines and messages."""

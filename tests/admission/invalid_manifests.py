@@ -1,0 +1,210 @@
+"""Invalid manifests a user could plausibly write, by category (issue 18's table).
+
+Each entry: (id, manifest, a fragment of the message that must refuse it). The manifests
+are InferenceModels unless they say otherwise; `verdict` gives who refuses each one.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from crd_eval import api_server_errors, load_crds
+
+from kvpilot.operator.api.pools import SPEC_BY_KIND
+from kvpilot.operator.planning.pool import resolve_pool
+from kvpilot.operator.render.children import render_model
+from kvpilot.operator.render.meta import RenderConfig
+from kvpilot.operator.render.pool import render_pool
+from kvpilot.operator.status import describe_error
+
+TINY = {"model": {"name": "tiny", "source": "dummy:tiny-llama"}, "accelerator": {"vendor": "cpu"}}
+LLAMA = {"model": {"name": "llama", "source": "hf://meta-llama/Llama-3.1-70B-Instruct",
+                   "numAttentionHeads": 64, "numKeyValueHeads": 8, "numLayers": 80,
+                   "parameterCount": 70_000_000_000},
+         "topology": {"tensorParallel": 8}, "accelerator": {"vendor": "nvidia",
+                                                             "model": "H100-80GB"}}
+AMD = {"vendor": "amd", "model": "MI300X"}
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Gives `base` with `extra` merged in, dicts recursively (a merge patch without nulls)."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and \
+            isinstance(out.get(key), dict) else value
+    return out
+
+
+def im(name: str = "m", base: dict[str, Any] = TINY, **spec: Any) -> dict[str, Any]:
+    """Gives an InferenceModel manifest: `base` with `spec` merged in."""
+    return {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel",
+            "metadata": {"name": name, "namespace": "default"}, "spec": merge(base, spec)}
+
+
+def pool(kind: str = "DecodePool", name: str = "p", **spec: Any) -> dict[str, Any]:
+    """Gives a pool manifest with an inline tiny CPU model unless `spec` says otherwise."""
+    return {"apiVersion": "kvpilot.dev/v1alpha1", "kind": kind,
+            "metadata": {"name": name, "namespace": "default"}, "spec": merge(TINY, spec)}
+
+
+def overrides(**fields: Any) -> dict[str, Any]:
+    return {"overrides": fields}
+
+
+CATEGORIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
+    "names": [
+        ("64-characters", im("a" * 64), "metadata.name may have at most 37"),
+        ("38-characters", im("a" * 38), "metadata.name may have at most 37"),
+        ("dot", im("chat.v1"), "metadata.name must be a DNS-1035 label"),
+        ("leading-digit", im("7b-chat"), "metadata.name must be a DNS-1035 label"),
+        ("uppercase", im("Chat"), "metadata.name must be a DNS-1035 label"),
+        ("pool-48-characters", pool(name="p" * 48), "metadata.name may have at most 47"),
+    ],
+    "quantities": [
+        ("64GB", im(**overrides(resources={"requests": {"memory": "64GB"}})), "64GB"),
+        ("negative-cpu-string", im(**overrides(resources={"requests": {"cpu": "-1"}})), "-1"),
+        ("negative-cpu-int", im(**overrides(resources={"limits": {"cpu": -2}})), "-2"),
+        ("space-before-unit", im(**overrides(resources={"limits": {"memory": "10 Gi"}})),
+         "10 Gi"),
+        ("two-dots", im(**overrides(resources={"requests": {"cpu": "1.5.5"}})), "1.5.5"),
+    ],
+    "requests-above-limits": [
+        ("cpu", im(**overrides(resources={"requests": {"cpu": "4"}, "limits": {"cpu": "2"}})),
+         "resources.requests.cpu=4 > resources.limits.cpu=2"),
+        ("memory-units", im(**overrides(resources={"requests": {"memory": "64Gi"},
+                                                   "limits": {"memory": "60G"}})),
+         "resources.requests.memory=64Gi > resources.limits.memory=60G"),
+        ("decode-pool-override", im(decode=overrides(resources={
+            "requests": {"cpu": "1500m"}, "limits": {"cpu": 1}})),
+         "resources.requests.cpu=1500m > resources.limits.cpu=1"),
+    ],
+    "env-names": [
+        ("equals-sign", im(**overrides(env={"A=B": "1"})), "'A=B': env names"),
+        ("leading-digit", im(**overrides(env={"1X": "1"})), "'1X': env names"),
+        ("space", im(communication={"env": {"MY VAR": "1"}}), "'MY VAR': env names"),
+        ("prefill-override", im(servingMode="disaggregated", prefill=overrides(
+            env={"X=": "1"})), "'X=': env names"),
+    ],
+    "labels": [
+        ("value-with-space", im(**overrides(labels={"team": "a b"})), "'a b' does not match"),
+        ("value-64-characters", im(**overrides(labels={"team": "a" * 64})), "does not match"),
+        ("key-leading-dash", im(**overrides(labels={"-team": "a"})), "keys are"),
+        ("node-selector-value-slash", im(**overrides(nodeSelector={"zone": "eu/west"})),
+         "'eu/west' does not match"),
+        ("annotation-key-space", im(**overrides(annotations={"my note": "x"})), "keys are"),
+    ],
+    "replicas": [
+        ("beyond-int32", im(decode={"replicas": 2**31}), "replicas"),
+        ("beyond-maximum", im(decode={"replicas": 1001}), "replicas"),
+        ("negative", im(decode={"replicas": -1}), "replicas"),
+        ("above-max-replicas", im(decode={"replicas": 9, "autoscaling": {"maxReplicas": 8}}),
+         "must lie within autoscaling.minReplicas"),
+        ("below-min-replicas", im(decode={"replicas": 1, "autoscaling": {"minReplicas": 2}}),
+         "must lie within autoscaling.minReplicas"),
+        ("max-replicas-beyond-maximum", im(decode={"autoscaling": {"maxReplicas": 5000}}),
+         "maxReplicas"),
+        ("pool-100-million", pool(replicas=100_000_000, topology={"tensorParallel": 8,
+                                                                  "pipelineParallel": 2},
+                                  accelerator={"vendor": "nvidia"}), "replicas"),
+    ],
+    "vendor-consistency": [
+        ("rccl-on-nvidia", im(base=LLAMA, communication={"env": {"RCCL_MSCCL_ENABLE": "0"}}),
+         "configure AMD's ROCm stack"),
+        ("hsa-on-cpu", im(**overrides(env={"HSA_NO_SCRATCH_RECLAIM": "1"})),
+         "configure AMD's ROCm stack"),
+        ("nvls-on-amd", im(accelerator=AMD, communication={"nvlsEnable": True}),
+         "NVLink SHARP"),
+        ("nvls-env-on-amd", im(accelerator=AMD, communication={"env": {
+            "NCCL_NVLS_ENABLE": "1"}}), "NVLink SHARP"),
+        ("unknown-amd-model", im(accelerator={"vendor": "amd", "model": "MI400X"}),
+         "not a known AMD model"),
+        ("unknown-nvidia-model", im(accelerator={"vendor": "nvidia", "model": "V100"}),
+         "not a known NVIDIA model"),
+        ("partition-on-mi210", im(accelerator={"vendor": "amd", "model": "MI210",
+                                               "computePartition": "CPX"}),
+         "cannot be partitioned"),
+        ("cpx-with-12-gpus", im(accelerator={**AMD, "computePartition": "CPX",
+                                             "gpusPerNode": 12}), "gpusPerNode must be"),
+        ("dpx-with-20-gpus", im(accelerator={**AMD, "computePartition": "DPX",
+                                             "gpusPerNode": 20}), "gpusPerNode must be"),
+        ("pool-inherits-nvidia", pool(accelerator={"vendor": "nvidia"}, communication={
+            "env": {"RCCL_MSCCL_ENABLE": "0"}}), "configure AMD's ROCm stack"),
+    ],
+    "expert-parallel-on-dense": [
+        ("spec-topology", im(topology={"tensorParallel": 2, "expertParallel": 2}),
+         "declare model.numExperts"),
+        ("decode-topology", im(decode={"topology": {"tensorParallel": 2,
+                                                    "expertParallel": 2}}),
+         "declare model.numExperts"),
+        ("pool", pool(topology={"tensorParallel": 2, "expertParallel": 2}),
+         "declare model.numExperts"),
+    ],
+    "extra-args": [
+        ("unknown-flag", im(engine={"extraArgs": ["--max-lora-rank", "8"]}),
+         "unrecognized arguments: --max-lora-rank"),
+        ("bad-value", im(engine={"extraArgs": ["--seed", "forty-two"]}),
+         "invalid int value: 'forty-two'"),
+        ("bad-choice", im(engine={"extraArgs": ["--attention-backend", "flash"]}),
+         "invalid choice: 'flash'"),
+        ("owned-port", im(engine={"extraArgs": ["--port=9000"]}),
+         "sets --port, which the operator renders"),
+        ("api-key-in-args", im(engine={"extraArgs": ["--api-key", "secret"]}),
+         "sets --api-key, which the operator renders from spec.auth.apiKeySecretRef"),
+        ("owned-block-size", im(engine={"extraArgs": ["--block-size", "0"]}),
+         "sets --block-size, which the operator renders from spec.engine.blockSize"),
+        ("positional-model", im(engine={"extraArgs": ["--seed", "3", "tiny-qwen3"]}),
+         "names the model 'tiny-qwen3', which the operator renders from spec.model.source"),
+    ],
+    "kv-cache-memory": [
+        ("zero", im(engine={"kvCacheMemory": "0"}), "kvCacheMemory must hold at least one"),
+        ("zero-gib", im(engine={"kvCacheMemory": "0GiB"}), "kvCacheMemory must hold at least one"),
+        ("one-block", im(engine={"kvCacheMemory": "16KiB"}), "holds 1 KV blocks"),
+        ("below-one-block", im(engine={"kvCacheMemory": "1KiB"}), "holds 0 KV blocks"),
+        ("below-one-sequence", im(engine={"kvCacheMemory": "1MiB"}),
+         "one 4096-token sequence (engine.maxModelLen) needs 256"),
+    ],
+    "unknown-dummy-model": [
+        ("tiny-gpt", im(model={"source": "dummy:tiny-gpt"}), "source"),
+        ("llama", im(model={"source": "dummy:llama"}), "source"),
+    ],
+    "model-shape-and-fit": [
+        ("tp-not-dividing-heads", im(base=LLAMA, topology={"tensorParallel": 3},
+                                     accelerator={"gpusPerNode": 8}),
+         "topology.tensorParallel=3 does not divide model.numAttentionHeads=64"),
+        ("pp-beyond-layers", im(base={**LLAMA, "model": {**LLAMA["model"], "numLayers": 32}},
+                                topology={"pipelineParallel": 48}),
+         "topology.pipelineParallel=48 exceeds model.numLayers=32"),
+        ("weights-do-not-fit", im(base=LLAMA, topology={"tensorParallel": 1}),
+         "exceed 80.0 GB x 0.90 utilization"),
+    ],
+    "gpu-budget": [
+        ("pool-over-operator-limit", pool(replicas=1000, topology={
+            "tensorParallel": 8, "pipelineParallel": 2}, accelerator={"vendor": "nvidia"}),
+         "16000 GPUs > 4096, the most the operator gives one pool"),
+        ("model-over-gpu-budget", im(base=LLAMA, gpuBudget=16, decode={"replicas": 3}),
+         "the pools at their floor"),
+    ],
+}
+
+
+def operator_refusal(manifest: dict[str, Any]) -> str | None:
+    """Gives the operator's refusal of a stored object (what its handler checks before
+    applying any child), or None when the operator would apply it."""
+    config = RenderConfig()
+    stored = {**manifest, "metadata": {**manifest["metadata"], "uid": "u"}}
+    try:
+        if manifest["kind"] == "InferenceModel":
+            render_model(stored, manifest["spec"], config)
+        else:
+            parsed = SPEC_BY_KIND[manifest["kind"]].model_validate(manifest["spec"])
+            render_pool(stored, resolve_pool(parsed, None), config)
+    except ValueError as exc:
+        return describe_error(exc)
+    return None
+
+
+def admission_refusal(manifest: dict[str, Any]) -> str | None:
+    """Gives the API server's refusal (schema and CEL rules of the committed CRDs), or None."""
+    errors = api_server_errors(load_crds()[manifest["kind"]], manifest)
+    return "; ".join(errors) or None
