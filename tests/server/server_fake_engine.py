@@ -1,6 +1,8 @@
 """A tiny LLMEngine stand-in with controlled timing (each step sleeps `step_delay`).
 
 It is a `ServedEngine`: pyright checks it against the protocol (see the end of the file).
+An engine core process builds it through `fake_engine` (picklable with
+functools.partial, so the spawned process can import and call it).
 """
 
 from __future__ import annotations
@@ -11,16 +13,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.contracts.outputs import (
-    CompletionOutput,
-    EngineStats,
-    RequestMetrics,
-    RequestOutput,
-)
+from kvpilot.engine.contracts.outputs import EngineStats, RequestMetrics
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.core.kv_events import KVEventLog
+from kvpilot.engine.core.outputs import CompletionDelta, EngineCoreOutput
 
 if TYPE_CHECKING:
+    from kvpilot.engine.core_process.entry import EngineBuilder
     from kvpilot.engine.engine_core import ServedEngine
 
 
@@ -58,16 +57,20 @@ class _Req:
 
 
 class FakeEngine:
-    """Generates 'a', 'b', 'c', ... one token per step per completion."""
+    """Generates 'a', 'b', 'c', ... one token per step per completion; the step numbered
+    `fail_on_step` (from 1) raises instead."""
 
-    def __init__(self, step_delay: float = 0.0, num_blocks: int = 64) -> None:
+    def __init__(self, step_delay: float = 0.0, num_blocks: int = 64,
+                 fail_on_step: int | None = None) -> None:
         self.tokenizer = ByteTokenizer()
         self.model_config = ModelConfig()
         self.engine_args = EngineArgs(model="fake")
         self.kv_events = KVEventLog()  # stays empty: no prefix cache here
         self.step_delay = step_delay
         self.num_blocks = num_blocks
+        self.fail_on_step = fail_on_step
         self.reqs: dict[str, _Req] = {}
+        self.steps = 0
         self.generated = 0
         self.prompt_tokens = 0
 
@@ -87,7 +90,10 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineCoreOutput]:
+        self.steps += 1
+        if self.steps == self.fail_on_step:
+            raise RuntimeError("boom")
         time.sleep(self.step_delay)
         now = time.monotonic()
         outputs = []
@@ -104,11 +110,9 @@ class FakeEngine:
             if done:
                 req.metrics.finished_time = now
                 del self.reqs[req.rid]
-            outputs.append(RequestOutput(
-                req.rid, None, req.prompt,
-                [CompletionOutput(i, self.tokenizer.decode(t), list(t),
-                                  finish_reason="length" if done else None)
-                 for i, t in enumerate(req.outs)], done, metrics=req.metrics))
+            outputs.append(EngineCoreOutput(
+                req.rid, [CompletionDelta(i, [t[-1]], finish_reason="length" if done else None)
+                          for i, t in enumerate(req.outs)], done, metrics=req.metrics))
         return outputs
 
     def get_stats(self) -> EngineStats:
@@ -119,11 +123,18 @@ class FakeEngine:
                            prompt_tokens=self.prompt_tokens, generation_tokens=self.generated)
 
     def step_timing(self) -> str:
-        return "no breakdown"
+        return "GPU wait 0.0 ms"  # it has none
 
     def shutdown(self) -> None:
         pass
 
 
-if TYPE_CHECKING:  # FakeEngine stands in for LLMEngine wherever the server takes one
+def fake_engine(engine_args: EngineArgs, host: str, http_port: int, step_delay: float = 0.0,
+                fail_on_step: int | None = None) -> FakeEngine:
+    """Gives the engine a core process serves in the tests (an `entry.EngineBuilder`)."""
+    return FakeEngine(step_delay, fail_on_step=fail_on_step)
+
+
+if TYPE_CHECKING:  # FakeEngine stands in for LLMEngine wherever a core serves one
     _: ServedEngine = FakeEngine()
+    _builder: EngineBuilder = fake_engine
