@@ -3,12 +3,16 @@ and an API server app on it, served by uvicorn on a free port in a thread."""
 
 from __future__ import annotations
 
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -103,3 +107,27 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> b
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def start_server(log: Path, drain_timeout: float = 60,
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], str]:
+    """Gives a `kvpilot serve` subprocess on a free port and its base URL."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_ENGINE.items()]
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvpilot.cli", "serve", *flags,
+                                 "--port", "0", "--drain-timeout", str(drain_timeout), *extra],
+                                stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        found = re.search(r"listening on (http://\S+)", log.read_text(errors="replace"))
+        if found:
+            base = found.group(1)
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    return proc, base
+            except httpx.TransportError:
+                pass
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"server did not become ready:\n{log.read_text()}")

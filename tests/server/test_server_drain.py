@@ -3,45 +3,17 @@
 from __future__ import annotations
 
 import json
-import re
 import signal
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
-from server_harness import MODEL, TINY_ENGINE, wait_for
+from server_harness import MODEL, start_server, wait_for
 
 NUM_STREAMS = 8
 # Long enough that the drain outlasts the refused-request check even on a fast CPU
 # (200 steps), short enough for CI.
 MAX_TOKENS = 200
-
-
-def start_server(log: Path, drain_timeout: float = 60,
-                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], str]:
-    """Gives a `kvpilot serve` subprocess on a free port and its base URL."""
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_ENGINE.items()]
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvpilot.cli", "serve", *flags,
-                                 "--port", "0", "--drain-timeout", str(drain_timeout), *extra],
-                                stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        found = re.search(r"listening on (http://\S+)", log.read_text(errors="replace"))
-        if found:
-            base = found.group(1)
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    return proc, base
-            except httpx.TransportError:
-                pass
-        assert proc.poll() is None, log.read_text()
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"server did not become ready:\n{log.read_text()}")
 
 
 def stream_one(base: str, started: threading.Barrier, results: list[dict], i: int) -> None:
