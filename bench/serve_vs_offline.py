@@ -12,7 +12,11 @@ On one machine, each phase in a fresh process (so each has the whole GPU):
    loop and of one streamed request through `kvpilot serve`.
 Both sides get the same engine flags and warm-ups; the prompts reach the server as
 words of a word-level tokenizer that maps "t<id>" to token id <id>, so it computes
-the very same token ids. Writes serve_vs_offline.json and .md to `--out`.
+the very same token ids. Each served run also reports the CPU time its API server
+processes and its engine core process spent per output token (psutil): an API
+server that needs 1e6 / (tok/s) microseconds or more per token is the limit,
+and more of them (`--api-server-count`) should help. Writes serve_vs_offline.json
+and .md to `--out`.
 
     python bench/serve_vs_offline.py --out DIR [--api-server-counts 1,2] [--smoke]
 
@@ -40,14 +44,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
-sys.path.insert(0, str(Path(__file__).parent))
-from e2e_gpu import LLAMA3_8B, QWEN3_0_6B, model_dir  # noqa: E402
+# the sibling script (bench/ is the running script's directory, so on sys.path)
+from e2e_gpu import LLAMA3_8B, QWEN3_0_6B, model_dir
 
-from kvpilot.engine.contracts.args import EngineArgs  # noqa: E402
-from kvpilot.engine.loadgen.datasets import SampleRequest  # noqa: E402
-from kvpilot.engine.loadgen.report import summarize  # noqa: E402
-from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark  # noqa: E402
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.loadgen.datasets import SampleRequest
+from kvpilot.engine.loadgen.report import summarize
+from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
 
 FULL = {"requests": 256, "lengths": (100, 1024), "batch1_prompt": 128, "batch1_tokens": 256,
         "throughput_model": QWEN3_0_6B, "batch1_model": LLAMA3_8B,
@@ -151,15 +156,16 @@ def offline_batch1(path: str, flags: dict[str, Any], prompt_len: int, new_tokens
 
 @contextmanager
 def kvpilot_serve(path: str, flags: dict[str, Any], api_servers: int, log: Path
-                  ) -> Iterator[str]:
-    """Runs `kvpilot serve` on a free port until the block exits; gives its base URL."""
+                  ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Runs `kvpilot serve` on a free port until the block exits; gives its base URL and
+    process."""
     args = EngineArgs(model=path, load_format="dummy", **flags).to_cli()
     command = [sys.executable, "-m", "kvpilot.cli", "serve", *args, "--port", "0",
                "--log-level", "warning", "--api-server-count", str(api_servers)]
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
-        yield _wait_ready(proc, log)
+        yield _wait_ready(proc, log), proc
     finally:
         proc.terminate()
         proc.wait(120)
@@ -181,13 +187,35 @@ def _wait_ready(proc: subprocess.Popen[bytes], log: Path) -> str:
     raise RuntimeError(f"kvpilot serve did not become ready:\n{log.read_text()}")
 
 
-def load(base: str, samples: list[SampleRequest], rate: float = math.inf) -> dict[str, Any]:
-    """Gives the `kvpilot bench serve` summary of `samples` sent at `rate` requests/s."""
+def cpu_seconds(serve: subprocess.Popen[bytes]) -> dict[str, float]:
+    """Gives the CPU seconds so far of `kvpilot serve`'s API server processes and of its
+    engine core (its first spawned child; with one API server, `kvpilot serve` itself
+    serves; multiprocessing's resource tracker is not counted)."""
+    def used(p: psutil.Process) -> float:
+        times = p.cpu_times()
+        return times.user + times.system
+
+    top = psutil.Process(serve.pid)
+    spawned = [p for p in top.children() if "spawn_main" in " ".join(p.cmdline())]
+    core, *api_servers = sorted(spawned, key=lambda p: p.create_time())
+    return {"api_servers": sum(used(p) for p in api_servers or [top]), "core": used(core)}
+
+
+def load(base: str, samples: list[SampleRequest], rate: float = math.inf,
+         serve: subprocess.Popen[bytes] | None = None) -> dict[str, Any]:
+    """Gives the `kvpilot bench serve` summary of `samples` sent at `rate` requests/s, with
+    the CPU time per output token of `serve`'s processes when given."""
     cfg = BenchConfig(base_url=base, model="served", request_rate=rate, ignore_eos=True)
+    before = cpu_seconds(serve) if serve else {}
     results, duration = asyncio.run(run_benchmark(cfg, samples))
     summary = summarize(results, duration)
     if summary["failed"]:
         raise RuntimeError(f"{summary['failed']} requests failed: {summary['errors']}")
+    if serve:
+        after = cpu_seconds(serve)
+        for name, start in before.items():
+            summary[f"{name}_cpu_us_per_token"] = (
+                (after[name] - start) / summary["total_output_tokens"] * 1e6)
     return summary
 
 
@@ -198,7 +226,8 @@ def served_row(summary: dict[str, Any], offline_tok_s: float) -> dict[str, Any]:
             "itl_p50_ms": summary["median_itl_ms"], "itl_p99_ms": summary["p99_itl_ms"],
             "itl_p99_over_p50": summary["p99_itl_ms"] / max(summary["median_itl_ms"], 1e-9),
             "ttft_mean_ms": summary["mean_ttft_ms"], "duration_s": summary["duration"],
-            "summary": summary}
+            "api_server_cpu_us_per_token": summary["api_servers_cpu_us_per_token"],
+            "core_cpu_us_per_token": summary["core_cpu_us_per_token"], "summary": summary}
 
 
 def run(spec: dict[str, Any], counts: list[int], saturation: float, tmp: Path
@@ -213,15 +242,15 @@ def run(spec: dict[str, Any], counts: list[int], saturation: float, tmp: Path
     print(f"offline: {offline['output_tok_s']:.0f} output tok/s", flush=True)
     result: dict[str, Any] = {"offline": offline, "served_inf": {}}
     for count in counts:
-        with kvpilot_serve(model, flags, count, tmp / f"serve-{count}.log") as base:
+        with kvpilot_serve(model, flags, count, tmp / f"serve-{count}.log") as (base, serve):
             load(base, samples[:4])  # warm-up, as offline gets
-            row = served_row(load(base, samples), offline["output_tok_s"])
+            row = served_row(load(base, samples, serve=serve), offline["output_tok_s"])
             result["served_inf"][str(count)] = row
             print(f"served, {count} API server(s), rate inf: {row['output_tok_s']:.0f} tok/s "
                   f"({row['ratio_to_offline']:.2f}x)", flush=True)
             if count == counts[0]:
                 rate = saturation * row["request_rate_reached"]
-                poisson = served_row(load(base, samples, rate), offline["output_tok_s"])
+                poisson = served_row(load(base, samples, rate, serve), offline["output_tok_s"])
                 result["served_poisson"] = {"request_rate": rate, "api_servers": count,
                                             **poisson}
     model = str(model_dir(tmp, "batch1-shape", spec["batch1_model"]))
@@ -230,7 +259,7 @@ def run(spec: dict[str, Any], counts: list[int], saturation: float, tmp: Path
                                   spec["batch1_prompt"], spec["batch1_tokens"])
     prompt = [random.Random(1).randint(0, 500) for _ in range(spec["batch1_prompt"])]
     one = as_samples([prompt], [spec["batch1_tokens"]])
-    with kvpilot_serve(model, b1_flags, counts[0], tmp / "serve-batch1.log") as base:
+    with kvpilot_serve(model, b1_flags, counts[0], tmp / "serve-batch1.log") as (base, _):
         load(base, one)  # warm-up
         served_b1 = load(base, one)
     served_ms = served_b1["mean_tpot_ms"]
@@ -256,8 +285,8 @@ def markdown(r: dict[str, Any]) -> str:
              f"{r['lengths'][0]}..{r['lengths'][1]} (ignore_eos), dummy weights; goals: "
              "served >= 0.95x offline, ITL p99 <= 2x p50 at rate inf; batch 1 >= 0.95x.", "",
              "| path | output tok/s | x offline | ITL p50 ms | ITL p99 ms | p99/p50 | "
-             "mean TTFT ms |", "|---|---|---|---|---|---|---|",
-             f"| offline `LLM.generate` | {off:.0f} | 1.00 | - | - | - | - |"]
+             "mean TTFT ms | CPU us/token: API servers, core |", "|---|---|---|---|---|---|---|---|",
+             f"| offline `LLM.generate` | {off:.0f} | 1.00 | - | - | - | - | - |"]
     rows = [(f"served, {n} API server(s), rate inf", row)
             for n, row in r["served_inf"].items()]
     p = r["served_poisson"]
@@ -265,7 +294,9 @@ def markdown(r: dict[str, Any]) -> str:
     for name, row in rows:
         lines.append(f"| {name} | {row['output_tok_s']:.0f} | {row['ratio_to_offline']:.2f} | "
                      f"{row['itl_p50_ms']:.1f} | {row['itl_p99_ms']:.1f} | "
-                     f"{row['itl_p99_over_p50']:.2f} | {row['ttft_mean_ms']:.0f} |")
+                     f"{row['itl_p99_over_p50']:.2f} | {row['ttft_mean_ms']:.0f} | "
+                     f"{row['api_server_cpu_us_per_token']:.0f}, "
+                     f"{row['core_cpu_us_per_token']:.0f} |")
     b = r["batch1"]
     lines += ["", f"Batch 1 ({b['new_tokens']} tokens): offline {b['offline_ms_per_token']:.2f} "
               f"ms/token, served {b['served_ms_per_token']:.2f} ms/token (mean TPOT): served "

@@ -89,6 +89,7 @@ class _Outputs:
 @dataclass
 class _Live:
     state: RequestState
+    arrival_time: float
     outputs: _Outputs = field(default_factory=_Outputs)
     accepted: asyncio.Future[None] | None = None  # until the core's AddResults
 
@@ -167,7 +168,7 @@ class CoreClient:
         accepted = asyncio.get_running_loop().create_future()
         state = RequestState(request_id, None, prompt_token_ids, params, self.tokenizer,
                              stream=stream)
-        live = self._requests[request_id] = _Live(state, accepted=accepted)
+        live = self._requests[request_id] = _Live(state, arrival, accepted=accepted)
         self._send(AddRequest(request_id, prompt_token_ids, params, arrival, priority))
         try:
             await accepted
@@ -177,8 +178,6 @@ class CoreClient:
         except BaseException:
             self._requests.pop(request_id, None)
             raise
-        if self.metrics is not None:
-            self.metrics.on_added(request_id, arrival)
         return self._iterate(request_id, live)
 
     async def _iterate(self, request_id: str, live: _Live) -> OutputStream:
@@ -280,6 +279,10 @@ class CoreClient:
                 accepted, live.accepted = live.accepted, None
                 if not accepted.done():
                     accepted.set_result(None)
+                # here, not where add_request resumes: this task may read the request's
+                # first outputs before that
+                if self.metrics is not None:
+                    self.metrics.on_added(request_id, live.arrival_time)
         for request_id, reason in message.rejected:
             live = self._requests.pop(request_id, None)
             if live is not None and live.accepted is not None and not live.accepted.done():
