@@ -7,6 +7,7 @@ functools.partial, so the spawned process can import and call it).
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -133,6 +134,17 @@ def fake_engine(engine_args: EngineArgs, host: str, http_port: int, step_delay: 
                 fail_on_step: int | None = None) -> FakeEngine:
     """Gives the engine a core process serves in the tests (an `entry.EngineBuilder`)."""
     return FakeEngine(step_delay, fail_on_step=fail_on_step)
+
+
+def fake_engine_with_a_worker(engine_args: EngineArgs, host: str, http_port: int) -> FakeEngine:
+    """Gives a FakeEngine after starting and joining a process of its own, as a tensor-parallel
+    engine starts its workers (a daemonic core process could not)."""
+    worker = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0.0,))
+    worker.start()
+    worker.join(60)
+    if worker.exitcode != 0:
+        raise RuntimeError(f"the worker process exited with {worker.exitcode}")
+    return FakeEngine()
 
 
 if TYPE_CHECKING:  # FakeEngine stands in for LLMEngine wherever a core serves one

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from server_fake_engine import ByteTokenizer, fake_engine
+from server_fake_engine import ByteTokenizer, fake_engine, fake_engine_with_a_worker
 from server_harness import MODEL, RunningCore, engine_core, serve_in_thread, tiny_app
 
 from kvpilot.engine.core_process.proc import SLOW_ITERATION_ENV
@@ -38,6 +38,12 @@ def test_idle_core_does_not_spin() -> None:
         after = process.cpu_times()
         # sleeping in poll, not stepping: a spinning loop would burn most of the second
         assert (after.user + after.system) - (before.user + before.system) < 0.1
+
+
+def test_the_core_may_start_processes_of_its_own() -> None:
+    with engine_core(fake_engine_with_a_worker) as core, \
+            serve_in_thread(fake_app(core)) as running:
+        assert httpx.post(f"{running.base_url}/v1/completions", json=BODY).status_code == 200
 
 
 def test_slow_step_does_not_block_http() -> None:
