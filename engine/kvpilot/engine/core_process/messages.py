@@ -82,8 +82,10 @@ FromCore = AddResults | StepOutputs | KVEvents | CoreFailed
 
 
 def to_core_decoder() -> msgspec.msgpack.Decoder[ToCore]:
+    """Gives the decoder of what API servers send the core."""
     return msgspec.msgpack.Decoder(ToCore)
 
 
 def from_core_decoder() -> msgspec.msgpack.Decoder[FromCore]:
+    """Gives the decoder of what the core sends an API server."""
     return msgspec.msgpack.Decoder(FromCore)
