@@ -15,8 +15,11 @@ words of a word-level tokenizer that maps "t<id>" to token id <id>, so it comput
 the very same token ids. Each served run also reports the CPU time its API server
 processes and its engine core process spent per output token (psutil): an API
 server that needs 1e6 / (tok/s) microseconds or more per token is the limit,
-and more of them (`--api-server-count`) should help. Writes serve_vs_offline.json
-and .md to `--out`.
+and more of them (`--api-server-count`) should help. The same holds for the load
+generator: one event loop costs about as much per token as an API server, so the
+requests are sent by `--clients` processes (request i by client i mod N, each at
+1/N of the rate: together the same Poisson process), and their CPU per token is
+reported too. Writes serve_vs_offline.json and .md to `--out`.
 
     python bench/serve_vs_offline.py --out DIR [--api-server-counts 1,2] [--smoke]
 
@@ -46,19 +49,11 @@ from typing import Any
 import httpx
 import psutil
 
-# the sibling script (bench/ is the running script's directory, so on sys.path)
-from e2e_gpu import LLAMA3_8B, QWEN3_0_6B, model_dir
-
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.loadgen.datasets import SampleRequest
-from kvpilot.engine.loadgen.report import summarize
+from kvpilot.engine.loadgen.report import RequestResult, summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
 
-FULL = {"requests": 256, "lengths": (100, 1024), "batch1_prompt": 128, "batch1_tokens": 256,
-        "throughput_model": QWEN3_0_6B, "batch1_model": LLAMA3_8B,
-        "engine": {"max_model_len": 4096, "max_num_seqs": 256,
-                   "max_num_batched_tokens": 16384},
-        "batch1_engine": {"max_model_len": 2048, "max_num_seqs": 4}}
 TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512,
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -71,6 +66,19 @@ SMOKE = {"requests": 8, "lengths": (8, 24), "batch1_prompt": 8, "batch1_tokens":
                     "device": "cpu"},
          "batch1_engine": {"max_model_len": 256, "max_num_seqs": 4, "num_kv_blocks": 32,
                            "device": "cpu"}}
+
+
+def full_spec() -> dict[str, Any]:
+    """Gives the GPU run's sizes: the nano-vllm recipe, bench/e2e_gpu.py's model shapes."""
+    # the sibling script (bench/ is the running script's directory, so on sys.path); imported
+    # here, not at the top, so the spawned load generators do not load torch
+    from e2e_gpu import LLAMA3_8B, QWEN3_0_6B
+
+    return {"requests": 256, "lengths": (100, 1024), "batch1_prompt": 128,
+            "batch1_tokens": 256, "throughput_model": QWEN3_0_6B, "batch1_model": LLAMA3_8B,
+            "engine": {"max_model_len": 4096, "max_num_seqs": 256,
+                       "max_num_batched_tokens": 16384},
+            "batch1_engine": {"max_model_len": 2048, "max_num_seqs": 4}}
 
 
 def recipe(num: int, low: int, high: int, vocab: int, seed: int = 0
@@ -100,7 +108,7 @@ def in_fresh_process(function: Callable[..., dict[str, Any]], *args: Any) -> dic
     return result
 
 
-def _call(pipe: Any, function: Callable[..., dict[str, Any]], *args: Any) -> None:
+def _call(pipe: Any, function: Callable[..., Any], *args: Any) -> None:
     pipe.send(function(*args))
 
 
@@ -201,21 +209,47 @@ def cpu_seconds(serve: subprocess.Popen[bytes]) -> dict[str, float]:
     return {"api_servers": sum(used(p) for p in api_servers or [top]), "core": used(core)}
 
 
-def load(base: str, samples: list[SampleRequest], rate: float = math.inf,
-         serve: subprocess.Popen[bytes] | None = None) -> dict[str, Any]:
-    """Gives the `kvpilot bench serve` summary of `samples` sent at `rate` requests/s, with
-    the CPU time per output token of `serve`'s processes when given."""
-    cfg = BenchConfig(base_url=base, model="served", request_rate=rate, ignore_eos=True)
-    before = cpu_seconds(serve) if serve else {}
+def _client(base: str, samples: list[SampleRequest], rate: float, seed: int, start: Any
+            ) -> tuple[list[RequestResult], float, float]:
+    """One load generator's share, sent once every client is ready (`start`, a Barrier);
+    gives (results, seconds, CPU seconds it spent)."""
+    cfg = BenchConfig(base_url=base, model="served", request_rate=rate, ignore_eos=True,
+                      seed=seed)
+    start.wait()
+    cpu = time.process_time()
     results, duration = asyncio.run(run_benchmark(cfg, samples))
-    summary = summarize(results, duration)
+    return results, duration, time.process_time() - cpu
+
+
+def load(base: str, samples: list[SampleRequest], rate: float = math.inf, clients: int = 1,
+         serve: subprocess.Popen[bytes] | None = None) -> dict[str, Any]:
+    """Gives the `kvpilot bench serve` summary of `samples` sent at `rate` requests/s by
+    `clients` processes, with the CPU time per output token of `serve`'s processes (when
+    given) and of the clients."""
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(clients)
+    parts = []
+    for i in range(clients):
+        reader, writer = context.Pipe(duplex=False)
+        process = context.Process(target=_call, args=(
+            writer, _client, base, samples[i::clients], rate / clients, i, start))
+        process.start()
+        writer.close()
+        parts.append((process, reader))
+    before = cpu_seconds(serve) if serve else {}
+    done = [reader.recv() for _, reader in parts]
+    for process, _ in parts:
+        process.join()
+    summary = summarize([r for results, _, _ in done for r in results],
+                        max(duration for _, duration, _ in done))
     if summary["failed"]:
         raise RuntimeError(f"{summary['failed']} requests failed: {summary['errors']}")
+    tokens = summary["total_output_tokens"]
+    summary["loadgen_cpu_us_per_token"] = sum(cpu for _, _, cpu in done) / tokens * 1e6
     if serve:
         after = cpu_seconds(serve)
-        for name, start in before.items():
-            summary[f"{name}_cpu_us_per_token"] = (
-                (after[name] - start) / summary["total_output_tokens"] * 1e6)
+        for name, at_start in before.items():
+            summary[f"{name}_cpu_us_per_token"] = (after[name] - at_start) / tokens * 1e6
     return summary
 
 
@@ -227,12 +261,15 @@ def served_row(summary: dict[str, Any], offline_tok_s: float) -> dict[str, Any]:
             "itl_p99_over_p50": summary["p99_itl_ms"] / max(summary["median_itl_ms"], 1e-9),
             "ttft_mean_ms": summary["mean_ttft_ms"], "duration_s": summary["duration"],
             "api_server_cpu_us_per_token": summary["api_servers_cpu_us_per_token"],
-            "core_cpu_us_per_token": summary["core_cpu_us_per_token"], "summary": summary}
+            "core_cpu_us_per_token": summary["core_cpu_us_per_token"],
+            "loadgen_cpu_us_per_token": summary["loadgen_cpu_us_per_token"], "summary": summary}
 
 
-def run(spec: dict[str, Any], counts: list[int], saturation: float, tmp: Path
+def run(spec: dict[str, Any], counts: list[int], saturation: float, clients: int, tmp: Path
         ) -> dict[str, Any]:
     """Gives every phase's numbers (see the module docstring)."""
+    from e2e_gpu import model_dir
+
     flags = {**spec["engine"], "served_model_name": "served"}
     model = str(model_dir(tmp, "throughput-shape", spec["throughput_model"]))
     prompts, out_lens = recipe(spec["requests"], *spec["lengths"],
@@ -244,13 +281,15 @@ def run(spec: dict[str, Any], counts: list[int], saturation: float, tmp: Path
     for count in counts:
         with kvpilot_serve(model, flags, count, tmp / f"serve-{count}.log") as (base, serve):
             load(base, samples[:4])  # warm-up, as offline gets
-            row = served_row(load(base, samples, serve=serve), offline["output_tok_s"])
+            row = served_row(load(base, samples, clients=clients, serve=serve),
+                             offline["output_tok_s"])
             result["served_inf"][str(count)] = row
             print(f"served, {count} API server(s), rate inf: {row['output_tok_s']:.0f} tok/s "
                   f"({row['ratio_to_offline']:.2f}x)", flush=True)
             if count == counts[0]:
                 rate = saturation * row["request_rate_reached"]
-                poisson = served_row(load(base, samples, rate, serve), offline["output_tok_s"])
+                poisson = served_row(load(base, samples, rate, clients, serve),
+                                     offline["output_tok_s"])
                 result["served_poisson"] = {"request_rate": rate, "api_servers": count,
                                             **poisson}
     model = str(model_dir(tmp, "batch1-shape", spec["batch1_model"]))
@@ -285,7 +324,8 @@ def markdown(r: dict[str, Any]) -> str:
              f"{r['lengths'][0]}..{r['lengths'][1]} (ignore_eos), dummy weights; goals: "
              "served >= 0.95x offline, ITL p99 <= 2x p50 at rate inf; batch 1 >= 0.95x.", "",
              "| path | output tok/s | x offline | ITL p50 ms | ITL p99 ms | p99/p50 | "
-             "mean TTFT ms | CPU us/token: API servers, core |", "|---|---|---|---|---|---|---|---|",
+             "mean TTFT ms | CPU us/token: API servers, core, load generators |",
+             "|---|---|---|---|---|---|---|---|",
              f"| offline `LLM.generate` | {off:.0f} | 1.00 | - | - | - | - | - |"]
     rows = [(f"served, {n} API server(s), rate inf", row)
             for n, row in r["served_inf"].items()]
@@ -296,13 +336,15 @@ def markdown(r: dict[str, Any]) -> str:
                      f"{row['itl_p50_ms']:.1f} | {row['itl_p99_ms']:.1f} | "
                      f"{row['itl_p99_over_p50']:.2f} | {row['ttft_mean_ms']:.0f} | "
                      f"{row['api_server_cpu_us_per_token']:.0f}, "
-                     f"{row['core_cpu_us_per_token']:.0f} |")
+                     f"{row['core_cpu_us_per_token']:.0f}, "
+                     f"{row['loadgen_cpu_us_per_token']:.0f} |")
     b = r["batch1"]
     lines += ["", f"Batch 1 ({b['new_tokens']} tokens): offline {b['offline_ms_per_token']:.2f} "
               f"ms/token, served {b['served_ms_per_token']:.2f} ms/token (mean TPOT): served "
               f"speed {b['served_over_offline_speed']:.2f}x offline.", "",
               f"Reproduce: `python bench/serve_vs_offline.py --out DIR --api-server-counts "
-              f"{','.join(r['served_inf'])}{' --smoke' if r['smoke'] else ''}`"]
+              f"{','.join(r['served_inf'])} --clients {r['clients']}"
+              f"{' --smoke' if r['smoke'] else ''}`"]
     return "\n".join(lines) + "\n"
 
 
@@ -313,15 +355,17 @@ def main() -> None:
                         help="comma-separated --api-server-count values to serve with")
     parser.add_argument("--saturation", type=float, default=0.9,
                         help="Poisson rate as a fraction of the rate-inf request rate")
+    parser.add_argument("--clients", type=int, default=4,
+                        help="load generator processes sending the served requests")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of every phase")
     args = parser.parse_args()
     counts = [int(c) for c in args.api_server_counts.split(",")]
-    spec = SMOKE if args.smoke else FULL
+    spec = SMOKE if args.smoke else full_spec()
     with tempfile.TemporaryDirectory() as tmp:
-        result = run(spec, counts, args.saturation, Path(tmp))
+        result = run(spec, counts, args.saturation, args.clients, Path(tmp))
     record = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": machine(), "smoke": args.smoke, "requests": spec["requests"],
-              "lengths": spec["lengths"], **result}
+              "lengths": spec["lengths"], "clients": args.clients, **result}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve_vs_offline.json").write_text(json.dumps(record, indent=1) + "\n")
     table = markdown(record)

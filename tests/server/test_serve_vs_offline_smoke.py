@@ -16,7 +16,8 @@ BENCH = Path(__file__).parents[2] / "bench" / "serve_vs_offline.py"
 
 @pytest.mark.slow
 def test_serve_vs_offline_smoke_reports_every_phase(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, str(BENCH), "--smoke", "--clients", "2",
+                           "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "serve_vs_offline.json").read_text())
@@ -29,6 +30,8 @@ def test_serve_vs_offline_smoke_reports_every_phase(tmp_path: Path) -> None:
         assert row["summary"]["total_input_tokens"] == report["offline"]["prompt_tokens"]
         assert row["summary"]["total_output_tokens"] == report["offline"]["output_tokens"]
         assert row["itl_p50_ms"] > 0 and row["itl_p99_ms"] >= row["itl_p50_ms"]
+        assert min(row["api_server_cpu_us_per_token"], row["core_cpu_us_per_token"],
+                   row["loadgen_cpu_us_per_token"]) > 0
     assert 0 < poisson["request_rate"] < inf["request_rate_reached"]
     batch1 = report["batch1"]
     assert batch1["offline_ms_per_token"] > 0 and batch1["served_ms_per_token"] > 0
