@@ -51,12 +51,25 @@ def test_two_api_servers_share_the_port_metrics_and_drain(tmp_path: Path) -> Non
             proc.kill()
 
 
+def test_api_servers_and_core_stop_when_their_launcher_is_killed(tmp_path: Path) -> None:
+    proc, _ = start_server(tmp_path / "serve.log", extra=("--api-server-count", "2"))
+    children = spawned_children(proc)
+    proc.kill()  # no drain, no clean-up: each child sees its parent's end by itself
+    proc.wait(timeout=10)
+    _, alive = psutil.wait_procs(children, timeout=20)
+    for process in alive:  # so that a failure leaves nothing behind
+        process.kill()
+    assert not alive
+
+
 def test_the_core_stops_when_kvpilot_serve_is_killed(tmp_path: Path) -> None:
     proc, _ = start_server(tmp_path / "serve.log")
     (core,) = spawned_children(proc)
     proc.kill()  # no drain, no clean-up: the core sees its parent's end by itself
     proc.wait(timeout=10)
     _, alive = psutil.wait_procs([core], timeout=10)
+    for process in alive:  # so that a failure leaves nothing behind
+        process.kill()
     assert not alive
 
 

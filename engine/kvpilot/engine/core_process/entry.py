@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import shutil
 import signal
 import sys
 from collections.abc import Callable
@@ -90,6 +92,9 @@ def run_engine_core(config: CoreConfig, pipe: Connection) -> None:
         engine.shutdown()  # a role engine's KV agent
         socket.close()
         context.term()
+        if config.address.startswith("ipc://"):  # its launcher may be gone (killed)
+            shutil.rmtree(os.path.dirname(config.address.removeprefix("ipc://")),
+                          ignore_errors=True)
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:

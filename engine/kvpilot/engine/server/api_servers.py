@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -110,7 +111,17 @@ def _api_server_process(core: CoreHandle, engine_args: EngineArgs, server_args: 
                         sock: socket.socket) -> None:
     logging.basicConfig(level=server_args.log_level.upper(), stream=sys.stderr,
                         format=LOG_FORMAT)
+    launcher = multiprocessing.parent_process()
+    if launcher is not None:  # a killed launcher must not leave this process on the port
+        threading.Thread(target=_drain_when_gone, args=(launcher.sentinel,), daemon=True,
+                         name="kvpilot-launcher-watch").start()
     serve_api(core, engine_args, server_args, sock)
+
+
+def _drain_when_gone(sentinel: int) -> None:
+    """Sends this process SIGTERM (a drain, then exit) once the launcher process is gone."""
+    multiprocessing.connection.wait([sentinel])
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_api_servers(core: CoreHandle, engine_args: EngineArgs, server_args: ServerArgs,
