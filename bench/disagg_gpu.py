@@ -50,7 +50,7 @@ from kvpilot.engine.contracts.metric_names import (
     ROUTER_TRANSFERRED_BLOCKS,
 )
 from kvpilot.engine.contracts.metrics_text import read_metrics
-from kvpilot.engine.loadgen.datasets import SampleRequest, random_dataset
+from kvpilot.engine.loadgen.datasets import SampleRequest, random_word_dataset
 from kvpilot.engine.loadgen.report import percentile, summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
 from kvpilot.operator.local.plan import LocalProcess
@@ -111,8 +111,8 @@ def workloads(args: argparse.Namespace) -> tuple[list[SampleRequest], list[Sampl
     n_long = max(1, int(args.long_rate * args.seconds))
     n_decode = max(1, int(args.decode_rate * args.seconds))
     # ~2 tokens per word with the tiny tokenizer: 2-4k words is 4-8k tokens
-    long = random_dataset(n_long, args.long_words, 16, 1 / 3, args.seed)
-    decode = random_dataset(n_decode, 64, 256, 0.0, args.seed + 1)
+    long = random_word_dataset(n_long, args.long_words, 16, 1 / 3, args.seed)
+    decode = random_word_dataset(n_decode, 64, 256, 0.0, args.seed + 1)
     return long, decode
 
 
@@ -148,7 +148,7 @@ def run_config(name: str, processes: list[LocalProcess], log_dir: Path,
         for process in processes:
             supervisor.start(process)
         supervisor.wait_ready(600, {"router": "/ready"})
-        warm = random_dataset(4, 100, 8, 0.0, 99)  # compile/warm-up both engines
+        warm = random_word_dataset(4, 100, 8, 0.0, 99)  # compile/warm-up both engines
         asyncio.run(run_benchmark(BenchConfig(processes[-1].url, "bench"), warm))
         before = router_outcomes(processes[-1].url)
         steps_before = {p.name: model_steps(p.url) for p in processes[:-1]}

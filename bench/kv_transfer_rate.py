@@ -18,7 +18,7 @@ import time
 import torch
 
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
-from kvpilot.engine.contracts.kv_protocol import request_pull
+from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.core.block_pool import BlockPool
 from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
 from kvpilot.engine.kv_transfer.tcp import TcpConnector

@@ -34,7 +34,7 @@ import torch
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.loadgen.datasets import SampleRequest, random_dataset
+from kvpilot.engine.loadgen.datasets import SampleRequest, random_word_dataset
 from kvpilot.engine.loadgen.report import summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
 
@@ -120,7 +120,7 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=MODEL, device=args.device, enable_prefix_caching=False, max_model_len=1024,
         num_kv_blocks=NUM_KV_BLOCKS))
-    samples = random_dataset(args.num_prompts, args.input_len, args.output_len, 0.0, seed=0)
+    samples = random_word_dataset(args.num_prompts, args.input_len, args.output_len, 0.0, seed=0)
     prompts = [s.prompt for s in samples]
     offline(engine, prompts[:4], 4)  # warm-up: first-call allocations, lazy imports
     off_tokens, off_s = offline(engine, prompts, args.output_len)

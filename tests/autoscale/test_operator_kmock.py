@@ -216,6 +216,9 @@ async def test_model_gpu_budget_holds_the_pool_and_status_rolls_up(
             (POOL, 1, 1)
         assert "GPU budget 1 binds: chat-decode 1 of 2 wanted" in decision["reason"]
         assert status["queueDepth"] >= 1 and 0 <= status["kvCachePercent"] <= 100
+        # The decision is an Event on the model as well as on the pool.
+        await eventually(lambda: _model_event(client, "ScaleHeld"), timeout=10,
+                         what="a ScaleHeld event on the InferenceModel")
         await asyncio.sleep(3)
         assert await spec_replicas(client) == 1
     finally:
@@ -299,3 +302,9 @@ async def _pods(client: httpx.AsyncClient, n: int) -> bool:
 async def _event_reasons(client: httpx.AsyncClient, wanted: set[str]) -> bool:
     events = (await client.get(f"/api/v1/namespaces/{NAMESPACE}/events")).json()["items"]
     return wanted <= {e.get("reason") for e in events}
+
+
+async def _model_event(client: httpx.AsyncClient, reason: str) -> bool:
+    events = (await client.get(f"/api/v1/namespaces/{NAMESPACE}/events")).json()["items"]
+    return any(e.get("reason") == reason and e["involvedObject"]["kind"] == "InferenceModel"
+               and e["message"].startswith(f"{POOL}: 1 -> 1 replicas: ") for e in events)

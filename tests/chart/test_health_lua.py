@@ -5,38 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from chart_helpers import CHART
+from helpers.kubectl_view import LUA_SCRIPTS, argocd_health, lua_script
 
-SCRIPTS = {"InferenceModel": "inferencemodel.lua", "PrefillPool": "pool.lua",
-           "DecodePool": "pool.lua"}
-
-
-def script(kind: str) -> str:
-    """Gives the standalone script the chart renders for `kind`: its replicas() + health.lua."""
-    files = CHART / "files" / "argocd"
-    return (files / SCRIPTS[kind]).read_text() + "\n" + (files / "health.lua").read_text()
+from kvpilot.operator.diagnose import REASONS, Diagnosis
+from kvpilot.operator.status import failing_conditions
 
 
 def health(kind: str, obj: dict[str, Any]) -> tuple[str, str]:
-    """Gives (status, message) of Argo CD's health script for `obj`.
-
-    Lua 5.1, the language of gopher-lua, which Argo CD embeds.
-    """
-    from lupa.lua51 import LuaRuntime
-
-    lua = LuaRuntime(unpack_returned_tuples=True)
-    assert lua.lua_version == (5, 1)
-
-    def to_lua(value: Any) -> Any:
-        if isinstance(value, dict):
-            return lua.table_from({k: to_lua(v) for k, v in value.items()})
-        if isinstance(value, list):
-            return lua.table_from([to_lua(v) for v in value])
-        return value
-
-    lua.globals().obj = to_lua(obj)
-    result = lua.execute(script(kind))
-    return result["status"], result["message"]
+    return argocd_health({**obj, "kind": kind})
 
 
 def cond(kind: str, status: str, reason: str = "", message: str = "") -> dict[str, str]:
@@ -104,6 +80,27 @@ def test_health(kind: str, obj: dict[str, Any], status: str, message: str):
 def test_snippet_maps_each_kind_to_its_script(render):
     snippet = next(o for o in render(sets=("argocd.healthChecks=true",))
                    if o["metadata"]["name"].endswith("-argocd-health"))
-    for kind in SCRIPTS:
+    for kind in LUA_SCRIPTS:
         key = f"resource.customizations.health.kvpilot.dev_{kind}"
-        assert snippet["data"][key].strip() == script(kind).strip()
+        assert snippet["data"][key].strip() == lua_script(kind).strip()
+
+
+@pytest.mark.parametrize("reason", REASONS)
+def test_each_failure_the_operator_writes_is_degraded(reason: str):
+    """The conditions the operator writes for failing replicas read Degraded, not Progressing."""
+    failing = failing_conditions(Diagnosis(reason, f"m-decode: pod m-decode-0: {reason}"), 2,
+                                 "2026-01-01T00:00:00Z")
+    status = {"observedGeneration": 2, "decodeReplicas": "0/1", "conditions": failing,
+              "weights": {"phase": "Downloading", "state": "Downloading 42%"}}
+    assert health("InferenceModel", im(status)) == (
+        "Degraded", f"m-decode: pod m-decode-0: {reason}")
+    assert health("DecodePool", pool({**status, "readyReplicas": 0}))[0] == "Degraded"
+
+
+def test_a_download_shows_in_the_progress_message():
+    status = {"observedGeneration": 2, "decodeReplicas": "0/1",
+              "weights": {"phase": "Downloading", "state": "Downloading 42%"},
+              "conditions": [cond("Ready", "False", "ReplicasNotReady"),
+                             cond("Progressing", "True", "RollingOut", "waiting for decode")]}
+    assert health("InferenceModel", im(status)) == (
+        "Progressing", "waiting for decode (decode 0/1, weights Downloading 42%)")

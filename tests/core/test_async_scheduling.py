@@ -161,7 +161,7 @@ def test_needs_host_sampling(params, expected):
 def test_async_scheduling_flag_defaults_to_cuda_only():
     assert make_engine("auto").async_scheduling is False  # device cpu
     with pytest.raises(ValueError, match="async_scheduling"):
-        EngineArgs(async_scheduling="yes")
+        EngineArgs(model="tiny-llama", async_scheduling="yes")
 
 
 def run_fixed_batch(engine: LLMEngine) -> dict[str, list[int]]:

@@ -40,3 +40,17 @@ def test_hash_is_the_same_in_another_process():
 def test_different_blocks_get_different_hashes(x, y):
     if x != y:
         assert hash_prompt_blocks(x, 8) != hash_prompt_blocks(y, 8)
+
+
+def test_fleets_with_different_secrets_hash_the_same_prompt_differently():
+    from kvpilot.engine.contracts.fleet_secret import FleetSecret
+
+    prompt = list(range(64))
+    a, b = FleetSecret(b"a" * 32), FleetSecret(b"b" * 32)
+    plain = hash_prompt_blocks(prompt, 16)
+    salted_a = hash_prompt_blocks(prompt, 16, salt=a.block_hash_salt)
+    salted_b = hash_prompt_blocks(prompt, 16, salt=b.block_hash_salt)
+    assert len({*plain, *salted_a, *salted_b}) == 12  # no block shares a hash across fleets
+    assert salted_a == hash_prompt_blocks(prompt, 16, salt=FleetSecret(b"a" * 32).block_hash_salt)
+    assert FleetSecret().block_hash_salt == b""  # no secret: the unsalted hashes of before
+    assert plain[0] == hash_block_tokens(None, prompt[:16])

@@ -1,6 +1,6 @@
 """The engine's host fast paths give what the plain code they replaced gives.
 
-Batch building (one packed buffer), the KV manager's cached block-id arrays and
+Batch building (one packed buffer, read back as views), the KV manager's cached block-id arrays and
 allocate_slots' decode shortcut, and the sampler's uniform-temperature path are
 each checked against a straightforward reference written out here.
 """
@@ -20,6 +20,7 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow
+from kvpilot.engine.step_batch import unpack_step
 
 
 def reference_batch(entries: list[BatchEntry], bs: int) -> dict[str, list]:
@@ -67,7 +68,11 @@ def test_build_batch_matches_reference(runner, specs, decode_only):
                                   np.array(blocks, dtype=np.int64) if as_array else blocks,
                                   logits))
     entries.sort(key=lambda e: len(e.token_ids) != 1)  # decodes first, as the engine orders
-    ids, positions, meta, rows = runner.build_batch(entries)
+    packed, buf = runner.pack(entries, [])
+    step = unpack_step(packed.header, buf, packed.host)
+    ids, positions, meta = step.input_ids, step.positions, step.meta
+    rows = list(range(len(ids))) if step.rows is None else step.rows.tolist()
+    assert len(rows) == packed.header.num_rows
     want = reference_batch(entries, 4)
     got = {"ids": ids.tolist(), "positions": positions.tolist(),
            "slot_mapping": meta.slot_mapping.tolist(),

@@ -22,3 +22,8 @@ def test_generate_reports_a_bad_value(capsys):
                  "--num-kv-blocks", "16"])
     assert code == 2
     assert "max_tokens=0 is invalid" in capsys.readouterr().err
+
+
+def test_generate_without_a_model_names_the_built_in(capsys):
+    assert main(["generate", "--prompt", "Hi"]) == 2
+    assert "`kvpilot generate --model tiny-llama` serves the built-in" in capsys.readouterr().err

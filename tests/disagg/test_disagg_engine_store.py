@@ -18,7 +18,8 @@ from disagg_import import import_data
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
-from kvpilot.engine.contracts.kv_protocol import ProtocolError, request_pull
+from kvpilot.engine.contracts.kv_client import request_pull
+from kvpilot.engine.contracts.kv_protocol import ProtocolError
 from kvpilot.engine.core.block_pool import BlockPool
 from kvpilot.engine.kv_transfer import engine_store, host_buffers, tcp
 from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore

@@ -12,7 +12,7 @@ from disagg_import import import_data
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
-from kvpilot.engine.contracts.kv_protocol import request_pull
+from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.core.outputs import EngineCoreOutput
 from kvpilot.engine.llm_engine import LLMEngine

@@ -11,12 +11,9 @@ import pytest
 from disagg_fake_store import FakeStore, block_data
 
 from kvpilot.engine.contracts import kv_protocol as protocol
-from kvpilot.engine.contracts.kv_protocol import (
-    Frame,
-    ProtocolError,
-    request_pull,
-    request_stats,
-)
+from kvpilot.engine.contracts.kv_auth import prove_to_agent
+from kvpilot.engine.contracts.kv_client import NO_SECRET_KEY, request_pull, request_stats
+from kvpilot.engine.contracts.kv_protocol import Frame, ProtocolError
 from kvpilot.engine.kv_transfer import tcp
 from kvpilot.engine.kv_transfer.tcp import TcpConnector
 
@@ -98,6 +95,7 @@ async def test_decode_vanishing_mid_transfer_leaves_the_lease_to_expire(agents):
     with store.lock:
         prefill.offer("cmpl-1", PROMPT)
     reader, writer = await asyncio.open_connection(*addr(prefill))
+    await prove_to_agent(reader, writer, NO_SECRET_KEY)
     writer.write(protocol.encode(Frame.FETCH, {"lease_id": "cmpl-1"}))
     _, lease = await protocol.expect(reader, Frame.LEASE)
     writer.write(protocol.encode(Frame.WANT, {"hashes": lease["hashes"]}))
@@ -179,7 +177,7 @@ def test_stop_closes_the_conversations_still_open():
     agent.start()
     peer = socket.create_connection(addr(agent), timeout=5)
     try:
-        time.sleep(0.2)  # the agent's handler is now waiting for the first frame
+        time.sleep(0.2)  # the agent's handler is now waiting for the handshake
         started = time.monotonic()
         agent.stop()
         assert peer.recv(1) == b""  # EOF, not the 5 s timeout

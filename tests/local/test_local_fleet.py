@@ -18,7 +18,8 @@ import httpx
 import pytest
 import yaml
 
-from kvpilot.engine.contracts.kv_protocol import kv_address, request_stats
+from kvpilot.engine.contracts.kv_client import request_stats
+from kvpilot.engine.contracts.kv_protocol import kv_address
 from kvpilot.engine.roles import LEASE_SECONDS_ENV
 from kvpilot.operator.local.plan import plan_local
 from kvpilot.operator.local.supervisor import Supervisor, free_port

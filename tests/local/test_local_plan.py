@@ -80,3 +80,33 @@ def test_kvpilot_up_and_the_kv_wire_format_leave_torch_out():
             "kvpilot.operator.local.supervisor, kvpilot.engine.contracts.kv_protocol, "
             "kvpilot.engine.kv_transfer.tcp; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_process_reads_the_fleet_secret_kvpilot_up_wrote():
+    ports = itertools.count(9000)
+    disaggregated = manifest(servingMode="disaggregated", prefill={"replicas": 1},
+                             decode={"replicas": 1})
+    engines, router = plan_local(disaggregated, lambda: next(ports), 8080,
+                                 fleet_secret_file="/tmp/up-secret")
+    for process in [*engines, router]:
+        # a pod's mounted path (rendered by the operator) is replaced, never doubled
+        assert process.argv.count("--fleet-secret-file") == 1
+        assert flag(process.argv, "--fleet-secret-file") == "/tmp/up-secret"
+
+
+def test_the_fleet_secret_file_is_private_and_loads(tmp_path):
+    import os
+    import stat
+
+    from kvpilot.engine.contracts.fleet_secret import FleetSecret
+    from kvpilot.operator.local.cli import write_fleet_secret
+
+    path = write_fleet_secret()
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert FleetSecret.from_file(str(path)).enabled
+        other = write_fleet_secret()
+        assert FleetSecret.from_file(str(path)) != FleetSecret.from_file(str(other))
+        other.unlink()
+    finally:
+        path.unlink()

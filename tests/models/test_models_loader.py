@@ -249,7 +249,8 @@ def test_weight_layout_covers_every_parameter_element_once(arch, kv_heads, layer
     config = ModelConfig.from_hf(hf)
     model = model_class(arch)(config)
     coverage = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
-    for param_name, index in model.weight_layout().values():
-        coverage[param_name][index] += 1
+    for slot in model.weight_layout().values():
+        assert slot.param is not None and slot.source == ()  # one rank holds everything
+        coverage[slot.param][slot.index] += 1
     for name, count in coverage.items():
         assert torch.all(count == 1), name

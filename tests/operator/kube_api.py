@@ -38,6 +38,9 @@ CORE_RESOURCES: dict[str, dict[str, Any]] = {
     "rbac.authorization.k8s.io/v1/roles": {"kind": "Role", "namespaced": True},
     "rbac.authorization.k8s.io/v1/rolebindings": {"kind": "RoleBinding", "namespaced": True},
     "v1/pods": {"kind": "Pod", "namespaced": True, "subresources": {"status"}},
+    "v1/persistentvolumeclaims": {"kind": "PersistentVolumeClaim", "namespaced": True,
+                                  "subresources": {"status"}},
+    "batch/v1/jobs": {"kind": "Job", "namespaced": True, "subresources": {"status"}},
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True,
                             "subresources": {"status", "scale"}},
     "apps/v1/statefulsets": {"kind": "StatefulSet", "namespaced": True,
@@ -83,6 +86,8 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
     """Requests served, by (action, resource plural[/subresource]): list, watch, fetch, ..."""
     base_url: str = attrs.field(default="", init=False)
     """http://host:port the emulator listens on (set by whoever starts its server)."""
+    pod_logs: dict[tuple[str, str, str], str] = attrs.field(factory=dict, init=False)
+    """What GET pods/{name}/log answers, by (namespace, pod, container): a test plays the kubelet."""
     tokens: set[str] | None = attrs.field(default=None, init=False)
     """Bearer tokens it accepts (401 for any other request); None: no authentication."""
 
@@ -168,6 +173,15 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
                 status=401)
         if raw_request.path.rstrip("/") == "/api/v1/namespaces":
             return await self._serve_namespaces(raw_request)
+        parts = raw_request.path.strip("/").split("/")
+        if len(parts) == 7 and parts[:3] == ["api", "v1", "namespaces"] and \
+                parts[4] == "pods" and parts[6] == "log":
+            key = (parts[3], parts[5], raw_request.query.get("container", ""))
+            if key not in self.pod_logs:
+                return aiohttp.web.json_response({"message": "not found"}, status=404)
+            tail = int(raw_request.query.get("tailLines", "0") or 0)
+            lines = self.pod_logs[key].splitlines(keepends=True)
+            return aiohttp.web.Response(text="".join(lines[-tail:] if tail else lines))
         return await super().__call__(raw_request)
 
     async def _serve_namespaces(self, raw_request: aiohttp.web.BaseRequest) -> Any:
@@ -231,6 +245,12 @@ class ApiServer(kmock.KubernetesEmulator, _DirectCrud):
             self._forget(request)
         if request.action == enums.action.DELETE and request.name is not None:
             await self._collect_garbage()
+        elif request.action == enums.action.UPDATE and request.name is not None:
+            # The last finalizer removed from a deleting object (kopf's, on objects with
+            # timers) deletes it; its dependents follow, as after a DELETE.
+            key = (request.resource, request.namespace, request.name)
+            if key in self.objects and self.objects[key].deleted:
+                await self._collect_garbage()
         return response
 
     def _forget(self, request: kmock.Request) -> None:

@@ -277,9 +277,15 @@ async def test_multi_node_replicas_are_statefulset_groups_pruned_on_scale_down(
     await eventually(lambda: len(api.live(sets, NAMESPACE)) == 2, what="two groups")
     group = api.get(sets, NAMESPACE, "mn-decode-g0")
     assert (group["spec"]["replicas"], group["spec"]["serviceName"]) == (2, "mn-decode-workers")
+    # The Services are applied after the groups: wait for them too.
     workers = await eventually(lambda: api.get("v1/services", NAMESPACE, "mn-decode-workers"),
-                               what="rendezvous Service")  # applied after the workloads
+                               what="rendezvous Service")
     assert workers["spec"]["clusterIP"] == "None"
+    # Play the StatefulSet controller once the pool's handler has written its status: a
+    # change during the handler is counted only by the next event or the pools' 30 s timer.
+    await eventually(lambda: (api.get("kvpilot.dev/v1alpha1/decodepools", NAMESPACE,
+                                      "mn-decode") or {}).get("status", {})
+                     .get("observedGeneration"), what="the pool handled")
     # Rank 0 of one group becomes ready with its worker: one replica of two is ready.
     await client.patch(f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/mn-decode-g0/status",
                        json={"status": {"readyReplicas": 2}}, headers=MERGE)

@@ -15,7 +15,6 @@ from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import DecodePoolSpec, PrefillPoolSpec
 from kvpilot.operator.planning.pool import resolve_pool
 from kvpilot.operator.render.children import owned_pools, render_children
-from kvpilot.operator.render.engine_args import model_location
 from kvpilot.operator.render.meta import RenderConfig, child_name
 from kvpilot.operator.render.pool import render_pool
 
@@ -117,18 +116,6 @@ def test_prefill_pool_spec_round_trips():
                                               "prefill": {"replicas": 2}})
     prefill = next(o for o in render(spec) if o["kind"] == "PrefillPool")
     assert PrefillPoolSpec.model_validate(prefill["spec"]).replicas == 2
-
-
-@pytest.mark.parametrize(("source", "model", "load_format", "claim", "repo"), [
-    ("dummy:tiny-llama", "tiny-llama", "dummy", None, None),
-    ("pvc://weights/llama/8b", "/models/weights/llama/8b", "auto", "weights", None),
-    ("pvc://weights", "/models/weights", "auto", "weights", None),
-    ("hf://meta-llama/Llama-3.1-8B", "/models/hf", "auto", None, "meta-llama/Llama-3.1-8B"),
-])
-def test_model_location(source, model, load_format, claim, repo):
-    loc = model_location(source)
-    assert (loc.engine_model, loc.load_format, loc.pvc_claim, loc.hf_repo) == (
-        model, load_format, claim, repo)
 
 
 def test_child_names_fit_dns_labels():

@@ -8,14 +8,17 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.diagnose import Diagnosis
 from kvpilot.operator.status import (
     PoolCounts,
     describe_error,
     invalid_spec_conditions,
     merge_conditions,
     model_status,
+    own_problem,
     pool_status,
     rollout_conditions,
+    transition_event,
     workload_ready,
 )
 
@@ -115,9 +118,73 @@ def test_describe_error_names_the_field(spec, message):
 
 def test_a_degraded_pool_degrades_the_model_until_it_recovers():
     bad = model_status({"decode": PoolCounts(1, 0)}, None, 2, None, T0,
-                       {"m-decode": "ApplyRejected: spec.template: Invalid"})
+                       {"m-decode": Diagnosis("ApplyRejected", "spec.template: Invalid")})
     assert summary(bad["conditions"])["Degraded"] == ("True", "PoolDegraded")
-    assert bad["conditions"][2]["message"] == "m-decode: ApplyRejected: spec.template: Invalid"
+    assert bad["conditions"][2]["message"] == "m-decode: spec.template: Invalid"
     assert bad["decodeReplicas"] == "0/1"
     good = model_status({"decode": PoolCounts(1, 1)}, None, 2, bad["conditions"], T1, {})
     assert summary(good["conditions"])["Degraded"] == ("False", "SpecValid")
+
+
+UNSCHEDULABLE = Diagnosis("Unschedulable", "pod p0: 0/4 nodes are available", "p0")
+
+
+def test_failing_replicas_name_the_reason_on_pool_and_model():
+    pool = pool_status(2, 1, "sel", 3, None, T0, UNSCHEDULABLE)
+    assert summary(pool["conditions"]) == {"Ready": ("False", "Unschedulable"),
+                                           "Progressing": ("False", "Unschedulable"),
+                                           "Degraded": ("True", "Unschedulable")}
+    assert pool["conditions"][0]["message"] == "pod p0: 0/4 nodes are available"
+    degraded = Diagnosis("Unschedulable", pool["conditions"][2]["message"])
+    model = model_status({"decode": PoolCounts(2, 1)}, None, 3, None, T0,
+                         {"m-decode": degraded})
+    assert summary(model["conditions"])["Degraded"] == ("True", "Unschedulable")
+    assert model["conditions"][0]["message"] == "m-decode: pod p0: 0/4 nodes are available"
+    assert not own_problem(model["conditions"]) and not own_problem(pool["conditions"])
+
+
+def test_a_failure_is_ignored_once_every_replica_is_ready():
+    pool = pool_status(2, 2, "sel", 3, None, T0, UNSCHEDULABLE)
+    assert summary(pool["conditions"])["Ready"] == ("True", "AllReplicasReady")
+
+
+def test_a_weights_failure_degrades_the_model_and_shows_in_status_weights():
+    weights = {"phase": "Failed", "message": "gated", "state": "Failed"}
+    model = model_status({"decode": PoolCounts(1, 0)}, None, 1, None, T0, {}, weights,
+                         Diagnosis("WeightsDownloadFailed", "weights Job j gave up: gated"))
+    assert summary(model["conditions"])["Degraded"] == ("True", "WeightsDownloadFailed")
+    assert model["weights"] == weights
+    assert model_status({"decode": PoolCounts(1, 0)}, None, 1, None, T0)["weights"] is None
+
+
+def test_own_problem_is_the_spec_not_the_replicas():
+    assert own_problem(invalid_spec_conditions("InvalidSpec", "x", 1, T0))
+    assert not own_problem(invalid_spec_conditions("PoolDegraded", "x", 1, T0))
+    assert not own_problem(rollout_conditions({"d": PoolCounts(1, 0)}, 1, T0))
+
+
+def conds(ready: tuple[str, str], degraded: tuple[str, str], message: str = "m"):
+    return [{"type": "Ready", "status": ready[0], "reason": ready[1], "message": message},
+            {"type": "Degraded", "status": degraded[0], "reason": degraded[1],
+             "message": message}]
+
+
+NOT_READY = conds(("False", "ReplicasNotReady"), ("False", "SpecValid"), "waiting")
+READY = conds(("True", "AllReplicasReady"), ("False", "SpecValid"), "decode 1/1 ready")
+STUCK = conds(("False", "Unschedulable"), ("True", "Unschedulable"), "pod p0: no gpu")
+OOM = conds(("False", "OOMKilled"), ("True", "OOMKilled"), "pod p0: oom")
+
+
+@pytest.mark.parametrize(("old", "new", "event"), [
+    (None, NOT_READY, ("NotReady", "waiting", False)),
+    (NOT_READY, NOT_READY, None),
+    (NOT_READY, conds(("False", "ReplicasNotReady"), ("False", "SpecValid"), "other text"),
+     None),  # only a change of status or reason is a transition
+    (NOT_READY, STUCK, ("Unschedulable", "pod p0: no gpu", True)),
+    (STUCK, OOM, ("OOMKilled", "pod p0: oom", True)),
+    (STUCK, NOT_READY, ("Recovered", "no longer Unschedulable: waiting", False)),
+    (NOT_READY, READY, ("Ready", "decode 1/1 ready", False)),
+    (READY, NOT_READY, ("NotReady", "waiting", False)),
+])
+def test_transition_events(old, new, event):
+    assert transition_event(old, new) == event

@@ -76,6 +76,10 @@ ERRORS = [
      "topology.expertParallel=3 does not divide model.numExperts=8 (8 % 3 = 2)"),
     ("ep-not-dividing-tp", topo(tp=2, ep=4), MIXTRAL, H100, TopologyError,
      "topology.expertParallel=4 does not divide topology.tensorParallel=2 (2 % 4 = 2)"),
+    ("ep-between-one-and-tp", topo(tp=8, ep=4), MIXTRAL, H100, TopologyError,
+     "topology.expertParallel=4 with topology.tensorParallel=8 is not supported: the engine "
+     "runs expertParallel 1 (every expert sharded across the TP ranks) or equal to "
+     "tensorParallel (experts partitioned whole); use 1 or 8"),
     ("tp-over-node", topo(tp=16), LLAMA_70B, H100, TopologyError,
      "topology.tensorParallel=16 exceeds the 8 GPUs of one node"),
     ("tp-over-partitioned-node", topo(tp=16), TINY,
@@ -137,7 +141,7 @@ def test_plan_accepts_exactly_the_valid_shapes(tp: int, pp: int, ep: int, heads:
     valid = (heads % tp == 0
              and (kv % tp == 0 if tp <= kv else tp % kv == 0)
              and pp <= layers
-             and (ep == 1 or (experts % ep == 0 and tp % ep == 0))
+             and (ep == 1 or (experts % ep == 0 and ep == tp))
              and tp <= 8)
     try:
         p = plan(topo(tp, pp, ep), model, AcceleratorSpec(gpus_per_node=8))

@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.core.kv_events import KVEventLog
 
 
@@ -35,7 +36,9 @@ class FakeEngine:
     stream_delay: float = 0.0
     metrics_up: bool = True  # False: /metrics answers 503, as an engine still loading
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    authorization: list[str] = field(default_factory=list)  # of each generation request
     kv_events: KVEventLog = field(default_factory=lambda: KVEventLog(1024))  # GET /kv_events
+    require: HttpAuth = field(default_factory=HttpAuth)  # what GET /kv_events checks
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -43,6 +46,7 @@ class FakeEngine:
         async def generate(request: Request) -> Response:
             body = await request.json()
             self.bodies.append(body)
+            self.authorization.append(request.headers.get("authorization", ""))
             if self.mode == "fail500":
                 return JSONResponse({"error": {"message": "boom"}}, 500)
             if self.mode == "busy429":
@@ -71,8 +75,10 @@ class FakeEngine:
             return Response(text, media_type="text/plain")
 
         @app.get("/kv_events")
-        async def kv_events(since: int = 0) -> dict[str, Any]:
-            return self.kv_events.read(since)
+        async def kv_events(request: Request, since: int = 0) -> Response:
+            if self.require.refusal("GET", "/kv_events", request.url.query, request.headers):
+                return JSONResponse({"error": {"message": "unauthenticated"}}, 401)
+            return JSONResponse(self.kv_events.read(since))
 
         return app
 

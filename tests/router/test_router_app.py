@@ -11,6 +11,8 @@ import pytest
 from router_fake_engine import FakeEngine
 
 from kvpilot.engine.contracts import kv_protocol as protocol
+from kvpilot.engine.contracts.kv_auth import accept_peer
+from kvpilot.engine.contracts.kv_client import NO_SECRET_KEY
 from kvpilot.engine.contracts.router_args import INSTANCE_HEADER, SERVED_BY_HEADER
 
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
@@ -150,6 +152,7 @@ async def test_no_instance_holds_then_503(fleet):
 async def fake_decode_agent(pulls: list[dict]) -> asyncio.Server:
     """Gives a KV agent that records PULL requests and answers DONE."""
     async def handle(reader, writer):
+        await accept_peer(reader, writer, NO_SECRET_KEY)
         _, message = await protocol.expect(reader, protocol.Frame.PULL)
         pulls.append(message)
         writer.write(protocol.encode(protocol.Frame.DONE, {"imported": 3, "skipped": 1}))

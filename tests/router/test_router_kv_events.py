@@ -11,7 +11,6 @@ from router_fake_engine import FakeEngine, serving
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.contracts.router_args import RouterArgs
 from kvpilot.engine.router.app import build_app
-from kvpilot.engine.router.prompt import PromptHasher
 
 BLOCK = 4
 PROMPT = "abcdefghijklmnop"  # 4 full blocks of 4 "tokens"
@@ -41,7 +40,7 @@ async def test_a_removed_event_stops_the_prefix_aware_policy_scoring_that_instan
         url_b = await stack.enter_async_context(serving(b.app()))
         args = RouterArgs(instances=f"both={url_a},both={url_b}", policy="prefix-aware",
                           block_size=BLOCK, refresh_interval=0.05)
-        app = build_app(args, hasher=PromptHasher(BLOCK, CharTokenizer()))
+        app = build_app(args, tokenizer=CharTokenizer())
         router_url = await stack.enter_async_context(serving(app))
         index = app.state.router.index
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=router_url))

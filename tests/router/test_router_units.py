@@ -140,6 +140,23 @@ def test_chat_hashes_render_messages_as_the_engine_server_does(messages, rendere
         [ord(c) for c in rendered], 2)
 
 
+@pytest.mark.parametrize("body", [
+    {"prompt": "\ud800" * 200},  # a lone surrogate: the tokenizer raised TypeError (a 500)
+    {"prompt": ["a\udc00b" * 100, "fine"]},  # a batch routes by its first prompt
+    {"messages": [{"role": "user", "content": "x\ud800" * 100}]},
+    {"messages": "hi"},  # not a list of objects
+    {"messages": [1, 2]},
+    {"prompt": [2**40] * 100},  # ids beyond int32
+])
+@pytest.mark.parametrize("tokenizer", [None, "tiny-llama"])
+def test_a_prompt_the_router_cannot_read_gets_no_hashes(body, tokenizer):
+    """The engine answers it with a 400 naming the field; the router must not fail first."""
+    from kvpilot.engine.contracts.tokenizer import load_tokenizer
+
+    hasher = PromptHasher(2, load_tokenizer(tokenizer) if tokenizer else None)
+    assert hasher.hashes(body) == []
+
+
 def test_router_import_leaves_torch_out():
     code = ("import sys; import kvpilot.engine.router.app, kvpilot.engine.router.cli; "
             "assert 'torch' not in sys.modules, 'router imported torch'")

@@ -8,8 +8,9 @@ functools.partial, so the spawned process can import and call it).
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -59,10 +60,13 @@ class _Req:
 
 class FakeEngine:
     """Generates 'a', 'b', 'c', ... one token per step per completion; the step numbered
-    `fail_on_step` (from 1) raises instead."""
+    `fail_on_step` (from 1) raises instead; `break_after_s` seconds after the step numbered
+    `break_on_step`, it reports a failure from another thread (as a TP executor does when a
+    worker dies between steps) and steps on."""
 
     def __init__(self, step_delay: float = 0.0, num_blocks: int = 64,
-                 fail_on_step: int | None = None) -> None:
+                 fail_on_step: int | None = None, break_on_step: int | None = None,
+                 break_after_s: float = 0.0) -> None:
         self.tokenizer = ByteTokenizer()
         self.model_config = ModelConfig()
         self.engine_args = EngineArgs(model="fake")
@@ -70,6 +74,9 @@ class FakeEngine:
         self.step_delay = step_delay
         self.num_blocks = num_blocks
         self.fail_on_step = fail_on_step
+        self.break_on_step = break_on_step
+        self.break_after_s = break_after_s
+        self.failure_callbacks: list[Callable[[str], None]] = []
         self.reqs: dict[str, _Req] = {}
         self.steps = 0
         self.generated = 0
@@ -95,6 +102,12 @@ class FakeEngine:
         self.steps += 1
         if self.steps == self.fail_on_step:
             raise RuntimeError("boom")
+        if self.steps == self.break_on_step:
+            for callback in self.failure_callbacks:
+                timer = threading.Timer(self.break_after_s, callback,
+                                        args=("fake worker rank 1 was killed by SIGKILL",))
+                timer.daemon = True
+                timer.start()
         time.sleep(self.step_delay)
         now = time.monotonic()
         outputs = []
@@ -126,14 +139,19 @@ class FakeEngine:
     def step_timing(self) -> str:
         return "GPU wait 0.0 ms"  # it has none
 
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        self.failure_callbacks.append(callback)
+
     def shutdown(self) -> None:
         pass
 
 
 def fake_engine(engine_args: EngineArgs, host: str, http_port: int, step_delay: float = 0.0,
-                fail_on_step: int | None = None) -> FakeEngine:
+                fail_on_step: int | None = None, break_on_step: int | None = None,
+                break_after_s: float = 0.0) -> FakeEngine:
     """Gives the engine a core process serves in the tests (an `entry.EngineBuilder`)."""
-    return FakeEngine(step_delay, fail_on_step=fail_on_step)
+    return FakeEngine(step_delay, fail_on_step=fail_on_step, break_on_step=break_on_step,
+                      break_after_s=break_after_s)
 
 
 def fake_engine_with_a_worker(engine_args: EngineArgs, host: str, http_port: int) -> FakeEngine:

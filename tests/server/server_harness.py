@@ -111,8 +111,9 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> b
 
 def start_server(log: Path, drain_timeout: float = 60,
                  extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], str]:
-    """Gives a `kvpilot serve` subprocess on a free port and its base URL."""
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_ENGINE.items()]
+    """Gives a `kvpilot serve MODEL` subprocess on a free port and its base URL."""
+    flags = [TINY_ENGINE["model"], *(f"--{k.replace('_', '-')}={v}"
+                                     for k, v in TINY_ENGINE.items() if k != "model")]
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kvpilot.cli", "serve", *flags,
                                  "--port", "0", "--drain-timeout", str(drain_timeout), *extra],

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.engine.loadgen.datasets import WORDS, random_dataset, shared_prefix_dataset
+from kvpilot.engine.contracts.tokenizer import load_tokenizer
+from kvpilot.engine.loadgen.datasets import (
+    WORDS,
+    random_dataset,
+    random_word_dataset,
+    shared_prefix_dataset,
+    sharegpt_dataset,
+)
 from kvpilot.engine.loadgen.report import (
     RequestResult,
     format_table,
@@ -103,31 +113,78 @@ def test_infinite_rate_sends_everything_at_once() -> None:
         send_offsets(5, 0.0, 1.0, seed=0)
 
 
+TOKENIZER = load_tokenizer("tiny-llama")
+
+
+def tokens(text: str) -> int:
+    return len(TOKENIZER.encode(text, add_special_tokens=False))
+
+
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(1, 30), input_len=st.integers(1, 50), output_len=st.integers(1, 50),
+@given(n=st.integers(1, 30), input_len=st.integers(1, 80), output_len=st.integers(1, 50),
        ratio=st.floats(0, 0.9), seed=st.integers(0, 2**16))
-def test_random_dataset_lengths_stay_in_range(n: int, input_len: int, output_len: int,
-                                              ratio: float, seed: int) -> None:
-    samples = random_dataset(n, input_len, output_len, ratio, seed)
+def test_random_dataset_lengths_are_tokens_in_range(n: int, input_len: int, output_len: int,
+                                                    ratio: float, seed: int) -> None:
+    samples = random_dataset(n, input_len, output_len, ratio, seed, TOKENIZER)
     assert len(samples) == n
-    assert samples == random_dataset(n, input_len, output_len, ratio, seed)
+    assert samples == random_dataset(n, input_len, output_len, ratio, seed, TOKENIZER)
     for s in samples:
-        assert max(1, int(input_len * (1 - ratio))) <= s.prompt_words
-        assert s.prompt_words <= max(1, int(input_len * (1 + ratio)))
-        assert len(s.prompt.split()) == s.prompt_words
-        assert set(s.prompt.split()) <= set(WORDS)
+        assert s.prompt_len == tokens(s.prompt)  # the length is what the tokenizer counts
+        assert max(1, int(input_len * (1 - ratio))) <= s.prompt_len
+        assert s.prompt_len <= max(1, int(input_len * (1 + ratio)))
         assert 1 <= s.output_len <= max(1, int(output_len * (1 + ratio)))
+
+
+def test_word_dataset_counts_words_for_the_recorded_benchmarks() -> None:
+    samples = random_word_dataset(5, 12, 4, 0.0, 3)
+    assert all(len(s.prompt.split()) == s.prompt_len == 12 for s in samples)
+    assert all(set(s.prompt.split()) <= set(WORDS) for s in samples)
 
 
 def test_shared_prefix_dataset_cycles_its_prefixes() -> None:
     samples = shared_prefix_dataset(9, num_prefixes=3, prefix_len=12, input_len=4,
-                                    output_len=8, range_ratio=0.0, seed=1)
-    heads = [" ".join(s.prompt.split()[:12]) for s in samples]
+                                    output_len=8, range_ratio=0.0, seed=1, tokenizer=TOKENIZER)
+    heads = [TOKENIZER.decode(TOKENIZER.encode(s.prompt, add_special_tokens=False)[:12])
+             for s in samples]
     assert len(set(heads)) == 3
     assert all(heads[i] == heads[i % 3] for i in range(9))
-    assert all(s.prompt_words == 16 and s.output_len == 8 for s in samples)
+    assert all(s.prompt_len == tokens(s.prompt) and 15 <= s.prompt_len <= 17 for s in samples)
+    assert all(s.output_len == 8 for s in samples)
     with pytest.raises(ValueError, match="num_prefixes"):
-        shared_prefix_dataset(1, 0, 4, 4, 4, 0.0, 0)
+        shared_prefix_dataset(1, 0, 4, 4, 4, 0.0, 0, TOKENIZER)
+
+
+def conversation(human: str, gpt: str) -> dict[str, Any]:
+    return {"id": "x", "conversations": [{"from": "human", "value": human},
+                                         {"from": "gpt", "value": gpt}]}
+
+
+LONG = " ".join(["token"] * 1100)
+
+
+def test_sharegpt_takes_first_turns_and_filters_like_vllm(tmp_path: Path) -> None:
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([
+        conversation("tell me about the river and the bridge", "the river runs north"),
+        conversation("hi", "the river runs north"),  # prompt under 4 tokens
+        conversation("tell me about the river and the bridge", "ok"),  # reply under 4
+        conversation(LONG, "the river runs north"),  # prompt over 1024
+        {"id": "one turn", "conversations": [{"from": "human", "value": "alone"}]},
+        conversation("what is a kernel and a tensor", "a tensor of kernels in a queue"),
+    ]))
+    samples = sharegpt_dataset(path, 10, 0, TOKENIZER)
+    assert sorted(s.prompt for s in samples) == ["tell me about the river and the bridge",
+                                                 "what is a kernel and a tensor"]
+    by_prompt = {s.prompt: s for s in samples}
+    first = by_prompt["tell me about the river and the bridge"]
+    assert (first.prompt_len, first.output_len) == (
+        tokens(first.prompt), tokens("the river runs north"))
+    # A fixed output length makes the short reply usable, as in vLLM.
+    assert [s.output_len for s in sharegpt_dataset(path, 10, 0, TOKENIZER, 7)] == [7, 7, 7]
+    assert len(sharegpt_dataset(path, 1, 0, TOKENIZER)) == 1
+    path.write_text(json.dumps({"not": "a list"}))
+    with pytest.raises(ValueError, match="is not ShareGPT format"):
+        sharegpt_dataset(path, 10, 0, TOKENIZER)
 
 
 def test_loadgen_and_serve_cli_stay_torch_free() -> None:

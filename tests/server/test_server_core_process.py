@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 from server_fake_engine import ByteTokenizer, fake_engine, fake_engine_with_a_worker
-from server_harness import MODEL, RunningCore, engine_core, serve_in_thread, tiny_app
+from server_harness import MODEL, RunningCore, engine_core, serve_in_thread, tiny_app, wait_for
 
 from kvpilot.engine.core_process.proc import SLOW_ITERATION_ENV
 from kvpilot.engine.server.app import build_app
@@ -80,6 +80,39 @@ def test_engine_failure_fails_requests_and_health(stream: bool) -> None:
         assert refused.json()["error"]["code"] == "engine_dead"
         core.process.process.join(10)
         assert core.process.process.exitcode == 1  # the core exits after telling its servers
+
+
+def test_a_failure_reported_between_steps_fails_streams_and_readiness() -> None:
+    """An engine that reports a failure from another thread (`on_failure`: a tensor-parallel
+    worker died) ends a stream in flight with an error event naming it, as a raising step does."""
+    build = functools.partial(fake_engine, step_delay=0.05, break_on_step=3)
+    with engine_core(build) as core, serve_in_thread(fake_app(core)) as running:
+        events = []
+        with httpx.stream("POST", f"{running.base_url}/v1/completions", timeout=30,
+                          json={**BODY, "max_tokens": 100, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+        assert events[0]["choices"][0]["text"] == "a"  # tokens first, then the failure
+        error = events[-1]["error"]
+        assert error["code"] == 503
+        assert error["message"] == "engine failed: fake worker rank 1 was killed by SIGKILL"
+        assert httpx.get(f"{running.base_url}/ready").status_code == 503
+        core.process.process.join(10)
+        assert core.process.process.exitcode == 1
+
+
+def test_a_failure_reported_while_idle_wakes_the_core() -> None:
+    """The core sleeps in poll when idle; a failure reported then still takes readiness down
+    and refuses new requests with the reason (a worker killed while the server is idle)."""
+    build = functools.partial(fake_engine, break_on_step=BODY["max_tokens"], break_after_s=0.5)
+    with engine_core(build) as core, serve_in_thread(fake_app(core)) as running:
+        assert httpx.post(f"{running.base_url}/v1/completions", json=BODY).status_code == 200
+        assert wait_for(lambda: httpx.get(f"{running.base_url}/ready").status_code == 503,
+                        timeout=10)
+        refused = httpx.post(f"{running.base_url}/v1/completions", json=BODY)
+        assert refused.status_code == 503
+        assert "fake worker rank 1 was killed by SIGKILL" in refused.json()["error"]["message"]
 
 
 def stream_until_error(base: str, first: threading.Barrier, ended: dict[int, tuple], i: int

@@ -23,7 +23,7 @@ def test_a_prompt_s_full_blocks_appear_as_stored_events(server: RunningServer) -
                       timeout=60).status_code == 200
     answer = events(server, start)
     stored = [h for e in answer["events"] for h in e.get("stored", [])]
-    expected = hash_prompt_blocks(prompt, EngineArgs().block_size)  # the core's (default)
+    expected = hash_prompt_blocks(prompt, EngineArgs(model=MODEL).block_size)  # the core's (default)
     assert stored[:len(expected)] == expected
     assert answer["next"] >= start + len(expected)
     assert events(server, answer["next"])["events"] == []  # nothing new since

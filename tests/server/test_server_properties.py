@@ -58,5 +58,5 @@ def test_stream_deltas_rebuild_the_whole_response(server: RunningServer, prompt:
 ])
 def test_serve_refuses_bad_flags_before_loading(flags: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", *flags]) == 2
+    assert main(["serve", "tiny-llama", *flags]) == 2
     assert message in capsys.readouterr().err

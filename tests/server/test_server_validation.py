@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -16,6 +17,7 @@ from server_harness import (
     tiny_app,
 )
 
+from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.server.errors import validation_message
 
 OK_COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
@@ -45,6 +47,15 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"prompt": [10**6]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "word " * 600}, 400, "prompt"),
     ("/v1/completions", {"prompt": None}, 400, "prompt"),
+    # a lone surrogate (JSON "\ud800") reached the tokenizer: TypeError, a 500
+    ("/v1/completions", {"prompt": "\ud800"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["fine", "a\udc00b"]}, 400, "prompt.1"),
+    ("/v1/completions", {"stop": ["\ud800"]}, 400, "stop.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400,
+     "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "ok"}, {"type": "text", "text": "x\ud800"}]}]}, 400,
+     "messages.0.content.1.text"),
     ("/v1/completions", {"echo": True}, 400, "echo"),
     ("/v1/completions", {"suffix": "tail"}, 400, "suffix"),
     ("/v1/completions", {"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
@@ -71,7 +82,9 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
 def test_bad_request_names_the_field(server: RunningServer, route: str, change: dict[str, Any],
                                      status: int, param: str | None) -> None:
     body = {**(OK_COMPLETION if route == "/v1/completions" else OK_CHAT), **change}
-    resp = httpx.post(f"{server.base_url}{route}", json=body, timeout=30)
+    # json.dumps escapes a lone surrogate as "\ud800" (httpx's json= cannot encode it)
+    resp = httpx.post(f"{server.base_url}{route}", content=json.dumps(body), timeout=30,
+                      headers={"content-type": "application/json"})
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -99,7 +112,8 @@ def test_api_key_queue_limit_and_kv_refusal() -> None:
     # A KV cache of 4 blocks (64 tokens) under a 512-token context.
     with engine_core(num_kv_blocks=4) as core:
         # max_queue_len=0: any request would wait, so every generation gets 429.
-        with serve_in_thread(tiny_app(core, max_queue_len=0, api_key="sesame")) as running:
+        with serve_in_thread(tiny_app(core, max_queue_len=0,
+                                      auth=HttpAuth(api_key="sesame"))) as running:
             url = f"{running.base_url}/v1/completions"
             missing = httpx.post(url, json=OK_COMPLETION, timeout=10)
             assert missing.status_code == 401

@@ -34,10 +34,22 @@ the ClusterRole when every namespace is watched, else into one Role per watched 
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-# The autoscaler scrapes ready pool pods and sets pod-deletion-cost before a scale-down.
+# Status reasons come from pool and weights Job pods; the autoscaler scrapes ready pool pods
+# and sets pod-deletion-cost before a scale-down.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "patch"]
+  verbs: ["list", "patch", "watch"]
+# The last progress line of a weights download (status.weights.progress).
+- apiGroups: [""]
+  resources: ["pods/log"]
+  verbs: ["get"]
+# A model's weight cache: the claim and the Job that fills it (the Job is watched).
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["create", "delete", "list", "patch", "watch"]
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["create", "delete", "list", "patch"]
 {{- if .Values.operator.leaderWorkerSet }}
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]

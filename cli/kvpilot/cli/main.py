@@ -28,6 +28,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "up": Subcommand("kvpilot.operator.local.cli", "run an InferenceModel as local processes"),
     "operator": Subcommand("kvpilot.operator.cli", "run the Kubernetes operator (kopf)"),
     "crds": Subcommand("kvpilot.operator.crdgen", "print or write the CustomResourceDefinitions"),
+    "fetch": Subcommand("kvpilot.operator.weights.cli",
+                         "download model weights from the Hugging Face Hub (init containers, Jobs)"),
     "bench": Subcommand("kvpilot.engine.loadgen.cli", "load-generate against an OpenAI server"),
     "sim": Subcommand("kvpilot.operator.autoscale.sim_cli", "simulate a fleet under the autoscaler"),
 }

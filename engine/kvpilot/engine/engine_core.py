@@ -8,7 +8,7 @@ serves a `ServedEngine` to the API server processes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from kvpilot.engine.contracts.args import EngineArgs
@@ -75,6 +75,11 @@ class ServedEngine(EngineCore, Protocol):
         """Gives the prefix cache's event log, which GET /kv_events reads (without a lock)."""
         ...
 
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Has `callback(reason)` called, from another thread, if the engine breaks between
+        steps (a tensor-parallel worker died): the core process then stops serving."""
+        ...
+
     def shutdown(self) -> None:
-        """Stops what runs beside the engine (a role engine's KV agent)."""
+        """Stops what runs beside the engine (a role engine's KV agent, TP workers)."""
         ...

@@ -25,7 +25,7 @@ Prompts = Prompt | Sequence[Prompt]
 class LLM:
     """Runs an LLMEngine to completion over a list of prompts (tests, benchmarks, scripts)."""
 
-    def __init__(self, model: str = "tiny-llama", **engine_arg_overrides: Any) -> None:
+    def __init__(self, model: str, **engine_arg_overrides: Any) -> None:
         from kvpilot.engine.llm_engine import LLMEngine
 
         self.engine_args = EngineArgs(model=model, **engine_arg_overrides)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.fleet_secret import FleetSecret
 from kvpilot.engine.contracts.outputs import EngineStats, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
@@ -29,7 +30,8 @@ from kvpilot.engine.core.outputs import EngineCoreOutput
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
-from kvpilot.engine.model_runner import BatchEntry, ModelRunner
+from kvpilot.engine.executor import ModelExecutor, make_executor
+from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 
 if TYPE_CHECKING:
@@ -67,14 +69,18 @@ class LLMEngine:
     """A paged-KV engine over one model: continuous batching, prefix caching, preemption."""
 
     def __init__(self, engine_args: EngineArgs, model_config: ModelConfig, tokenizer: TokenizerLike,
-                 runner: ModelRunner) -> None:
+                 runner: ModelExecutor) -> None:
         self.engine_args = engine_args
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.runner = runner
+        # salts the block hashes (the router and the other engines use the same salt) and
+        # keys the KV agent of a prefill/decode role
+        self.fleet_secret = FleetSecret.from_file(engine_args.fleet_secret_file)
         self.kv = KVCacheManager(runner.num_blocks, engine_args.block_size,
                                  engine_args.enable_prefix_caching,
-                                 cache_prompt_tails=engine_args.role == "prefill")
+                                 cache_prompt_tails=engine_args.role == "prefill",
+                                 hash_salt=self.fleet_secret.block_hash_salt)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=engine_args.max_num_seqs,
             max_num_batched_tokens=engine_args.max_num_batched_tokens,
@@ -103,17 +109,33 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        """Gives an engine with the model, tokenizer and KV cache that `args` describe."""
+        """Gives an engine with the model, tokenizer and KV cache that `args` describe (a Hub
+        id resolved in the local cache), logging each start-up phase (startup_log.py)."""
+        from kvpilot.engine import startup_log as log
         from kvpilot.engine.contracts.tokenizer import load_tokenizer
         from kvpilot.engine.models.config import ModelConfig
+        from kvpilot.engine.models.hub_cache import with_local_model
+        from kvpilot.engine.models.loader import resolve_load_format
 
+        started = time.perf_counter()
+        args = with_local_model(args)
         device = resolve_device(args.device)
         torch.manual_seed(args.seed)
         model_config = ModelConfig.from_engine_args(args, device)
+        log.log_model(args, model_config.architecture, model_config.num_layers,
+                      str(model_config.dtype).removeprefix("torch."), str(device))
         tokenizer = load_tokenizer(args.tokenizer or args.model)
-        engine = cls(args, model_config, tokenizer, ModelRunner(args, model_config, device))
+        # refuses an unsupported topology before any weight is loaded or process started
+        runner = make_executor(args, model_config, device)
+        log.log_load(runner.load_report(), resolve_load_format(model_config, args.load_format),
+                     log.kv_budget_source(args, device.type),
+                     "CPU" if device.type != "cuda" else "--enforce-eager or the torch "
+                     "attention backend", args.tensor_parallel_size * args.pipeline_parallel_size)
+        engine = cls(args, model_config, tokenizer, runner)
         if device.type == "cuda":
             engine.freeze_gc_heap()
+        log.log_ready(time.perf_counter() - started, model_config.max_model_len,
+                      args.max_num_seqs)
         return engine
 
     @staticmethod
@@ -462,8 +484,14 @@ class LLMEngine:
                  f"{len(plan.block_copies)} block copies") if plan else "no batch"
         return f"GPU wait {self._gpu_wait_s * 1e3:.1f} ms [{phases} ms; {batch}]"
 
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Has `callback(reason)` called, from another thread, if the executor breaks between
+        steps (a tensor-parallel worker died)."""
+        self.runner.on_failure(callback)
+
     def shutdown(self) -> None:
-        """Stops nothing: the engine runs no threads of its own (a RoleEngine's KV agent does)."""
+        """Stops the executor's worker processes (a tensor-parallel engine's; none on one rank)."""
+        self.runner.shutdown()
 
     def get_stats(self) -> EngineStats:
         """Gives the gauges and counters the server exports."""

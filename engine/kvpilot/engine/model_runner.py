@@ -1,14 +1,16 @@
-"""Runs the model on one scheduled step: owns the paged KV cache, builds the flat batch.
+"""Runs the model on one scheduled step: owns the paged KV cache and the model (or one
+tensor-parallel rank's shard of both).
 
-The batch is the layout of `engine/attention/metadata.py`: the step's new tokens
-laid end to end, decodes first, with block tables and a slot mapping built in
-numpy (no per-token Python loops). Only the rows that sample (or that need
-prompt logprobs) go through the LM head.
+The batch is the layout of `engine/attention/metadata.py`, packed into one int64
+buffer by `step_batch.pack_step` (numpy, no per-token Python loops) and read back
+as device views by `step_batch.unpack_step`. Only the rows that sample (or that
+need prompt logprobs) go through the LM head.
 """
 
 from __future__ import annotations
 
-import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,7 +21,10 @@ from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.contracts.args import EngineArgs, parse_size
 from kvpilot.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs
-from kvpilot.engine.device import StagingBuffer, to_device
+from kvpilot.engine.device import StagingBuffer
+from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
+from kvpilot.engine.startup_log import LoadReport
+from kvpilot.engine.step_batch import PackedStep, StepInputs, pack_step, unpack_step
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
@@ -62,37 +67,60 @@ def select_attention_backend(args: EngineArgs, device: torch.device) -> Attentio
 
 
 class ModelRunner:
-    """Holds the model and its KV cache; executes steps and block copies."""
+    """Holds the model and its KV cache (this rank's shards); executes steps.
 
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, device: torch.device
-                 ) -> None:
+    `agree_num_blocks` (tensor parallelism) turns this rank's KV block count into the
+    one every rank uses: the smallest.
+    """
+
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, device: torch.device,
+                 tp: TPGroup = SINGLE_RANK,
+                 agree_num_blocks: Callable[[int], int] | None = None) -> None:
         from kvpilot.engine.models.loader import load_model
 
         self.args = args
         self.config = model_config
         self.device = device
         self.block_size = args.block_size
-        self.model = load_model(model_config, args.load_format, device, seed=args.seed)
+        started = time.perf_counter()
+        self.model = load_model(model_config, args.load_format, device, seed=args.seed, tp=tp)
+        self.load_seconds = time.perf_counter() - started
         self.model.attn_backend = select_attention_backend(args, device)
+        kv_heads = tp.kv_heads(model_config.num_kv_heads)
+        self.num_kv_heads = kv_heads.stop - kv_heads.start  # this rank's
         self.decode_graphs: DecodeGraphs | None = None  # set once the KV cache exists
-        self._staging = StagingBuffer(device)  # build_batch's host buffer
-        self._patches: torch.Tensor | None = None  # build_batch's [2, k] (position, row) pairs
+        self._staging = StagingBuffer(device)  # the packed step's host buffer
         # forwards run by a CUDA graph and eagerly (prefill and mixed steps, CPU, start-up)
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         self.num_blocks = self._num_kv_blocks()
-        shape = (2, self.num_blocks, self.block_size, model_config.num_kv_heads,
-                 model_config.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=model_config.dtype, device=device)
-                          for _ in range(model_config.num_layers)]
+        if agree_num_blocks is not None:
+            self.num_blocks = agree_num_blocks(self.num_blocks)
+        self.kv_caches = self._new_caches(self.num_blocks)
+        started = time.perf_counter()
         self.decode_graphs = capture_decode_graphs(self.model, self.kv_caches, args,
                                                    model_config.max_model_len)
+        self.graph_seconds = time.perf_counter() - started
 
     @property
     def bytes_per_block(self) -> int:
         cfg = self.config
         elem = torch.tensor([], dtype=cfg.dtype).element_size()
-        return 2 * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem * cfg.num_layers
+        return 2 * self.block_size * self.num_kv_heads * cfg.head_dim * elem * cfg.num_layers
+
+    def load_report(self) -> LoadReport:
+        """Gives what this rank loaded and sized while starting (the start-up log's numbers)."""
+        graphs = self.decode_graphs
+        return LoadReport(sum(p.numel() * p.element_size() for p in self.model.parameters()),
+                          self.load_seconds, self.num_blocks, self.block_size,
+                          self.bytes_per_block, tuple(graphs.buckets) if graphs else None,
+                          self.graph_seconds)
+
+    def _new_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        cfg = self.config
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
+        return [torch.zeros(shape, dtype=cfg.dtype, device=self.device)
+                for _ in range(cfg.num_layers)]
 
     def _num_kv_blocks(self) -> int:
         """Gives the KV block count: exact flag, memory budget, or what the GPU has left."""
@@ -109,11 +137,9 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.args.max_num_batched_tokens, self.config.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
-        cfg = self.config
-        scratch = [torch.zeros((2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim),
-                               dtype=cfg.dtype, device=self.device) for _ in range(cfg.num_layers)]
-        entry = BatchEntry([0] * num_tokens, 0, list(range(num_blocks)))
-        self._run([entry], scratch)
+        scratch = self._new_caches(num_blocks)
+        packed, buf = self.pack([BatchEntry([0] * num_tokens, 0, list(range(num_blocks)))], [])
+        self.run(unpack_step(packed.header, buf, packed.host), kv_caches=scratch)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del scratch
@@ -126,80 +152,12 @@ class ModelRunner:
                              "max_num_batched_tokens")
         return free_bytes // self.bytes_per_block
 
-    def build_batch(self, entries: list[BatchEntry]
-                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Gives input ids, positions, attention metadata and the logits rows of `entries`."""
-        bs = self.block_size
-        n = len(entries)
-        query_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
-        starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=n)
-        seq_lens = starts + query_lens
-        total = int(query_lens.sum())
-        # everything travels in one int64 host buffer and one host-to-device copy
-        num_blocks = np.fromiter((len(e.block_ids) for e in entries), dtype=np.int64, count=n)
-        max_blocks = int(num_blocks.max())
-        # sections start at even offsets: 16-byte aligned device views for the kernels
-        t2, n2 = total + total % 2, n + 1 + (n + 1) % 2
-        at_lens, at_tables = 3 * t2 + n2, 3 * t2 + 2 * n2
-        at_patch = at_tables + n * max_blocks
-        patched = [i for i, e in enumerate(entries) if e.patch_row >= 0]
-        size = at_patch + 2 * len(patched)
-        host, host_tensor = self._staging.host(size)
-        ids, positions, slots = host[:total], host[t2:t2 + total], host[2 * t2:2 * t2 + total]
-        qsl = host[3 * t2:3 * t2 + n + 1]
-        lens = host[at_lens:at_lens + n]
-        tables = host[at_tables:at_patch].reshape(n, max_blocks)
-        qsl[0] = 0
-        np.cumsum(query_lens, out=qsl[1:])
-        lens[:] = seq_lens
-        tables.fill(-1)
-        tables[np.arange(max_blocks) < num_blocks[:, None]] = np.concatenate(
-            [e.block_ids for e in entries])
-        if total == n:  # a decode step: one token per sequence, at position start
-            seq_of_token = np.arange(n)
-            positions[:] = starts
-            ids[:] = np.fromiter((e.token_ids[0] for e in entries), dtype=np.int64, count=n)
-        else:
-            seq_of_token = np.repeat(np.arange(n), query_lens)
-            positions[:] = np.arange(total) - qsl[:-1][seq_of_token] + starts[seq_of_token]
-            ids[:] = np.fromiter(itertools.chain.from_iterable(e.token_ids for e in entries),
-                                 dtype=np.int64, count=total)
-        slots[:] = tables[seq_of_token, positions // bs] * bs + positions % bs
-        logits_rows: list[int] = []
-        for i, e in enumerate(entries):
-            if e.logits == "last":
-                logits_rows.append(int(qsl[i + 1]) - 1)
-            elif e.logits == "all":
-                logits_rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
-        num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else n
-        if patched:  # (flat position, sampled row) pairs of the tokens still being sampled
-            pairs = host[at_patch:size].reshape(2, len(patched))
-            pairs[0] = qsl[1:][patched] - 1
-            pairs[1] = [entries[i].patch_row for i in patched]
-        dev_buf = self._staging.upload(host_tensor)
-        self._patches = dev_buf[at_patch:size].view(2, len(patched)) if patched else None
-        i32 = torch.int32
-        meta = AttentionMetadata(
-            slot_mapping=dev_buf[2 * t2:2 * t2 + total],
-            query_start_loc=dev_buf[3 * t2:3 * t2 + n + 1].to(i32),
-            seq_lens=dev_buf[at_lens:at_lens + n].to(i32),
-            block_tables=dev_buf[at_tables:at_patch].view(n, max_blocks).to(i32),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            num_decode_tokens=num_decodes,
-            query_lens_cpu=query_lens.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
-        return dev_buf[:total], dev_buf[t2:t2 + total], meta, logits_rows
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copies whole blocks src -> dst on every layer (copy-on-write before a step writes)."""
-        if not copies:
-            return
-        src = self._index([s for s, _ in copies])
-        dst = self._index([d for _, d in copies])
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+    def pack(self, entries: list[BatchEntry], copies: list[tuple[int, int]],
+             prev_tokens: torch.Tensor | None = None) -> tuple[PackedStep, torch.Tensor]:
+        """Gives the step packed on the host and its buffer on the device (one copy)."""
+        packed = pack_step(entries, copies, self.block_size, self._staging,
+                           0 if prev_tokens is None else int(prev_tokens.shape[0]))
+        return packed, self._staging.upload(packed.host_tensor)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -212,25 +170,28 @@ class ModelRunner:
         return self.model(input_ids, positions, kv_caches, meta)
 
     @torch.inference_mode()
-    def _run(self, entries: list[BatchEntry], kv_caches: list[torch.Tensor],
-             prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        input_ids, positions, meta, rows = self.build_batch(entries)
-        if self._patches is not None:
+    def run(self, step: StepInputs, prev_tokens: torch.Tensor | None = None,
+            kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Runs an unpacked step: block copies, patches, forward; gives its logits rows
+        (float32, [rows, vocab] on tensor-parallel rank 0)."""
+        caches = self.kv_caches if kv_caches is None else kv_caches
+        if step.copies is not None:  # copy-on-write of shared blocks before the step writes
+            src, dst = step.copies
+            for cache in caches:
+                cache[:, dst] = cache[:, src]
+        input_ids = step.input_ids
+        if step.patches is not None:
             if prev_tokens is None:
                 raise ValueError("entries have patch_row set but no prev_tokens were given")
-            positions_to_patch, sampled_rows = self._patches
+            positions_to_patch, sampled_rows = step.patches
             input_ids[positions_to_patch] = prev_tokens[sampled_rows]
-        hidden = self.forward(input_ids, positions, meta, kv_caches)
-        if not rows:
+        hidden = self.forward(input_ids, step.positions, step.meta, caches)
+        if not step.header.num_rows:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
-        if len(rows) == hidden.shape[0]:
-            # every row samples (a decode step): rows are 0..T-1, so skip the gather and its
-            # host-to-device copy (with a pageable source, that copy waited for the forward)
+        if step.rows is None:
+            # every row samples (a decode step): skip the gather
             return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden.index_select(0, self._index(rows)))
-
-    def _index(self, values: list[int]) -> torch.Tensor:
-        return to_device(values, self.device, torch.long)
+        return self.model.compute_logits(hidden.index_select(0, step.rows))
 
     def execute(self, entries: list[BatchEntry], copies: list[tuple[int, int]],
                 prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,6 +200,11 @@ class ModelRunner:
         `prev_tokens` are the sampled ids of the step still in flight; entries with
         `patch_row` take their last input token from it on the device.
         """
-        with torch.inference_mode():
-            self.copy_blocks(copies)
-        return self._run(entries, self.kv_caches, prev_tokens)
+        packed, buf = self.pack(entries, copies, prev_tokens)
+        return self.run(unpack_step(packed.header, buf, packed.host), prev_tokens)
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Keeps nothing: a single-rank runner has no processes to lose between steps."""
+
+    def shutdown(self) -> None:
+        """Stops nothing: a single-rank runner has no processes of its own."""

@@ -31,19 +31,23 @@ def run(args: argparse.Namespace) -> int:
     """Generates for every --prompt and prints the results; gives the exit code."""
     from dataclasses import asdict
 
-    from kvpilot.engine.contracts.args import from_namespace
+    from kvpilot.engine.contracts.args import from_namespace, model_from_cli
     from kvpilot.engine.contracts.sampling_params import SamplingParams
     from kvpilot.engine.llm import LLM
 
     try:
+        args.model = model_from_cli(None, args.model, "generate --model")
         engine_args = from_namespace(EngineArgs, args)
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, max_tokens=args.max_tokens, stop=args.stop,
                                 ignore_eos=args.ignore_eos, beam_width=args.beam_width,
                                 seed=args.sampling_seed)
         llm = LLM(**asdict(engine_args))
-        outputs = (llm.beam_search(args.prompt, params) if args.beam_width > 1
-                   else llm.generate(args.prompt, params))
+        try:
+            outputs = (llm.beam_search(args.prompt, params) if args.beam_width > 1
+                       else llm.generate(args.prompt, params))
+        finally:
+            llm.engine.shutdown()  # stops the worker processes of a tensor-parallel engine
     except ValueError as exc:
         print(f"kvpilot generate: {exc}", file=sys.stderr)
         return 2

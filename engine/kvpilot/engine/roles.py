@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
@@ -105,6 +105,9 @@ class RoleEngine:
         return (f"lock wait {self._lock_wait_s * 1e3:.1f} ms, {self.engine.step_timing()}, "
                 f"KV transfers running {self.connector.transfers_running}")
 
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        self.engine.on_failure(callback)
+
     def shutdown(self) -> None:
         self.connector.stop()
         self.engine.shutdown()
@@ -132,7 +135,8 @@ def attach_role(engine: LLMEngine, host: str, http_port: int) -> ServedEngine:
     if role == "decode" and store.device.type == "cuda":
         store.receive_buffers.fill()  # pinned now, not while pulls run beside steps
     lease_seconds = float(os.environ.get(LEASE_SECONDS_ENV, DEFAULT_LEASE_SECONDS))
-    connector = TcpConnector(store, host, kv_port(engine.engine_args, http_port), lease_seconds)
+    connector = TcpConnector(store, host, kv_port(engine.engine_args, http_port), lease_seconds,
+                             kv_key=engine.fleet_secret.kv_key)
     connector.start()
     log.info("role %s: KV agent on %s:%d", role, host, connector.port)
     return RoleEngine(engine, connector, role, store.lock)

@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvpilot.operator.diagnose import REASONS, Diagnosis
+
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 POOL_DEGRADED = "PoolDegraded"
 
@@ -90,22 +92,53 @@ def invalid_spec_conditions(reason: str, message: str, generation: int | None,
     ]
 
 
-def is_true(conditions: Sequence[dict[str, Any]] | None, kind: str) -> bool:
-    """Gives whether condition `kind` is present with status True."""
-    return any(c.get("type") == kind and c.get("status") == "True" for c in conditions or ())
+def failing_conditions(problem: Diagnosis, generation: int | None,
+                       now: str) -> list[dict[str, Any]]:
+    """Gives the conditions of a valid spec whose replicas fail (diagnose.REASONS): Degraded,
+    with the reason and the pod on every condition, so REASON and Argo CD show it."""
+    return [
+        condition(READY, False, problem.reason, problem.message, generation, now),
+        condition(PROGRESSING, False, problem.reason, "stalled: " + problem.message,
+                  generation, now),
+        condition(DEGRADED, True, problem.reason, problem.message, generation, now),
+    ]
 
 
 def own_problem(conditions: Sequence[dict[str, Any]] | None) -> bool:
-    """Gives whether the object is Degraded for its own spec (not for a pool's)."""
+    """Gives whether the object is Degraded for its own spec (InvalidSpec, ApplyRejected), not
+    for a pool's or for failing replicas: the reconcile handler owns such a status."""
     return any(c.get("type") == DEGRADED and c.get("status") == "True"
-               and c.get("reason") != POOL_DEGRADED for c in conditions or ())
+               and c.get("reason") not in (POOL_DEGRADED, *REASONS) for c in conditions or ())
 
 
-def problem(conditions: Sequence[dict[str, Any]] | None) -> str | None:
-    """Gives the Degraded message when condition Degraded is True, else None."""
+def problem(conditions: Sequence[dict[str, Any]] | None) -> Diagnosis | None:
+    """Gives the Degraded reason and message when condition Degraded is True, else None."""
     for c in conditions or ():
         if c.get("type") == DEGRADED and c.get("status") == "True":
-            return str(c.get("message") or c.get("reason") or "degraded")
+            reason = str(c.get("reason") or DEGRADED)
+            return Diagnosis(reason, str(c.get("message") or reason))
+    return None
+
+
+def transition_event(old: Sequence[dict[str, Any]] | None,
+                     new: Sequence[dict[str, Any]]) -> tuple[str, str, bool] | None:
+    """Gives the Event (reason, message, warning) for a change of Ready or Degraded between two
+    condition lists, or None when neither changed status or reason."""
+    def state(conditions: Sequence[dict[str, Any]] | None) -> dict[str, tuple[str, str, str]]:
+        return {c["type"]: (c.get("status", ""), c.get("reason", ""), c.get("message", ""))
+                for c in conditions or () if c.get("type") in (READY, DEGRADED)}
+
+    before, after = state(old), state(new)
+    if {k: v[:2] for k, v in before.items()} == {k: v[:2] for k, v in after.items()}:
+        return None
+    degraded, ready = after.get(DEGRADED), after.get(READY)
+    if degraded and degraded[0] == "True":
+        return degraded[1], degraded[2], True
+    was = before.get(DEGRADED)
+    if was and was[0] == "True" and ready:
+        return "Recovered", f"no longer {was[1]}: {ready[2]}", False
+    if ready:
+        return ("Ready" if ready[0] == "True" else "NotReady"), ready[2], False
     return None
 
 
@@ -128,29 +161,44 @@ def workload_ready(workloads: Sequence[dict[str, Any]]) -> int:
 
 
 def pool_status(desired: int, ready: int, selector: str, generation: int | None,
-                old_conditions: Sequence[dict[str, Any]] | None, now: str) -> dict[str, Any]:
-    """Gives a valid pool's status: scale-subresource fields and rollout conditions."""
+                old_conditions: Sequence[dict[str, Any]] | None, now: str,
+                failure: Diagnosis | None = None) -> dict[str, Any]:
+    """Gives a valid pool's status: scale-subresource fields and conditions, from the rollout
+    counts, or from `failure` (diagnose.diagnose) while replicas are missing."""
     counts = {"replicas": PoolCounts(desired, ready)}
+    conditions = rollout_conditions(counts, generation, now)
+    if failure is not None and ready < desired:
+        conditions = failing_conditions(failure, generation, now)
     return {"replicas": desired, "readyReplicas": ready, "selector": selector,
-            "conditions": merge_conditions(old_conditions,
-                                           rollout_conditions(counts, generation, now))}
+            "conditions": merge_conditions(old_conditions, conditions)}
 
 
 def model_status(pools: dict[str, PoolCounts], endpoint: str | None, generation: int | None,
                  old_conditions: Sequence[dict[str, Any]] | None, now: str,
-                 pool_problems: dict[str, str] | None = None) -> dict[str, Any]:
+                 pool_problems: dict[str, Diagnosis] | None = None,
+                 weights: dict[str, Any] | None = None,
+                 weights_problem: Diagnosis | None = None) -> dict[str, Any]:
     """Gives a valid InferenceModel's status from its pools' counts ('prefill', 'decode').
 
-    `pool_problems` maps a pool's name to its Degraded message; any makes the model
-    Degraded with reason PoolDegraded (the model's own spec is fine, a pool's is not).
+    `pool_problems` maps a pool's name to its Degraded reason and message; any makes the
+    model Degraded: with the pool's reason when its replicas fail (Unschedulable, ...),
+    else PoolDegraded (the pool's own spec). A `weights_problem` (the weights Job) comes
+    first. `weights` is status.weights (None: the source has none).
     """
     conditions = rollout_conditions(pools, generation, now)
     if pool_problems:
-        message = "; ".join(f"{name}: {text}" for name, text in sorted(pool_problems.items()))
-        conditions = invalid_spec_conditions(POOL_DEGRADED, message, generation, now)
+        message = "; ".join(f"{name}: {p.message}" for name, p in sorted(pool_problems.items()))
+        first = pool_problems[min(pool_problems)]
+        if first.reason in REASONS:
+            conditions = failing_conditions(Diagnosis(first.reason, message), generation, now)
+        else:
+            conditions = invalid_spec_conditions(POOL_DEGRADED, message, generation, now)
+    if weights_problem is not None:
+        conditions = failing_conditions(weights_problem, generation, now)
     status: dict[str, Any] = {
         "conditions": merge_conditions(old_conditions, conditions),
         "endpoint": endpoint,
+        "weights": weights,
     }
     for role in ("prefill", "decode"):
         counts = pools.get(role)

@@ -8,6 +8,7 @@ without loading the engine.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,12 +25,24 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 # With --kv-transfer-port 0 an engine's KV agent listens on its HTTP port plus this.
 KV_PORT_OFFSET = 1000
+# Engines and routers read their API key from this variable when --api-key is absent (the
+# operator sets it from a Secret, so the key never shows in a pod's args).
+API_KEY_ENV = "KVPILOT_API_KEY"
+FLEET_SECRET_HELP = ("file holding the fleet's secret as hex text (the operator mounts it at "
+                     "/var/run/kvpilot/fleet/secret): authenticates KV-agent connections and "
+                     "/kv_events and salts block hashes; without it they are open and unsalted "
+                     "(a warning at start-up)")
 # one of the flag dataclasses (EngineArgs, ServerArgs, RouterArgs)
 ArgsT = TypeVar("ArgsT", bound="DataclassInstance")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def resolve_api_key(flag: str | None) -> str | None:
+    """Gives the API key: the --api-key flag's, else $KVPILOT_API_KEY's, else None (open)."""
+    return flag or os.environ.get(API_KEY_ENV) or None
 
 
 def parse_size(text: str | int) -> int:
@@ -48,9 +61,10 @@ def parse_size(text: str | int) -> int:
 class EngineArgs:
     """Flags of the engine; each field is a `--kebab-case` flag of `kvpilot serve`."""
 
-    model: str = field(default="tiny-llama", metadata={
-        "help": "HF-format model directory, or a built-in tiny config "
-                "(tiny-llama, tiny-qwen3, tiny-mixtral)"})
+    model: str = field(metadata={
+        "help": "HF-format model directory, a Hub id found in the local Hugging Face cache "
+                "(HF_HUB_CACHE, HF_HOME; never downloaded), or a built-in tiny config with "
+                "random weights (tiny-llama, tiny-qwen3, tiny-mixtral)"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "name clients use in the `model` field (default: --model)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer dir (default: model)"})
@@ -90,6 +104,7 @@ class EngineArgs:
         "help": "both: aggregated; prefill/decode: disaggregated roles"})
     kv_transfer_port: int = field(default=0, metadata={
         "help": f"TCP port of the KV-transfer listener (0: the server port + {KV_PORT_OFFSET})"})
+    fleet_secret_file: str | None = field(default=None, metadata={"help": FLEET_SECRET_HELP})
 
     def __post_init__(self) -> None:
         for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
@@ -129,7 +144,12 @@ class ServerArgs:
         "help": "waiting requests beyond which new ones get 429"})
     drain_timeout: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests get to finish after SIGTERM"})
-    api_key: str | None = field(default=None, metadata={"help": "require this bearer token"})
+    api_key: str | None = field(default=None, metadata={
+        "help": f"require this bearer token on /v1/* (default: ${API_KEY_ENV}, if set)"})
+    metrics_require_api_key: bool = field(default=False, metadata={
+        "help": "require the API key on /metrics too (open by default, as vLLM's)"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "a Jinja chat template, or a file holding one, used instead of the model's"})
     log_level: str = "info"
     api_server_count: int = field(default=1, metadata={
         "help": "API server processes (HTTP, tokenisation, detokenisation, SSE) sharing the "
@@ -143,6 +163,20 @@ class ServerArgs:
 
     def to_cli(self) -> list[str]:
         return _to_cli(self)
+
+
+def model_from_cli(positional: str | None, flag: str | None, command: str) -> str:
+    """Gives the model a command line names, positionally (`kvpilot serve MODEL`, as vLLM) or
+    with --model; raises ValueError naming the fix when it names none or two different ones."""
+    if positional and flag and positional != flag:
+        raise ValueError(f"model={positional!r} and --model={flag!r} disagree: give the model "
+                         f"once, e.g. `kvpilot {command} {positional}`")
+    model = positional or flag
+    if not model:
+        raise ValueError(f"no model given: `kvpilot {command} MODEL` takes a model directory "
+                         "or a Hub id in the local Hugging Face cache; `kvpilot "
+                         f"{command} tiny-llama` serves the built-in random-weight model")
+    return model
 
 
 def _flag(name: str) -> str:

@@ -1,12 +1,13 @@
 """The KV-transfer wire format: length-prefixed binary frames over TCP; torch-free.
 
-Every frame is a 13-byte header — magic `KVP1`, a one-byte type, an 8-byte
+Every frame is a 13-byte header — magic `KVP2`, a one-byte type, an 8-byte
 payload length, all little-endian — then the payload. Control frames carry
 JSON; a BLOCK frame carries one KV block: its 8-byte hash, an 8-byte checksum
 of the data (see `checksum`), then the data (every layer's K and V for the block).
 One block per frame keeps memory flat and lets a long prompt stream.
 
-Conversation (the decode side pulls; see the router section of docs/architecture.md for why):
+Conversation (the decode side pulls; see the router section of docs/architecture.md for why),
+each connection opened by the challenge-response of `kv_auth` (AUTH frames):
 
     router -> decode agent : PULL {"remote": "host:port", "lease_id", "timeout"}
     decode -> prefill agent: FETCH {"lease_id"}
@@ -33,7 +34,7 @@ import numpy as np
 
 from kvpilot.engine.contracts.args import KV_PORT_OFFSET
 
-MAGIC = b"KVP1"
+MAGIC = b"KVP2"  # KVP1 had no handshake
 HEADER = struct.Struct("<4sBQ")
 BLOCK_HEAD = struct.Struct("<Q8s")
 MAX_CONTROL_BYTES = 16 * 2**20
@@ -55,6 +56,7 @@ class Frame(IntEnum):
     DONE = 8
     ERROR = 9
     STATS = 10
+    AUTH = 11
 
 
 class ProtocolError(Exception):
@@ -100,7 +102,7 @@ def parse_header(raw: bytes | bytearray) -> tuple[Frame, int]:
     """Gives (frame type, payload length) of a 13-byte header; raises ProtocolError on garbage."""
     magic, kind, length = HEADER.unpack(raw)
     if magic != MAGIC:
-        raise ProtocolError(f"bad magic {magic!r}: the peer does not speak KVP1")
+        raise ProtocolError(f"bad magic {magic!r}: the peer does not speak {MAGIC.decode()}")
     try:
         frame = Frame(kind)
     except ValueError as exc:
@@ -251,29 +253,3 @@ def kv_address(engine_url: str, kv_port: int = 0,
     rest = engine_url.split("://", 1)[-1].split("/", 1)[0]
     host, _, port = rest.rpartition(":")
     return host.strip("[]"), kv_port or int(port) + offset
-
-
-async def request_pull(decode_agent: tuple[str, int], remote: tuple[str, int], lease_id: str,
-                       timeout: float) -> dict[str, Any]:
-    """Asks a decode agent to pull a lease from a prefill agent; gives its DONE message."""
-    return await _ask(decode_agent, Frame.PULL, {"remote": f"{remote[0]}:{remote[1]}",
-                                                 "lease_id": lease_id, "timeout": timeout},
-                      Frame.DONE, timeout)
-
-
-async def request_stats(agent: tuple[str, int], timeout: float = 5.0) -> dict[str, Any]:
-    """Gives an agent's lease and block counts (STATS)."""
-    return await _ask(agent, Frame.STATS, {}, Frame.STATS, timeout)
-
-
-async def _ask(agent: tuple[str, int], kind: Frame, message: dict[str, Any], reply: Frame,
-               timeout: float) -> dict[str, Any]:
-    """Gives the agent's `reply` to one control frame, each step bounded by `timeout`."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(*agent), timeout)
-    try:
-        writer.write(encode(kind, message))
-        await writer.drain()
-        _, answer = await asyncio.wait_for(expect(reader, reply), timeout)
-        return answer
-    finally:
-        writer.close()

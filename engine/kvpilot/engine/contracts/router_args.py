@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpilot.engine.contracts.args import KV_PORT_OFFSET, ROLES, _to_cli
+from kvpilot.engine.contracts.args import (
+    API_KEY_ENV,
+    FLEET_SECRET_HELP,
+    KV_PORT_OFFSET,
+    ROLES,
+    _to_cli,
+)
 
 POLICIES = ("round-robin", "least-load", "prefix-aware")
 DISCOVERIES = ("static", "kubernetes")
@@ -66,6 +72,11 @@ class RouterArgs:
         "help": "seconds to connect to an engine before trying another"})
     idle_timeout: float = field(default=60.0, metadata={
         "help": "seconds without a byte from a streaming engine before it counts as failed"})
+    stall_timeout: float = field(default=4.0, metadata={
+        "help": "seconds an instance may send nothing while the router waits for it (a "
+                "request, or the health check sent every --refresh-interval) and others answer "
+                "before it counts as stalled: out of rotation until it answers, its requests "
+                "that sent the client nothing yet retried elsewhere; 0 disables"})
     max_retries: int = field(default=2, metadata={
         "help": "other instances tried when one fails before the first byte"})
     eject_after_failures: int = field(default=3, metadata={
@@ -81,7 +92,11 @@ class RouterArgs:
         "help": "disaggregated: seconds a KV pull may take before the decode side prefills "
                 "locally"})
     api_key: str | None = field(default=None, metadata={
-        "help": "require this bearer token (also read from KVPILOT_ROUTER_API_KEY)"})
+        "help": f"require this bearer token on /v1/* and send it to the engines (default: "
+                f"${API_KEY_ENV}, if set)"})
+    metrics_require_api_key: bool = field(default=False, metadata={
+        "help": "require the API key on /metrics too (open by default)"})
+    fleet_secret_file: str | None = field(default=None, metadata={"help": FLEET_SECRET_HELP})
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -23,6 +23,12 @@ from kvpilot.engine.contracts.builtin_models import (
     is_builtin,
 )
 
+# From this length on a text is encoded without holding the GIL (`encode_batch` of one; it
+# costs ~1.5x on a 1 KB text, so short ones take plain `encode`): a server tokenising a
+# long prompt in a worker thread keeps serving (its event loop needs the GIL), measured in
+# tests/server/test_server_availability.py.
+GIL_FREE_CHARS = 4096
+
 
 class TokenizerLike(Protocol):
     """Encodes text, decodes token ids and renders chats through the model's template."""
@@ -63,7 +69,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Gives the token ids of `text`; with special tokens, BOS leads when the files say so."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < GIL_FREE_CHARS:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        else:  # `encode` holds the GIL throughout; `encode_batch` releases it
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         # tokenizer.json's post-processor usually adds BOS; add_bos_token covers files
         # whose post-processor does not (HF's Llama tokenizer does the same).
         if add_special_tokens and self._add_bos and (not ids or ids[0] != self.bos_token_id):
@@ -100,6 +109,20 @@ class Tokenizer:
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
+def check_unicode(text: str) -> str:
+    """Gives `text` if it is valid Unicode; raises ValueError at its first lone surrogate.
+
+    JSON may escape half a surrogate pair ("\\ud800"); Python decodes it into a str that
+    UTF-8 cannot encode and the tokenizer refuses with a TypeError.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"has a lone surrogate {text[exc.start]!r} at index {exc.start}, "
+                         "which is not valid Unicode: send UTF-8 text (a surrogate only "
+                         "in a high-low pair)") from exc
+    return text
+
 def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
     """Gives the tokenizer of a model dir or of a built-in tiny config name."""
     if is_builtin(str(path_or_name)):
@@ -117,6 +140,24 @@ def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
         # Newer checkpoints keep the template in its own file, which wins, as in HF.
         config["chat_template"] = template_file.read_text(encoding="utf-8")
     return Tokenizer(HFTokenizer.from_file(str(tok_file)), config)
+
+
+def read_chat_template(value: str) -> str:
+    """Gives the chat template `--chat-template` names: a file's text, else `value` itself as
+    Jinja; raises ValueError naming the flag when it is neither."""
+    path = Path(value)
+    looks_like_template = "{" in value
+    if not looks_like_template:
+        if not path.is_file():
+            raise ValueError(f"--chat-template={value!r} is neither a file nor a Jinja template "
+                             "(no '{{' or '{%'): pass a path to a .jinja file or the template")
+        value = path.read_text(encoding="utf-8")
+    try:
+        _compile(value)
+    except TemplateError as exc:
+        raise ValueError(f"--chat-template does not compile: {exc}") from exc
+    return value
+
 
 def _token_text(token: str | dict[str, Any] | None) -> str | None:
     """Gives the text of a special token written as a string or an AddedToken dict."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvpilot.engine.contracts.block_hash import hash_block_tokens, hash_prompt_tail
+from kvpilot.engine.contracts.block_hash import UNSALTED, hash_block_tokens, hash_prompt_tail
 from kvpilot.engine.core.block_pool import BlockPool, KVCacheBlock
 from kvpilot.engine.core.request import Sequence
 
@@ -22,8 +22,9 @@ class KVCacheManager:
     """Maps each sequence to its blocks and keeps the prefix cache up to date."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 cache_prompt_tails: bool = False) -> None:
+                 cache_prompt_tails: bool = False, hash_salt: bytes = UNSALTED) -> None:
         self.block_size = block_size
+        self.hash_salt = hash_salt  # the fleet's (`FleetSecret.block_hash_salt`)
         self.enable_caching = enable_caching
         # a prefill engine (--role prefill) also caches each prompt's partial last block when
         # the sequence is freed, under `hash_prompt_tail`, so a KV transfer can carry it
@@ -65,7 +66,8 @@ class KVCacheManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs:(i + 1) * bs],
+                                            self.hash_salt))
         return hashes
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
@@ -90,7 +92,7 @@ class KVCacheManager:
         tail = seq.token_ids[max_blocks * bs:]
         if len(tail) > 1:
             block = self.pool.lookup(hash_block_tokens(hashes[max_blocks - 1] if max_blocks
-                                                       else None, tail))
+                                                       else None, tail, self.hash_salt))
             if block is not None:
                 return [*hits, block], seq.num_tokens - 1
         return hits, max_blocks * bs
@@ -173,7 +175,8 @@ class KVCacheManager:
         index = len(prompt) // self.block_size
         if not table or index >= len(table) or seq.num_computed_tokens < len(prompt):
             return
-        tail_hash = hash_prompt_tail(prompt, self.block_size, self._update_hashes(seq, index))
+        tail_hash = hash_prompt_tail(prompt, self.block_size, self._update_hashes(seq, index),
+                                     self.hash_salt)
         if tail_hash is not None:
             self.pool.cache(table[index], tail_hash)
 

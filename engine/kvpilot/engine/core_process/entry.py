@@ -60,9 +60,19 @@ class CoreReady:
     vocab_size: int
 
 
+@dataclass(frozen=True)
+class CoreStartFailed:
+    """The core's first message on its pipe when the engine could not be built."""
+
+    reason: str
+    # a ValueError: the flags, the topology or the model were refused (the reason names the
+    # fix); else the engine crashed while starting
+    refused: bool
+
+
 def run_engine_core(config: CoreConfig, pipe: Connection) -> None:
-    """Runs the core until its parent exits or SIGTERM; `pipe` carries `CoreReady` (or the
-    start-up error's text) and is closed only by this process's end."""
+    """Runs the core until its parent exits or SIGTERM; `pipe` carries `CoreReady` (or
+    `CoreStartFailed`) and is closed only by this process's end."""
     import zmq
 
     from kvpilot.engine.core_process.proc import EngineCoreProc
@@ -73,9 +83,12 @@ def run_engine_core(config: CoreConfig, pipe: Connection) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = config.build(config.engine_args, config.host, config.http_port)
+    except ValueError as exc:  # refused: the launcher prints the reason, no traceback
+        pipe.send(CoreStartFailed(str(exc), refused=True))
+        raise SystemExit(2) from exc
     except Exception as exc:
         logger.exception("the engine core could not start")
-        pipe.send(f"{type(exc).__name__}: {exc}")
+        pipe.send(CoreStartFailed(f"{type(exc).__name__}: {exc}", refused=False))
         raise SystemExit(1) from exc
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)

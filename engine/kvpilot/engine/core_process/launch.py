@@ -20,6 +20,7 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.core_process.entry import (
     CoreConfig,
     CoreReady,
+    CoreStartFailed,
     EngineBuilder,
     build_engine,
     run_engine_core,
@@ -28,6 +29,10 @@ from kvpilot.engine.core_process.entry import (
 
 class CoreStartError(RuntimeError):
     """The engine core process failed to start; the message says why."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused  # the engine refused its flags or model (not a crash)
 
 
 @dataclass(frozen=True)
@@ -70,13 +75,15 @@ class CoreProcess:
         if not self.pipe.poll(timeout):
             raise CoreStartError(f"the engine core did not start within {timeout} s")
         try:
-            first = self.pipe.recv()
+            first: CoreReady | CoreStartFailed = self.pipe.recv()
         except EOFError:
             self.process.join(5)
             raise CoreStartError("the engine core process exited while starting (exit code "
                                  f"{self.process.exitcode}): its log above says why") from None
-        if not isinstance(first, CoreReady):
-            raise CoreStartError(f"the engine core could not start: {first}")
+        if isinstance(first, CoreStartFailed):
+            if first.refused:
+                raise CoreStartError(first.reason, refused=True)
+            raise CoreStartError(f"the engine core could not start: {first.reason}")
         return CoreHandle(self.address, first, self.pipe)
 
     @property

@@ -7,6 +7,10 @@ runs one engine step when there is work, and sends each API server one
 work it sleeps in `poll` until a message arrives or the parent process exits:
 no busy spin. One thread does all of it, so the engine (not thread-safe) is
 only ever touched here; ZeroMQ's own I/O thread moves the bytes.
+
+An engine that raises, or reports a failure between steps (`on_failure`: a
+tensor-parallel worker died while the engine was idle), ends the loop the same
+way: every API server gets `CoreFailed` with the reason, and the process exits.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
 
 import msgspec
@@ -59,6 +64,10 @@ class _GcClock:
         gc.callbacks.remove(self._on_gc)
 
 
+class EngineBrokenError(RuntimeError):
+    """The engine reported a failure between steps; the message is its reason."""
+
+
 class EngineCoreProc:
     """Serves one engine to the API servers connected to `socket` (a bound ROUTER)."""
 
@@ -72,6 +81,20 @@ class EngineCoreProc:
         self._clients: list[bytes] = []  # API servers' socket identities, in Hello order
         self._owners: dict[str, bytes] = {}  # live request id -> the API server that sent it
         self._sent_stats: EngineStats | None = None
+        # the engine's failure between steps, set from its thread; the pipe wakes `poll`
+        self._failure: str | None = None
+        self._failure_lock = threading.Lock()
+        self._wake_read, self._wake_write = os.pipe()
+        engine.on_failure(self.fail)
+
+    def fail(self, reason: str) -> None:
+        """Stops serving with `reason` (from any thread): the loop sends `CoreFailed` and
+        raises EngineBrokenError."""
+        with self._failure_lock:
+            if self._failure is not None or self._wake_write < 0:
+                return
+            self._failure = reason
+            os.write(self._wake_write, b"!")
 
     def run(self) -> None:
         """Serves until the parent process exits; on an engine error, tells every API server
@@ -80,6 +103,7 @@ class EngineCoreProc:
         gc_clock = _GcClock() if slow_ms > 0 else None
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
         if self.parent_sentinel is not None:
             poller.register(self.parent_sentinel, zmq.POLLIN)
         try:
@@ -89,6 +113,8 @@ class EngineCoreProc:
                 if self.parent_sentinel is not None and self.parent_sentinel in ready:
                     logger.warning("the parent process is gone: the engine core stops")
                     return
+                if self._failure is not None:
+                    raise EngineBrokenError(self._failure)
                 start = time.perf_counter()
                 gc_before = gc_clock.seconds if gc_clock else 0.0
                 adds = self._receive() if self.socket in ready else 0
@@ -107,12 +133,18 @@ class EngineCoreProc:
                         (gc_clock.seconds - gc_before) * 1e3)
         except Exception as exc:
             logger.exception("the engine failed")
+            reason = str(exc) if isinstance(exc, EngineBrokenError) \
+                else f"{type(exc).__name__}: {exc}"
             for client in self._clients:
-                self._send(client, CoreFailed(f"engine failed: {type(exc).__name__}: {exc}"))
+                self._send(client, CoreFailed(f"engine failed: {reason}"))
             raise
         finally:
             if gc_clock:
                 gc_clock.close()
+            with self._failure_lock:
+                os.close(self._wake_read)
+                os.close(self._wake_write)
+                self._wake_write = -1
 
     def _send(self, client: bytes, message: FromCore) -> None:
         self.socket.send_multipart([client, self._encode(message)])

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpilot.engine.contracts.block_hash import hash_prompt_blocks, hash_prompt_tail
+from kvpilot.engine.contracts.block_hash import UNSALTED, hash_prompt_blocks, hash_prompt_tail
 from kvpilot.engine.contracts.kv_protocol import ProtocolError, pack_checksum
 from kvpilot.engine.core.block_pool import BlockPool, KVCacheBlock
 from kvpilot.engine.device import to_device
@@ -120,10 +120,12 @@ class EngineBlockStore:
     caches, each [2, num_blocks, block_size, num_kv_heads, head_dim].
     """
 
-    def __init__(self, pool: BlockPool, caches: list[torch.Tensor], block_size: int) -> None:
+    def __init__(self, pool: BlockPool, caches: list[torch.Tensor], block_size: int,
+                 hash_salt: bytes = UNSALTED) -> None:
         self.pool = pool
         self.caches = caches
         self.block_size = block_size
+        self.hash_salt = hash_salt  # the prefix cache's (`KVCacheManager.hash_salt`)
         first = caches[0]
         self.block_bytes: int = first[:, 0].numel() * first.element_size() * len(caches)
         self.lock = FairLock()  # the engine thread retakes it every step: FIFO, not RLock
@@ -146,8 +148,16 @@ class EngineBlockStore:
 
     @classmethod
     def of_engine(cls, engine: LLMEngine) -> EngineBlockStore:
-        """Gives the store over `engine`'s block pool and KV caches."""
-        return cls(engine.kv.pool, engine.runner.kv_caches, engine.engine_args.block_size)
+        """Gives the store over `engine`'s block pool and KV caches (one rank's: a
+        tensor-parallel engine's caches are sharded, and config.validate refuses roles)."""
+        from kvpilot.engine.model_runner import ModelRunner
+
+        runner = engine.runner
+        if not isinstance(runner, ModelRunner):
+            raise ValueError("KV transfer needs a single-rank engine: use "
+                             "--tensor-parallel-size 1 with --role prefill|decode")
+        return cls(engine.kv.pool, runner.kv_caches, engine.engine_args.block_size,
+                   engine.kv.hash_salt)
 
     # ---- with the lock held -------------------------------------------------------------
 
@@ -157,9 +167,9 @@ class EngineBlockStore:
         (a prefill engine does, `KVCacheManager.cache_prompt_tails`): the decode engine then
         computes only the prompt's last token."""
         tokens = list(token_ids)
-        hashes = hash_prompt_blocks(tokens, self.block_size)
+        hashes = hash_prompt_blocks(tokens, self.block_size, salt=self.hash_salt)
         blocks = self._cached_prefix(hashes)
-        tail = hash_prompt_tail(tokens, self.block_size, hashes)
+        tail = hash_prompt_tail(tokens, self.block_size, hashes, self.hash_salt)
         if len(blocks) == len(hashes) and tail is not None:
             block = self.pool.lookup(tail)
             if block is not None:

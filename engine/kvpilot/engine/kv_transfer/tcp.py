@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar
 
+from kvpilot.engine.contracts.kv_auth import AUTH_TIMEOUT, accept_peer, prove_to_agent_sync
+from kvpilot.engine.contracts.kv_client import NO_SECRET_KEY
 from kvpilot.engine.contracts.kv_protocol import (
     Frame,
     ProtocolError,
@@ -51,11 +53,15 @@ R = TypeVar("R")
 
 
 class TcpConnector(KVConnector, Generic[HandleT, BufferT, StagedT]):
-    """Serves FETCH/WANT/RELEASE (prefill) and PULL (decode) on host:port."""
+    """Serves FETCH/WANT/RELEASE (prefill) and PULL (decode) on host:port to peers that prove
+    they hold `kv_key` (the fleet secret's; `kv_auth`), and proves it to the agents it pulls
+    from."""
 
     def __init__(self, store: BlockStore[HandleT, BufferT, StagedT], host: str, port: int,
-                 lease_seconds: float = 30.0, pull_attempts: int = 2) -> None:
+                 lease_seconds: float = 30.0, pull_attempts: int = 2,
+                 kv_key: bytes = NO_SECRET_KEY) -> None:
         self.store = store
+        self._kv_key = kv_key
         self.host, self.port = host, port
         self.leases: LeaseTable[HandleT] = LeaseTable(lease_seconds)
         # Guards `leases` and the reads of leased blocks. Taken after the store's lock where
@@ -225,6 +231,7 @@ class TcpConnector(KVConnector, Generic[HandleT, BufferT, StagedT]):
             # socket non-blocking and MSG_WAITALL would return after every partial read
             sock.settimeout(None)
             set_kernel_timeouts(sock, remaining())
+            prove_to_agent_sync(sock, self._kv_key)
             sock.sendall(encode(Frame.FETCH, {"lease_id": lease_id}))
             _, lease = expect_sync(sock, Frame.LEASE)
             hashes = [int(h) for h in lease["hashes"]]
@@ -299,6 +306,8 @@ class TcpConnector(KVConnector, Generic[HandleT, BufferT, StagedT]):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            # nothing is read past the handshake from a peer without the fleet's secret
+            await asyncio.wait_for(accept_peer(reader, writer, self._kv_key), AUTH_TIMEOUT)
             frame, message = await expect(reader, Frame.FETCH, Frame.PULL, Frame.STATS)
             if frame is Frame.STATS:
                 writer.write(encode(Frame.STATS, self.stats()))
@@ -318,8 +327,9 @@ class TcpConnector(KVConnector, Generic[HandleT, BufferT, StagedT]):
                 with _blocking_copy(writer) as sock:
                     await self._in_worker(self._serve_fetch, sock, message)
             await writer.drain()
-        except (OSError, ProtocolError, ValueError, KeyError) as exc:
-            log.warning("KV agent connection failed: %r", exc)
+        except (OSError, ProtocolError, ValueError, KeyError, TimeoutError) as exc:
+            log.warning("KV agent connection from %s failed: %r",
+                        writer.get_extra_info("peername"), exc)
         finally:
             writer.close()
 

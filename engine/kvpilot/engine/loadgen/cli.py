@@ -1,4 +1,10 @@
-"""`kvpilot bench serve`: load-generate against an OpenAI-compatible server, report like vLLM."""
+"""`kvpilot bench serve`: load-generate against an OpenAI-compatible server, report like vLLM.
+
+Lengths are in tokens of the served model's tokenizer, as in `vllm bench serve`:
+`--tokenizer`, else `--model`, else the model the server reports as its root (GET
+/v1/models), whichever is a directory, a built-in config or a Hub id in the local
+Hugging Face cache (never a download).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,13 @@ import math
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpilot.engine.contracts.tokenizer import TokenizerLike
+    from kvpilot.engine.loadgen.datasets import SampleRequest
+
+DATASETS = ("random", "shared-prefix", "sharegpt")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,17 +28,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve = sub.add_parser("serve", help="stream completions at a server and time them")
     serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     serve.add_argument("--model", required=True, help="the model name the server serves")
+    serve.add_argument("--tokenizer", default=None,
+                       help="tokenizer for the token lengths: a model directory, a Hub id in "
+                            "the local HF cache or a built-in (default: --model, else the "
+                            "server's model root)")
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--endpoint", choices=("/v1/completions", "/v1/chat/completions"),
                        default="/v1/completions")
-    serve.add_argument("--dataset", choices=("random", "shared-prefix"), default="random")
+    serve.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS,
+                       default="random")
+    serve.add_argument("--dataset-path", type=Path, default=None,
+                       help="ShareGPT-format JSON file (--dataset-name sharegpt)")
+    serve.add_argument("--sharegpt-output-len", type=int, default=None,
+                       help="output tokens per ShareGPT request (default: the reply's length)")
     serve.add_argument("--num-prompts", type=int, default=100)
-    serve.add_argument("--random-input-len", type=int, default=128, help="words per prompt")
+    serve.add_argument("--random-input-len", type=int, default=128, help="prompt tokens")
     serve.add_argument("--random-output-len", type=int, default=64, help="max_tokens")
     serve.add_argument("--random-range-ratio", type=float, default=0.0,
                        help="lengths uniform in [len*(1-r), len*(1+r)]")
     serve.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix dataset")
-    serve.add_argument("--prefix-len", type=int, default=256, help="words per shared prefix")
+    serve.add_argument("--prefix-len", type=int, default=256, help="tokens per shared prefix")
     serve.add_argument("--request-rate", type=float, default=math.inf,
                        help="requests per second (inf: send all at once)")
     serve.add_argument("--burstiness", type=float, default=1.0,
@@ -34,34 +56,97 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--ignore-eos", action="store_true")
     serve.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000")
+    serve.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     serve.add_argument("--result-json", type=Path, default=None)
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
 
 
+def _server_root(args: argparse.Namespace) -> str | None:
+    """Gives the model root the server reports (GET /v1/models), or None."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        models = httpx.get(f"{args.base_url.rstrip('/')}/v1/models", headers=headers,
+                           timeout=10).json()["data"]
+        return next((m.get("root") for m in models if m.get("id") == args.model), None)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def load_bench_tokenizer(args: argparse.Namespace) -> tuple[TokenizerLike, str]:
+    """Gives the tokenizer the lengths count in and where it came from; raises ValueError
+    naming --tokenizer when no candidate is local."""
+    from kvpilot.engine.contracts.tokenizer import load_tokenizer
+    from kvpilot.engine.models.hub_cache import local_model
+
+    tried: list[str] = []
+    candidates = [args.tokenizer] if args.tokenizer else [args.model, None]
+    for name in candidates:
+        name = name or _server_root(args)
+        if not name:
+            continue
+        try:
+            return load_tokenizer(local_model(name)), name
+        except ValueError as exc:
+            tried.append(f"{name}: {exc}")
+    raise ValueError("lengths count in tokens of the served model's tokenizer, and none was "
+                     "found locally: pass --tokenizer (a model directory, a Hub id in the local "
+                     f"HF cache, or tiny-llama). Tried: {'; '.join(tried) or 'nothing'}")
+
+
+def samples_for(args: argparse.Namespace, tokenizer: TokenizerLike) -> list[SampleRequest]:
+    """Gives the requests `--dataset-name` asks for, their lengths in `tokenizer`'s tokens."""
+    from kvpilot.engine.loadgen.datasets import (
+        random_dataset,
+        shared_prefix_dataset,
+        sharegpt_dataset,
+    )
+
+    if args.dataset_name == "sharegpt":
+        if args.dataset_path is None:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path FILE (ShareGPT JSON)")
+        return sharegpt_dataset(args.dataset_path, args.num_prompts, args.seed, tokenizer,
+                                args.sharegpt_output_len)
+    if args.dataset_name == "shared-prefix":
+        return shared_prefix_dataset(args.num_prompts, args.num_prefixes, args.prefix_len,
+                                     args.random_input_len, args.random_output_len,
+                                     args.random_range_ratio, args.seed, tokenizer)
+    return random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
+                          args.random_range_ratio, args.seed, tokenizer)
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvpilot.engine.loadgen.datasets import random_dataset, shared_prefix_dataset
-    from kvpilot.engine.loadgen.report import format_table, parse_slos, summarize
+    from kvpilot.engine.loadgen.report import RequestResult, format_table, parse_slos, summarize
     from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
 
     try:
         slos = parse_slos(args.goodput)
-        if args.dataset == "random":
-            samples = random_dataset(args.num_prompts, args.random_input_len,
-                                     args.random_output_len, args.random_range_ratio, args.seed)
-        else:
-            samples = shared_prefix_dataset(args.num_prompts, args.num_prefixes,
-                                            args.prefix_len, args.random_input_len,
-                                            args.random_output_len, args.random_range_ratio,
-                                            args.seed)
+        tokenizer, tokenizer_name = load_bench_tokenizer(args)
+        samples = samples_for(args, tokenizer)
         cfg = BenchConfig(base_url=args.base_url.rstrip("/"), model=args.model,
                           request_rate=args.request_rate, burstiness=args.burstiness,
                           max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
                           api_key=args.api_key, timeout=args.timeout, seed=args.seed,
                           endpoint=args.endpoint)
-        results, duration = asyncio.run(run_benchmark(cfg, samples))
+        bar = None
+        if not args.disable_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(samples), desc="requests", unit="req", file=sys.stderr)
+
+        def done(_: RequestResult) -> None:
+            if bar is not None:
+                bar.update(1)
+
+        try:
+            results, duration = asyncio.run(run_benchmark(cfg, samples, done))
+        finally:
+            if bar is not None:
+                bar.close()
     except ValueError as exc:
         print(f"kvpilot bench serve: {exc}", file=sys.stderr)
         return 2
@@ -69,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(summary))
     if args.result_json is not None:
         record = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-                  "base_url": args.base_url, "model": args.model, "endpoint": args.endpoint,
-                  "dataset": args.dataset,
+                  "base_url": args.base_url, "model": args.model, "tokenizer": tokenizer_name,
+                  "endpoint": args.endpoint, "dataset": args.dataset_name,
                   "num_prompts": args.num_prompts,
                   "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
                   "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,

@@ -1,25 +1,34 @@
-"""Prompts to send: random-length random-word prompts, or prompts sharing a few prefixes.
+"""Prompts to send, their lengths in tokens of the served model's tokenizer, as `vllm bench serve`:
+random prompts, prompts sharing a few prefixes, or a ShareGPT-format conversation file.
 
-Prompts are made of words drawn from a fixed list, so the load generator needs
-no tokenizer (and no torch); the true token counts come back in each
-response's `usage`. With byte-level BPE tokenizers one such word is about one
-to two tokens.
+Random text is drawn from a fixed word list and cut to the asked number of tokens (encode,
+keep the first N ids, decode), so the load generator needs a tokenizer but no torch. The
+word-count dataset (`random_word_dataset`) remains for the bench/ scripts whose recorded
+results were made in words.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
 
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "it", "an", "were", "are", "which", "this", "be", "or", "has", "had", "first", "one", "their", "its", "new", "after", "who", "they", "two", "her", "she", "been", "other", "when", "there", "all", "during", "into", "school", "time", "may", "years", "more", "most", "only", "over", "city", "some", "world", "would", "where", "later", "up", "such", "used", "many", "can", "state", "about", "national", "out", "known", "university", "united", "then", "made", "river", "north", "south", "east", "west", "light", "water", "stone", "paper", "music", "garden", "window", "market", "bridge", "signal", "engine", "cache", "block", "token", "prefix", "queue", "batch", "model", "kernel", "tensor", "router", "replica"]
+# ShareGPT filtering as vLLM's: too short to time, or too long for common context sizes.
+SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
 
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """One request of a benchmark: its prompt and how many tokens to ask for."""
+    """One request of a benchmark: its prompt, its length, and how many tokens to ask for."""
 
     prompt: str
-    prompt_words: int
+    prompt_len: int
+    """Tokens of the prompt without special tokens (words, for random_word_dataset)."""
     output_len: int
 
 
@@ -34,36 +43,104 @@ def _words(rng: random.Random, count: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(count))
 
 
-def random_dataset(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
-                   seed: int) -> list[SampleRequest]:
-    """Gives `num_prompts` requests of about `input_len` words and `output_len` tokens."""
+def _check_ratio(range_ratio: float) -> None:
     if not 0 <= range_ratio < 1:
         raise ValueError(f"random_range_ratio={range_ratio} is invalid: must be in [0, 1)")
+
+
+def _tokens(rng: random.Random, tokenizer: TokenizerLike, count: int) -> str:
+    """Gives random text of `count` tokens (every word is at least one token)."""
+    ids: list[int] = []
+    words = count
+    for _ in range(8):  # one pass suffices unless a tokenizer merges across spaces
+        ids = tokenizer.encode(_words(rng, words), add_special_tokens=False)
+        if len(ids) >= count:
+            break
+        words *= 2
+    return tokenizer.decode(ids[:count])
+
+
+def _length(tokenizer: TokenizerLike, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def random_dataset(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
+                   seed: int, tokenizer: TokenizerLike) -> list[SampleRequest]:
+    """Gives `num_prompts` requests of about `input_len` prompt tokens and `output_len` output
+    tokens (each uniform within `range_ratio`)."""
+    _check_ratio(range_ratio)
     rng = random.Random(seed)
     out = []
     for _ in range(num_prompts):
-        n_in = _lengths(rng, input_len, range_ratio)
-        out.append(SampleRequest(_words(rng, n_in), n_in,
+        text = _tokens(rng, tokenizer, _lengths(rng, input_len, range_ratio))
+        out.append(SampleRequest(text, _length(tokenizer, text),
                                  _lengths(rng, output_len, range_ratio)))
     return out
 
 
 def shared_prefix_dataset(num_prompts: int, num_prefixes: int, prefix_len: int,
                           input_len: int, output_len: int, range_ratio: float,
-                          seed: int) -> list[SampleRequest]:
+                          seed: int, tokenizer: TokenizerLike) -> list[SampleRequest]:
     """Gives requests whose prompts start with one of `num_prefixes` shared prefixes.
 
-    Request i uses prefix i mod num_prefixes followed by its own random suffix of
-    about `input_len` words, so a prefix-caching server reuses the prefix's blocks.
+    Request i uses prefix i mod num_prefixes (`prefix_len` tokens) followed by its own random
+    suffix of about `input_len` tokens, so a prefix-caching server reuses the prefix's blocks.
     """
     if num_prefixes < 1:
         raise ValueError(f"num_prefixes={num_prefixes} is invalid: must be at least 1")
+    _check_ratio(range_ratio)
     rng = random.Random(seed)
-    prefixes = [_words(rng, prefix_len) for _ in range(num_prefixes)]
+    prefixes = [_tokens(rng, tokenizer, prefix_len) for _ in range(num_prefixes)]
     out = []
     for i in range(num_prompts):
-        n_in = _lengths(rng, input_len, range_ratio)
-        prompt = f"{prefixes[i % num_prefixes]} {_words(rng, n_in)}".strip()
-        out.append(SampleRequest(prompt, prefix_len + n_in,
+        suffix = _tokens(rng, tokenizer, _lengths(rng, input_len, range_ratio))
+        prompt = f"{prefixes[i % num_prefixes]} {suffix}".strip()
+        out.append(SampleRequest(prompt, _length(tokenizer, prompt),
                                  _lengths(rng, output_len, range_ratio)))
+    return out
+
+
+def sharegpt_dataset(path: Path, num_prompts: int, seed: int, tokenizer: TokenizerLike,
+                     output_len: int | None = None) -> list[SampleRequest]:
+    """Gives up to `num_prompts` requests from a ShareGPT-format JSON file: each conversation's
+    first turn is the prompt, the second's length the output length (or `output_len`);
+    conversations are shuffled with `seed` and filtered as vLLM does (each side at least 4
+    tokens, the prompt at most 1024, both at most 2048)."""
+    try:
+        data: Any = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--dataset-path={str(path)!r} is not a readable JSON file: {exc}") \
+            from exc
+    if not isinstance(data, list):
+        raise ValueError(f"--dataset-path={str(path)!r} is not ShareGPT format: expected a "
+                         'list of {"conversations": [{"from": ..., "value": ...}, ...]}')
+    pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"]) for c in data
+             if isinstance(c, dict) and len(c.get("conversations") or []) >= 2]
+    random.Random(seed).shuffle(pairs)
+    out: list[SampleRequest] = []
+    for prompt, completion in pairs:
+        if len(out) == num_prompts:
+            break
+        prompt_len = _length(tokenizer, prompt)
+        want = output_len if output_len is not None else _length(tokenizer, completion)
+        if prompt_len < SHAREGPT_MIN_LEN or want < SHAREGPT_MIN_LEN or \
+                prompt_len > SHAREGPT_MAX_PROMPT or prompt_len + want > SHAREGPT_MAX_TOTAL:
+            continue
+        out.append(SampleRequest(prompt, prompt_len, want))
+    if not out:
+        raise ValueError(f"--dataset-path={str(path)!r} has no conversation with two turns "
+                         "of 4 to 1024 tokens each (2048 together)")
+    return out
+
+
+def random_word_dataset(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
+                        seed: int) -> list[SampleRequest]:
+    """Gives `num_prompts` requests of about `input_len` words (no tokenizer needed) and
+    `output_len` tokens; `prompt_len` counts words."""
+    _check_ratio(range_ratio)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_prompts):
+        n_in = _lengths(rng, input_len, range_ratio)
+        out.append(SampleRequest(_words(rng, n_in), n_in, _lengths(rng, output_len, range_ratio)))
     return out

@@ -14,7 +14,7 @@ import json
 import math
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,9 +137,11 @@ async def send_one(client: httpx.AsyncClient, cfg: BenchConfig,
     return result
 
 
-async def run_benchmark(cfg: BenchConfig, samples: list[SampleRequest]
+async def run_benchmark(cfg: BenchConfig, samples: list[SampleRequest],
+                        on_result: Callable[[RequestResult], None] | None = None,
                         ) -> tuple[list[RequestResult], float]:
-    """Gives every request's result and the benchmark's wall-clock duration in seconds."""
+    """Gives every request's result and the benchmark's wall-clock duration in seconds;
+    `on_result` hears of each request as it ends (a progress bar)."""
     offsets = send_offsets(len(samples), cfg.request_rate, cfg.burstiness, cfg.seed)
     limit = asyncio.Semaphore(cfg.max_concurrency or len(samples) or 1)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -151,7 +153,10 @@ async def run_benchmark(cfg: BenchConfig, samples: list[SampleRequest]
         async def one(offset: float, sample: SampleRequest) -> RequestResult:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             async with limit:
-                return await send_one(client, cfg, sample)
+                result = await send_one(client, cfg, sample)
+            if on_result is not None:
+                on_result(result)
+            return result
 
         results = await asyncio.gather(*(one(o, s) for o, s in zip(offsets, samples,
                                                                      strict=True)))

@@ -9,14 +9,35 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeAlias
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-# checkpoint tensor name -> (parameter name, index into that parameter)
-WeightLayout: TypeAlias = dict[str, tuple[str, tuple]]
+
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where one checkpoint tensor lands on this rank: `source` (its slice of the tensor,
+    () for all of it) is copied into `param[index]`; `param` None: another rank's tensor
+    (an expert this rank does not hold), read by nobody here."""
+
+    param: str | None
+    shape: tuple[int, ...]  # the checkpoint tensor's full shape
+    index: tuple = ()
+    source: tuple = ()
+
+
+# checkpoint tensor name -> where (which slice of) it lands
+WeightLayout: TypeAlias = dict[str, WeightSlot]
+
+
+def rows_source(rows: slice, full: int, dim: int = 0) -> tuple:
+    """Gives the WeightSlot.source taking `rows` of dimension `dim` (() when that is all)."""
+    if rows.start in (0, None) and rows.stop == full:
+        return ()
+    return (slice(None),) * dim + (rows,)
 
 
 class RMSNorm(nn.Module):
@@ -65,15 +86,38 @@ class FeedForward(nn.Module, ABC):
 class MergedLinear(nn.Linear):
     """A linear layer whose output rows stack several checkpoint matrices (q|k|v, gate|up).
 
-    One matmul instead of several; `shard_rows` tells the loader which rows each
-    checkpoint tensor fills.
+    One matmul instead of several. Under tensor parallelism it is column-parallel:
+    part i holds rows `sources[i]` of its `full_sizes[i]`-row checkpoint matrix (this
+    rank's heads, or its slice of the intermediate size).
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
+                 full_sizes: list[int] | None = None,
+                 sources: list[slice] | None = None) -> None:
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = output_sizes
+        self.full_sizes = full_sizes or output_sizes
+        self.sources = sources or [slice(0, n) for n in output_sizes]
 
     def shard_rows(self, index: int) -> slice:
-        """Gives the output rows of shard `index`."""
+        """Gives the output rows of part `index`."""
         start = sum(self.output_sizes[:index])
         return slice(start, start + self.output_sizes[index])
+
+    def weight_layout(self, prefix: str, merged_name: str, parts: list[str]) -> WeightLayout:
+        """Gives where checkpoint tensors `prefix.<part>.weight` (and biases) land."""
+        layout: WeightLayout = {}
+        for i, part in enumerate(parts):
+            rows, full = self.shard_rows(i), self.full_sizes[i]
+            source = rows_source(self.sources[i], full)
+            layout[f"{prefix}.{part}.weight"] = WeightSlot(
+                f"{prefix}.{merged_name}.weight", (full, self.in_features), (rows,), source)
+            if self.bias is not None:
+                layout[f"{prefix}.{part}.bias"] = WeightSlot(
+                    f"{prefix}.{merged_name}.bias", (full,), (rows,), source)
+        return layout
+
+
+def whole(name: str, param: nn.Parameter | torch.Tensor) -> WeightLayout:
+    """Gives the layout of a tensor every rank holds whole (norms, the MoE router)."""
+    return {name: WeightSlot(name, tuple(param.shape))}

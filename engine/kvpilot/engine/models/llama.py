@@ -2,7 +2,9 @@
 
 One flat batch of T tokens goes through every layer; attention reads and writes
 the paged KV cache through `model.attn_backend`, which the model runner may swap
-(torch reference on CPU, Triton on GPU).
+(torch reference on CPU, Triton on GPU). Under tensor parallelism (`tp`) each rank
+holds its heads, its KV heads and its slice of the MLP; the attention and MLP outputs
+are all-reduced, so the hidden states between layers are the same on every rank.
 """
 
 from __future__ import annotations
@@ -16,24 +18,45 @@ from torch import nn
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.models.config import ModelConfig
-from kvpilot.engine.models.layers import FeedForward, MergedLinear, RMSNorm, WeightLayout
+from kvpilot.engine.models.layers import (
+    FeedForward,
+    MergedLinear,
+    RMSNorm,
+    WeightLayout,
+    whole,
+)
 from kvpilot.engine.models.rope import RotaryEmbedding, StepRope
+from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup, shard_slice
+from kvpilot.engine.parallel.layers import (
+    VocabShard,
+    linear_layout,
+    lm_head,
+    row_parallel_linear,
+    vocab_embedding,
+)
 
-# builds one layer's feed-forward block (dense MLP or mixture of experts)
-MakeMLP: TypeAlias = Callable[[ModelConfig], FeedForward]
+# builds one layer's feed-forward block (dense MLP or mixture of experts) for a TP rank
+MakeMLP: TypeAlias = Callable[[ModelConfig, TPGroup], FeedForward]
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention over the paged cache."""
+    """Grouped-query self-attention over the paged cache (this rank's heads)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size],
-                                     bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        d = self.head_dim = config.head_dim
+        heads = shard_slice(config.num_heads, tp.rank, tp.size)
+        kv_heads = tp.kv_heads(config.num_kv_heads)
+        self.num_heads = heads.stop - heads.start
+        self.num_kv_heads = kv_heads.stop - kv_heads.start
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        full_q, full_kv = config.num_heads * d, config.num_kv_heads * d
+        kv_rows = slice(kv_heads.start * d, kv_heads.stop * d)
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias,
+            full_sizes=[full_q, full_kv, full_kv],
+            sources=[slice(heads.start * d, heads.stop * d), kv_rows, kv_rows])
+        self.o_proj = row_parallel_linear(full_q, config.hidden_size, config.o_proj_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -54,21 +77,25 @@ class Attention(nn.Module):
 
 
 class MLP(FeedForward):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), this rank's slice of it."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        rows = shard_slice(intermediate_size, tp.rank, tp.size)
+        local = rows.stop - rows.start
+        self.gate_up_proj = MergedLinear(hidden_size, [local] * 2, bias=bias,
+                                         full_sizes=[intermediate_size] * 2, sources=[rows] * 2)
+        self.down_proj = row_parallel_linear(intermediate_size, hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
     def weight_layout(self, prefix: str) -> WeightLayout:
         """Gives the checkpoint layout of one layer's dense MLP."""
-        layout = _merged_layout(f"{prefix}.mlp", "gate_up_proj", self.gate_up_proj,
-                                ["gate_proj", "up_proj"])
-        layout |= _plain_layout(f"{prefix}.mlp.down_proj", self.down_proj)
+        layout = self.gate_up_proj.weight_layout(f"{prefix}.mlp", "gate_up_proj",
+                                                 ["gate_proj", "up_proj"])
+        layout |= linear_layout(f"{prefix}.mlp.down_proj", self.down_proj)
         return layout
 
 
@@ -79,10 +106,10 @@ class DecoderLayer(nn.Module):
     residual add happens inside the next norm, where a fused kernel can do both.
     """
 
-    def __init__(self, config: ModelConfig, mlp: FeedForward) -> None:
+    def __init__(self, config: ModelConfig, mlp: FeedForward, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
@@ -102,11 +129,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embeddings, the decoder layers and the final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, make_mlp: MakeMLP) -> None:
+    def __init__(self, config: ModelConfig, make_mlp: MakeMLP, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, make_mlp(config)) for _ in range(config.num_layers))
+            DecoderLayer(config, make_mlp(config, tp), tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # One table for all layers: it is max_model_len x head_dim floats.
         self.rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta,
@@ -127,24 +154,25 @@ class DecoderModel(nn.Module):
         return self.norm(x, residual)[0]
 
 
-def dense_mlp(config: ModelConfig) -> MLP:
-    """Gives the dense SwiGLU MLP of one layer."""
-    return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+def dense_mlp(config: ModelConfig, tp: TPGroup) -> MLP:
+    """Gives the dense SwiGLU MLP of one layer (this rank's slice)."""
+    return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM; also serves Mistral, Qwen2 and Qwen3 through config flags."""
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None,
-                 make_mlp: MakeMLP = dense_mlp) -> None:
+                 make_mlp: MakeMLP = dense_mlp, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         if attn_backend is None:
             from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
             attn_backend = TorchAttentionBackend()
         self.config = config
+        self.tp = tp
         self.attn_backend = attn_backend
-        self.model = DecoderModel(config, make_mlp)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DecoderModel(config, make_mlp, tp)
+        self.lm_head = lm_head(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -154,48 +182,38 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta, self.attn_backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Gives float32 logits [N, vocab] for the hidden states [N, hidden] to sample from."""
+        """Gives float32 logits [N, vocab] for the hidden states [N, hidden] to sample from
+        (on tensor-parallel rank 0; the other ranks get their vocabulary slice's)."""
         return self.lm_head(hidden).float()
 
     def weight_layout(self) -> WeightLayout:
-        """Gives where every tensor of an HF checkpoint lands in this model's parameters."""
-        layout: WeightLayout = {
-            "model.embed_tokens.weight": ("model.embed_tokens.weight", ()),
-            "model.norm.weight": ("model.norm.weight", ()),
-        }
+        """Gives where (this rank's slice of) every tensor of an HF checkpoint lands."""
+        embed = "model.embed_tokens.weight"
+        layout = _vocab_layout(self.model.embed_tokens, embed, embed)
+        layout |= whole("model.norm.weight", self.model.norm.weight)
         if not self.config.tie_word_embeddings:
-            layout["lm_head.weight"] = ("lm_head.weight", ())
+            layout |= _vocab_layout(self.lm_head, "lm_head.weight", "lm_head.weight")
         for i, layer in enumerate(self.model.decoder_layers()):
             prefix = f"model.layers.{i}"
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                layout[f"{prefix}.{norm}.weight"] = (f"{prefix}.{norm}.weight", ())
+            for name, norm in (("input_layernorm", layer.input_layernorm),
+                               ("post_attention_layernorm", layer.post_attention_layernorm)):
+                layout |= whole(f"{prefix}.{name}.weight", norm.weight)
             layout |= _attention_layout(f"{prefix}.self_attn", layer.self_attn)
             layout |= layer.mlp.weight_layout(prefix)
         return layout
 
 
+def _vocab_layout(module: nn.Embedding | nn.Linear | VocabShard, name: str,
+                  param: str) -> WeightLayout:
+    if isinstance(module, VocabShard):
+        return module.weight_layout(name, param)
+    return whole(name, module.weight)
+
+
 def _attention_layout(prefix: str, attn: Attention) -> WeightLayout:
-    layout = _merged_layout(prefix, "qkv_proj", attn.qkv_proj, ["q_proj", "k_proj", "v_proj"])
-    layout |= _plain_layout(f"{prefix}.o_proj", attn.o_proj)
-    for norm in ("q_norm", "k_norm"):
-        if getattr(attn, norm) is not None:
-            layout[f"{prefix}.{norm}.weight"] = (f"{prefix}.{norm}.weight", ())
-    return layout
-
-
-def _merged_layout(prefix: str, merged_name: str, merged: MergedLinear,
-                   parts: list[str]) -> WeightLayout:
-    layout: WeightLayout = {}
-    for index, part in enumerate(parts):
-        rows = (merged.shard_rows(index),)
-        layout[f"{prefix}.{part}.weight"] = (f"{prefix}.{merged_name}.weight", rows)
-        if merged.bias is not None:
-            layout[f"{prefix}.{part}.bias"] = (f"{prefix}.{merged_name}.bias", rows)
-    return layout
-
-
-def _plain_layout(prefix: str, linear: nn.Linear) -> WeightLayout:
-    layout = {f"{prefix}.weight": (f"{prefix}.weight", ())}
-    if linear.bias is not None:
-        layout[f"{prefix}.bias"] = (f"{prefix}.bias", ())
+    layout = attn.qkv_proj.weight_layout(prefix, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
+    layout |= linear_layout(f"{prefix}.o_proj", attn.o_proj)
+    for name, norm in (("q_norm", attn.q_norm), ("k_norm", attn.k_norm)):
+        if norm is not None:
+            layout |= whole(f"{prefix}.{name}.weight", norm.weight)
     return layout

@@ -1,21 +1,26 @@
-"""Builds a model for its config and fills its weights from safetensors or at random."""
+"""Builds a model for its config (or one tensor-parallel rank's shard of it) and fills its
+weights from safetensors or at random, reading only the slices this rank holds."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.fused import use_fused_kernels
+from kvpilot.engine.models.layers import WeightSlot
 from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.models.registry import model_class
+from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
+from kvpilot.engine.startup_log import progress
 
 logger = logging.getLogger(__name__)
 DUMMY_STD = 0.02
@@ -24,20 +29,21 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(config: ModelConfig, load_format: str, device: torch.device | str,
-               seed: int = 0, fused_kernels: bool | None = None) -> LlamaForCausalLM:
-    """Gives the model for `config` on `device`, in eval mode, weights loaded per
-    `load_format` (auto, safetensors or dummy), with the Triton kernels of
-    `kvpilot.kernels` in its norm/activation/rotary seams when `fused_kernels`
-    (default: on CUDA)."""
+               seed: int = 0, fused_kernels: bool | None = None,
+               tp: TPGroup = SINGLE_RANK) -> LlamaForCausalLM:
+    """Gives the model for `config` (tensor-parallel rank `tp`'s shard of it) on `device`,
+    in eval mode, weights loaded per `load_format` (auto, safetensors or dummy), with the
+    Triton kernels of `kvpilot.kernels` in its norm/activation/rotary seams when
+    `fused_kernels` (default: on CUDA)."""
     fmt = resolve_load_format(config, load_format)
     device = torch.device(device)
     with _default_dtype(config.dtype), device:
-        model = model_class(config.architecture)(config)
+        model = model_class(config.architecture)(config, tp=tp)
     checkpoint = None if fmt == "dummy" else config.model_path  # set for safetensors
     if checkpoint is None:
         init_dummy_weights(model, seed)
     else:
-        load_safetensors(model, Path(checkpoint))
+        load_safetensors(model, Path(checkpoint), progress_bar=tp.is_first)
     if fused_kernels:
         use_fused_kernels(model)
     elif fused_kernels is None and device.type == "cuda":
@@ -65,56 +71,78 @@ def resolve_load_format(config: ModelConfig, load_format: str) -> str:
     return "safetensors"
 
 
-def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Fills every weight with N(0, 0.02) from a generator seeded with `seed` on the weights'
-    device (in place, so even a large model needs no extra copy); norm weights get ones,
-    as in a freshly initialised HF model."""
-    generator = None
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
+def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Fills every weight as if from a checkpoint of N(0, 0.02) tensors: each checkpoint
+    tensor is drawn whole from a generator seeded by `seed` and its name, on the weights'
+    device, then this rank's slice is copied in, so every tensor-parallel size holds the
+    same full model. Norm weights get ones, as in a freshly initialised HF model."""
+    params = dict(model.named_parameters())
+    for name, slot in model.weight_layout().items():
+        if slot.param is None:
             continue
-        if generator is None:
-            generator = torch.Generator(device=param.device).manual_seed(seed)
-        param.data.normal_(0.0, DUMMY_STD, generator=generator)
+        target = params[slot.param].data[slot.index]
+        if name.endswith("norm.weight"):
+            target.fill_(1.0)
+            continue
+        generator = torch.Generator(device=target.device).manual_seed(_tensor_seed(seed, name))
+        full = torch.empty(slot.shape, dtype=target.dtype, device=target.device)
+        target.copy_(full.normal_(0.0, DUMMY_STD, generator=generator)[slot.source])
 
 
-def load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
-    """Copies every checkpoint tensor into its place; raises naming any unexpected,
-    mis-shaped or missing tensor."""
+def _tensor_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+
+
+def load_safetensors(model: LlamaForCausalLM, path: Path, progress_bar: bool = True) -> None:
+    """Copies this rank's slice of every checkpoint tensor into its place (reading only that
+    slice); raises naming any unexpected, mis-shaped or missing tensor. `progress_bar`: one
+    over the shards on an interactive terminal (the driver's; the workers' would overlap it)."""
     layout = model.weight_layout()
     params = dict(model.named_parameters())
     tied = model.config.tie_word_embeddings
     seen: set[str] = set()
     tied_head = None
-    for name, tensor in _checkpoint_tensors(path):
-        if name.endswith(_IGNORED_SUFFIXES):
-            continue
-        if tied and name == "lm_head.weight":
-            tied_head = tensor  # checked against the embedding once that is loaded
-            continue
-        if name not in layout:
+    files = checkpoint_files(path)
+    shards = progress(files, len(files), "loading safetensors shards") if progress_bar else files
+    for file in shards:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if tied and name == "lm_head.weight":
+                    # checked against the embedding's slice once that is loaded
+                    tied_head = _read(f, name, layout["model.embed_tokens.weight"])
+                    continue
+                if name not in layout:
+                    raise ValueError(
+                        f"checkpoint {path} has tensor {name!r} that {model.config.architecture}"
+                        " does not use: is config.json's `architectures` right for these weights?")
+                slot = layout[name]
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != slot.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has shape {shape} but config.json implies "
+                        f"{slot.shape}: the config and the weights disagree")
+                seen.add(name)
+                if slot.param is not None:
+                    params[slot.param].data[slot.index].copy_(_read(f, name, slot))
+    if tied_head is not None:
+        embed = layout["model.embed_tokens.weight"]
+        if not torch.equal(tied_head.to(model.lm_head.weight),
+                           model.lm_head.weight.data[embed.index]):
             raise ValueError(
-                f"checkpoint {path} has tensor {name!r} that {model.config.architecture} does "
-                "not use: is config.json's `architectures` right for these weights?")
-        param_name, index = layout[name]
-        target = params[param_name].data[index]
-        if target.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)} but config.json "
-                f"implies {tuple(target.shape)}: the config and the weights disagree")
-        target.copy_(tensor)
-        seen.add(name)
-    if tied_head is not None and not torch.equal(
-            tied_head.to(model.lm_head.weight), model.lm_head.weight):
-        raise ValueError(
-            f"checkpoint {path} has its own lm_head.weight, but config.json ties it to the "
-            "embeddings (tie_word_embeddings is true or absent): set tie_word_embeddings "
-            "to false in config.json")
+                f"checkpoint {path} has its own lm_head.weight, but config.json ties it to the "
+                "embeddings (tie_word_embeddings is true or absent): set tie_word_embeddings "
+                "to false in config.json")
     missing = [name for name in layout if name not in seen]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {path} lacks tensor(s) the model needs: {shown}")
+
+
+def _read(f: Any, name: str, slot: WeightSlot) -> torch.Tensor:
+    """Gives the slot's slice of checkpoint tensor `name`, read from disk alone."""
+    return f.get_slice(name)[slot.source] if slot.source else f.get_tensor(name)
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -129,13 +157,6 @@ def checkpoint_files(path: Path) -> list[Path]:
     if not files:
         raise ValueError(f"model dir {path} has no *.safetensors files")
     return files
-
-
-def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
 
 
 @contextlib.contextmanager

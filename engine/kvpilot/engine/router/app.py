@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import json
 import logging
@@ -13,15 +12,22 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpilot.engine.contracts.kv_protocol import ProtocolError, kv_address, request_pull
+from kvpilot.engine.contracts.fleet_secret import FleetSecret
+from kvpilot.engine.contracts.http_auth import HttpAuth
+from kvpilot.engine.contracts.kv_client import request_pull
+from kvpilot.engine.contracts.kv_protocol import ProtocolError, kv_address
 from kvpilot.engine.contracts.router_args import INSTANCE_HEADER, PASSED_HEADERS, RouterArgs
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from kvpilot.engine.router.auth import authorizer
 from kvpilot.engine.router.disagg import disaggregatable, run_prefill
 from kvpilot.engine.router.discovery import Discovery, make_discovery
 from kvpilot.engine.router.fleet import Fleet, Instance
+from kvpilot.engine.router.kv_events import MAX_BODY_BYTES, parse_event
 from kvpilot.engine.router.metrics import RouterMetrics
 from kvpilot.engine.router.policy import Weights, choose
 from kvpilot.engine.router.prefix_index import PrefixIndex
@@ -32,16 +38,19 @@ log = logging.getLogger("kvpilot.router")
 OPENAI_POST_PATHS = ("/v1/completions", "/v1/chat/completions")
 POLL_SECONDS = 0.2
 STARTING_POLL = 0.25
+STALL_TICK = 0.1  # how often the stall rule runs (cheap: a pass over the instances)
 
 
 class Router:
     """Picks instances and forwards requests; the state behind the HTTP app."""
 
-    def __init__(self, args: RouterArgs, discovery: Discovery, hasher: PromptHasher) -> None:
+    def __init__(self, args: RouterArgs, discovery: Discovery, hasher: PromptHasher,
+                 auth: HttpAuth) -> None:
         self.args = args
+        self.auth = auth
         self.index = PrefixIndex(args.prefix_index_max_entries)
         self.fleet = Fleet(discovery, self.index, eject_after=args.eject_after_failures,
-                           eject_seconds=args.eject_seconds)
+                           eject_seconds=args.eject_seconds, auth=auth)
         self.hasher = hasher
         self.fleet.poll_kv_events = hasher.tokenizer is not None
         self.metrics = RouterMetrics()
@@ -51,7 +60,9 @@ class Router:
         timeout = httpx.Timeout(connect=args.connect_timeout, read=args.idle_timeout,
                                 write=args.idle_timeout, pool=args.connect_timeout)
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        # every request to an engine carries the router's API key (the fleet shares one)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits,
+                                        headers=auth.user_headers())
         self.forwarder = Forwarder(self.fleet, self.client, self.metrics,
                                    max_retries=args.max_retries,
                                    request_timeout=args.request_timeout)
@@ -106,7 +117,7 @@ class Router:
     async def handle(self, path: str, body: dict[str, Any], headers: dict[str, str],
                      pinned: str | None) -> Response:
         """Gives the response to one OpenAI request (aggregated or disaggregated)."""
-        hashes = self.hasher.hashes(body)
+        hashes = await asyncio.to_thread(self.hasher.hashes, body)  # CPU: off the loop
         if not self.disaggregated or not disaggregatable(body):
             roles = ("decode",) if self.disaggregated else ("both",)
 
@@ -147,12 +158,18 @@ class Router:
         try:
             done = await request_pull(kv_address(decode.url, 0, offset),
                                       kv_address(prefill.url, 0, offset), lease_id,
-                                      self.args.transfer_timeout)
+                                      self.args.transfer_timeout, self.auth.fleet.kv_key)
             self.metrics.transferred_blocks.inc(done.get("imported", 0))
         except (OSError, ProtocolError, TimeoutError) as exc:
             self.metrics.requests.labels(decode.url, "transfer_fallback").inc()
             log.warning("KV transfer %s -> %s failed, decode prefills locally: %r",
                         prefill.url, decode.url, exc)
+
+    async def watch_stalls_forever(self) -> None:
+        """Ejects stalled instances (`router.stall`) within STALL_TICK of their timeout."""
+        while True:
+            await asyncio.sleep(STALL_TICK)
+            self.fleet.check_stalls(self.args.stall_timeout)
 
     async def refresh_forever(self) -> None:
         """Refreshes discovery and load every refresh_interval seconds."""
@@ -175,34 +192,37 @@ class Router:
 
 
 def build_app(args: RouterArgs, discovery: Discovery | None = None,
-              hasher: PromptHasher | None = None) -> FastAPI:
-    """Gives the FastAPI app of a router configured by `args`."""
-    router = Router(args, discovery or make_discovery(args),
-                    hasher or PromptHasher(args.block_size))
+              tokenizer: TokenizerLike | None = None) -> FastAPI:
+    """Gives the FastAPI app of a router configured by `args`; with the engines' `tokenizer`
+    its prompt hashes equal theirs (`--tokenizer`)."""
+    fleet_secret = FleetSecret.from_file(args.fleet_secret_file)
+    auth = HttpAuth(args.api_key, fleet_secret, args.metrics_require_api_key)
+    hasher = PromptHasher(args.block_size, tokenizer, fleet_secret.block_hash_salt)
+    router = Router(args, discovery or make_discovery(args), hasher, auth)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(router.refresh_forever())
+        tasks = [asyncio.create_task(router.refresh_forever())]
+        if args.stall_timeout:
+            tasks.append(asyncio.create_task(router.watch_stalls_forever()))
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            router.fleet.close()
             await router.client.aclose()
 
-    app = FastAPI(title="kvpilot router", lifespan=lifespan)
+    app = FastAPI(title="kvpilot router", lifespan=lifespan,
+                  dependencies=[Depends(authorizer(auth, MAX_BODY_BYTES))])
     app.state.router = router
 
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next: Any) -> Response:
-        if args.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {args.api_key}".encode()):
-                return JSONResponse(error_body("missing or wrong API key: send the header "
-                                               "'Authorization: Bearer <key>'", 401,
-                                               "authentication_error"), 401)
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        kind = "authentication_error" if exc.status_code == 401 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), exc.status_code, kind),
+                            exc.status_code, headers=exc.headers)
 
     async def openai_post(request: Request) -> Response:
         try:
@@ -248,12 +268,17 @@ def build_app(args: RouterArgs, discovery: Discovery | None = None,
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/kv_events")
-    async def kv_events(request: Request) -> dict[str, int]:
-        """Takes an engine's KV events: {"instance", "stored": [hash], "removed": [hash], "cleared"}."""
-        event = await request.json()
-        instance = str(event.get("instance", "")).rstrip("/")
-        if instance in router.fleet.instances:  # the index holds nothing of any other
-            router.index.apply_event(instance, event)
-        return {"entries": len(router.index)}
+    async def kv_events(request: Request) -> Response:
+        """Takes an engine's KV events: {"instance", "stored": [hash], "removed": [hash],
+        "cleared"}, each bounded (`router.kv_events`); 400 naming the field otherwise."""
+        try:
+            event = parse_event(request.state.body)  # read, bounded, by `authorizer`
+        except ValueError as exc:
+            param = str(exc).partition("=")[0]
+            return JSONResponse(error_body(str(exc), 400, "invalid_request_error", param), 400)
+        instance = router.fleet.instances.get(event.instance.rstrip("/"))
+        if instance is not None:  # the index holds nothing of any other
+            router.index.apply(instance.url, event)
+        return JSONResponse({"entries": len(router.index)})
 
     return app

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
-from kvpilot.engine.contracts.args import add_dataclass_args, from_namespace
+from kvpilot.engine.contracts.args import add_dataclass_args, from_namespace, resolve_api_key
+from kvpilot.engine.contracts.fleet_secret import UNAUTHENTICATED_WARNING, FleetSecret
 from kvpilot.engine.contracts.router_args import RouterArgs
 
 
@@ -20,23 +20,24 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvpilot.engine.router.app import build_app
-    from kvpilot.engine.router.prompt import PromptHasher
 
     try:
         router_args: RouterArgs = from_namespace(RouterArgs, args)
-        if router_args.api_key is None:
-            router_args.api_key = os.environ.get("KVPILOT_ROUTER_API_KEY") or None
+        router_args.api_key = resolve_api_key(router_args.api_key)
+        fleet = FleetSecret.from_file(router_args.fleet_secret_file)
     except ValueError as exc:
         print(f"kvpilot route: {exc}")
         return 2
     logging.basicConfig(level=router_args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not fleet.enabled:
+        logging.getLogger("kvpilot.router").warning(UNAUTHENTICATED_WARNING)
     tokenizer = None
     if router_args.tokenizer:
         # Torch-free: the engine's tokenizer wraps `tokenizers` and jinja2 only.
         from kvpilot.engine.contracts.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(router_args.tokenizer)
-    app = build_app(router_args, hasher=PromptHasher(router_args.block_size, tokenizer))
+    app = build_app(router_args, tokenizer=tokenizer)
     uvicorn.run(app, host=router_args.host, port=router_args.port,
                 log_level=router_args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -27,6 +27,7 @@ import httpx
 
 from kvpilot.engine.router.fleet import Instance
 from kvpilot.engine.router.proxy import RETRY_STATUSES, NoInstance
+from kvpilot.engine.router.stall import Stalled, until_stalled
 
 log = logging.getLogger("kvpilot.router")
 
@@ -60,7 +61,11 @@ async def run_prefill(client: httpx.AsyncClient, pick: Callable[[set[str]], Awai
             break
         tried.add(instance.url)
         try:
-            response = await client.post(instance.url + path, json=request, headers=headers)
+            response = await until_stalled(instance.stall, client.post(
+                instance.url + path, json=request, headers=headers))
+        except Stalled:
+            log.info("prefill on %s: the instance stalled", instance.url)
+            continue  # ejected already
         except (httpx.HTTPError, OSError) as exc:
             log.info("prefill on %s failed: %r", instance.url, exc)
             on_result(instance, False, isinstance(exc, httpx.ConnectError))

@@ -11,15 +11,22 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvpilot.engine.contracts import metric_names as names
+from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.contracts.metrics_text import read_metrics
 from kvpilot.engine.router.discovery import Discovery
 from kvpilot.engine.router.health import Health
+from kvpilot.engine.router.kv_events import parse_event
 from kvpilot.engine.router.policy import InstanceView
 from kvpilot.engine.router.prefix_index import PrefixIndex
+from kvpilot.engine.router.stall import find_stalled
 
 log = logging.getLogger("kvpilot.router")
 
 KV_EVENTS_TIMEOUT = 2.0  # seconds; a poll never holds a refresh longer than this
+# A refresh waits this long for its health checks; a slower one (a stalled instance) runs on
+# in the background and holds up no other instance's.
+PROBE_WAIT = 1.0
+PROBE_TIMEOUT = 30.0  # a health check unanswered this long fails (a stall is found sooner)
 
 
 @dataclass
@@ -36,9 +43,31 @@ class Instance:
     ready: bool = False
     health: Health = field(default_factory=Health)
     kv_events_next: int = 0  # the `since` of the next GET /kv_events
+    last_heard: float = 0.0  # monotonic time of its last answer (a byte, a health check)
+    waiting_since: float = 0.0  # when the router last began waiting for it from idle
+    probe: asyncio.Task[None] | None = None  # the health check (/metrics scrape) running
+    stall: asyncio.Event = field(default_factory=asyncio.Event)  # set once found stalled
 
     def view(self, cached_blocks: int = 0) -> InstanceView:
         return InstanceView(self.url, self.waiting, self.in_flight, self.kv_usage, cached_blocks)
+
+    @property
+    def outstanding(self) -> bool:
+        """Whether the router waits for something from it (a request or a health check)."""
+        return self.in_flight > 0 or (self.probe is not None and not self.probe.done())
+
+    @property
+    def silent_since(self) -> float:
+        return max(self.last_heard, self.waiting_since)
+
+    @property
+    def stalled(self) -> bool:
+        return self.health.stalled
+
+    def expect(self) -> None:
+        """Notes that the router is about to wait for it (call before sending)."""
+        if not self.outstanding:
+            self.waiting_since = time.monotonic()
 
 
 def parse_load(text: str) -> tuple[float, float, float]:
@@ -53,9 +82,10 @@ class Fleet:
     """Instances by URL, refreshed from discovery and scraped for load."""
 
     def __init__(self, discovery: Discovery, index: PrefixIndex, *, eject_after: int,
-                 eject_seconds: float) -> None:
+                 eject_seconds: float, auth: HttpAuth | None = None) -> None:
         self.discovery = discovery
         self.index = index
+        self.auth = auth or HttpAuth()  # signs the GET /kv_events polls
         self.eject_after, self.eject_seconds = eject_after, eject_seconds
         self.instances: dict[str, Instance] = {}
         self.changed = asyncio.Event()  # set whenever instances appear or come back
@@ -69,7 +99,9 @@ class Fleet:
         wanted = {url: role for role, url in pairs}
         for url in list(self.instances):
             if url not in wanted or self.instances[url].role != wanted[url]:
-                del self.instances[url]
+                gone = self.instances.pop(url)
+                if gone.probe is not None:
+                    gone.probe.cancel()
                 self.index.remove_instance(url)
         for url, role in wanted.items():
             if url not in self.instances:
@@ -102,18 +134,54 @@ class Fleet:
                         instance.health.ejected_until - time.monotonic(), threshold, reason)
         return ejected
 
+    def heard(self, instance: Instance) -> None:
+        """Notes an answer (bytes) from `instance`; a stalled one is back in rotation."""
+        instance.last_heard = time.monotonic()
+        if instance.health.stalled:
+            instance.health.stalled = False
+            instance.stall = asyncio.Event()
+            self.changed.set()
+            log.warning("%s answers again: back in rotation", instance.url)
+
+    def check_stalls(self, stall_timeout: float) -> list[Instance]:
+        """Ejects the instances that now count as stalled (`router.stall`); gives them."""
+        found = find_stalled(self.instances.values(), time.monotonic(), stall_timeout)
+        for instance in found:
+            instance.health.stalled = True
+            instance.stall.set()  # its requests still waiting for a first byte move on
+            self.on_eject(instance)
+            log.warning("%s stalled: nothing from it for %.1fs while others answered; out of "
+                        "rotation until it answers a health check", instance.url,
+                        time.monotonic() - instance.last_heard)
+        return found
+
     async def refresh(self, client: httpx.AsyncClient) -> None:
-        """Re-reads discovery, then scrapes every instance's /metrics (and KV events) concurrently."""
+        """Re-reads discovery, then health-checks every instance (scrapes its /metrics and KV
+        events) concurrently, waiting at most PROBE_WAIT for them."""
         try:
             self.update(await self.discovery.list())
         except (httpx.HTTPError, OSError, ValueError) as exc:
             log.warning("discovery failed, keeping the last instance list: %s", exc)
-        await asyncio.gather(*(self._scrape(client, i) for i in list(self.instances.values())))
+        started = []
+        for instance in list(self.instances.values()):
+            if instance.probe is None or instance.probe.done():  # one check at a time each
+                instance.expect()
+                instance.probe = asyncio.create_task(self._scrape(client, instance))
+                started.append(instance.probe)
+        if started:
+            await asyncio.wait(started, timeout=PROBE_WAIT)
+
+    def close(self) -> None:
+        """Cancels the health checks still running."""
+        for instance in self.instances.values():
+            if instance.probe is not None:
+                instance.probe.cancel()
 
     async def _scrape(self, client: httpx.AsyncClient, instance: Instance) -> None:
         was_available = instance.health.available(time.monotonic())
         try:
-            response = await client.get(f"{instance.url}/metrics")
+            response = await client.get(f"{instance.url}/metrics", timeout=PROBE_TIMEOUT)
+            self.heard(instance)
             response.raise_for_status()
             instance.waiting, instance.running, instance.kv_usage = parse_load(response.text)
         except (httpx.HTTPError, ValueError) as exc:
@@ -136,19 +204,23 @@ class Fleet:
         The engine bounds an answer to its ring (65,536 events); a gap arrives as a
         `cleared` event, which resets the instance's entries.
         """
+        target = f"/kv_events?since={instance.kv_events_next}"
         try:
-            response = await client.get(f"{instance.url}/kv_events",
-                                        params={"since": instance.kv_events_next},
-                                        timeout=KV_EVENTS_TIMEOUT)
+            response = await client.get(instance.url + target, timeout=KV_EVENTS_TIMEOUT,
+                                        headers=self.auth.fleet_headers("GET", target))
             response.raise_for_status()
             body = response.json()
-            events, next_seq = body["events"], int(body["next"])
+            events = [parse_event(event) for event in body["events"]]
+            next_seq = int(body["next"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             # An engine without events (404) or a slow one is not unhealthy: /metrics says that.
-            log.debug("GET %s/kv_events failed: %r", instance.url, exc)
+            # A refusal is a fleet whose members hold different secrets: say so.
+            refused = isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401
+            (log.warning if refused else log.debug)("GET %s/kv_events failed: %r",
+                                                    instance.url, exc)
             return
         if self.instances.get(instance.url) is not instance:
             return  # it left (or changed role) while we waited
         for event in events:
-            self.index.apply_event(instance.url, event)
+            self.index.apply(instance.url, event)
         instance.kv_events_next = next_seq

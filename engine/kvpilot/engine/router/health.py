@@ -3,7 +3,8 @@
 An instance that fails `eject_after_failures` times in a row (refused connection,
 5xx, a stream cut mid-way, a failed /metrics scrape) is left out of routing for
 `eject_seconds`, doubling on each repeat up to 8x. When the time is up it is tried
-again; one success clears its record.
+again; one success clears its record. A stalled instance (`router.stall`) is out until it
+answers again.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ class Health:
     consecutive_failures: int = 0
     ejections: int = 0  # times ejected since the last success
     ejected_until: float = 0.0
+    stalled: bool = False  # out of rotation until it answers again (`router.stall`)
 
     def available(self, now: float) -> bool:
         """Gives whether the instance may receive requests at `now`."""
-        return now >= self.ejected_until
+        return not self.stalled and now >= self.ejected_until
 
     def record_success(self) -> None:
         """Clears the failure record."""

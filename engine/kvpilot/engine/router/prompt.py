@@ -9,13 +9,18 @@ KV block of text): consistent across requests, which is all affinity needs.
 
 from __future__ import annotations
 
+import logging
+import struct
 from collections.abc import Callable
 from typing import Any
 
-from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
-from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from jinja2.exceptions import TemplateError
+
+from kvpilot.engine.contracts.block_hash import UNSALTED, hash_prompt_blocks
+from kvpilot.engine.contracts.tokenizer import TokenizerLike, check_unicode
 
 BYTES_PER_TOKEN = 4
+log = logging.getLogger("kvpilot.router")
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
@@ -26,6 +31,8 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     """
     out = []
     for message in body.get("messages") or []:
+        if not isinstance(message, dict):
+            raise ValueError(f"messages holds {type(message).__name__}, not an object")
         content = message.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
@@ -50,21 +57,31 @@ def prompt_text(body: dict[str, Any]) -> str | list[int]:
 class PromptHasher:
     """Turns request bodies into block hashes, with or without the engines' tokenizer."""
 
-    def __init__(self, block_size: int, tokenizer: TokenizerLike | None = None) -> None:
+    def __init__(self, block_size: int, tokenizer: TokenizerLike | None = None,
+                 salt: bytes = UNSALTED) -> None:
         self.block_size = block_size
         self.tokenizer = tokenizer
+        self.salt = salt  # the fleet's, so the hashes equal the engines' (`FleetSecret`)
         self._encode: Callable[[dict[str, Any]], list[int]] = (
             self._encode_tokens if tokenizer is not None else self._encode_bytes)
 
     def hashes(self, body: dict[str, Any]) -> list[int]:
-        """Gives the chained hashes of the full blocks of the body's prompt."""
-        ids = self._encode(body)
+        """Gives the chained hashes of the full blocks of the body's prompt; none for a prompt
+        it cannot read (a lone surrogate, a malformed body): the engine answers that request
+        with a 400 naming the field, and no prefix affinity is lost that it could have had.
+
+        CPU work (a 1 MB prompt: seconds with a tokenizer): call it off the event loop.
+        """
         size = self.block_size if self.tokenizer is not None else self.block_size * BYTES_PER_TOKEN
-        return hash_prompt_blocks(ids, size)
+        try:
+            return hash_prompt_blocks(self._encode(body), size, salt=self.salt)
+        except (TypeError, ValueError, TemplateError, struct.error) as exc:  # ids beyond int32
+            log.debug("prompt not hashed: %r", exc)
+            return []
 
     def _encode_bytes(self, body: dict[str, Any]) -> list[int]:
         prompt = prompt_text(body)
-        return list(prompt) if isinstance(prompt, list) else list(prompt.encode("utf-8"))
+        return list(prompt) if isinstance(prompt, list) else list(check_unicode(prompt).encode())
 
     def _encode_tokens(self, body: dict[str, Any]) -> list[int]:
         tok = self.tokenizer

@@ -2,8 +2,8 @@
 
 The response (status, headers) is only sent back to the client once the first
 body bytes arrived from an engine, so every failure up to then — refused
-connection, timeout, 5xx, 429, a stream that closes empty — is retried on
-another instance. After the first byte a failure cannot be hidden: the client
+connection, timeout, 5xx, 429, a stream that closes empty, an instance found
+stalled (`router.stall`) — is retried on another instance. After the first byte a failure cannot be hidden: the client
 gets an OpenAI-style SSE error event and the stream ends.
 """
 
@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvpilot.engine.contracts.router_args import SERVED_BY_HEADER
 from kvpilot.engine.router.fleet import Fleet, Instance
 from kvpilot.engine.router.metrics import RouterMetrics
+from kvpilot.engine.router.stall import Stalled, until_stalled
 
 log = logging.getLogger("kvpilot.router")
 
@@ -45,9 +46,10 @@ class Attempt:
     first: bytes
 
 
-def error_body(message: str, code: int, kind: str = "upstream_error") -> dict[str, Any]:
+def error_body(message: str, code: int, kind: str = "upstream_error",
+               param: str | None = None) -> dict[str, Any]:
     """Gives an OpenAI-style error object."""
-    return {"error": {"message": message, "type": kind, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def sse_error(message: str, code: int) -> bytes:
@@ -64,6 +66,7 @@ class Forwarder:
         self.max_retries, self.request_timeout = max_retries, request_timeout
 
     def _begin(self, instance: Instance) -> None:
+        instance.expect()
         instance.in_flight += 1
         self.metrics.in_flight.labels(instance.url).set(instance.in_flight)
 
@@ -82,6 +85,7 @@ class Forwarder:
         request = self.client.build_request("POST", instance.url + path, json=body,
                                             headers=headers)
         response = await self.client.send(request, stream=True)
+        self.fleet.heard(instance)
         if response.status_code in RETRY_STATUSES:
             text = (await response.aread()).decode(errors="replace")[:300]
             await response.aclose()
@@ -94,6 +98,7 @@ class Forwarder:
         except BaseException:
             await response.aclose()
             raise
+        self.fleet.heard(instance)
         if response.status_code >= 400:
             content = first + b"".join([c async for c in chunks])
             await response.aclose()
@@ -118,13 +123,15 @@ class Forwarder:
             tried.add(instance.url)
             self._begin(instance)
             try:
-                result = await asyncio.wait_for(self._try(instance, path, body, headers),
-                                                self.request_timeout)
-            except (httpx.HTTPError, RetryableStatus, TimeoutError, OSError) as exc:
+                # nothing has reached the client yet: a stalled instance's attempt moves on
+                result = await asyncio.wait_for(
+                    until_stalled(instance.stall, self._try(instance, path, body, headers)),
+                    self.request_timeout)
+            except (httpx.HTTPError, RetryableStatus, TimeoutError, OSError, Stalled) as exc:
                 busy = isinstance(exc, RetryableStatus) and exc.status == 429
                 all_busy = all_busy and busy
-                self._end(instance, "busy" if busy else "error",
-                          refused=isinstance(exc, httpx.ConnectError))
+                outcome = "busy" if busy else "stalled" if isinstance(exc, Stalled) else "error"
+                self._end(instance, outcome, refused=isinstance(exc, httpx.ConnectError))
                 last_error = f"{instance.url}: {exc!r}"
                 log.info("attempt %d on %s failed: %r", attempt_no + 1, instance.url, exc)
                 if attempt_no < self.max_retries:
@@ -160,6 +167,7 @@ class Forwarder:
                                                    max(deadline - time.monotonic(), 0.0))
                 except StopAsyncIteration:
                     break
+                self.fleet.heard(attempt.instance)
                 yield chunk
             outcome = "ok"
         except TimeoutError:

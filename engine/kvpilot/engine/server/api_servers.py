@@ -26,10 +26,12 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.contracts.args import EngineArgs, ServerArgs
+from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.core_process.launch import CoreHandle
 
 if TYPE_CHECKING:
@@ -38,6 +40,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvpilot.serve")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclass(frozen=True)
+class ApiServerConfig:
+    """What every API server process serves with (passed to each at spawn)."""
+
+    engine_args: EngineArgs
+    server_args: ServerArgs
+    auth: HttpAuth  # the API key and fleet secret each path needs
+    chat_template: str | None = None  # --chat-template's text, replacing the model's
 
 
 def make_server(app: FastAPI, server_args: ServerArgs) -> uvicorn.Server:
@@ -93,29 +105,31 @@ def make_server(app: FastAPI, server_args: ServerArgs) -> uvicorn.Server:
     return DrainingServer(config)
 
 
-def serve_api(core: CoreHandle, engine_args: EngineArgs, server_args: ServerArgs,
-              sock: socket.socket) -> None:
+def serve_api(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) -> None:
     """Serves the OpenAI API for `core` on `sock` until a signal drained it."""
     import asyncio
 
-    from kvpilot.engine.contracts.tokenizer import load_tokenizer
+    from kvpilot.engine.contracts.tokenizer import Tokenizer, load_tokenizer
     from kvpilot.engine.server.app import build_app
 
+    engine_args, server_args = config.engine_args, config.server_args
     tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
+    # chats are rendered here, in the API server: its tokenizer carries the template
+    if config.chat_template is not None and isinstance(tokenizer, Tokenizer):
+        tokenizer.chat_template = config.chat_template
     app = build_app(core, tokenizer, engine_args.name, max_queue_len=server_args.max_queue_len,
-                    api_key=server_args.api_key)
+                    auth=config.auth)
     asyncio.run(make_server(app, server_args).serve(sockets=[sock]))
 
 
-def _api_server_process(core: CoreHandle, engine_args: EngineArgs, server_args: ServerArgs,
-                        sock: socket.socket) -> None:
-    logging.basicConfig(level=server_args.log_level.upper(), stream=sys.stderr,
+def _api_server_process(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) -> None:
+    logging.basicConfig(level=config.server_args.log_level.upper(), stream=sys.stderr,
                         format=LOG_FORMAT)
     launcher = multiprocessing.parent_process()
     if launcher is not None:  # a killed launcher must not leave this process on the port
         threading.Thread(target=_drain_when_gone, args=(launcher.sentinel,), daemon=True,
                          name="kvpilot-launcher-watch").start()
-    serve_api(core, engine_args, server_args, sock)
+    serve_api(core, config, sock)
 
 
 def _drain_when_gone(sentinel: int) -> None:
@@ -124,8 +138,7 @@ def _drain_when_gone(sentinel: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run_api_servers(core: CoreHandle, engine_args: EngineArgs, server_args: ServerArgs,
-                    sock: socket.socket) -> int:
+def run_api_servers(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) -> int:
     """Runs `--api-server-count` API server processes on `sock` until they exit; gives the exit
     code (1 when one of them died on its own: the others are stopped, so the pod restarts)."""
     from kvpilot.engine.server.metrics import MULTIPROC_DIR_ENV
@@ -134,8 +147,8 @@ def run_api_servers(core: CoreHandle, engine_args: EngineArgs, server_args: Serv
     os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # read by the children's prometheus_client
     context = multiprocessing.get_context("spawn")
     servers = [context.Process(target=_api_server_process, name=f"kvpilot-api-server-{i}",
-                               args=(core, engine_args, server_args, sock))
-               for i in range(server_args.api_server_count)]
+                               args=(core, config, sock))
+               for i in range(config.server_args.api_server_count)]
     stopping = False
 
     def stop(signum: int, frame: FrameType | None) -> None:

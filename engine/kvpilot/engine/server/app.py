@@ -8,7 +8,6 @@ in about a second, whatever the engine core is loading.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -16,9 +15,11 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core_process.client import CoreClient
 from kvpilot.engine.core_process.launch import CoreHandle
+from kvpilot.engine.server.auth import authorizer
 from kvpilot.engine.server.chat import create_chat_completion
 from kvpilot.engine.server.completions import create_completion
 from kvpilot.engine.server.drain import Gate
@@ -39,15 +40,19 @@ from kvpilot.engine.server.serving import ServingContext
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}
     for status, text in ((400, "invalid request (param names the field)"),
-                         (401, "missing or wrong API key"), (404, "unknown model"),
+                         (401, "missing or wrong API key (or fleet signature on /kv_events)"),
+                         (404, "unknown model"),
                          (429, "waiting queue full; see Retry-After"),
                          (503, "draining or engine failed"))}
 
 
 def build_app(core: CoreHandle, tokenizer: TokenizerLike, model_name: str,
-              max_queue_len: int = 1024, api_key: str | None = None) -> FastAPI:
+              max_queue_len: int = 1024, auth: HttpAuth | None = None) -> FastAPI:
     """Gives the app serving the engine `core` under `model_name`; it connects while starting
-    and disconnects while stopping (the core's life is its launcher's)."""
+    and disconnects while stopping (the core's life is its launcher's).
+
+    `auth` says which credential each path needs (`contracts.http_auth`; none: all open).
+    """
     metrics = ServerMetrics(model_name)
     client = CoreClient(core, tokenizer, metrics)
     gate = Gate(max_queue_len, lambda: client.stats.num_waiting + client.num_pending,
@@ -61,20 +66,14 @@ def build_app(core: CoreHandle, tokenizer: TokenizerLike, model_name: str,
         try:
             yield
         finally:
+            ctx.cpu.shutdown(wait=False, cancel_futures=True)
             await client.close()
 
-    app = FastAPI(title="kvpilot engine", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="kvpilot engine", version="0.1.0", lifespan=lifespan,
+                  dependencies=[Depends(authorizer(auth or HttpAuth()))])
     app.state.ctx = ctx
     app.state.metrics = metrics
     install_error_handlers(app)
-
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                              code="invalid_api_key")
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -104,25 +103,24 @@ def build_app(core: CoreHandle, tokenizer: TokenizerLike, model_name: str,
     async def kv_events(since: int = 0) -> Response:
         """Gives the prefix cache's events since `since`: {"next": M, "events": [...]}.
 
-        The router polls this with `since` = the last answer's `next`. The core reads its
-        log between steps, without the engine lock (see `kvpilot.engine.core.kv_events`).
+        The router polls this with `since` = the last answer's `next`, signed with the
+        fleet secret (`contracts.http_auth`). The core reads its log between steps (see
+        `kvpilot.engine.core.kv_events`).
         """
         return JSONResponse(await client.kv_events(since))
 
-    @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(check_api_key)],
-             responses=ERRORS)
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, root=core.ready.model,
                                          max_model_len=limits.max_model_len)])
 
-    @app.post("/v1/completions", response_model=None, dependencies=[Depends(check_api_key)],
+    @app.post("/v1/completions", response_model=None,
               responses={200: {"model": CompletionResponse}, **ERRORS})
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         check_model(body.model)
         return await create_completion(body, raw, ctx)
 
     @app.post("/v1/chat/completions", response_model=None,
-              dependencies=[Depends(check_api_key)],
               responses={200: {"model": ChatCompletionResponse}, **ERRORS})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         check_model(body.model)

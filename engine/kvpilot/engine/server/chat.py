@@ -61,7 +61,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
                                  ) -> ChatCompletionResponse | GenerationStream:
     """Gives the assistant's reply (n choices), or a stream of chunks when `stream` is set."""
     arrival = time.monotonic()
-    prompt = chat_prompt(request, ctx.tokenizer, ctx.limits)
+    # rendering and tokenising in a worker thread keeps the loop serving (a long chat)
+    prompt = await ctx.off_loop(chat_prompt, request, ctx.tokenizer, ctx.limits)
     params = sampling_params(request, len(prompt), ctx.limits)
     request_id, streams = await admit_requests(ctx, "chatcmpl", [prompt], [params], arrival,
                                                request.priority, request.stream)
@@ -102,10 +103,11 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
         return sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
                                        choices=choices))
 
-    try:
-        # OpenAI opens every choice with an empty assistant delta.
-        yield chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+    # OpenAI opens every choice with an empty assistant delta. It leaves with the first
+    # token: until a stream's first byte, a router may still retry the request elsewhere.
+    opening = chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                      for i in range(request.n)])
+    try:
         sent = StreamUsage([prompt_len])
         async for _, output in merge(streams):
             check_error(output, had_tokens=sent.tokens[0] > 0)
@@ -117,7 +119,10 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                 for c in output.outputs]
             if choices:
-                yield chunk(choices)
+                yield opening + chunk(choices)
+                opening = ""
+        if opening:  # no choice produced a chunk
+            yield opening
         if include_usage:
             yield sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
                                           choices=[], usage=sent.usage()))

@@ -56,7 +56,8 @@ async def create_completion(request: CompletionRequest, raw: Request,
                             ctx: ServingContext) -> CompletionResponse | GenerationStream:
     """Gives the completion of every prompt, or a stream of chunks when `stream` is set."""
     arrival = time.monotonic()
-    prompts = completion_prompts(request, ctx.tokenizer, ctx.limits)
+    # tokenising (a 1 MB prompt: ~2 s of CPU) in a worker thread keeps the loop serving
+    prompts = await ctx.off_loop(completion_prompts, request, ctx.tokenizer, ctx.limits)
     params = [sampling_params(request, len(ids), ctx.limits) for ids in prompts]
     request_id, streams = await admit_requests(ctx, "cmpl", prompts, params, arrival,
                                                request.priority, request.stream)

@@ -82,7 +82,9 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """Gives the message and param of the first pydantic error, naming field, value and fix."""
     if not errors:
         return "invalid request body", None
-    first = errors[0]
+    # In a union (a prompt is text or token ids) a field's own check says more than the
+    # other branches' type errors.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     param = _param(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid" or param is None:
         return f"invalid request body: {first.get('msg')}; send a JSON object", param

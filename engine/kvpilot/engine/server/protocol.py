@@ -12,7 +12,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from kvpilot.engine.contracts.tokenizer import check_unicode
 
 # OpenAI's own limits; they also keep generated requests bounded.
 MAX_N = 128
@@ -20,6 +22,8 @@ MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# text that reaches the tokenizer or the stop matching: valid Unicode (no lone surrogate)
+Text = Annotated[str, AfterValidator(check_unicode)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
@@ -42,7 +46,7 @@ class SamplingFields(BaseModel):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
@@ -59,7 +63,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     """Body of POST /v1/completions."""
 
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -69,14 +73,14 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     """One message of a chat; content may be a string or a list of text parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:

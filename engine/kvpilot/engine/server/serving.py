@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import os
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -37,6 +40,14 @@ from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
 T = TypeVar("T")
 
 
+# Threads that tokenise (and render chats): one core fewer than the machine has, so the
+# event loop keeps one while long prompts are tokenised (measured in
+# tests/server/test_server_availability.py; the tokenizer releases the GIL, see
+# `contracts.tokenizer.GIL_FREE_CHARS`).
+TOKENIZE_THREADS = max(1, (os.cpu_count() or 2) - 1)
+P = ParamSpec("P")
+
+
 @dataclass
 class ServingContext:
     """What a generation handler needs from the server."""
@@ -46,6 +57,13 @@ class ServingContext:
     model_name: str
     limits: Limits
     gate: Gate
+    cpu: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        TOKENIZE_THREADS, thread_name_prefix="kvpilot-tokenize"))
+
+    async def off_loop(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Gives `function`'s result, run in a tokenising thread (CPU work off the loop)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.cpu, functools.partial(function, *args, **kwargs))
 
 
 def new_request_id(prefix: str) -> str:

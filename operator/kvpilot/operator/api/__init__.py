@@ -16,6 +16,7 @@ from kvpilot.operator.api.common import (
     ScaleDecision,
     SecretRef,
     TopologySpec,
+    WeightCacheSpec,
 )
 from kvpilot.operator.api.inference_model import (
     InferenceModel,
@@ -24,6 +25,7 @@ from kvpilot.operator.api.inference_model import (
     PoolReplicas,
     PoolTemplate,
     RouterSpec,
+    WeightsStatus,
 )
 from kvpilot.operator.api.pools import (
     DecodePool,
@@ -42,13 +44,15 @@ API_VERSION = f"{GROUP}/{VERSION}"
 _KV = Column("KV%", ".status.kvCachePercent", "integer", "KV-cache blocks in use, percent")
 _QUEUE = Column("QUEUE", ".status.queueDepth", "integer", "waiting requests")
 _AGE = Column("AGE", ".metadata.creationTimestamp", "date")
+_REASON = Column("REASON", '.status.conditions[?(@.type=="Ready")].reason', "string",
+                 "why Ready is what it is, e.g. Unschedulable, CrashLoop, AllReplicasReady")
 
 
 def _pool_columns() -> list[Column]:
     return [
         Column("REPLICAS", ".spec.replicas", "integer", "desired replicas"),
         Column("READY", ".status.readyReplicas", "integer", "ready replicas"),
-        _KV, _QUEUE, _AGE,
+        _REASON, _KV, _QUEUE, _AGE,
         Column("MODEL", ".spec.modelRef", "string", "InferenceModel served", priority=1),
         Column("ROLE", ".spec.role", "string", "engine role", priority=1),
     ]
@@ -64,12 +68,15 @@ KINDS: list[Kind] = [
         columns=[
             Column("READY", '.status.conditions[?(@.type=="Ready")].status', "string",
                    "Ready condition"),
+            _REASON,
             Column("MODE", ".spec.servingMode", "string", "aggregated or disaggregated"),
             Column("TP", ".spec.topology.tensorParallel", "integer", "tensor parallel"),
             Column("PP", ".spec.topology.pipelineParallel", "integer", "pipeline parallel"),
             Column("EP", ".spec.topology.expertParallel", "integer", "expert parallel"),
             Column("PREFILL", ".status.prefillReplicas", "string", "ready/desired prefill"),
             Column("DECODE", ".status.decodeReplicas", "string", "ready/desired decode"),
+            Column("WEIGHTS", ".status.weights.state", "string",
+                   "where hf:// weights are: Downloading n%, Cached, Downloaded, Failed"),
             _KV, _QUEUE, _AGE,
         ],
     ),
@@ -93,5 +100,5 @@ __all__ = [
     "EngineSpec", "InferenceModel", "InferenceModelSpec", "InferenceModelStatus", "ModelSource",
     "Overrides", "PoolReplicas", "PoolSpec", "PoolStatus", "PoolTemplate", "PrefillPool",
     "PrefillPoolSpec", "ResourceExtras", "RouterSpec", "ScaleDecision", "ScalingRules",
-    "SecretRef", "TopologySpec", "crd_manifests",
+    "SecretRef", "TopologySpec", "WeightCacheSpec", "WeightsStatus", "crd_manifests",
 ]

@@ -73,17 +73,57 @@ class SecretRef(ApiModel):
     """Key inside the Secret whose value is exported as HF_TOKEN."""
 
 
+QUANTITY = r"^\d+(\.\d+)?([KMGTPE]i|[kMGTPE])?$"
+"""A Kubernetes resource quantity such as 40Gi or 500G."""
+
+
+class WeightCacheSpec(ApiModel):
+    """A PersistentVolumeClaim, filled once by a Job, that every engine pod mounts read-only."""
+
+    size: str = Field(pattern=QUANTITY)
+    """Capacity to request, e.g. 40Gi: the filtered files plus a few percent."""
+    storage_class_name: str | None = Field(default=None, max_length=253)
+    """StorageClass of the claim (default: the cluster's default class)."""
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = "ReadWriteMany"
+    """ReadWriteMany lets pods on every node mount it (the class must offer it: NFS, CephFS,
+    EFS, Filestore, ...); ReadWriteOnce works only while the Job and every engine pod share
+    one node."""
+
+
+MODEL_SOURCE_RULES = [
+    CelRule("!has(self.cache) || self.source.startsWith('hf://')",
+            "cache holds a Hub download: use an hf:// source, or remove cache (pvc:// and "
+            "oci:// weights are pre-staged already)", ".cache"),
+    CelRule("(!has(self.include) && !has(self.exclude)) || self.source.startsWith('hf://')",
+            "include and exclude filter a Hub download: remove them, or use an hf:// source",
+            ".include"),
+]
+
+
 class ModelSource(ApiModel):
     """Which weights to serve, under which name, and the architecture facts planning needs."""
 
+    model_config = ConfigDict(json_schema_extra=validations(MODEL_SOURCE_RULES))
+
     name: str = Field(min_length=1, max_length=253)
     """Model name clients send in the OpenAI `model` field."""
-    source: str = Field(pattern=r"^(hf://[^/\s]+/[^\s]+|pvc://[^/\s]+(/[^\s]*)?|dummy:[a-z0-9-]+)$")
-    """Where weights come from: hf://org/name, pvc://claim/path or dummy:tiny-llama (random weights)."""
-    revision: str | None = None
-    """Hugging Face revision (branch, tag or commit) for hf:// sources."""
+    source: str = Field(pattern=r"^(hf://[^/\s]+/[^\s]+|pvc://[^/\s]+(/[^\s]*)?|oci://[^\s]+|"
+                                r"dummy:[a-z0-9-]+)$")
+    """Where weights come from: hf://org/name (downloaded), pvc://claim/path (pre-staged on a
+    claim), oci://registry/image:tag (an image volume holding the weights under /models, the
+    KServe modelcar layout; Kubernetes 1.33+) or dummy:tiny-llama (random weights)."""
+    revision: str | None = Field(default=None, max_length=255)
+    """Hugging Face revision (branch, tag or commit) for hf:// sources; a commit pins the
+    weights, a branch is resolved once per download (and once per cache)."""
     secret_ref: SecretRef | None = None
     """Secret holding a Hugging Face token for gated hf:// models."""
+    include: list[str] | None = Field(default=None, min_length=1, max_length=64)
+    """Globs of the files to download from hf:// (default: *.safetensors, *.json,
+    tokenizer.model, chat_template.jinja)."""
+    exclude: list[str] | None = Field(default=None, max_length=64)
+    """Globs of files to leave out (default: original/*, consolidated*.safetensors)."""
+    cache: WeightCacheSpec | None = None
+    """Download hf:// weights once into a claim all replicas mount, instead of once per pod."""
     num_attention_heads: int | None = Field(default=None, ge=1)
     """Attention heads per layer; checked against tensorParallel."""
     num_key_value_heads: int | None = Field(default=None, ge=1)
@@ -96,6 +136,17 @@ class ModelSource(ApiModel):
     """Total parameters; weight bytes are derived from it and the dtype when weightBytes is unset."""
     weight_bytes: int | None = Field(default=None, ge=1)
     """Size of the weights in bytes; checked against accelerator memory per GPU."""
+
+    @model_validator(mode="after")
+    def _hub_only_fields(self) -> ModelSource:
+        hub = self.source.startswith("hf://")
+        if self.cache is not None and not hub:
+            raise ValueError(f"source={self.source!r} with cache set: "
+                             f"{MODEL_SOURCE_RULES[0].message}")
+        if (self.include is not None or self.exclude is not None) and not hub:
+            raise ValueError(f"source={self.source!r} with include/exclude set: "
+                             f"{MODEL_SOURCE_RULES[1].message}")
+        return self
 
 
 class EngineSpec(ApiModel):
@@ -129,7 +180,7 @@ class TopologySpec(ApiModel):
     pipeline_parallel: int = Field(default=1, ge=1, le=64)
     """Pipeline stages; stages may sit on different nodes."""
     expert_parallel: int = Field(default=1, ge=1, le=64)
-    """Ways each MoE layer's experts are split; must divide tensorParallel and the experts."""
+    """Ways each MoE layer's experts are split: 1 or tensorParallel; must divide the experts."""
 
 
 ACCELERATOR_RULES = [

@@ -129,6 +129,9 @@ class InferenceModelSpec(ApiModel):
     pools, and one replica of every pool must fit in it."""
     overrides: Overrides = Field(default_factory=Overrides, json_schema_extra={"default": {}})
     """Pod settings applied to every pool."""
+    progress_deadline_seconds: int | None = Field(default=None, ge=60)
+    """Seconds a replica may stay not ready (downloading, loading, waiting for a node) before
+    its pool reports ProgressDeadlineExceeded (default 3600)."""
     inference_pool: InferencePoolSpec | None = None
     """Also render a Gateway API InferencePool selecting the engines (aggregated mode only)."""
 
@@ -177,6 +180,26 @@ class PoolReplicas(ApiModel):
     """Replicas passing readiness."""
 
 
+WeightsPhase = Literal["Pending", "Downloading", "Downloaded", "Cached", "Failed"]
+
+
+class WeightsStatus(ApiModel):
+    """Where an hf:// model's weights are, as far as the operator can see (Job and pod states,
+    the download's progress line in the pod log)."""
+
+    phase: WeightsPhase
+    """Pending (the Job's pod has not started), Downloading, Cached (the claim is filled),
+    Downloaded (every engine pod finished its own download) or Failed."""
+    progress: int | None = Field(default=None, ge=0, le=100)
+    """Percent of the bytes downloaded, from the downloader's last progress line."""
+    message: str = ""
+    """What is happening or went wrong, naming the pod or Job."""
+    claim: str | None = None
+    """PersistentVolumeClaim holding the cache (spec.model.cache)."""
+    state: str = ""
+    """phase and progress as text, e.g. Downloading 42% (printer column)."""
+
+
 class InferenceModelStatus(ObservedStatus):
     """Observed state, written by the operator and the autoscaler."""
 
@@ -198,6 +221,8 @@ class InferenceModelStatus(ObservedStatus):
     """Waiting requests summed over all replicas."""
     last_scale_decision: ScaleDecision | None = None
     """The autoscaler's latest decision."""
+    weights: WeightsStatus | None = None
+    """Where the weights of an hf:// model are (absent for pvc://, oci:// and dummy: sources)."""
 
 
 class InferenceModel(StoredObject):

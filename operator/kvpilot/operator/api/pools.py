@@ -60,6 +60,9 @@ class PoolSpec(ApiModel):
     """Scale on KV-cache pressure and queue depth; absent means fixed replicas."""
     overrides: Overrides | None = None
     """Pod settings (unset: the InferenceModel's)."""
+    progress_deadline_seconds: int | None = Field(default=None, ge=60)
+    """Seconds a replica may stay not ready before the pool reports ProgressDeadlineExceeded
+    (unset: the InferenceModel's, else 3600)."""
 
     @model_validator(mode="after")
     def _source(self) -> PoolSpec:

@@ -38,6 +38,7 @@ from kvpilot.operator.autoscale.scrape import (
 )
 from kvpilot.operator.autoscale.signals import PoolMetrics
 from kvpilot.operator.autoscale.spec import PolicySpec, from_api
+from kvpilot.operator.handlers.events import record
 from kvpilot.operator.handlers.resolve import resolve_stored_pool
 from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.kube.errors import KubeError
@@ -164,6 +165,12 @@ async def autoscale_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     patch.status.update({k: v for k, v in fields.items() if status.get(k) != v})
     decision = await _decide_and_report(body, d, current, desired, binding, now, runtime,
                                         patch, kube, samples, pods)
+    if im is not None and decision is not None:
+        # The decision goes on the model too: `kubectl describe im` is where people look.
+        moved = decision["toReplicas"] - decision["fromReplicas"]
+        await record(kube, im, "ScaledUp" if moved > 0 else "ScaledDown" if moved else
+                     "ScaleHeld", f"{name}: {decision['fromReplicas']} -> "
+                     f"{decision['toReplicas']} replicas: {decision['reason']}")
     model_patch = model_status_patch(im, namespace, shared, decision)
     if im is not None and model_patch is not None:
         await kube.patch(GROUP_VERSION, "InferenceModel", namespace, im["metadata"]["name"],

@@ -15,6 +15,7 @@ HANDLER_MODULES = [
     "kvpilot.operator.handlers.inference_model",
     "kvpilot.operator.handlers.pools",
     "kvpilot.operator.handlers.rollup",
+    "kvpilot.operator.handlers.pods",
     "kvpilot.operator.autoscale.handler",
 ]
 

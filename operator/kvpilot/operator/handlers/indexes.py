@@ -29,7 +29,9 @@ def snapshot(body: kopf.Body) -> dict[str, Any]:
 
 def _pool_keys(body: kopf.Body) -> dict[Any, dict[str, Any]]:
     snap = snapshot(body)
-    keys: dict[Any, dict[str, Any]] = {("uid", snap["metadata"]["uid"]): snap}
+    meta = snap["metadata"]
+    keys: dict[Any, dict[str, Any]] = {("uid", meta["uid"]): snap,
+                                       ("name", meta["namespace"], meta["name"]): snap}
     for ref in snap["metadata"].get("ownerReferences") or []:
         if ref.get("kind") == "InferenceModel":
             keys[("model", ref.get("uid"))] = snap
@@ -45,13 +47,15 @@ async def models_by_name(body: kopf.Body, **_: Any) -> dict[Any, dict[str, Any]]
 
 @kopf.index(GROUP, VERSION, "prefillpools")
 async def prefill_pools(body: kopf.Body, **_: Any) -> dict[Any, dict[str, Any]]:
-    """Indexes PrefillPools by ('uid', uid) and by ('model', owning InferenceModel uid)."""
+    """Indexes PrefillPools by ('uid', uid), ('name', namespace, name) and ('model', owning
+    InferenceModel uid)."""
     return _pool_keys(body)
 
 
 @kopf.index(GROUP, VERSION, "decodepools")
 async def decode_pools(body: kopf.Body, **_: Any) -> dict[Any, dict[str, Any]]:
-    """Indexes DecodePools by ('uid', uid) and by ('model', owning InferenceModel uid)."""
+    """Indexes DecodePools by ('uid', uid), ('name', namespace, name) and ('model', owning
+    InferenceModel uid)."""
     return _pool_keys(body)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -9,8 +10,10 @@ import aiohttp
 import kopf
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.diagnose import Diagnosis
 from kvpilot.operator.handlers.children import field_conflicts, sync_children
-from kvpilot.operator.handlers.indexes import every
+from kvpilot.operator.handlers.events import record_transition
+from kvpilot.operator.handlers.observed import Observed
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.kube.errors import KubeError
@@ -38,6 +41,7 @@ OWNED_KINDS = [
     (GROUP_VERSION, "PrefillPool"), (GROUP_VERSION, "DecodePool"), ("v1", "ConfigMap"),
     ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("v1", "PersistentVolumeClaim"), ("batch/v1", "Job"),
 ]
 
 
@@ -45,16 +49,18 @@ def owned_kinds(config: RenderConfig) -> list[tuple[str, str]]:
     """Gives the (apiVersion, kind) an InferenceModel may own under `config`."""
     return [*OWNED_KINDS, *([(INFERENCE_POOL_API, "InferencePool")]
                             if config.inference_pool else [])]
+
+
 POOL_ROLES = {"PrefillPool": "prefill", "DecodePool": "decode"}
 
 
-def pool_problems(pools: Iterable[Mapping[str, Any]]) -> dict[str, str]:
-    """Gives {pool name: Degraded message} of the pools that are Degraded."""
-    out: dict[str, str] = {}
+def pool_problems(pools: Iterable[Mapping[str, Any]]) -> dict[str, Diagnosis]:
+    """Gives {pool name: Degraded reason and message} of the pools that are Degraded."""
+    out: dict[str, Diagnosis] = {}
     for pool in pools:
-        message = problem((pool.get("status") or {}).get("conditions"))
-        if message is not None:
-            out[pool["metadata"]["name"]] = message
+        found = problem((pool.get("status") or {}).get("conditions"))
+        if found is not None:
+            out[pool["metadata"]["name"]] = found
     return out
 
 
@@ -90,12 +96,12 @@ def pool_counts(spec: InferenceModelSpec, model: str,
 @kopf.on.update(GROUP, VERSION, "inferencemodels")
 async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
                           status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
-                          reason: str, prefill_pools: kopf.Index, decode_pools: kopf.Index,
-                          **_: Any) -> None:
+                          reason: str, **kwargs: Any) -> None:
     """Brings an InferenceModel's children to its spec and writes its status."""
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     kube: Kube = memo.kube
     now = now_rfc3339()
+    observed = Observed.of(kwargs)
     im = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta)}
     try:
         parsed = InferenceModelSpec.model_validate(dict(spec))
@@ -104,7 +110,7 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     except ValueError as exc:
         await reject(kube, im, patch, status, "InvalidSpec", describe_error(exc), now)
         return
-    indexed = every((prefill_pools, decode_pools), ("model", meta["uid"]))
+    indexed = observed.model_pools(meta["uid"])
     writes = pool_writes(pools, children, indexed)
     try:
         # A new object has nothing stale to remove.
@@ -118,13 +124,16 @@ async def reconcile_model(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec,
     # The index follows the pools' watch events, so its statuses may be newer than the apply's
     # answers; the roll-up skips this model until its first status is written.
     names = {p["metadata"]["name"] for p in applied_pools}
-    fresh = [p for p in every((prefill_pools, decode_pools), ("model", meta["uid"]))
-             if p["metadata"]["name"] in names]
+    fresh = [p for p in observed.model_pools(meta["uid"]) if p["metadata"]["name"] in names]
     pools = fresh if len(fresh) == len(names) else applied_pools
     counts = pool_counts(parsed, name, pools)
     endpoint = endpoint_url(name, namespace) if parsed.router.replicas > 0 else None
-    patch.status.update(model_status(counts, endpoint, generation, status.get("conditions"), now,
-                                     pool_problems(pools)))
+    weights = observed.weights({**im, "status": dict(status)}, parsed, time.time())
+    new = model_status(counts, endpoint, generation, status.get("conditions"), now,
+                       pool_problems(pools), weights.status if weights else None,
+                       weights.problem if weights else None)
+    await record_transition(kube, im, status.get("conditions"), new["conditions"])
+    patch.status.update(new)
     patch.status["observedGeneration"] = generation
     conflicts = field_conflicts(applied.conflicts)
     if conflicts or status.get("fieldConflicts"):

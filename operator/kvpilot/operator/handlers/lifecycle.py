@@ -11,7 +11,7 @@ import kopf
 
 from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.kube.login import LoginError, login
-from kvpilot.operator.render.meta import RenderConfig
+from kvpilot.operator.render.meta import MODEL_LABEL, RenderConfig
 
 # kopf ignores every annotation under its storage prefix when diffing, so it must not be
 # the prefix of annotations that should trigger handlers (kvpilot.dev/model-generation).
@@ -55,6 +55,9 @@ def operator_settings(fast: bool = False) -> kopf.OperatorSettings:
     # Handlers post their own decision events; kopf's per-handler log lines stay in the log.
     settings.posting.level = logging.WARNING
     settings.networking.request_timeout = 30
+    # Only pods of kvpilot's workloads and weights Jobs (they carry the model label) reach
+    # the operator: the API server filters, so a big cluster's other pods cost nothing.
+    settings.watching.label_selectors["", "v1", "pods"] = MODEL_LABEL
     # No CRD or namespace scanning: kopf serves the resources discovery shows at start and
     # the namespaces named, so the operator needs no cluster-scoped reads (kvpilot.operator.rbac).
     settings.scanning.disabled = True

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import aiohttp
 import kopf
 
+from kvpilot.operator.diagnose import diagnose
 from kvpilot.operator.handlers.children import field_conflicts, sync_children
+from kvpilot.operator.handlers.events import record_transition
+from kvpilot.operator.handlers.observed import Observed
 from kvpilot.operator.handlers.rejection import reject, reject_apply_error
 from kvpilot.operator.handlers.resolve import resolve_stored_pool
 from kvpilot.operator.kube.client import Kube
@@ -41,8 +45,7 @@ def workload_kinds(config: RenderConfig) -> list[tuple[str, str]]:
 @kopf.on.update(GROUP, VERSION, "decodepools")
 async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status,
                          patch: kopf.Patch, memo: kopf.Memo, reason: str,
-                         models_by_name: kopf.Index, deployments_by_pool: kopf.Index,
-                         statefulsets_by_pool: kopf.Index, **_: Any) -> None:
+                         models_by_name: kopf.Index, **kwargs: Any) -> None:
     """Brings a pool's workloads, Services and PDB to its spec and writes its status."""
     namespace, generation = meta["namespace"], meta.get("generation")
     kube: Kube = memo.kube
@@ -64,16 +67,19 @@ async def reconcile_pool(body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, stat
     except (KubeError, aiohttp.ClientError, TimeoutError) as exc:
         await reject_apply_error(exc, kube, pool, patch, status, now)
         return
-    workloads = {kind for _, kind in workload_kinds(config)}
-    applied_workloads = [o for o in applied.stored if o.get("kind") in workloads]
+    observed = Observed.of(kwargs)
+    kinds_run = {kind for _, kind in workload_kinds(config)}
+    applied_workloads = [o for o in applied.stored if o.get("kind") in kinds_run]
     # The index follows the workloads' watch events, so it may hold a readiness newer than
     # the apply answers; the roll-up skips this pool until its first status is written.
-    indexed = [*deployments_by_pool.get(meta["uid"], []),
-               *statefulsets_by_pool.get(meta["uid"], [])]
-    ready = workload_ready(indexed if len(indexed) >= len(applied_workloads)
-                           else applied_workloads)
-    patch.status.update(pool_status(resolved.replicas, ready, pool_selector(pool),
-                                    generation, status.get("conditions"), now))
+    indexed = observed.workloads(meta["uid"])
+    workloads = indexed if len(indexed) >= len(applied_workloads) else applied_workloads
+    failure = diagnose(observed.pool_pods(namespace, meta["name"]), workloads,
+                       resolved.progress_deadline_seconds, time.time())
+    new = pool_status(resolved.replicas, workload_ready(workloads), pool_selector(pool),
+                      generation, status.get("conditions"), now, failure)
+    await record_transition(kube, pool, status.get("conditions"), new["conditions"])
+    patch.status.update(new)
     patch.status["observedGeneration"] = generation
     conflicts = field_conflicts(applied.conflicts)
     if conflicts or status.get("fieldConflicts"):

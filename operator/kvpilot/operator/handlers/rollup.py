@@ -1,27 +1,30 @@
-"""Roll ready counts up: workload -> pool status, pool -> InferenceModel status.
+"""Roll status up: workloads and pods -> pool status, pools and weights -> InferenceModel status.
 
-These are event handlers (no kopf state): every change of a child re-derives
-the parent's counts and conditions from what the API server holds now, and
-patches the parent's status only when it would change.
+These are event handlers (no kopf state): every change of a child re-derives the
+parent's counts, reasons and conditions from what the watch streams hold now, patches
+the parent's status only when it would change, and posts an Event when its Ready or
+Degraded condition changed. handlers/pods.py calls the same refresh functions for pod,
+Job and timer events.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import kopf
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
-from kvpilot.operator.handlers.indexes import every, first
+from kvpilot.operator.handlers.events import record_transition
+from kvpilot.operator.handlers.indexes import first
 from kvpilot.operator.handlers.inference_model import pool_counts, pool_problems
+from kvpilot.operator.handlers.observed import Observed
 from kvpilot.operator.kube.client import Kube
 from kvpilot.operator.kube.diff import differs
 from kvpilot.operator.render.meta import GROUP_VERSION, MANAGED_BY
 from kvpilot.operator.render.pool import pool_selector
 from kvpilot.operator.render.router import endpoint_url
 from kvpilot.operator.status import (
-    DEGRADED,
-    is_true,
     model_status,
     now_rfc3339,
     own_problem,
@@ -44,21 +47,63 @@ def controller_of(body: kopf.Body, kinds: tuple[str, ...]) -> dict[str, Any] | N
 
 async def _patch_status_if_changed(kube: Kube, obj: dict[str, Any],
                                    status: dict[str, Any]) -> None:
-    if differs(obj.get("status") or {}, status):
+    old = obj.get("status") or {}
+    if differs(old, status):
         meta = obj["metadata"]
         await kube.patch(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"],
                          {"status": status}, subresource="status")
+        await record_transition(kube, obj, old.get("conditions"), status.get("conditions", []))
+
+
+async def refresh_pool(kube: Kube, pool: dict[str, Any], observed: Observed) -> None:
+    """Re-derives a pool's replica counts and reasons from its workloads and pods, and patches
+    its status when that changed."""
+    status = pool["status"]
+    if own_problem(status.get("conditions")) or "observedGeneration" not in status:
+        return  # the pool handler owns the status until the spec is valid and handled
+    workloads = observed.workloads(pool["metadata"]["uid"])
+    new = pool_status(pool["spec"].get("replicas", 1), workload_ready(workloads),
+                      pool_selector(pool), status.get("observedGeneration"),
+                      status.get("conditions"), now_rfc3339(),
+                      observed.pool_failure(pool, workloads, time.time()))
+    await _patch_status_if_changed(kube, pool, new)
+
+
+async def refresh_model(kube: Kube, im: dict[str, Any], observed: Observed,
+                        percent: int | None = None) -> None:
+    """Re-derives an InferenceModel's counts, reasons and weights from its pools, pods and
+    weights Job, and patches its status when that changed; `percent` is a download's
+    progress read from its log."""
+    status = im["status"]
+    if own_problem(status.get("conditions")) or "observedGeneration" not in status:
+        return  # the model's handler owns the status until its own spec is fixed
+    try:
+        spec = InferenceModelSpec.model_validate(im["spec"])
+    except ValueError:
+        return
+    meta = im["metadata"]
+    pools = observed.model_pools(meta["uid"])
+    counts = pool_counts(spec, meta["name"], pools)
+    endpoint = endpoint_url(meta["name"], meta["namespace"]) if spec.router.replicas > 0 \
+        else None
+    weights = observed.weights(im, spec, time.time(), percent)
+    new = model_status(counts, endpoint, status.get("observedGeneration"),
+                       status.get("conditions"), now_rfc3339(), pool_problems(pools),
+                       weights.status if weights else None, weights.problem if weights else None)
+    await _patch_status_if_changed(kube, im, new)
 
 
 def _ready_view(body: kopf.Body) -> dict[str, Any] | None:
-    """Gives {pool uid: the workload's kind, size and ready count}, or None if no pool owns it."""
+    """Gives {pool uid: the workload's kind, name, size, ready count and conditions}, or None
+    if no pool owns it."""
     ref = controller_of(body, POOL_KINDS)
     if ref is None:
         return None
-    return {ref["uid"]: {"kind": body["kind"],
+    status = body.get("status") or {}
+    return {ref["uid"]: {"kind": body["kind"], "metadata": {"name": body["metadata"]["name"]},
                          "spec": {"replicas": (body.get("spec") or {}).get("replicas", 1)},
-                         "status": {"readyReplicas":
-                                    (body.get("status") or {}).get("readyReplicas", 0)}}}
+                         "status": {"readyReplicas": status.get("readyReplicas", 0),
+                                    "conditions": status.get("conditions") or []}}}
 
 
 # In-memory indexes fed by the watch streams: ready counts roll up without listing workloads.
@@ -77,50 +122,26 @@ async def statefulsets_by_pool(body: kopf.Body, **_: Any) -> dict[str, Any] | No
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
 @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED)
 async def workload_changed(body: kopf.Body, type: str | None, memo: kopf.Memo,
-                           deployments_by_pool: kopf.Index, statefulsets_by_pool: kopf.Index,
-                           prefill_pools: kopf.Index, decode_pools: kopf.Index,
-                           **_: Any) -> None:
+                           **kwargs: Any) -> None:
     """Recounts the owning pool's ready replicas when one of its workloads changes."""
     ref = controller_of(body, POOL_KINDS)
     if ref is None or type is None:  # router Deployments, and the initial listing
         return
-    pool = first(prefill_pools, ("uid", ref["uid"])) or first(decode_pools, ("uid", ref["uid"]))
-    if pool is None:
-        return  # the pool's own events will count it once it is indexed
-    status = pool["status"]
-    if is_true(status.get("conditions"), DEGRADED) or "observedGeneration" not in status:
-        return  # the pool handler owns the status until the spec is valid and handled
-    workloads = [*deployments_by_pool.get(ref["uid"], []),
-                 *statefulsets_by_pool.get(ref["uid"], [])]
-    new = pool_status(pool["spec"].get("replicas", 1), workload_ready(workloads),
-                      pool_selector(pool), status.get("observedGeneration"),
-                      status.get("conditions"), now_rfc3339())
-    await _patch_status_if_changed(memo.kube, pool, new)
+    observed = Observed.of(kwargs)
+    pool = observed.pool_by_uid(ref["uid"])
+    if pool is not None:  # else the pool's own events will count it once it is indexed
+        await refresh_pool(memo.kube, pool, observed)
 
 
 @kopf.on.event(GROUP, VERSION, "prefillpools")
 @kopf.on.event(GROUP, VERSION, "decodepools")
 async def pool_changed(body: kopf.Body, type: str | None, memo: kopf.Memo,
-                       models_by_name: kopf.Index, prefill_pools: kopf.Index,
-                       decode_pools: kopf.Index, **_: Any) -> None:
+                       **kwargs: Any) -> None:
     """Recounts the owning InferenceModel's pools when one of them changes."""
     ref = controller_of(body, ("InferenceModel",))
     if ref is None or type is None:
         return
-    namespace = body["metadata"]["namespace"]
-    im = first(models_by_name, (namespace, ref["name"]))
-    if im is None or im["metadata"]["uid"] != ref["uid"]:
-        return
-    status = im["status"]
-    if own_problem(status.get("conditions")) or "observedGeneration" not in status:
-        return  # the model's handler owns the status until its own spec is fixed
-    try:
-        spec = InferenceModelSpec.model_validate(im["spec"])
-    except ValueError:
-        return
-    pools = every((prefill_pools, decode_pools), ("model", ref["uid"]))
-    counts = pool_counts(spec, ref["name"], pools)
-    endpoint = endpoint_url(ref["name"], namespace) if spec.router.replicas > 0 else None
-    new = model_status(counts, endpoint, status.get("observedGeneration"),
-                       status.get("conditions"), now_rfc3339(), pool_problems(pools))
-    await _patch_status_if_changed(memo.kube, im, new)
+    observed = Observed.of(kwargs)
+    im = first(observed.models, (body["metadata"]["namespace"], ref["name"]))
+    if im is not None and im["metadata"]["uid"] == ref["uid"]:
+        await refresh_model(memo.kube, im, observed)

@@ -187,6 +187,18 @@ class Kube:
     def _managed(self, manager: str | None = None) -> dict[str, str]:
         return {"fieldManager": manager or self._manager}
 
+    async def log(self, namespace: str, pod: str, container: str, tail_lines: int) -> str:
+        """Gives the last `tail_lines` lines a container of a pod wrote; '' when it has none
+        (the pod or container is gone or has not started)."""
+        path = resource_path("v1", "Pod", namespace, pod, "log")
+        status, text = await self._call("GET", path, params={"container": container,
+                                                             "tailLines": str(tail_lines)})
+        if status in (400, 404):
+            return ""
+        if not 200 <= status < 300:
+            raise KubeError("GET", path, status, text)
+        return text
+
     def _ok(self, verb: str, path: str, status: int, text: str) -> dict[str, Any]:
         if 200 <= status < 300:
             return json.loads(text)

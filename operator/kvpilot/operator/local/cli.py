@@ -32,13 +32,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "scale-down before it is killed")
 
 
+def write_fleet_secret() -> Path:
+    """Gives a new file (mode 0600) holding a fresh fleet secret, for every process to read."""
+    from kvpilot.engine.contracts.fleet_secret import FleetSecret
+
+    fd, path = tempfile.mkstemp(prefix="kvpilot-fleet-secret-")  # created 0600
+    with os.fdopen(fd, "w") as out:
+        out.write(FleetSecret.generate().secret.hex() + "\n")
+    return Path(path)
+
+
 def _once(url: str, model: str) -> str:
     """Gives the answer to one greedy chat request through the router."""
     import httpx
 
+    from kvpilot.engine.contracts.args import resolve_api_key
+
     body = {"model": model, "messages": [{"role": "user", "content": ONCE_PROMPT}],
             "max_tokens": 24, "temperature": 0}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    key = resolve_api_key(None)  # the fleet's processes inherit $KVPILOT_API_KEY
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {key}"} if key else {})
     response.raise_for_status()
     return response.json()["choices"][0]["message"]["content"]
 
@@ -71,17 +85,20 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpilot-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     instances_file = log_dir / "router-instances"
+    secret_file = write_fleet_secret()
     try:
         manifest: dict[str, Any] = yaml.safe_load(Path(args.file).read_text())
         engines, router = plan_local(manifest, free_port, args.port,
-                                     instances_file=str(instances_file))
+                                     instances_file=str(instances_file),
+                                     fleet_secret_file=str(secret_file))
     except (OSError, ValueError, yaml.YAMLError) as exc:
+        secret_file.unlink()
         print(f"kvpilot up: {args.file}: {exc}", file=sys.stderr)
         return 2
     model = manifest["spec"]["model"]["name"]
     supervisor = Supervisor(log_dir)
     scaler = Scaler(supervisor, manifest, router, instances_file, args.timeout,
-                    args.drain_timeout)
+                    args.drain_timeout, str(secret_file))
     stop, reload = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -110,11 +127,8 @@ def run(args: argparse.Namespace) -> int:
             if reload.is_set():
                 reload.clear()
                 _reload(scaler, args.file, stop.is_set)
-            exited = supervisor.first_exited()
-            if exited is not None:
-                print(f"kvpilot up: {exited.name} exited:\n{supervisor.log_tail(exited)}",
-                      file=sys.stderr)
-                return 1
+            for line in supervisor.tend():  # a dead replica restarts, as a Deployment's would
+                print(f"kvpilot up: {line}", file=sys.stderr, flush=True)
         return 0
     except InterruptedError:
         return 130
@@ -123,3 +137,4 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         supervisor.stop()
+        secret_file.unlink(missing_ok=True)

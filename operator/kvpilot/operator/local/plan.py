@@ -107,11 +107,14 @@ def instances_text(engines: list[LocalProcess]) -> str:
 
 def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_port: int,
                config: RenderConfig | None = None, instances_file: str | None = None,
+               fleet_secret_file: str | None = None,
                ) -> tuple[list[LocalProcess], LocalProcess]:
     """Gives (engine processes, router process) running the manifest's fleet on this machine.
 
     With `instances_file` the router reads its engines from that file (which the
-    caller writes and may rewrite to scale) instead of a fixed `--instances`.
+    caller writes and may rewrite to scale) instead of a fixed `--instances`. With
+    `fleet_secret_file` every process reads the fleet secret from there (in a pod:
+    the mounted Secret).
     """
     config = config or RenderConfig()
     pools, children = manifest_objects(manifest, config)
@@ -136,6 +139,8 @@ def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_po
                 port = free_port()
                 argv = _set_flag(_set_flag(_command(container), "--host", LOCALHOST),
                                  "--port", str(port))
+                if fleet_secret_file:
+                    argv = _set_flag(argv, "--fleet-secret-file", fleet_secret_file)
                 engines.append(LocalProcess(name, role, argv, _env(container, name), port,
                                             workload["metadata"]["name"]))
     routers = [o for o in children if o["kind"] == "Deployment"
@@ -150,6 +155,8 @@ def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_po
     source = (["--instances-file", instances_file] if instances_file
               else ["--instances", instances_text(engines)])
     argv += ["--host", LOCALHOST, "--port", str(router_port), "--discovery", "static", *source]
+    if fleet_secret_file:
+        argv = _set_flag(argv, "--fleet-secret-file", fleet_secret_file)
     router = LocalProcess(routers[0]["metadata"]["name"], "router", argv,
                           _env(container, routers[0]["metadata"]["name"]), router_port)
     return engines, router

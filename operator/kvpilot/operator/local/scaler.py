@@ -51,6 +51,7 @@ class Scaler:
     instances_file: Path
     ready_timeout: float
     drain_timeout: float
+    fleet_secret_file: str | None = None  # the one every process of the fleet reads
 
     def publish(self, leaving: frozenset[str] = frozenset()) -> None:
         """Writes the running engines, less `leaving`, to the router's instances file."""
@@ -66,7 +67,8 @@ class Scaler:
         if (changed := unreloadable_field(self.manifest, manifest)) is not None:
             raise ValueError(f"kvpilot up reloads only replica counts; restart for {changed}")
         planned, _ = plan_local(manifest, free_port, self.router.port,
-                                instances_file=str(self.instances_file))
+                                instances_file=str(self.instances_file),
+                                fleet_secret_file=self.fleet_secret_file)
         actions = diff_plan(self.supervisor.engines(), planned)
         before = {p: sum(e.pool == p for e in self.supervisor.engines())
                   for p in {*actions.stop, *(e.pool for e in actions.start)}}

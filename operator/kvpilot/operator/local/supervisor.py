@@ -1,4 +1,5 @@
-"""Starts the local fleet's processes, waits until they are ready, and stops them cleanly."""
+"""Starts the local fleet's processes, waits until they are ready, restarts the ones that die
+(with back-off, as a Deployment would), and stops them cleanly."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import httpx
 
 from kvpilot.engine.contracts.args import KV_PORT_OFFSET
 from kvpilot.operator.local.plan import LOCALHOST, LocalProcess
+from kvpilot.operator.local.restarts import Restart, schedule
 
 PR_SET_PDEATHSIG = 1
 
@@ -53,16 +55,46 @@ class Supervisor:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.running: list[tuple[LocalProcess, subprocess.Popen[bytes]]] = []
+        self._started: dict[str, float] = {}  # name -> monotonic start of its current run
+        self._restarts: dict[str, Restart] = {}  # name -> its latest restart (scheduled or done)
+        self._waiting: set[str] = set()  # names that died and wait for their restart
 
     def start(self, process: LocalProcess) -> None:
         """Starts one process in its own session, so a terminal's Ctrl-C reaches only us."""
-        # Appends: a replica name reused after a scale-down keeps its predecessor's log.
+        self.running.append((process, self._spawn(process)))
+
+    def _spawn(self, process: LocalProcess) -> subprocess.Popen[bytes]:
+        # Appends: a replica name reused after a scale-down (or a restart) keeps its log.
         log = open(self.log_dir / f"{process.name}.log", "ab")  # noqa: SIM115 (child owns it)
         popen = subprocess.Popen(process.argv, env={**os.environ, **process.env},
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                  preexec_fn=_die_with_parent)
         log.close()
-        self.running.append((process, popen))
+        self._started[process.name] = time.monotonic()
+        return popen
+
+    def tend(self, now: float | None = None) -> list[str]:
+        """Restarts the processes that exited on their own, each once its back-off passed
+        (`restarts.schedule`), on the same ports; gives one line per exit and restart."""
+        now = time.monotonic() if now is None else now
+        lines = []
+        for index, (process, popen) in enumerate(self.running):
+            if popen.poll() is None:
+                continue
+            name = process.name
+            if name not in self._waiting:
+                restart = schedule(self._restarts.get(name), now,
+                                   now - self._started.get(name, now))
+                self._restarts[name] = restart
+                self._waiting.add(name)
+                lines.append(f"{name} exited with code {popen.returncode}; restart "
+                             f"#{restart.count} in {restart.delay:.0f}s; last log lines:\n"
+                             f"{self.log_tail(process, 5)}")
+            elif now >= self._restarts[name].due:
+                self._waiting.discard(name)
+                self.running[index] = (process, self._spawn(process))
+                lines.append(f"{name} restarted (#{self._restarts[name].count})")
+        return lines
 
     def log_tail(self, process: LocalProcess, lines: int = 20) -> str:
         """Gives the last lines of a process's log."""
@@ -103,10 +135,6 @@ class Supervisor:
                                        f"(--timeout):\n{self.log_tail(process)}")
                 time.sleep(0.1)
 
-    def first_exited(self) -> LocalProcess | None:
-        """Gives a process that exited on its own, if any."""
-        return next((p for p, popen in self.running if popen.poll() is not None), None)
-
     def retire(self, names: list[str], grace: float) -> dict[str, int]:
         """SIGTERMs these processes (engines drain), waits, gives each one's exit code.
 
@@ -126,6 +154,9 @@ class Supervisor:
                 popen.kill()
                 codes[process.name] = popen.wait()
         self.running = [item for item in self.running if item[0].name not in names]
+        for name in names:  # a retired replica that had died is not restarted
+            self._waiting.discard(name)
+            self._restarts.pop(name, None)
         return codes
 
     def stop(self, grace: float = 10.0) -> None:

@@ -25,6 +25,9 @@ from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import AnyPoolSpec
 from kvpilot.operator.planning.placement import PodPlacement, plan_placement
 
+# A replica may take this long to become ready (download, load, a node) before its pool
+# reports ProgressDeadlineExceeded; big models on a slow link need most of an hour.
+PROGRESS_DEADLINE_SECONDS = 3600
 PoolRole = Literal["prefill", "decode", "both"]
 """Engine role of a pool's replicas (`kvpilot serve --role`)."""
 Section = TypeVar("Section")
@@ -47,6 +50,8 @@ class ResolvedPool:
     """Absent: the pool keeps its replicas."""
     model_ref: str | None = None
     """The InferenceModel the sections came from (None: an inline model)."""
+    progress_deadline_seconds: int = PROGRESS_DEADLINE_SECONDS
+    """Seconds a replica may stay not ready before the pool reports ProgressDeadlineExceeded."""
 
     def to_json(self) -> dict[str, Any]:
         """Gives the camelCase pool spec this resolves to (the pods' spec hash digests it)."""
@@ -61,6 +66,8 @@ class ResolvedPool:
             out["modelRef"] = self.model_ref
         if self.autoscaling is not None:
             out["autoscaling"] = self.autoscaling.to_json()
+        if self.progress_deadline_seconds != PROGRESS_DEADLINE_SECONDS:
+            out["progressDeadlineSeconds"] = self.progress_deadline_seconds
         return out
 
 
@@ -90,4 +97,7 @@ def resolve_pool(spec: AnyPoolSpec, owner: InferenceModelSpec | None) -> Resolve
         accelerator=accelerator, communication=communication,
         overrides=_pick(spec.overrides, owner.overrides if owner else None, Overrides()),
         placement=plan_placement(topology, model, accelerator, engine, communication),
-        autoscaling=spec.autoscaling, model_ref=spec.model_ref)
+        autoscaling=spec.autoscaling, model_ref=spec.model_ref,
+        progress_deadline_seconds=_pick(
+            spec.progress_deadline_seconds, owner.progress_deadline_seconds if owner else None,
+            PROGRESS_DEADLINE_SECONDS))

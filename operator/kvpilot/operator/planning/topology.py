@@ -5,8 +5,10 @@ Rules, each an error naming the field and the arithmetic:
 - KV heads: when TP exceeds numKeyValueHeads, TP must be a multiple of them and each
   KV head is replicated TP / kvHeads times; otherwise TP must divide them;
 - pipelineParallel <= numLayers (every stage gets at least one layer);
-- expertParallel divides numExperts and tensorParallel (a layer's experts are split
-  across that layer's tensor-parallel ranks, as vLLM's expert parallelism does with DP=1);
+- expertParallel divides numExperts and is 1 or tensorParallel (a layer's experts are split
+  across that layer's tensor-parallel ranks, as vLLM's expert parallelism does with DP=1:
+  whole experts per rank when EP == TP, every expert TP-sharded when EP == 1; the engine
+  refuses 1 < EP < TP, so no pod is rendered that it would refuse);
 - tensorParallel <= GPUs per node (TP all-reduces every layer; it stays on NVLink/xGMI);
   pipeline stages may span nodes, one pod per node, each pod holding whole stages.
 """
@@ -96,6 +98,11 @@ def _check_model(topo: TopologySpec, model: ModelSource) -> int:
                 f"topology.expertParallel={ep} does not divide topology.tensorParallel={tp} "
                 f"({tp} % {ep} = {tp % ep}): experts are split across a layer's TP ranks; "
                 f"use one of {_divisors(tp)}")
+        if ep != tp:
+            raise TopologyError(
+                f"topology.expertParallel={ep} with topology.tensorParallel={tp} is not supported: "
+                f"the engine runs expertParallel 1 (every expert sharded across the TP ranks) or "
+                f"equal to tensorParallel (experts partitioned whole); use 1 or {tp}")
     return replication
 
 

@@ -1,4 +1,5 @@
-"""What an InferenceModel owns: its pools, its router, the engine ConfigMap, its InferencePool.
+"""What an InferenceModel owns: its pools, its router, the engine ConfigMap, its weight cache
+and its InferencePool.
 
 Aggregated serving gets one DecodePool with engine role `both`; disaggregated
 serving one PrefillPool and one DecodePool. Pools are rendered with every
@@ -26,6 +27,8 @@ from kvpilot.operator.render.meta import (
     object_meta,
 )
 from kvpilot.operator.render.router import render_router
+from kvpilot.operator.render.weight_cache import weight_cache
+from kvpilot.operator.render.weights import model_location
 
 MODEL_GENERATION_ANNOTATION = "kvpilot.dev/model-generation"
 
@@ -42,7 +45,8 @@ def pool_specs(spec: InferenceModelSpec, model: str) -> list[AnyPoolSpec]:
         return {"model_ref": model, "replicas": template.replicas,
                 "topology": spec.pool_topology(role), "accelerator": spec.accelerator,
                 "communication": spec.communication, "autoscaling": template.autoscaling,
-                "overrides": template.overrides or spec.overrides}
+                "overrides": template.overrides or spec.overrides,
+                "progress_deadline_seconds": spec.progress_deadline_seconds}
 
     if spec.prefill is None:  # aggregated: one pool serves both phases
         return [DecodePoolSpec(role="both", **fields(spec.decode, "decode"))]
@@ -89,6 +93,10 @@ def render_children(im: dict[str, Any], spec: InferenceModelSpec, pools: Sequenc
         "metadata": object_meta(child_name(model, "engine"), namespace, {MODEL_LABEL: model}, im),
         "data": serve_lines,
     })
+    location = model_location(spec.model, model)
+    if location.cache_claim is not None:
+        objects += weight_cache(im, spec.model, location.cache_claim, config,
+                                spec.overrides.env)
     if spec.router.replicas > 0:
         objects += render_router(model, namespace, spec, im, config)
     if spec.inference_pool is not None:

@@ -2,47 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kvpilot.engine.contracts.args import EngineArgs, ServerArgs
 from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.meta import ENGINE_PORT
-
-MODEL_DIR = "/models"
-HF_DIR = f"{MODEL_DIR}/hf"
-
-
-@dataclass(frozen=True)
-class ModelLocation:
-    """Where the engine finds its weights inside the pod."""
-
-    engine_model: str
-    """Value of `--model`: a built-in config name or a directory in the pod."""
-    load_format: str
-    """auto or dummy."""
-    pvc_claim: str | None = None
-    """PersistentVolumeClaim mounted read-only at /models/<claim> (pvc:// sources)."""
-    hf_repo: str | None = None
-    """Hugging Face repository an init container downloads to /models/hf (hf:// sources)."""
-
-
-def model_location(source: str) -> ModelLocation:
-    """Gives where a `spec.model.source` ends up inside the pod."""
-    if source.startswith("dummy:"):
-        return ModelLocation(source.removeprefix("dummy:"), "dummy")
-    if source.startswith("pvc://"):
-        claim, _, path = source.removeprefix("pvc://").partition("/")
-        return ModelLocation(f"{MODEL_DIR}/{claim}/{path}".rstrip("/"), "auto", pvc_claim=claim)
-    if source.startswith("hf://"):
-        return ModelLocation(HF_DIR, "auto", hf_repo=source.removeprefix("hf://"))
-    raise ValueError(f"spec.model.source={source!r} is not supported: write hf://org/name, "
-                     "pvc://claim/path or dummy:tiny-llama")
+from kvpilot.operator.render.weights import model_location
 
 
 def serve_args(pool: ResolvedPool, drain_timeout: int) -> list[str]:
     """Gives the arguments after `kvpilot serve` for a resolved pool."""
     engine, topo = pool.engine, pool.topology
-    location = model_location(pool.model.source)
+    location = model_location(pool.model, pool.model_ref)
     args = EngineArgs(
         model=location.engine_model,
         served_model_name=pool.model.name,
@@ -62,7 +31,4 @@ def serve_args(pool: ResolvedPool, drain_timeout: int) -> list[str]:
         role=pool.role,
     )
     server = ServerArgs(host="0.0.0.0", port=ENGINE_PORT, drain_timeout=float(drain_timeout))
-    flags = args.to_cli()
-    if "--model" not in flags:  # to_cli drops defaults; a pod's command should say what it serves
-        flags = ["--model", args.model, *flags]
-    return [*flags, *server.to_cli(), *engine.extra_args]
+    return [*args.to_cli(), *server.to_cli(), *engine.extra_args]

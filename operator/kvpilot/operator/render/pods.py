@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from kvpilot.engine.contracts.args import KV_PORT_OFFSET
-from kvpilot.operator.api.common import ModelSource, Overrides
+from kvpilot.operator.api.common import Overrides
 from kvpilot.operator.planning.placement import PodPlacement
 from kvpilot.operator.planning.pool import ResolvedPool
-from kvpilot.operator.render.engine_args import HF_DIR, MODEL_DIR, model_location, serve_args
+from kvpilot.operator.render.engine_args import serve_args
 from kvpilot.operator.render.meta import ENGINE_PORT, RENDEZVOUS_PORT, RenderConfig
+from kvpilot.operator.render.weights import ModelLocation, model_location, weight_init_containers
 
 # Resource the NVIDIA network operator's RDMA shared device plugin advertises by default.
 RDMA_RESOURCE = "rdma/rdma_shared_device_a"
@@ -25,8 +26,8 @@ def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfi
                  annotations: dict[str, str] | None = None) -> dict[str, Any]:
     """Gives a PodTemplateSpec running `kvpilot serve` for one resolved pool."""
     overrides, placement = pool.overrides, pool.placement
-    location = model_location(pool.model.source)
-    volumes, mounts = _volumes(placement, location.pvc_claim, location.hf_repo is not None)
+    location = model_location(pool.model, pool.model_ref)
+    volumes, mounts = _volumes(placement, location)
     container: dict[str, Any] = {
         "name": "engine",
         "image": overrides.image or config.engine_image,
@@ -53,8 +54,10 @@ def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfi
                             "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
         "enableServiceLinks": False,
     }
-    if location.hf_repo is not None:
-        pod["initContainers"] = [_fetch_container(pool.model, container, location.hf_repo)]
+    init = weight_init_containers(location, pool.model, container["image"], overrides.env,
+                                  _container_security(False))
+    if init:
+        pod["initContainers"] = init
     if overrides.node_selector:
         pod["nodeSelector"] = dict(overrides.node_selector)
     tolerations = [*placement.tolerations, *overrides.tolerations]
@@ -140,34 +143,19 @@ def _resources(overrides: Overrides, placement: PodPlacement) -> dict[str, Any]:
     return out
 
 
-def _volumes(placement: PodPlacement, pvc_claim: str | None,
-             hf: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(placement: PodPlacement,
+             location: ModelLocation) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": placement.shm_size}},
         {"name": "tmp", "emptyDir": {}},
     ]
     mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"},
                                     {"name": "tmp", "mountPath": "/tmp"}]
-    if pvc_claim is not None:
-        volumes.append({"name": "model", "persistentVolumeClaim": {
-            "claimName": pvc_claim, "readOnly": True}})
-        mounts.append({"name": "model", "mountPath": f"{MODEL_DIR}/{pvc_claim}",
-                       "readOnly": True})
-    if hf:
-        volumes.append({"name": "model", "emptyDir": {}})
-        mounts.append({"name": "model", "mountPath": HF_DIR})
+    if location.volume is not None and location.mount_path is not None:
+        # The engine only reads the weights, whoever writes them (an init container, a Job).
+        volumes.append(location.volume)
+        mounts.append({"name": "model", "mountPath": location.mount_path, "readOnly": True})
     return volumes, mounts
-
-
-def _fetch_container(model: ModelSource, engine: dict[str, Any], repo: str) -> dict[str, Any]:
-    """Gives the init container that downloads hf:// weights into /models/hf."""
-    command = ["huggingface-cli", "download", repo, "--local-dir", HF_DIR]
-    if model.revision:
-        command += ["--revision", model.revision]
-    env = [e for e in engine["env"] if e["name"] == "HF_TOKEN"]
-    return {"name": "fetch-model", "image": engine["image"], "command": command, "env": env,
-            "volumeMounts": [m for m in engine["volumeMounts"] if m["name"] in ("model", "tmp")],
-            "securityContext": _container_security(False)}
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:

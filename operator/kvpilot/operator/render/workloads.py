@@ -10,6 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.engine.contracts.rendezvous import (
+    MASTER_ADDR,
+    MASTER_PORT,
+    NNODES,
+    NODE_RANK,
+    WORLD_SIZE,
+)
 from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.meta import (
     POD_INDEX_LABEL,
@@ -37,20 +44,23 @@ def pool_workloads(name: str, namespace: str, pool: ResolvedPool, labels: dict[s
     """Gives the Deployment, the StatefulSets, or the LeaderWorkerSet that run a pool's replicas."""
     if pool.placement.nodes_per_replica == 1:
         template = pod_template(pool, labels, config, annotations=annotations)
-        return [_deployment(name, namespace, pool.replicas, labels, owner, template)]
+        return [_deployment(name, namespace, pool, labels, owner, template)]
     if config.leader_worker_set:
         return [_leader_worker_set(name, namespace, pool, labels, owner, config, annotations)]
     return [_group(name, namespace, i, pool, labels, owner, config, annotations)
             for i in range(pool.replicas)]
 
 
-def _deployment(name: str, namespace: str, replicas: int, labels: dict[str, str],
+def _deployment(name: str, namespace: str, pool: ResolvedPool, labels: dict[str, str],
                 owner: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": object_meta(name, namespace, labels, owner),
         "spec": {
-            "replicas": replicas,
+            "replicas": pool.replicas,
+            # The Deployment controller then sets Progressing=False, ProgressDeadlineExceeded,
+            # which the pool's status repeats (StatefulSet groups are timed from their pods).
+            "progressDeadlineSeconds": pool.progress_deadline_seconds,
             "selector": {"matchLabels": selector_labels(labels)},
             # Never drop below the desired count during a rollout; a new pod must be
             # ready (weights loaded) before an old one drains.
@@ -63,12 +73,13 @@ def _deployment(name: str, namespace: str, replicas: int, labels: dict[str, str]
 
 def _rendezvous_env(world_size: int, nodes: int, master_addr: str,
                     rank_label: str) -> list[dict[str, Any]]:
+    """Gives the group env the engine reads (`kvpilot.engine.contracts.rendezvous`)."""
     return [
-        {"name": "MASTER_ADDR", "value": master_addr},
-        {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
-        {"name": "WORLD_SIZE", "value": str(world_size)},
-        {"name": "NNODES", "value": str(nodes)},
-        {"name": "NODE_RANK", "valueFrom": {"fieldRef": {
+        {"name": MASTER_ADDR, "value": master_addr},
+        {"name": MASTER_PORT, "value": str(RENDEZVOUS_PORT)},
+        {"name": WORLD_SIZE, "value": str(world_size)},
+        {"name": NNODES, "value": str(nodes)},
+        {"name": NODE_RANK, "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.labels['{rank_label}']"}}},
     ]
 

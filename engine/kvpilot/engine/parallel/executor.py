@@ -1,0 +1,144 @@
+"""The driver's executor of a tensor-parallel engine (global rank 0).
+
+It starts this node's other ranks as worker processes, joins the process groups,
+loads rank 0's shard, and then runs each step twice over: it broadcasts the packed
+step to the workers (`StepChannel`) and runs rank 0's shard of it itself. The
+workers' collectives meet rank 0's inside the forward; the logits are gathered to
+rank 0, which samples. A worker's death reaches the engine as an error from
+`execute` (gloo raises when a peer's sockets close; the watchdog names the worker)
+and, between steps, through `on_failure`, so the server can stop serving at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.rendezvous import Rendezvous
+from kvpilot.engine.model_runner import BatchEntry, ModelRunner
+from kvpilot.engine.parallel.config import ParallelConfig
+from kvpilot.engine.parallel.distributed import destroy_distributed, init_distributed
+from kvpilot.engine.parallel.processes import WorkerProcesses
+from kvpilot.engine.parallel.step_channel import StepChannel
+from kvpilot.engine.startup_log import LoadReport
+from kvpilot.engine.step_batch import unpack_step
+
+if TYPE_CHECKING:
+    from kvpilot.engine.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+# after a collective fails, how long to wait for the watchdog to see which worker died
+EXIT_NOTICE_S = 3.0
+# how long shutdown waits for a step in flight before it stops the workers by signal
+SHUTDOWN_STEP_WAIT_S = 10.0
+
+
+class WorkerLostError(RuntimeError):
+    """A worker process of a tensor-parallel engine died; the engine cannot continue."""
+
+
+class MultiRankExecutor:
+    """Broadcasts each step to the workers and runs rank 0's shard (see the module doc)."""
+
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, device_type: str,
+                 parallel: ParallelConfig, rendezvous: Rendezvous) -> None:
+        self._listeners: list[Callable[[str], None]] = []
+        self._lock = threading.Lock()
+        # a step's sends and the stop step never interleave on the host group
+        self._step_lock = threading.Lock()
+        self.failure: str | None = None
+        workers = [r for r in rendezvous.local_ranks if r != 0]
+        self.workers = WorkerProcesses(args, rendezvous, workers, self._on_worker_exit)
+        try:
+            self.ctx = init_distributed(parallel, rendezvous, 0, device_type)
+            self.runner = ModelRunner(args, model_config, self.ctx.device, self.ctx.tp,
+                                      self.ctx.min_over_ranks)
+        except BaseException as exc:
+            message = self.workers.wait_for_exit(0.5)
+            self.workers.stop(grace=0.0)
+            destroy_distributed()
+            if message is not None:
+                raise WorkerLostError(f"{message} (while starting)") from exc
+            raise
+        self.channel = StepChannel(self.ctx)
+        self._stopped = False
+        logger.info("tensor-parallel engine: %d ranks, %d KV blocks per rank",
+                    parallel.world_size, self.runner.num_blocks)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def num_graph_steps(self) -> int:
+        return self.runner.num_graph_steps
+
+    @property
+    def num_eager_steps(self) -> int:
+        return self.runner.num_eager_steps
+
+    def load_report(self) -> LoadReport:
+        return self.runner.load_report()
+
+    def execute(self, entries: list[BatchEntry], copies: list[tuple[int, int]],
+                prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs one step on every rank; gives rank 0's gathered float32 logits rows."""
+        if self.failure is not None:
+            raise WorkerLostError(self.failure)
+        packed, buf = self.runner.pack(entries, copies, prev_tokens)
+        try:
+            with self._step_lock:
+                if self._stopped:
+                    raise RuntimeError("the tensor-parallel executor was shut down")
+                self.channel.send(packed.header, buf, prev_tokens)
+                return self.runner.run(unpack_step(packed.header, buf, packed.host),
+                                       prev_tokens)
+        except RuntimeError as exc:
+            message = self.workers.wait_for_exit(EXIT_NOTICE_S)
+            if message is None:
+                raise
+            self.failure = message
+            raise WorkerLostError(message) from exc
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Has `callback(reason)` called from the watchdog thread when a worker dies."""
+        with self._lock:
+            self._listeners.append(callback)
+            failure = self.failure
+        if failure is not None:
+            callback(failure)
+
+    def _on_worker_exit(self, message: str) -> None:
+        with self._lock:
+            self.failure = message
+            listeners = list(self._listeners)
+        for callback in listeners:
+            callback(message)
+
+    def shutdown(self) -> None:
+        """Stops the workers (a stop step, then signals) and leaves the process groups."""
+        if self._stopped:
+            return
+        self.workers.expect_exits()
+        stepping = not self._step_lock.acquire(timeout=SHUTDOWN_STEP_WAIT_S)
+        self._stopped = True
+        clean = self.failure is None and not stepping
+        if clean:
+            try:
+                self.channel.send_stop()
+            except RuntimeError as exc:  # a worker already gone: stop the rest by signal
+                logger.warning("stop step not delivered (%s)", exc)
+                clean = False
+        if not stepping:
+            self._step_lock.release()
+        self.workers.stop(grace=10.0 if clean else 0.0)
+        destroy_distributed()

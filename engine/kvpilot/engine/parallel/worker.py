@@ -1,0 +1,89 @@
+"""A tensor-parallel worker process: joins the engine's groups, loads its shard, and runs
+every step the driver broadcasts until the driver says stop (or goes away).
+
+Started by `parallel.processes.WorkerProcesses` as `python -m
+kvpilot.engine.parallel.worker <engine flags>`, with its rank and the rendezvous in
+its environment. It builds the same ModelRunner the driver does, over its shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import torch
+
+from kvpilot.engine.contracts.args import EngineArgs, add_dataclass_args, from_namespace
+from kvpilot.engine.contracts.rendezvous import Rendezvous
+from kvpilot.engine.device import resolve_device
+from kvpilot.engine.model_runner import ModelRunner
+from kvpilot.engine.parallel.config import ParallelConfig
+from kvpilot.engine.parallel.distributed import destroy_distributed, init_distributed
+from kvpilot.engine.parallel.processes import PARENT_ENV, RANK_ENV
+from kvpilot.engine.parallel.step_channel import StepChannel
+from kvpilot.engine.step_batch import unpack_step
+
+logger = logging.getLogger("kvpilot.worker")
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Has Linux SIGTERM this worker when its parent ends (even by SIGKILL); a terminal's
+    Ctrl+C is the driver's to handle (it drains, then stops the workers)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    parent = os.environ.get(PARENT_ENV)
+    if parent is not None and os.getppid() != int(parent):
+        sys.exit("kvpilot worker: the process that started it is gone")
+
+
+def run_worker(args: EngineArgs, rank: int, rendezvous: Rendezvous) -> None:
+    """Joins as `rank`, then runs steps until the driver sends stop."""
+    from kvpilot.engine.models.config import ModelConfig
+
+    parallel = ParallelConfig.from_engine_args(args)
+    device = resolve_device(args.device)
+    if device.type == "cpu":  # the node's ranks share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // rendezvous.ranks_per_node))
+    torch.manual_seed(args.seed)
+    model_config = ModelConfig.from_engine_args(args, device)
+    ctx = init_distributed(parallel, rendezvous, rank, device.type)
+    try:
+        runner = ModelRunner(args, model_config, ctx.device, ctx.tp, ctx.min_over_ranks)
+        channel = StepChannel(ctx)
+        logger.info("worker rank %d ready on %s", rank, ctx.device)
+        while (step := channel.receive()) is not None:
+            runner.run(unpack_step(step.header, step.buf, step.host), step.prev_tokens)
+    finally:
+        destroy_distributed()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _die_with_parent()
+    parser = argparse.ArgumentParser(prog="kvpilot-worker")
+    add_dataclass_args(parser, EngineArgs)
+    args = from_namespace(EngineArgs, parser.parse_args(argv))
+    rank = int(os.environ[RANK_ENV])
+    rendezvous = Rendezvous.from_env(os.environ, args.tensor_parallel_size
+                                     * args.pipeline_parallel_size)
+    if rendezvous is None:
+        print("kvpilot worker: NODE_RANK and the rendezvous env are unset: workers are "
+              "started by `kvpilot serve`", file=sys.stderr)
+        return 2
+    try:
+        run_worker(args, rank, rendezvous)
+    except RuntimeError as exc:  # the driver went away mid-collective: leave quietly
+        logger.error("worker rank %d stops: %s", rank, str(exc).splitlines()[0])
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

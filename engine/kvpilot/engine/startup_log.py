@@ -1,0 +1,105 @@
+"""The lines an engine logs while it starts: what it loads, how big, how long, what it can hold.
+
+A platform engineer reading a pod's log during the minutes before /health answers sees
+the model, dtype and device first, then the topology the engine accepted (ranks, nodes,
+how the experts are split), the weights (bytes and seconds), the KV cache (blocks, tokens,
+bytes, where the budget came from), CUDA graphs, and the total. With tensor parallelism
+the sizes are rank 0's (the driver's), said as per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvpilot.engine.contracts.args import EngineArgs
+
+logger = logging.getLogger("kvpilot.engine")
+Item = TypeVar("Item")
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What one rank loaded and sized while starting: rank 0's with tensor parallelism."""
+
+    weight_bytes: int
+    load_seconds: float
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    graph_sizes: tuple[int, ...] | None
+    """Decode batch sizes captured as CUDA graphs; None: none captured."""
+    graph_seconds: float
+
+
+def gib(num_bytes: int) -> str:
+    """Gives a byte count as '12.34 GiB'."""
+    return f"{num_bytes / GIB:.2f} GiB"
+
+
+def kv_budget_source(args: EngineArgs, device_type: str) -> str:
+    """Gives which setting sized the KV cache."""
+    if args.num_kv_blocks is not None:
+        return f"--num-kv-blocks {args.num_kv_blocks}"
+    if args.kv_cache_memory is not None:
+        return f"--kv-cache-memory {args.kv_cache_memory}"
+    if device_type != "cuda":
+        return "the CPU default of 256MiB"
+    return f"what --gpu-memory-utilization {args.gpu_memory_utilization} leaves after a " \
+           "profiling forward"
+
+
+def log_model(args: EngineArgs, architecture: str, num_layers: int, dtype: str,
+              device: str) -> None:
+    logger.info("loading model %s (%s, %d layers) as %s, dtype %s, on %s", args.model,
+                architecture, num_layers, args.name, dtype, device)
+
+
+def log_topology(tp: int, pp: int, ep: int, nnodes: int, num_experts: int) -> None:
+    """Logs the topology the engine accepted, before it loads a weight or starts a worker."""
+    world = tp * pp
+    ranks = "one rank" if world == 1 else \
+        f"{world} ranks, {world // nnodes} per node on {nnodes} node{'s' if nnodes > 1 else ''}"
+    experts = ""
+    if num_experts and tp > 1:
+        experts = f"; each rank holds {num_experts // ep} of {num_experts} experts whole" \
+            if ep > 1 else f"; each rank holds a 1/{tp} slice of all {num_experts} experts"
+    logger.info("topology: tensor_parallel_size=%d pipeline_parallel_size=%d "
+                "expert_parallel_size=%d: %s%s", tp, pp, ep, ranks, experts)
+
+
+def log_load(report: LoadReport, load_format: str, kv_budget: str, why_no_graphs: str,
+             world_size: int) -> None:
+    """Logs the weights, the KV cache and the CUDA graphs one rank set up (`report`)."""
+    rank = "" if world_size == 1 else f" per rank (rank 0 of {world_size})"
+    logger.info("weights: %d bytes (%s, %s)%s loaded in %.2fs", report.weight_bytes,
+                gib(report.weight_bytes), load_format, rank, report.load_seconds)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s%s (sized by %s)",
+                report.num_blocks, report.block_size, report.num_blocks * report.block_size,
+                gib(report.num_blocks * report.bytes_per_block), rank, kv_budget)
+    sizes = report.graph_sizes
+    if sizes is None:
+        logger.info("CUDA graphs: none (%s)", why_no_graphs)
+    else:
+        logger.info("CUDA graphs: captured %d decode batch sizes (%d..%d)%s in %.2fs",
+                    len(sizes), min(sizes), max(sizes), rank, report.graph_seconds)
+
+
+def log_ready(seconds: float, max_model_len: int, max_num_seqs: int) -> None:
+    logger.info("engine ready in %.2fs: max_model_len=%d, max_num_seqs=%d", seconds,
+                max_model_len, max_num_seqs)
+
+
+def progress(items: Iterable[Item], total: int, desc: str) -> Iterator[Item]:
+    """Gives `items`, with a progress bar on stderr when it is an interactive terminal (a pod's
+    log is not: there the log lines above say enough)."""
+    if total <= 1 or not sys.stderr.isatty():
+        yield from items
+        return
+    from tqdm import tqdm
+
+    yield from tqdm(items, total=total, desc=desc, unit="file", file=sys.stderr, leave=False)

@@ -1,0 +1,53 @@
+"""`kvpilot up` runs the TP=2 CPU manifest as the pods would (the engine core starts its
+worker rank itself, gloo between them) and answers an OpenAI request through the router with the
+single-rank engine's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import psutil
+import yaml
+
+from kvpilot.engine.parallel.processes import WORKER_MODULE
+from kvpilot.operator.local.plan import plan_local
+from kvpilot.operator.local.supervisor import Supervisor, free_port
+
+ROOT = Path(__file__).parents[2]
+MANIFEST = yaml.safe_load((ROOT / "examples" / "tiny-cpu-tp2.yaml").read_text())
+PROMPT = "tensor parallel on a laptop"
+
+
+def test_up_serves_the_tp2_manifest(tmp_path: Path):
+    from kvpilot.engine.contracts.sampling_params import SamplingParams
+    from kvpilot.engine.llm import LLM
+
+    engine = MANIFEST["spec"]["engine"]
+    want = LLM("tiny-llama", dtype=engine["dtype"], max_model_len=engine["maxModelLen"],
+               kv_cache_memory=engine["kvCacheMemory"]).generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+    engines, router = plan_local(MANIFEST, free_port, free_port())
+    assert len(engines) == 1 and "--tensor-parallel-size" in engines[0].argv
+    supervisor = Supervisor(tmp_path)
+    try:
+        for process in [*engines, router]:
+            supervisor.start(process)
+        supervisor.wait_ready(180, {"router": "/ready"})
+        pid = next(popen.pid for process, popen in supervisor.running
+                   if process.role != "router")
+        # the worker is a child of the engine core process, itself the server's child
+        workers = [c for c in psutil.Process(pid).children(recursive=True)
+                   if WORKER_MODULE in " ".join(c.cmdline())]
+        assert len(workers) == 1  # the second rank runs
+        answer = httpx.post(f"{router.url}/v1/completions", timeout=60, json={
+            "model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == want.rstrip("\ufffd")
+        chat = httpx.post(f"{router.url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4})
+        assert chat.status_code == 200, chat.text
+    finally:
+        supervisor.stop()

@@ -1,0 +1,26 @@
+"""bench/parallel_gpu.py runs end to end on CPU with tiny shapes (gloo), so the GPU run
+the lead makes only has to change the device."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_parallel_bench_smoke(tmp_path: Path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "parallel_gpu.py"),
+                           str(tmp_path), "--smoke", "--no-70b"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert [c["tp"] for c in report["configs"]] == [1, 2]
+    for config in report["configs"]:
+        assert config["batch1_ms_per_token"] > 0 and config["per_gpu_tok_per_s"] > 0
+    assert report["configs"][1]["kv_blocks_per_rank"] == \
+        2 * report["configs"][0]["kv_blocks_per_rank"]  # half the KV heads per rank
+    assert [row["tokens"] for row in report["allreduce"][0]["rows"]] == [1, 1, 64, 64]
+    assert "| 8b | tiny | 2 |" in (tmp_path / "results.md").read_text()

@@ -1,0 +1,150 @@
+"""One contract between the operator's multi-node rendering and the engine: the env a
+rendered group's pods get is exactly what `Rendezvous.from_env` reads, giving each pod its
+ranks; and two local processes started with that env (a TP=2 group split over two
+"pods") answer an OpenAI request with the single-rank engine's tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvpilot.engine.contracts.args import EngineArgs, add_dataclass_args, from_namespace
+from kvpilot.engine.contracts.rendezvous import Rendezvous
+from kvpilot.engine.parallel.processes import free_port, rendezvous_env
+from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.api.pools import SPEC_BY_KIND
+from kvpilot.operator.planning.pool import resolve_pool
+from kvpilot.operator.render.children import owned_pools, render_children
+from kvpilot.operator.render.meta import POD_INDEX_LABEL, RenderConfig
+from kvpilot.operator.render.pool import render_pool
+from kvpilot.operator.render.services import LWS_WORKER_INDEX_LABEL
+
+GROUP_SPEC = {"model": {"name": "llama", "source": "dummy:tiny-llama", "numAttentionHeads": 64,
+                        "numKeyValueHeads": 8, "numLayers": 80},
+              "topology": {"tensorParallel": 8, "pipelineParallel": 2},
+              "accelerator": {"vendor": "nvidia"}}
+
+
+def rendered_group(config: RenderConfig) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """Gives (the multi-node workload, the pool's Service, its nodes) of GROUP_SPEC."""
+    spec = InferenceModelSpec.model_validate(GROUP_SPEC)
+    im = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel",
+          "metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 1}}
+    pool = next(o for o in render_children(im, spec, owned_pools(spec, "m"), config)
+                if o["kind"] in SPEC_BY_KIND)
+    pool = {**pool, "metadata": {**pool["metadata"], "uid": "p"}}
+    resolved = resolve_pool(SPEC_BY_KIND[pool["kind"]].model_validate(pool["spec"]), spec)
+    objects = render_pool(pool, resolved, config)
+    group = next(o for o in objects if o["kind"] in ("StatefulSet", "LeaderWorkerSet"))
+    service = next(o for o in objects if o["kind"] == "Service"
+                   and o["spec"].get("clusterIP") != "None")
+    return group, service, resolved.placement.nodes_per_replica
+
+
+def pod_env(container: dict[str, Any], labels: dict[str, str]) -> dict[str, str]:
+    """Gives the container's env as a pod with `labels` sees it (label fieldRefs resolved)."""
+    env = {}
+    for item in container["env"]:
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        elif path := item["valueFrom"].get("fieldRef", {}).get("fieldPath", ""):
+            match = re.fullmatch(r"metadata\.labels\['(.+)'\]", path)
+            if match:
+                env[item["name"]] = labels[match.group(1)]
+    return env
+
+
+def engine_args(container: dict[str, Any]) -> EngineArgs:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, EngineArgs)
+    namespace, _ = parser.parse_known_args(container["args"])
+    return from_namespace(EngineArgs, namespace)
+
+
+@pytest.mark.parametrize(("config", "index_label"), [
+    (RenderConfig(), POD_INDEX_LABEL),
+    (RenderConfig(leader_worker_set=True), LWS_WORKER_INDEX_LABEL),
+], ids=["statefulset", "leaderworkerset"])
+def test_rendered_group_env_is_what_the_engine_reads(config, index_label):
+    group, service, nodes = rendered_group(config)
+    template = group["spec"].get("template") or \
+        group["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    container = template["spec"]["containers"][0]
+    args = engine_args(container)
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    assert (world, nodes) == (16, 2)
+    seen: list[int] = []
+    for node in range(nodes):
+        rendezvous = Rendezvous.from_env(pod_env(container, {index_label: str(node)}), world)
+        assert rendezvous is not None
+        assert rendezvous.master_port == 29500 and rendezvous.ranks_per_node == 8
+        assert rendezvous.is_driver_node == (node == 0)
+        seen += list(rendezvous.local_ranks)
+    assert seen == list(range(16))  # every global rank on exactly one pod
+    # only node rank 0's pod serves: the Service selects it alone
+    assert service["spec"]["selector"][index_label] == "0"
+    if not config.leader_worker_set:  # the leader's stable DNS name through the headless service
+        assert pod_env(container, {index_label: "1"})["MASTER_ADDR"] == \
+            "m-decode-g0-0.m-decode-workers.ns.svc"
+
+
+def start_pod(env: dict[str, str], log: Path, pattern: str) -> tuple[subprocess.Popen, str]:
+    """Starts one "pod" (`kvpilot serve` with the group env); gives it and its URL."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpilot.cli.main", "serve", "--model", "tiny-llama",
+             "--device", "cpu", "--tensor-parallel-size", "2", "--num-kv-blocks", "64",
+             "--port", "0"], env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while True:
+        found = re.search(pattern + r" (http://\S+)", log.read_text(errors="replace"))
+        if found:
+            return proc, found.group(1)
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+
+
+def test_two_pods_of_a_group_answer(tmp_path: Path):
+    from kvpilot.engine.contracts.sampling_params import SamplingParams
+    from kvpilot.engine.llm import LLM
+
+    want = LLM("tiny-llama", num_kv_blocks=64).generate(
+        "the same rendered command on two pods",
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+    group = Rendezvous("127.0.0.1", free_port(), world_size=2, nnodes=2, node_rank=0)
+    pods = []
+    try:
+        worker, worker_url = start_pod(rendezvous_env(dataclasses.replace(group, node_rank=1)),
+                                       tmp_path / "pod1.log", "answering probes on")
+        pods.append(worker)
+        leader, url = start_pod(rendezvous_env(group), tmp_path / "pod0.log", "listening on")
+        pods.append(leader)
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/ready", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        for probe in ("/health", "/ready"):
+            assert httpx.get(worker_url + probe, timeout=5).status_code == 200
+        answer = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "tiny-llama", "prompt": "the same rendered command on two pods",
+            "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == want.rstrip("\ufffd")
+        leader.terminate()  # drains, then stops its workers: the worker pod exits 0
+        assert leader.wait(60) == 0
+        assert worker.wait(60) == 0
+    finally:
+        for pod in pods:
+            pod.kill()
+            pod.wait(30)
