@@ -67,9 +67,8 @@ def _offline(engine: LLMEngine, prompts: list[str], output_len: int) -> tuple[in
         engine.add_request(f"offline-{i}-{start}", prompt, params)
     tokens = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens += sum(len(c.token_ids) for c in out.outputs)
+        for delta in engine.step():  # each holds the request's new tokens
+            tokens += sum(len(c.token_ids) for c in delta.completions)
     return tokens, time.perf_counter() - start
 
 

@@ -4,22 +4,53 @@ from __future__ import annotations
 
 import itertools
 
+from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.outputs import EngineCoreOutput
 from kvpilot.engine.core.request import Request, Sequence
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 _clock = itertools.count()
 
 
-def run_engine(engine, limit: int = 200) -> dict:
+class Outputs:
+    """Folds an engine's deltas into whole outputs per request (token ids, logprobs and
+    finish; no text: these tests compare tokens)."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, RequestOutput] = {}
+
+    def add(self, delta: EngineCoreOutput) -> RequestOutput:
+        """Gives the request's whole output so far, with `delta` added."""
+        out = self.by_id.setdefault(delta.request_id,
+                                    RequestOutput(delta.request_id, None, [], [], False))
+        completions = {c.index: c for c in out.outputs}
+        for d in delta.completions:
+            c = completions.setdefault(d.index, CompletionOutput(d.index, "", []))
+            c.token_ids = [*c.token_ids, *d.token_ids]
+            if d.logprobs is not None:
+                c.logprobs = [*(c.logprobs or []), *d.logprobs]
+            if d.cumulative_logprob is not None:
+                c.cumulative_logprob = d.cumulative_logprob
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        out.outputs = sorted(completions.values(), key=lambda c: c.index)
+        out.finished, out.error = delta.finished, delta.error or out.error
+        out.num_cached_tokens = delta.num_cached_tokens
+        return out
+
+
+def run_engine(engine, limit: int = 200, outputs: Outputs | None = None
+               ) -> dict[str, RequestOutput]:
     """Steps `engine` until no request is unfinished, at most `limit` steps (more fails the
-    test instead of hanging it); gives the finished outputs by request id."""
-    done = {}
+    test instead of hanging it); gives the finished outputs by request id (folded into
+    `outputs`, which may hold deltas of steps run before)."""
+    outputs, done = outputs or Outputs(), {}
     for _ in range(limit):
         if not engine.has_unfinished_requests():
             return done
-        for out in engine.step():
+        for delta in engine.step():
+            out = outputs.add(delta)
             if out.finished:
                 done[out.request_id] = out
     assert not engine.has_unfinished_requests(), f"requests still unfinished after {limit} steps"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from core_helpers import run_engine
+from core_helpers import Outputs, run_engine
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
@@ -31,6 +31,7 @@ def run_workload(engine: LLMEngine, seed: int) -> dict[str, tuple]:
     rng = random.Random(seed)
     shared = [rng.randrange(5, 500) for _ in range(12)]
     pending = list(range(14))
+    outputs = Outputs()
     done: dict[str, tuple] = {}
     for _ in range(2000):
         if not pending and not engine.has_unfinished_requests():
@@ -43,11 +44,12 @@ def run_workload(engine: LLMEngine, seed: int) -> dict[str, tuple]:
                 max_tokens=rng.randrange(1, 24), temperature=0 if i % 3 else 0.8, seed=i,
                 ignore_eos=i % 2 == 0, stop=["e"] if i % 5 == 1 else None,
                 presence_penalty=0.5 if i == 7 else 0.0))
-        for out in engine.step():
-            assert PLACEHOLDER not in out.outputs[0].token_ids
+        for delta in engine.step():
+            assert PLACEHOLDER not in delta.completions[0].token_ids
+            out = outputs.add(delta)
             if out.finished:
                 c = out.outputs[0]
-                done[out.request_id] = (c.token_ids, c.text, c.finish_reason)
+                done[out.request_id] = (c.token_ids, c.finish_reason, c.stop_reason)
     assert not engine.has_unfinished_requests()
     return done
 
@@ -82,12 +84,13 @@ def test_async_step_returns_the_previous_steps_tokens():
     engine = make_engine("on")
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
     assert engine.step() == []  # the first step's token is still "in flight"
-    first = engine.step()
-    assert [o.outputs[0].token_ids.__len__() for o in first] == [1]
-    assert engine.step()[0].outputs[0].token_ids.__len__() == 2
-    last = engine.step()
-    assert last[0].finished and len(last[0].outputs[0].token_ids) == 3
+    tokens = []
+    for finished in (False, False, True):  # each step gives its one new token (a delta)
+        (delta,) = engine.step()
+        assert delta.finished is finished and len(delta.completions[0].token_ids) == 1
+        tokens += delta.completions[0].token_ids
     assert not engine.has_unfinished_requests()
+    assert len(tokens) == 3 and PLACEHOLDER not in tokens
 
 
 def test_length_limited_requests_run_no_extra_forward():
@@ -114,8 +117,8 @@ def test_abort_while_a_token_is_in_flight():
     assert engine._inflight is not None
     engine.abort_request(["a"])
     out = engine.step()
-    assert out[0].finished and out[0].outputs[0].finish_reason == "abort"
-    assert PLACEHOLDER not in out[0].outputs[0].token_ids
+    assert out[0].finished and out[0].completions[0].finish_reason == "abort"
+    assert PLACEHOLDER not in out[0].completions[0].token_ids
     for _ in range(10):
         if not engine.has_unfinished_requests():
             break
@@ -128,13 +131,14 @@ def test_host_sampling_requests_drain_the_flight():
     """A request with logprobs arriving mid-run gets correct logprobs (a synchronous step)."""
     outs = {}
     for mode in ("off", "on"):
-        engine = make_engine(mode)
+        engine, seen = make_engine(mode), Outputs()
         engine.add_request("plain", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
-        engine.step()
-        engine.step()
+        for _ in range(2):
+            for delta in engine.step():
+                seen.add(delta)
         engine.add_request("lp", [9, 10], SamplingParams(max_tokens=4, logprobs=2,
                                                          ignore_eos=True))
-        outs[mode] = {rid: o.outputs[0] for rid, o in run_engine(engine).items()}
+        outs[mode] = {rid: o.outputs[0] for rid, o in run_engine(engine, outputs=seen).items()}
     assert outs["on"]["plain"].token_ids == outs["off"]["plain"].token_ids
     on, off = outs["on"]["lp"], outs["off"]["lp"]
     assert on.token_ids == off.token_ids
@@ -170,11 +174,12 @@ def run_fixed_batch(engine: LLMEngine) -> dict[str, list[int]]:
         engine.add_request(str(i), prompt, SamplingParams(
             max_tokens=rng.randrange(1, 30), temperature=0 if i % 2 else 0.8, seed=i,
             ignore_eos=True))
-    done: dict[str, list[int]] = {}
+    outputs, done = Outputs(), {}
     for _ in range(500):
         if not engine.has_unfinished_requests():
             break
-        for out in engine.step():
+        for delta in engine.step():
+            out = outputs.add(delta)
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     assert len(done) == 10

@@ -60,7 +60,7 @@ def test_abort_frees_blocks_and_reports_abort(engine):
     assert engine.get_stats().num_free_blocks < 8
     engine.abort_request(["a", "unknown"])
     (out,) = engine.step()
-    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert out.finished and out.completions[0].finish_reason == "abort"
     assert engine.get_stats().num_free_blocks == 8
     assert not engine.has_unfinished_requests()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from core_helpers import Outputs
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
@@ -58,13 +59,14 @@ def test_mixed_requests_on_tight_pools_all_finish(seed, async_scheduling):
             prompt = list(range(10, 40)) + prompt[:5]
         engine.add_request(str(i), prompt, sp, priority=rng.randint(0, 3))
         params[str(i)] = sp
-    done = {}
+    outputs, done = Outputs(), {}
     for step in range(MAX_STEPS):
         if not engine.has_unfinished_requests():
             break
         if step == 5:
             engine.abort_request(["0"])
-        for out in engine.step():
+        for delta in engine.step():
+            out = outputs.add(delta)
             if out.finished:
                 done[out.request_id] = out
     assert set(done) == set(params)

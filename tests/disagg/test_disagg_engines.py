@@ -14,6 +14,7 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.core.outputs import EngineCoreOutput
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.roles import LEASE_SECONDS_ENV, attach_role
 from kvpilot.operator.local.supervisor import free_port
@@ -32,17 +33,20 @@ def make_engine(role: str):
     return attach_role(LLMEngine.from_engine_args(args), "127.0.0.1", 0)
 
 
-def run(engine, request_id: str, prompt: list[int], params: SamplingParams = GREEDY):
+def run(engine, request_id: str, prompt: list[int], params: SamplingParams = GREEDY
+        ) -> tuple[list[int], EngineCoreOutput]:
+    """Runs one request to its end; gives its output token ids and its last delta."""
     engine.add_request(request_id, prompt, params)
-    final = None
+    tokens, final = [], None
     for _ in range(200):  # bounded: a stuck engine fails the test instead of hanging it
         if not engine.has_unfinished_requests():
             break
         for output in engine.step():
+            tokens += output.completions[0].token_ids
             if output.finished:
                 final = output
-    assert not engine.has_unfinished_requests()
-    return final
+    assert not engine.has_unfinished_requests() and final is not None
+    return tokens, final
 
 
 @pytest.fixture(scope="module")
@@ -79,17 +83,17 @@ def wait_for_free_blocks(engine, expected: int, seconds: float) -> int:
 def test_disaggregated_equals_aggregated(engines, name, prompt, decode_warmup, imported,
                                          skipped):
     both, prefill, decode = engines
-    expected = run(both, f"agg-{name}", prompt).outputs[0].token_ids
+    expected, _ = run(both, f"agg-{name}", prompt)
     if decode_warmup:
         run(decode, f"warm-{name}", decode_warmup)
-    first = run(prefill, f"pre-{name}", prompt, SamplingParams(temperature=0, max_tokens=1))
-    assert first.outputs[0].token_ids == expected[:1]
+    first, _ = run(prefill, f"pre-{name}", prompt, SamplingParams(temperature=0, max_tokens=1))
+    assert first == expected[:1]
     done = asyncio.run(request_pull(agent(decode), agent(prefill), f"pre-{name}", timeout=10))
     assert (done["imported"], done["skipped"]) == (imported, skipped)
     computed_before = decode.engine.prompt_tokens
-    output = run(decode, f"dec-{name}", prompt)
-    assert output.outputs[0].token_ids == expected
-    assert output.num_cached_tokens == len(prompt) - 1
+    tokens, final = run(decode, f"dec-{name}", prompt)
+    assert tokens == expected
+    assert final.num_cached_tokens == len(prompt) - 1
     assert decode.engine.prompt_tokens - computed_before == 1  # a one-token row: a decode-shaped step
     # released on pull: the prefill side owns nothing any more
     assert wait_for_free_blocks(prefill, NUM_BLOCKS, 2) == NUM_BLOCKS
@@ -99,12 +103,12 @@ def test_corrupt_kv_changes_the_answer(engines):
     # The equality above is only meaningful if imported KV is actually used.
     both, _, decode = engines
     prompt = [*range(500, 500 + 3 * BLOCK), 7, 8]
-    expected = run(both, "agg-corrupt", prompt).outputs[0].token_ids
+    expected, _ = run(both, "agg-corrupt", prompt)
     store = decode.connector.store
     hashes = hash_prompt_blocks(prompt, BLOCK)
     noise = bytes(range(256)) * (store.block_bytes // 256)
     assert import_data(store, hashes, [noise] * len(hashes)) == 3
-    assert run(decode, "dec-corrupt", prompt).outputs[0].token_ids != expected
+    assert run(decode, "dec-corrupt", prompt)[0] != expected
 
 
 def test_unpulled_lease_expires_without_leaking(engines):

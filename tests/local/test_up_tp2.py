@@ -1,5 +1,5 @@
-"""`kvpilot up` runs the TP=2 CPU manifest as the pods would (the engine starts its worker
-rank itself, gloo between them) and answers an OpenAI request through the router with the
+"""`kvpilot up` runs the TP=2 CPU manifest as the pods would (the engine core starts its
+worker rank itself, gloo between them) and answers an OpenAI request through the router with the
 single-rank engine's tokens."""
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def test_up_serves_the_tp2_manifest(tmp_path: Path):
         supervisor.wait_ready(180, {"router": "/ready"})
         pid = next(popen.pid for process, popen in supervisor.running
                    if process.role != "router")
-        workers = [c for c in psutil.Process(pid).children()
+        # the worker is a child of the engine core process, itself the server's child
+        workers = [c for c in psutil.Process(pid).children(recursive=True)
                    if WORKER_MODULE in " ".join(c.cmdline())]
         assert len(workers) == 1  # the second rank runs
         answer = httpx.post(f"{router.url}/v1/completions", timeout=60, json={

@@ -40,7 +40,8 @@ def tp_server(log: Path) -> Iterator[tuple[str, psutil.Process]]:
             base = found.group(1) if found else None
             time.sleep(0.1)
         assert httpx.get(f"{base}/ready", timeout=10).status_code == 200
-        workers = [p for p in psutil.Process(proc.pid).children()
+        # the workers are the engine core process's children
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if WORKER_MODULE in " ".join(p.cmdline())]
         assert len(workers) == 1
         yield base, workers[0]

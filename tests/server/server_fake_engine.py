@@ -1,26 +1,27 @@
 """A tiny LLMEngine stand-in with controlled timing (each step sleeps `step_delay`).
 
 It is a `ServedEngine`: pyright checks it against the protocol (see the end of the file).
+An engine core process builds it through `fake_engine` (picklable with
+functools.partial, so the spawned process can import and call it).
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.contracts.outputs import (
-    CompletionOutput,
-    EngineStats,
-    RequestMetrics,
-    RequestOutput,
-)
+from kvpilot.engine.contracts.outputs import EngineStats, RequestMetrics
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.core.kv_events import KVEventLog
+from kvpilot.engine.core.outputs import CompletionDelta, EngineCoreOutput
 
 if TYPE_CHECKING:
+    from kvpilot.engine.core_process.entry import EngineBuilder
     from kvpilot.engine.engine_core import ServedEngine
 
 
@@ -58,16 +59,26 @@ class _Req:
 
 
 class FakeEngine:
-    """Generates 'a', 'b', 'c', ... one token per step per completion."""
+    """Generates 'a', 'b', 'c', ... one token per step per completion; the step numbered
+    `fail_on_step` (from 1) raises instead; `break_after_s` seconds after the step numbered
+    `break_on_step`, it reports a failure from another thread (as a TP executor does when a
+    worker dies between steps) and steps on."""
 
-    def __init__(self, step_delay: float = 0.0, num_blocks: int = 64) -> None:
+    def __init__(self, step_delay: float = 0.0, num_blocks: int = 64,
+                 fail_on_step: int | None = None, break_on_step: int | None = None,
+                 break_after_s: float = 0.0) -> None:
         self.tokenizer = ByteTokenizer()
         self.model_config = ModelConfig()
         self.engine_args = EngineArgs(model="fake")
         self.kv_events = KVEventLog()  # stays empty: no prefix cache here
         self.step_delay = step_delay
         self.num_blocks = num_blocks
+        self.fail_on_step = fail_on_step
+        self.break_on_step = break_on_step
+        self.break_after_s = break_after_s
+        self.failure_callbacks: list[Callable[[str], None]] = []
         self.reqs: dict[str, _Req] = {}
+        self.steps = 0
         self.generated = 0
         self.prompt_tokens = 0
 
@@ -87,7 +98,16 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineCoreOutput]:
+        self.steps += 1
+        if self.steps == self.fail_on_step:
+            raise RuntimeError("boom")
+        if self.steps == self.break_on_step:
+            for callback in self.failure_callbacks:
+                timer = threading.Timer(self.break_after_s, callback,
+                                        args=("fake worker rank 1 was killed by SIGKILL",))
+                timer.daemon = True
+                timer.start()
         time.sleep(self.step_delay)
         now = time.monotonic()
         outputs = []
@@ -104,11 +124,9 @@ class FakeEngine:
             if done:
                 req.metrics.finished_time = now
                 del self.reqs[req.rid]
-            outputs.append(RequestOutput(
-                req.rid, None, req.prompt,
-                [CompletionOutput(i, self.tokenizer.decode(t), list(t),
-                                  finish_reason="length" if done else None)
-                 for i, t in enumerate(req.outs)], done, metrics=req.metrics))
+            outputs.append(EngineCoreOutput(
+                req.rid, [CompletionDelta(i, [t[-1]], finish_reason="length" if done else None)
+                          for i, t in enumerate(req.outs)], done, metrics=req.metrics))
         return outputs
 
     def get_stats(self) -> EngineStats:
@@ -119,11 +137,34 @@ class FakeEngine:
                            prompt_tokens=self.prompt_tokens, generation_tokens=self.generated)
 
     def step_timing(self) -> str:
-        return "no breakdown"
+        return "GPU wait 0.0 ms"  # it has none
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        self.failure_callbacks.append(callback)
 
     def shutdown(self) -> None:
         pass
 
 
-if TYPE_CHECKING:  # FakeEngine stands in for LLMEngine wherever the server takes one
+def fake_engine(engine_args: EngineArgs, host: str, http_port: int, step_delay: float = 0.0,
+                fail_on_step: int | None = None, break_on_step: int | None = None,
+                break_after_s: float = 0.0) -> FakeEngine:
+    """Gives the engine a core process serves in the tests (an `entry.EngineBuilder`)."""
+    return FakeEngine(step_delay, fail_on_step=fail_on_step, break_on_step=break_on_step,
+                      break_after_s=break_after_s)
+
+
+def fake_engine_with_a_worker(engine_args: EngineArgs, host: str, http_port: int) -> FakeEngine:
+    """Gives a FakeEngine after starting and joining a process of its own, as a tensor-parallel
+    engine starts its workers (a daemonic core process could not)."""
+    worker = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0.0,))
+    worker.start()
+    worker.join(60)
+    if worker.exitcode != 0:
+        raise RuntimeError(f"the worker process exited with {worker.exitcode}")
+    return FakeEngine()
+
+
+if TYPE_CHECKING:  # FakeEngine stands in for LLMEngine wherever a core serves one
     _: ServedEngine = FakeEngine()
+    _builder: EngineBuilder = fake_engine

@@ -1,4 +1,5 @@
-"""Harness of the server tests: a real tiny-llama engine served by uvicorn on a free port."""
+"""Harness of the server tests: an engine core process (a real tiny-llama engine, or a fake)
+and an API server app on it, served by uvicorn on a free port in a thread."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.tokenizer import load_tokenizer
+from kvpilot.engine.core_process.entry import EngineBuilder, build_engine
+from kvpilot.engine.core_process.launch import CoreHandle, CoreProcess
+from kvpilot.engine.server.app import build_app
 
 MODEL = "tiny-llama"
 # Small enough for fast CPU steps, long enough for the drain and length tests.
@@ -26,11 +31,29 @@ TINY_ENGINE = {"model": MODEL, "max_model_len": 512, "max_num_seqs": 16, "num_kv
                "device": "cpu"}
 
 
-def tiny_engine(**overrides: Any) -> Any:
-    """Gives a real LLMEngine on the built-in tiny-llama model (CPU, dummy weights)."""
-    from kvpilot.engine.llm_engine import LLMEngine
+@dataclass
+class RunningCore:
+    """An engine core process and the handle its API servers connect with."""
 
-    return LLMEngine.from_engine_args(EngineArgs(**{**TINY_ENGINE, **overrides}))
+    process: CoreProcess
+    handle: CoreHandle
+
+
+@contextmanager
+def engine_core(build: EngineBuilder = build_engine, **overrides: Any) -> Iterator[RunningCore]:
+    """Runs an engine core process until the block exits: tiny-llama on CPU with `overrides`,
+    or what `build` (a picklable function) gives."""
+    process = CoreProcess.start(EngineArgs(**{**TINY_ENGINE, **overrides}), "127.0.0.1", 0,
+                                "warning", build)
+    try:
+        yield RunningCore(process, process.wait_ready(timeout=120))
+    finally:
+        process.stop()
+
+
+def tiny_app(core: RunningCore, **kwargs: Any) -> Any:
+    """Gives the API server app of a tiny-llama core."""
+    return build_app(core.handle, load_tokenizer(MODEL), MODEL, **kwargs)
 
 
 @dataclass

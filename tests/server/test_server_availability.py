@@ -4,14 +4,15 @@ a chat stream sends no byte before its first token (a router can still retry it)
 
 from __future__ import annotations
 
+import functools
 import select
 import socket
 import threading
 import time
 
 import httpx
-from server_fake_engine import FakeEngine
-from server_harness import MODEL, serve_in_thread, start_server
+from server_fake_engine import ByteTokenizer, fake_engine
+from server_harness import MODEL, engine_core, serve_in_thread, start_server
 
 from kvpilot.engine.server.app import build_app
 
@@ -72,10 +73,12 @@ def test_health_answers_while_long_prompts_are_tokenised(tmp_path):
 def test_a_chat_stream_sends_nothing_before_its_first_token():
     """A router may retry a request elsewhere until its first body byte; chat's opening role
     delta used to be that byte, sent before any token."""
-    engine = FakeEngine(step_delay=2.0)  # no token for 2 s after the request is added
+    # no token for 2 s after the request is added
+    build = functools.partial(fake_engine, step_delay=2.0)
     body = (b'{"model": "fake", "stream": true, "max_tokens": 1, '
             b'"messages": [{"role": "user", "content": "hi"}]}')
-    with serve_in_thread(build_app(engine, "fake")) as running:
+    with engine_core(build) as core, \
+            serve_in_thread(build_app(core.handle, ByteTokenizer(), "fake")) as running:
         port = int(running.base_url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"

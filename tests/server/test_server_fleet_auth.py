@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
-from server_harness import MODEL, RunningServer, serve_in_thread, tiny_engine
+from server_harness import MODEL, RunningCore, RunningServer, engine_core, serve_in_thread, tiny_app
 
-from kvpilot.engine.contracts.args import API_KEY_ENV, resolve_api_key
+from kvpilot.engine.contracts.args import API_KEY_ENV, EngineArgs, resolve_api_key
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.contracts.fleet_secret import FLEET_AUTH_HEADER, FleetSecret
 from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.contracts.tokenizer import load_tokenizer
 from kvpilot.engine.router.prompt import PromptHasher
-from kvpilot.engine.server.app import build_app
 
 SECRET = FleetSecret(b"\x01" * 32)
 KEY = "sesame"
@@ -26,13 +24,13 @@ PROMPT = "the fleet secret salts every block hash " * 4
 
 
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory) -> Iterator[tuple[RunningServer, Any]]:
-    """An engine started with --fleet-secret-file, served with an API key too."""
+def secured(tmp_path_factory) -> Iterator[tuple[RunningServer, RunningCore]]:
+    """An engine core started with --fleet-secret-file, served with an API key too."""
     path = tmp_path_factory.mktemp("fleet") / "secret"
     path.write_text(f"  {SECRET.secret.hex()}\n")
-    engine = tiny_engine(fleet_secret_file=str(path))
-    with serve_in_thread(build_app(engine, MODEL, auth=HttpAuth(KEY, SECRET))) as running:
-        yield running, engine
+    with engine_core(fleet_secret_file=str(path)) as core, \
+            serve_in_thread(tiny_app(core, auth=HttpAuth(KEY, SECRET))) as running:
+        yield running, core
 
 
 def signed(secret: FleetSecret, target: str, age: float = 0.0) -> dict[str, str]:
@@ -70,8 +68,8 @@ def test_kv_events_need_the_fleet_signature(secured, headers, status):
     (HttpAuth(KEY, SECRET, metrics_require_api_key=True), "/health", {}, 200),
     (HttpAuth(KEY, SECRET, metrics_require_api_key=True), "/ready", {}, 200),
 ])
-def test_which_credential_each_path_needs(engine, auth, path, headers, status):
-    with serve_in_thread(build_app(engine, MODEL, auth=auth)) as running:
+def test_which_credential_each_path_needs(core: RunningCore, auth, path, headers, status):
+    with serve_in_thread(tiny_app(core, auth=auth)) as running:
         answer = httpx.get(running.base_url + path, headers=headers, timeout=10)
     assert answer.status_code == status, answer.text
 
@@ -85,7 +83,8 @@ def test_the_api_key_comes_from_the_environment_when_the_flag_is_absent(monkeypa
 
 
 def test_the_engine_salts_its_hashes_and_the_router_derives_the_same(secured):
-    server, engine = secured
+    server, _ = secured
+    block_size = EngineArgs(model=MODEL).block_size  # the core's: the harness keeps the default
     target = "/kv_events?since=0"
     start = httpx.get(server.base_url + target, headers=signed(SECRET, target),
                       timeout=10).json()["next"]
@@ -98,11 +97,11 @@ def test_the_engine_salts_its_hashes_and_the_router_derives_the_same(secured):
                        timeout=10).json()["events"]
     stored = [h for event in events for h in event.get("stored", [])]
     tokenizer = load_tokenizer(MODEL)
-    router = PromptHasher(engine.engine_args.block_size, tokenizer, SECRET.block_hash_salt)
+    router = PromptHasher(block_size, tokenizer, SECRET.block_hash_salt)
     expected = router.hashes(body)
     assert len(expected) >= 2 and stored[:len(expected)] == expected
     ids = tokenizer.encode(PROMPT)
-    assert expected != hash_prompt_blocks(ids, engine.engine_args.block_size)  # unsalted
+    assert expected != hash_prompt_blocks(ids, block_size)  # unsalted
 
 
 @pytest.mark.parametrize(("text", "error"), [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 from server_harness import MODEL, RunningServer
 
+from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 
 
@@ -14,8 +15,7 @@ def events(server: RunningServer, since: int) -> dict:
     return answer.json()
 
 
-def test_a_prompt_s_full_blocks_appear_as_stored_events(server: RunningServer,
-                                                        engine) -> None:
+def test_a_prompt_s_full_blocks_appear_as_stored_events(server: RunningServer) -> None:
     start = events(server, 0)["next"]
     prompt = [777, 778, 779] * 16  # 48 ids no other test sends: three full blocks of 16
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "ignore_eos": True}
@@ -23,7 +23,7 @@ def test_a_prompt_s_full_blocks_appear_as_stored_events(server: RunningServer,
                       timeout=60).status_code == 200
     answer = events(server, start)
     stored = [h for e in answer["events"] for h in e.get("stored", [])]
-    expected = hash_prompt_blocks(prompt, engine.engine_args.block_size)
+    expected = hash_prompt_blocks(prompt, EngineArgs(model=MODEL).block_size)  # the core's (default)
     assert stored[:len(expected)] == expected
     assert answer["next"] >= start + len(expected)
     assert events(server, answer["next"])["events"] == []  # nothing new since

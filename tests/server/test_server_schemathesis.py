@@ -8,25 +8,25 @@ those fields are still generated and must come back as 4xx.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.generation import GenerationMode
-from server_harness import MODEL, serve_in_thread, tiny_engine
-
-from kvpilot.engine.server.app import build_app
+from server_harness import MODEL, RunningCore, serve_in_thread, tiny_app
 
 EXAMPLES = 15
 CAPS = {"n": 2, "max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def api_schema() -> Iterator[Any]:
-    # A short context keeps length errors reachable by generated prompts.
-    app = build_app(tiny_engine(max_model_len=64), MODEL)
-    with serve_in_thread(app) as running:
+def api_schema(core: RunningCore) -> Iterator[Any]:
+    # A short context keeps length errors reachable by generated prompts: the API server
+    # checks requests against the limits its core reported, here told 64 tokens.
+    short = replace(core.handle, ready=replace(core.handle.ready, max_model_len=64))
+    with serve_in_thread(tiny_app(replace(core, handle=short))) as running:
         yield schemathesis.openapi.from_url(f"{running.base_url}/openapi.json")
 
 

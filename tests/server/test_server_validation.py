@@ -9,10 +9,15 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server_harness import MODEL, RunningServer, serve_in_thread, tiny_engine
+from server_harness import (
+    MODEL,
+    RunningServer,
+    engine_core,
+    serve_in_thread,
+    tiny_app,
+)
 
 from kvpilot.engine.contracts.http_auth import HttpAuth
-from kvpilot.engine.server.app import build_app
 from kvpilot.engine.server.errors import validation_message
 
 OK_COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
@@ -105,30 +110,30 @@ def test_unknown_route_is_a_404_error_object(server: RunningServer) -> None:
 
 def test_api_key_queue_limit_and_kv_refusal() -> None:
     # A KV cache of 4 blocks (64 tokens) under a 512-token context.
-    engine = tiny_engine(num_kv_blocks=4)
-    # max_queue_len=0: any request would wait, so every generation gets 429.
-    app = build_app(engine, MODEL, max_queue_len=0, auth=HttpAuth(api_key="sesame"))
-    with serve_in_thread(app) as running:
-        url = f"{running.base_url}/v1/completions"
-        missing = httpx.post(url, json=OK_COMPLETION, timeout=10)
-        assert missing.status_code == 401
-        assert missing.json()["error"]["code"] == "invalid_api_key"
-        wrong = httpx.post(url, json=OK_COMPLETION, headers={"Authorization": "Bearer nope"})
-        assert wrong.status_code == 401
-        full = httpx.post(url, json=OK_COMPLETION, headers={"Authorization": "Bearer sesame"})
-        assert full.status_code == 429
-        assert full.headers["Retry-After"] == "1"
-        assert full.json()["error"]["type"] == "rate_limit_error"
-        assert httpx.get(f"{running.base_url}/health").status_code == 200  # probes need no key
-    # The same engine behind a second app (the first one's engine thread has stopped):
-    # a request that fits the context but never the KV cache is refused by the engine.
-    with serve_in_thread(build_app(engine, MODEL)) as running:
-        url = f"{running.base_url}/v1/completions"
-        fits = httpx.post(url, json={**OK_COMPLETION, "max_tokens": 8}, timeout=30)
-        assert fits.status_code == 200
-        too_big = httpx.post(url, json={**OK_COMPLETION, "max_tokens": 200}, timeout=30)
-        assert too_big.status_code == 400
-        assert "KV blocks" in too_big.json()["error"]["message"]
+    with engine_core(num_kv_blocks=4) as core:
+        # max_queue_len=0: any request would wait, so every generation gets 429.
+        with serve_in_thread(tiny_app(core, max_queue_len=0,
+                                      auth=HttpAuth(api_key="sesame"))) as running:
+            url = f"{running.base_url}/v1/completions"
+            missing = httpx.post(url, json=OK_COMPLETION, timeout=10)
+            assert missing.status_code == 401
+            assert missing.json()["error"]["code"] == "invalid_api_key"
+            wrong = httpx.post(url, json=OK_COMPLETION, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401
+            full = httpx.post(url, json=OK_COMPLETION, headers={"Authorization": "Bearer sesame"})
+            assert full.status_code == 429
+            assert full.headers["Retry-After"] == "1"
+            assert full.json()["error"]["type"] == "rate_limit_error"
+            assert httpx.get(f"{running.base_url}/health").status_code == 200  # probes need no key
+        # The same core behind a second API server: a request that fits the context but never
+        # the KV cache is refused by the engine.
+        with serve_in_thread(tiny_app(core)) as running:
+            url = f"{running.base_url}/v1/completions"
+            fits = httpx.post(url, json={**OK_COMPLETION, "max_tokens": 8}, timeout=30)
+            assert fits.status_code == 200
+            too_big = httpx.post(url, json={**OK_COMPLETION, "max_tokens": 200}, timeout=30)
+            assert too_big.status_code == 400
+            assert "KV blocks" in too_big.json()["error"]["message"]
 
 
 @settings(max_examples=50, deadline=None)

@@ -1,20 +1,22 @@
-"""The engine as the server sees it: the step loop's calls, and what the HTTP layer reads.
+"""The engine as its drivers see it: the step loop's calls, and what the core process reads.
 
 `LLMEngine` implements both protocols; so do the role wrapper (`roles.RoleEngine`)
-and the server tests' fake engine. The server's engine thread (`AsyncEngine`)
-needs only `EngineCore`; the app (`server.app.build_app`) takes a `ServedEngine`.
+and the server tests' fake engine. The offline `LLM` drives an `EngineCore` in
+its own thread; the engine core process (`core_process.proc.EngineCoreProc`)
+serves a `ServedEngine` to the API server processes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
+from kvpilot.engine.contracts.outputs import EngineStats
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core.kv_events import KVEventLog
+from kvpilot.engine.core.outputs import EngineCoreOutput
 
 
 class EngineCore(Protocol):
@@ -29,8 +31,8 @@ class EngineCore(Protocol):
         """Stops requests; each gets a final output with finish reason "abort"."""
         ...
 
-    def step(self) -> list[RequestOutput]:
-        """Runs one step; gives the outputs of requests that progressed or ended."""
+    def step(self) -> list[EngineCoreOutput]:
+        """Runs one step; gives the deltas of requests that progressed or ended."""
         ...
 
     def has_unfinished_requests(self) -> bool:
@@ -47,7 +49,7 @@ class EngineCore(Protocol):
 
 
 class ModelLimits(Protocol):
-    """What the server checks requests against."""
+    """What the API server checks requests against."""
 
     @property
     def max_model_len(self) -> int: ...
@@ -57,7 +59,7 @@ class ModelLimits(Protocol):
 
 
 class ServedEngine(EngineCore, Protocol):
-    """An EngineCore plus what the OpenAI server reads of it."""
+    """An EngineCore plus what the core process reads of it for the API servers."""
 
     @property
     def engine_args(self) -> EngineArgs: ...
@@ -70,9 +72,14 @@ class ServedEngine(EngineCore, Protocol):
 
     @property
     def kv_events(self) -> KVEventLog:
-        """Gives the prefix cache's event log, which GET /kv_events reads without a lock."""
+        """Gives the prefix cache's event log, which GET /kv_events reads (without a lock)."""
+        ...
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Has `callback(reason)` called, from another thread, if the engine breaks between
+        steps (a tensor-parallel worker died): the core process then stops serving."""
         ...
 
     def shutdown(self) -> None:
-        """Stops what runs beside the engine (a role engine's KV agent)."""
+        """Stops what runs beside the engine (a role engine's KV agent, TP workers)."""
         ...

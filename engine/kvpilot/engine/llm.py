@@ -1,4 +1,10 @@
-"""The offline API: `LLM(model).generate(prompts, params)` runs prompts to completion in-process."""
+"""The offline API: `LLM(model).generate(prompts, params)` runs prompts to completion in-process.
+
+The engine core runs in this process and thread, with no IPC: it gives only
+finished requests' outputs, each whole, and their text is decoded once
+(`request_state`). `kvpilot serve` runs the same core in its own process
+(`core_process`) for the API servers.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from kvpilot.engine.request_state import RequestState
 
 Prompt = str | list[int]  # text, or its token ids
 Prompts = Prompt | Sequence[Prompt]
@@ -44,12 +51,15 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for "
                                  f"{len(prompt_list)} prompts: pass one per prompt or a single one")
-        ids = []
+        states: dict[str, RequestState] = {}
         for prompt, params in zip(prompt_list, params_list, strict=True):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, params)
-            ids.append(request_id)
-        return self._run(ids)
+            text, token_ids = ((prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str)
+                               else (None, prompt))
+            self.engine.add_request(request_id, token_ids, params)
+            states[request_id] = RequestState(request_id, text, token_ids, params, self.tokenizer,
+                                              stream=False, decode_each_token=False)
+        return self._run(states)
 
     def beam_search(self, prompts: Prompts, params: SamplingParams) -> list[RequestOutput]:
         """Gives, per prompt, the beams sorted best first (outputs[0] is the best sequence)."""
@@ -61,13 +71,14 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
+    def _run(self, states: dict[str, RequestState]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
+            for delta in self.engine.step():
+                output = states[delta.request_id].apply(delta)
+                if output is not None:
                     done[output.request_id] = output
-        return [done[i] for i in ids]
+        return [done[i] for i in states]
 
 
 def _as_list(prompts: Prompts) -> list[Prompt]:

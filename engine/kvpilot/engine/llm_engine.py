@@ -1,15 +1,16 @@
-"""The engine loop: add requests, step (schedule -> run -> sample -> detokenise), read outputs.
+"""The engine core's loop: add requests, step (schedule -> run -> sample -> stop checks).
 
-Not thread-safe: one thread (the server's engine loop, or the offline LLM)
-drives it. Each `step()` returns the cumulative output of every request that got
-new tokens or finished in that step.
+Not thread-safe: one thread (the core process's loop, or the offline LLM)
+drives it. Each `step()` returns a delta per request that got new tokens or
+finished in that step: its new token ids, not its whole output. Text is decoded
+by whoever reads the deltas (`kvpilot.engine.request_state`).
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ import torch
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.fleet_secret import FleetSecret
-from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput, TokenLogprobs
+from kvpilot.engine.contracts.outputs import EngineStats, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core.beam_search import apply_selection, select_beams
@@ -25,6 +26,7 @@ from kvpilot.engine.core.detokenizer import init_offsets
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_events import KVEventLog
 from kvpilot.engine.core.output_processor import OutputProcessor
+from kvpilot.engine.core.outputs import EngineCoreOutput
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
@@ -89,11 +91,11 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, model_config.eos_token_ids,
                                        model_config.max_model_len)
         self.requests: dict[str, Request] = {}
-        self._pending: list[RequestOutput] = []  # aborted / rejected, returned by the next step
+        self._pending: list[EngineCoreOutput] = []  # aborted / rejected, given by the next step
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        # False: step() returns finished requests only and text is decoded once at the end
-        # (the offline LLM); the server keeps True to stream
+        # False: step() gives finished requests only, each output whole (the offline LLM);
+        # the core process keeps True to stream
         self.stream_outputs = True
         mode = engine_args.async_scheduling
         self.async_scheduling = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
@@ -200,8 +202,6 @@ class LLMEngine:
                     seq.inflight_row = -1
                 self.scheduler.remove(seq)
                 seq.finish_reason = "abort"
-                if not self.stream_outputs:  # text is otherwise decoded at the finish
-                    seq.output_text = self.outputs.decode(seq, seq.output_token_ids)
             request.metrics.finished_time = time.monotonic()
             self._pending.append(self.outputs.build(request))
 
@@ -216,8 +216,8 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Runs one scheduled step; gives the outputs of requests that progressed or ended.
+    def step(self) -> list[EngineCoreOutput]:
+        """Runs one scheduled step; gives the deltas of requests that progressed or ended.
 
         Under async scheduling the step launched here is read back by the next
         call: this call returns the outputs of the previous step, computed by
@@ -337,8 +337,8 @@ class LLMEngine:
                 seq.token_ids.append(PLACEHOLDER)
                 seq.inflight_row = row
 
-    def _resolve(self, flight: _InFlight, results: list[RequestOutput]) -> None:
-        """Reads a launched step's tokens back and applies them (stop checks, text, outputs).
+    def _resolve(self, flight: _InFlight, results: list[EngineCoreOutput]) -> None:
+        """Reads a launched step's tokens back and applies them (stop checks, outputs).
 
         Every sampled sequence ends with the step's placeholder; one that
         finished or was aborted meanwhile has none and its token is dropped.
@@ -359,7 +359,7 @@ class LLMEngine:
             touched[seq.request.request_id] = seq.request
         self._collect(touched.values(), results)
 
-    def _collect(self, touched: Iterable[Request], results: list[RequestOutput]) -> None:
+    def _collect(self, touched: Iterable[Request], results: list[EngineCoreOutput]) -> None:
         """Adds the outputs of requests that got tokens; forgets the finished ones."""
         finished_time = time.monotonic()
         for request in touched:
@@ -446,7 +446,7 @@ class LLMEngine:
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
         self.generation_tokens += 1
-        self.outputs.append_token(seq, token, lp_map, lp, decode=self.stream_outputs)
+        self.outputs.append_token(seq, token, lp_map, lp)
         if seq.finish_reason is not None:
             self.scheduler.remove(seq)
 
@@ -483,6 +483,11 @@ class LLMEngine:
         batch = (f"{len(plan.scheduled)} seqs, {sum(n for _, n in plan.scheduled)} tokens, "
                  f"{len(plan.block_copies)} block copies") if plan else "no batch"
         return f"GPU wait {self._gpu_wait_s * 1e3:.1f} ms [{phases} ms; {batch}]"
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Has `callback(reason)` called, from another thread, if the executor breaks between
+        steps (a tensor-parallel worker died)."""
+        self.runner.on_failure(callback)
 
     def shutdown(self) -> None:
         """Stops the executor's worker processes (a tensor-parallel engine's; none on one rank)."""

@@ -16,15 +16,16 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.contracts.args import KV_PORT_OFFSET, EngineArgs
-from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
+from kvpilot.engine.contracts.outputs import EngineStats
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core.kv_events import KVEventLog
+from kvpilot.engine.core.outputs import EngineCoreOutput
 from kvpilot.engine.engine_core import ModelLimits, ServedEngine
 from kvpilot.engine.kv_transfer.connector import KVConnector
 
@@ -45,6 +46,8 @@ class RoleEngine:
                  lock: AbstractContextManager[object]) -> None:
         self.engine, self.connector, self.role, self.lock = engine, connector, role, lock
         self._lock_wait_s = 0.0
+        # a prefill engine's live requests' prompt ids, which it leases when they finish
+        self._prompts: dict[str, list[int]] = {}
 
     @property
     def engine_args(self) -> EngineArgs:
@@ -67,6 +70,9 @@ class RoleEngine:
                     arrival_time: float | None = None, priority: int = 0) -> None:
         with self.lock:
             self.engine.add_request(request_id, prompt, params, arrival_time, priority)
+        if self.role == "prefill":
+            self._prompts[request_id] = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
+                                         else prompt)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         with self.lock:
@@ -79,22 +85,28 @@ class RoleEngine:
         with self.lock:
             return self.engine.get_stats()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         asked = time.perf_counter()
         with self.lock:
             self._lock_wait_s = time.perf_counter() - asked
             outputs = self.engine.step()
             if self.role == "prefill":
                 for output in outputs:
-                    if output.finished and all(o.finish_reason in ("stop", "length")
-                                               for o in output.outputs):
-                        self.connector.offer(output.request_id, output.prompt_token_ids)
+                    if not output.finished:
+                        continue
+                    prompt = self._prompts.pop(output.request_id, None)
+                    if prompt is not None and all(c.finish_reason in ("stop", "length")
+                                                  for c in output.completions):
+                        self.connector.offer(output.request_id, prompt)
         return outputs
 
     def step_timing(self) -> str:
         """Says where the last step waited (for the slow-iteration log)."""
         return (f"lock wait {self._lock_wait_s * 1e3:.1f} ms, {self.engine.step_timing()}, "
                 f"KV transfers running {self.connector.transfers_running}")
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        self.engine.on_failure(callback)
 
     def shutdown(self) -> None:
         self.connector.stop()

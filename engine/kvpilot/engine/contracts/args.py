@@ -151,6 +151,15 @@ class ServerArgs:
     chat_template: str | None = field(default=None, metadata={
         "help": "a Jinja chat template, or a file holding one, used instead of the model's"})
     log_level: str = "info"
+    api_server_count: int = field(default=1, metadata={
+        "help": "API server processes (HTTP, tokenisation, detokenisation, SSE) sharing the "
+                "port in front of the one engine core process; more than 1 when one "
+                "process's Python is the limit"})
+
+    def __post_init__(self) -> None:
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count={self.api_server_count!r} is invalid: "
+                             "must be at least 1")
 
     def to_cli(self) -> list[str]:
         return _to_cli(self)

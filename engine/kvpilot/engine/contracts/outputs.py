@@ -1,4 +1,11 @@
-"""What the engine gives back for each request: cumulative outputs per step."""
+"""What a request's reader gets (the API server's handlers, the offline `LLM`): its outputs
+with text, and the engine's stats.
+
+A streamed request's `RequestOutput`s are deltas: each holds the text, token ids and
+logprobs new since the one before. Otherwise a request has one, when it finishes, with
+everything. The engine core itself gives token-id deltas without text
+(`kvpilot.engine.core.outputs`); `kvpilot.engine.request_state` turns them into these.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ TokenLogprobs = dict[int, Logprob]
 
 @dataclass
 class CompletionOutput:
-    """One of the `n` completions of a request, cumulative so far."""
+    """One of the `n` completions of a request: all of it, or in a stream what is new."""
 
     index: int
     text: str
@@ -48,7 +55,8 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step: prompt, completions so far, and whether it ended."""
+    """A request's output: prompt, completions (whole, or in a stream what is new), and
+    whether it ended."""
 
     request_id: str
     prompt: str | None

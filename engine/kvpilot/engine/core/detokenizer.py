@@ -5,9 +5,16 @@ together with a few tokens before it, and only the text beyond what those tokens
 already produced is emitted. That keeps BPE merges and SentencePiece leading
 spaces right, and holds back output while it ends in an incomplete multi-byte
 character ("\\ufffd") until the rest of its bytes arrive.
+
+Two sides run the text functions on the same tokens: the engine core, for
+requests with stop strings only (it must see the text to stop on time), and
+the API server (`kvpilot.engine.request_state`), which decodes every
+request's text. Both apply them token by token, so they find the same stop.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
@@ -17,13 +24,31 @@ from kvpilot.engine.core.request import Sequence
 CONTEXT_TOKENS = 5
 
 
-def init_offsets(seq: Sequence) -> None:
+class TextState(Protocol):
+    """What the text functions read and write of a sequence (the core's `Sequence`, or the
+    API server's record of one completion)."""
+
+    token_ids: list[int]  # the prompt (at least its last CONTEXT_TOKENS), then the output
+    prefix_offset: int
+    read_offset: int
+    output_text: str
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+def init_offsets(seq: TextState) -> None:
     """Points the detokeniser window at the end of the prompt."""
     seq.read_offset = seq.num_prompt_tokens
     seq.prefix_offset = max(seq.read_offset - CONTEXT_TOKENS, 0)
 
 
-def decode_new_text(tokenizer: TokenizerLike, seq: Sequence, skip_special_tokens: bool) -> str:
+def decode_new_text(tokenizer: TokenizerLike, seq: TextState, skip_special_tokens: bool) -> str:
     """Gives the text the sequence's newest tokens add, or "" while a character is incomplete."""
     ids = seq.token_ids
     prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset],
@@ -54,7 +79,7 @@ def check_stop_token(seq: Sequence, params: SamplingParams, eos_token_ids: list[
         seq.finish_reason = "length"
 
 
-def append_text(seq: Sequence, new_text: str, params: SamplingParams) -> None:
+def append_text(seq: TextState, new_text: str, params: SamplingParams) -> None:
     """Adds `new_text` to the output and finishes `seq` when it completes a stop string."""
     seq.output_text += new_text
     if not params.stop or not new_text or seq.num_output_tokens < params.min_tokens:
@@ -75,7 +100,7 @@ def append_text(seq: Sequence, new_text: str, params: SamplingParams) -> None:
     seq.finish_reason, seq.stop_reason = "stop", stop
 
 
-def visible_text(seq: Sequence, params: SamplingParams) -> str:
+def visible_text(seq: TextState, params: SamplingParams) -> str:
     """Gives the output text safe to show now: a possible stop-string start is held back."""
     if seq.finish_reason is not None or not params.stop:
         return seq.output_text

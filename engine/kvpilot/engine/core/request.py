@@ -38,10 +38,12 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: SequenceStatus = SequenceStatus.WAITING
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, filled lazily
-    # output state
+    # output state; the text is decoded here only for requests with stop strings
     output_text: str = ""
     prefix_offset: int = 0  # incremental detokeniser window (vLLM's method)
     read_offset: int = 0
+    num_sent_tokens: int = 0  # output tokens already in an EngineCoreOutput (deltas)
+    finish_sent: bool = False  # whether an EngineCoreOutput carried the finish reason
     cumulative_logprob: float = 0.0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
@@ -110,6 +112,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on first admission
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     forked: bool = False  # whether the n / beam branches exist yet
+    first_output_sent: bool = False  # whether an EngineCoreOutput of this request went out
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

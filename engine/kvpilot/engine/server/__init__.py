@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP server around LLMEngine (`kvpilot serve`)."""
+"""The OpenAI-compatible API server in front of the engine core process (`kvpilot serve`)."""

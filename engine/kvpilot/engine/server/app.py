@@ -1,8 +1,9 @@
 """The FastAPI application: OpenAI routes, health and readiness probes, and /metrics.
 
 Handlers are thin: they validate, admit through the drain gate, and hand the
-work to `completions` / `chat`, which talk to the engine thread only through
-`AsyncEngine`.
+work to `completions` / `chat`, which talk to the engine core process only
+through `CoreClient`. Nothing here imports torch: an API server process starts
+in about a second, whatever the engine core is loading.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvpilot.engine.contracts.http_auth import HttpAuth
-from kvpilot.engine.engine_core import ServedEngine
-from kvpilot.engine.server.async_engine import AsyncEngine
+from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from kvpilot.engine.core_process.client import CoreClient
+from kvpilot.engine.core_process.launch import CoreHandle
 from kvpilot.engine.server.auth import authorizer
 from kvpilot.engine.server.chat import create_chat_completion
 from kvpilot.engine.server.completions import create_completion
@@ -44,29 +46,28 @@ ERRORS: dict[int | str, dict[str, Any]] = {
                          (503, "draining or engine failed"))}
 
 
-def build_app(engine: ServedEngine, model_name: str, max_queue_len: int = 1024,
-              auth: HttpAuth | None = None) -> FastAPI:
-    """Gives the app serving `engine` under `model_name`; it owns the engine thread.
+def build_app(core: CoreHandle, tokenizer: TokenizerLike, model_name: str,
+              max_queue_len: int = 1024, auth: HttpAuth | None = None) -> FastAPI:
+    """Gives the app serving the engine `core` under `model_name`; it connects while starting
+    and disconnects while stopping (the core's life is its launcher's).
 
     `auth` says which credential each path needs (`contracts.http_auth`; none: all open).
     """
     metrics = ServerMetrics(model_name)
-    async_engine = AsyncEngine(engine, metrics)
-    gate = Gate(max_queue_len, lambda: async_engine.stats.num_waiting + async_engine.num_pending,
+    client = CoreClient(core, tokenizer, metrics)
+    gate = Gate(max_queue_len, lambda: client.stats.num_waiting + client.num_pending,
                 on_drain=metrics.set_draining)
-    limits = Limits(max_model_len=engine.model_config.max_model_len,
-                    vocab_size=engine.model_config.vocab_size)
-    ctx = ServingContext(async_engine, engine.tokenizer, model_name, limits, gate)
+    limits = Limits(max_model_len=core.ready.max_model_len, vocab_size=core.ready.vocab_size)
+    ctx = ServingContext(client, tokenizer, model_name, limits, gate)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        await client.start()
         try:
             yield
         finally:
             ctx.cpu.shutdown(wait=False, cancel_futures=True)
-            async_engine.shutdown()
-            engine.shutdown()  # a role engine (prefill/decode) stops its KV agent here
+            await client.close()
 
     app = FastAPI(title="kvpilot engine", version="0.1.0", lifespan=lifespan,
                   dependencies=[Depends(authorizer(auth or HttpAuth()))])
@@ -81,15 +82,15 @@ def build_app(engine: ServedEngine, model_name: str, max_queue_len: int = 1024,
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the process and its engine thread are alive."""
-        if async_engine.dead:
+        """200 while the process and its engine core are alive."""
+        if client.dead:
             return JSONResponse({"status": "engine failed"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> Response:
         """200 when the model is loaded and the server is not draining; 503 otherwise."""
-        if gate.draining or async_engine.dead:
+        if gate.draining or client.dead:
             reason = "draining" if gate.draining else "engine failed"
             return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ready"})
@@ -103,14 +104,14 @@ def build_app(engine: ServedEngine, model_name: str, max_queue_len: int = 1024,
         """Gives the prefix cache's events since `since`: {"next": M, "events": [...]}.
 
         The router polls this with `since` = the last answer's `next`, signed with the
-        fleet secret (`contracts.http_auth`). The log is read without the engine lock (see
+        fleet secret (`contracts.http_auth`). The core reads its log between steps (see
         `kvpilot.engine.core.kv_events`).
         """
-        return JSONResponse(engine.kv_events.read(since))
+        return JSONResponse(await client.kv_events(since))
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=engine.engine_args.model,
+        return ModelList(data=[ModelCard(id=model_name, root=core.ready.model,
                                          max_model_len=limits.max_model_len)])
 
     @app.post("/v1/completions", response_model=None,

@@ -9,7 +9,7 @@ from fastapi import Request
 
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
-from kvpilot.engine.server.async_engine import OutputStream
+from kvpilot.engine.core_process.client import OutputStream
 from kvpilot.engine.server.params import chat_prompt, sampling_params
 from kvpilot.engine.server.protocol import (
     ChatChoice,
@@ -26,25 +26,24 @@ from kvpilot.engine.server.protocol import (
 from kvpilot.engine.server.serving import (
     GenerationStream,
     ServingContext,
-    StreamProgress,
+    StreamUsage,
     admit_requests,
     cancel_on_disconnect,
     check_error,
     merge,
-    new_logprobs,
     ranked,
     sse,
     sse_error,
+    token_logprobs,
     token_text,
     usage_of,
 )
 
 
-def chat_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, start: int,
-                  k: int) -> ChatLogprobs:
-    """Gives chat-style logprobs for the tokens of `completion` from `start` on."""
+def chat_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, k: int) -> ChatLogprobs:
+    """Gives chat-style logprobs for the tokens of `completion`."""
     content = []
-    for tid, entry in new_logprobs(completion, start):
+    for tid, entry in token_logprobs(completion):
         text = token_text(tokenizer, tid, entry)
         alternatives = [
             TopLogprob(token=(t := token_text(tokenizer, alt, entry)), logprob=lp,
@@ -66,7 +65,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
     prompt = await ctx.off_loop(chat_prompt, request, ctx.tokenizer, ctx.limits)
     params = sampling_params(request, len(prompt), ctx.limits)
     request_id, streams = await admit_requests(ctx, "chatcmpl", [prompt], [params], arrival,
-                                               request.priority)
+                                               request.priority, request.stream)
     if request.stream:
         return GenerationStream(_stream(request, ctx, request_id, streams, len(prompt)),
                                 ctx.gate, streams)
@@ -78,7 +77,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
     k = request.top_logprobs or 0
     choices = [
         ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                   logprobs=chat_logprobs(ctx.tokenizer, c, 0, k) if request.logprobs else None,
+                   logprobs=chat_logprobs(ctx.tokenizer, c, k) if request.logprobs else None,
                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
         for c in final.outputs]
     return ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
@@ -109,21 +108,16 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
     opening = chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                      for i in range(request.n)])
     try:
-        progress = StreamProgress()
-        final: RequestOutput | None = None
+        sent = StreamUsage([prompt_len])
         async for _, output in merge(streams):
-            check_error(output)
-            final = output
-            choices = []
-            for c in output.outputs:
-                if (start := progress.advance(c.index, c)) is None:
-                    continue
-                start_text, start_tok = start
-                choices.append(ChatStreamChoice(
-                    index=c.index, delta=ChatDelta(content=c.text[start_text:] or None),
-                    logprobs=chat_logprobs(ctx.tokenizer, c, start_tok, k)
-                    if request.logprobs else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            check_error(output, had_tokens=sent.tokens[0] > 0)
+            sent.add(0, output)
+            choices = [
+                ChatStreamChoice(
+                    index=c.index, delta=ChatDelta(content=c.text or None),
+                    logprobs=chat_logprobs(ctx.tokenizer, c, k) if request.logprobs else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                for c in output.outputs]
             if choices:
                 yield opening + chunk(choices)
                 opening = ""
@@ -131,7 +125,7 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
             yield opening
         if include_usage:
             yield sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
-                                          choices=[], usage=usage_of([final], [prompt_len])))
+                                          choices=[], usage=sent.usage()))
         yield sse("[DONE]")
     except Exception as exc:
         yield sse_error(exc)

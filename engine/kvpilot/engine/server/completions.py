@@ -9,7 +9,7 @@ from fastapi import Request
 
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
-from kvpilot.engine.server.async_engine import OutputStream
+from kvpilot.engine.core_process.client import OutputStream
 from kvpilot.engine.server.params import completion_prompts, sampling_params
 from kvpilot.engine.server.protocol import (
     CompletionChoice,
@@ -20,26 +20,27 @@ from kvpilot.engine.server.protocol import (
 from kvpilot.engine.server.serving import (
     GenerationStream,
     ServingContext,
-    StreamProgress,
+    StreamUsage,
     admit_requests,
     cancel_on_disconnect,
     check_error,
     merge,
-    new_logprobs,
     ranked,
     sse,
     sse_error,
+    token_logprobs,
     token_text,
     usage_of,
 )
 
 
-def completion_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, start: int, k: int,
+def completion_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, k: int,
                         text_offset: int) -> CompletionLogprobs:
-    """Gives the legacy logprobs lists for the tokens of `completion` from `start` on."""
+    """Gives the legacy logprobs lists for the tokens of `completion`, whose text starts at
+    `text_offset` of the choice's whole text."""
     out = CompletionLogprobs()
     offset = text_offset
-    for tid, entry in new_logprobs(completion, start):
+    for tid, entry in token_logprobs(completion):
         text = token_text(tokenizer, tid, entry)
         out.tokens.append(text)
         out.text_offset.append(offset)
@@ -59,7 +60,7 @@ async def create_completion(request: CompletionRequest, raw: Request,
     prompts = await ctx.off_loop(completion_prompts, request, ctx.tokenizer, ctx.limits)
     params = [sampling_params(request, len(ids), ctx.limits) for ids in prompts]
     request_id, streams = await admit_requests(ctx, "cmpl", prompts, params, arrival,
-                                               request.priority)
+                                               request.priority, request.stream)
     if request.stream:
         return GenerationStream(_stream(request, ctx, request_id, streams, prompts),
                                 ctx.gate, streams)
@@ -85,7 +86,7 @@ def _response(request: CompletionRequest, ctx: ServingContext, request_id: str,
             continue
         check_error(output)
         for c in output.outputs:
-            logprobs = (completion_logprobs(ctx.tokenizer, c, 0, request.logprobs, 0)
+            logprobs = (completion_logprobs(ctx.tokenizer, c, request.logprobs, 0)
                         if request.logprobs is not None else None)
             choices.append(CompletionChoice(index=i * request.n + c.index, text=c.text,
                                             logprobs=logprobs, finish_reason=c.finish_reason,
@@ -99,23 +100,18 @@ async def _stream(request: CompletionRequest, ctx: ServingContext, request_id: s
                   prompts: list[list[int]]) -> AsyncGenerator[str, None]:
     created = int(time.time())
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    progress = StreamProgress()
-    finals: list[RequestOutput | None] = [None] * len(streams)
+    sent = StreamUsage([len(p) for p in prompts])
     try:
         async for i, output in merge(streams):
-            check_error(output)
-            finals[i] = output
+            check_error(output, had_tokens=sent.tokens[i] > 0)
+            sent.add(i, output)
             choices = []
             for c in output.outputs:
                 index = i * request.n + c.index
-                if (start := progress.advance(index, c)) is None:
-                    continue
-                start_text, start_tok = start
-                logprobs = (completion_logprobs(ctx.tokenizer, c, start_tok, request.logprobs,
-                                                start_text)
+                start = sent.text_offset(index, c)
+                logprobs = (completion_logprobs(ctx.tokenizer, c, request.logprobs, start)
                             if request.logprobs is not None else None)
-                choices.append(CompletionChoice(index=index, text=c.text[start_text:],
-                                                logprobs=logprobs,
+                choices.append(CompletionChoice(index=index, text=c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason,
                                                 stop_reason=c.stop_reason))
             if choices:
@@ -123,8 +119,7 @@ async def _stream(request: CompletionRequest, ctx: ServingContext, request_id: s
                                              model=ctx.model_name, choices=choices))
         if include_usage:
             yield sse(CompletionResponse(id=request_id, created=created, model=ctx.model_name,
-                                         choices=[],
-                                         usage=usage_of(finals, [len(p) for p in prompts])))
+                                         choices=[], usage=sent.usage()))
         yield sse("[DONE]")
     except Exception as exc:
         yield sse_error(exc)

@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpilot.engine.server.async_engine import EngineDeadError, RequestAbortedError
+from kvpilot.engine.core_process.client import EngineDeadError, RequestAbortedError
 from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)

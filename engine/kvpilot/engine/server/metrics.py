@@ -1,13 +1,18 @@
 """Prometheus metrics of one engine server, in vLLM's names, each labelled `model_name`.
 
-Gauges and cumulative counters are read from the engine's latest `EngineStats`
-snapshot at scrape time (a custom collector), so they never drift from the
-engine's own bookkeeping. Histograms and `request_success` are observed from
-`RequestOutput`s as tokens arrive and requests finish, on the engine thread.
+Gauges and cumulative counters are read from the engine core's latest
+`EngineStats` snapshot at scrape time (a custom collector), so they never drift
+from the engine's own bookkeeping. Histograms and `request_success` are observed
+from the core's deltas as tokens arrive and requests finish, in the API server
+that sent the request. With several API server processes (`--api-server-count`)
+those are shared through prometheus_client's multiprocess mode
+(PROMETHEUS_MULTIPROC_DIR, set by their launcher): a scrape of any of them sums
+every process's histograms and counters.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -15,10 +20,15 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from kvpilot.engine.contracts import metric_names as names
-from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
+from kvpilot.engine.contracts.outputs import EngineStats
+from kvpilot.engine.core.outputs import EngineCoreOutput
+
+# prometheus_client reads it when imported: set it before starting the API server processes
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # Buckets follow vLLM's so dashboards built for it read ours the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -34,7 +44,6 @@ class _Progress:
     """What the metrics have seen of one request so far."""
 
     arrival_time: float
-    num_tokens: int = 0
     last_token_time: float | None = None
 
 
@@ -88,7 +97,7 @@ class _StatsCollector(Collector):
 
 
 class ServerMetrics:
-    """The server's Prometheus registry and the observers the engine thread calls."""
+    """The server's Prometheus registry and the observers its core client calls."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -98,19 +107,24 @@ class ServerMetrics:
         self._draining = False
         self._progress: dict[str, _Progress] = {}
         self.registry.register(_StatsCollector(self))
+        # in multiprocess mode each process's values live in files the collector sums
+        own: CollectorRegistry | None = self.registry
+        if os.environ.get(MULTIPROC_DIR_ENV):
+            MultiProcessCollector(self.registry)
+            own = None
         label = [names.MODEL_NAME_LABEL]
         self.request_success = Counter(
             names.REQUEST_SUCCESS, "finished requests by finish reason",
-            [names.MODEL_NAME_LABEL, names.FINISHED_REASON_LABEL], registry=self.registry)
+            [names.MODEL_NAME_LABEL, names.FINISHED_REASON_LABEL], registry=own)
         self.ttft = Histogram(names.TIME_TO_FIRST_TOKEN, "seconds from arrival to first token",
-                              label, buckets=TTFT_BUCKETS, registry=self.registry)
+                              label, buckets=TTFT_BUCKETS, registry=own)
         self.itl = Histogram(names.INTER_TOKEN_LATENCY, "seconds between output tokens",
-                             label, buckets=ITL_BUCKETS, registry=self.registry)
+                             label, buckets=ITL_BUCKETS, registry=own)
         self.e2e = Histogram(names.E2E_REQUEST_LATENCY, "seconds from arrival to finish",
-                             label, buckets=LATENCY_BUCKETS, registry=self.registry)
+                             label, buckets=LATENCY_BUCKETS, registry=own)
         self.queue_time = Histogram(names.REQUEST_QUEUE_TIME,
                                     "seconds from arrival to first scheduling", label,
-                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+                                    buckets=LATENCY_BUCKETS, registry=own)
 
     def snapshot(self) -> tuple[EngineStats, bool]:
         """Gives the latest engine stats and whether the server is draining."""
@@ -129,15 +143,15 @@ class ServerMetrics:
         """Starts tracking a request the engine accepted."""
         self._progress[request_id] = _Progress(arrival_time)
 
-    def on_output(self, output: RequestOutput, now: float | None = None) -> None:
-        """Observes TTFT/ITL for the tokens new in `output`, and the finish metrics."""
+    def on_output(self, output: EngineCoreOutput, now: float | None = None) -> None:
+        """Observes TTFT/ITL for the tokens new in the delta `output`, and the finish metrics."""
         progress = self._progress.get(output.request_id)
         if progress is None:
             return
         now = time.monotonic() if now is None else now
         m = output.metrics
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        if num_tokens > progress.num_tokens:
+        num_new = sum(len(c.token_ids) for c in output.completions)
+        if num_new:
             if progress.last_token_time is None:
                 first = m.first_token_time if m and m.first_token_time else now
                 self.ttft.labels(self.model_name).observe(max(0.0, first - progress.arrival_time))
@@ -146,9 +160,9 @@ class ServerMetrics:
                 # One sample per step that produced tokens, as vLLM does.
                 self.itl.labels(self.model_name).observe(max(0.0, now - progress.last_token_time))
                 progress.last_token_time = now
-            progress.num_tokens = num_tokens
         if output.finished:
-            reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
+            reason = next((c.finish_reason for c in output.completions if c.finish_reason),
+                          "stop")
             if output.error:
                 reason = "error"
             self._finish(output.request_id, reason, now, m.first_scheduled_time if m else None)

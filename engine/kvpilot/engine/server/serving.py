@@ -1,5 +1,9 @@
 """What completions and chat share: starting engine requests, merging their streams,
-SSE framing, usage, logprob conversion and aborting when the client goes away."""
+SSE framing, usage, logprob conversion and aborting when the client goes away.
+
+A streamed request's outputs arrive as deltas (the text, tokens and logprobs
+new since the last one); a non-streamed request's as one final output.
+"""
 
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ from starlette.types import Receive, Scope, Send
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
-from kvpilot.engine.server.async_engine import (
-    AsyncEngine,
+from kvpilot.engine.core_process.client import (
+    CoreClient,
     EngineDeadError,
     OutputStream,
     RequestAbortedError,
@@ -48,7 +52,7 @@ P = ParamSpec("P")
 class ServingContext:
     """What a generation handler needs from the server."""
 
-    engine: AsyncEngine
+    engine: CoreClient
     tokenizer: TokenizerLike
     model_name: str
     limits: Limits
@@ -67,15 +71,15 @@ def new_request_id(prefix: str) -> str:
 
 
 async def start_requests(ctx: ServingContext, request_id: str, prompts: list[list[int]],
-                         params: list[SamplingParams], arrival_time: float, priority: int = 0
-                         ) -> list[OutputStream]:
+                         params: list[SamplingParams], arrival_time: float, priority: int,
+                         stream: bool) -> list[OutputStream]:
     """Gives one output stream per prompt; on a refusal aborts the ones started and raises 400."""
     streams: list[OutputStream] = []
     try:
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             streams.append(await ctx.engine.add_request(rid, ids, p, arrival_time=arrival_time,
-                                                        priority=priority))
+                                                        priority=priority, stream=stream))
     except ValueError as exc:
         await close_all(streams)
         raise from_value_error(exc) from exc
@@ -89,8 +93,8 @@ async def start_requests(ctx: ServingContext, request_id: str, prompts: list[lis
 
 
 async def admit_requests(ctx: ServingContext, prefix: str, prompts: list[list[int]],
-                         params: list[SamplingParams], arrival_time: float, priority: int = 0
-                         ) -> tuple[str, list[OutputStream]]:
+                         params: list[SamplingParams], arrival_time: float, priority: int,
+                         stream: bool) -> tuple[str, list[OutputStream]]:
     """Gives (request id, one output stream per prompt) once the drain gate admits the request.
 
     From here the gate slot is the caller's to give back (GenerationStream or a `finally`);
@@ -100,30 +104,37 @@ async def admit_requests(ctx: ServingContext, prefix: str, prompts: list[list[in
     try:
         request_id = new_request_id(prefix)
         return request_id, await start_requests(ctx, request_id, prompts, params, arrival_time,
-                                                priority)
+                                                priority, stream)
     except BaseException:
         ctx.gate.release()
         raise
 
 
-class StreamProgress:
-    """How far a stream has sent each choice: characters of text and tokens."""
+class StreamUsage:
+    """What a stream has sent so far: its choices' characters, and tokens for `usage`."""
 
-    def __init__(self) -> None:
-        self._text: dict[int, int] = {}
-        self._tokens: dict[int, int] = {}
+    def __init__(self, prompt_lens: list[int]) -> None:
+        self.prompt_tokens = sum(prompt_lens)
+        self.tokens = [0] * len(prompt_lens)  # completion tokens sent, per prompt
+        self.cached_tokens = [0] * len(prompt_lens)
+        self._chars: dict[int, int] = {}  # per choice index
 
-    def advance(self, index: int, completion: CompletionOutput) -> tuple[int, int] | None:
-        """Gives the (text, token) offsets where choice `index`'s unsent part starts, now sent.
+    def add(self, prompt: int, output: RequestOutput) -> None:
+        """Counts the tokens of one delta of prompt number `prompt`."""
+        self.tokens[prompt] += sum(len(c.token_ids) for c in output.outputs)
+        self.cached_tokens[prompt] = output.num_cached_tokens
 
-        None when `completion` adds neither text nor a token and has not finished: no chunk.
-        """
-        start_text, start_tok = self._text.get(index, 0), self._tokens.get(index, 0)
-        if not completion.text[start_text:] and len(completion.token_ids) == start_tok \
-                and completion.finish_reason is None:
-            return None
-        self._text[index], self._tokens[index] = len(completion.text), len(completion.token_ids)
-        return start_text, start_tok
+    def text_offset(self, index: int, completion: CompletionOutput) -> int:
+        """Gives where choice `index`'s new text starts in its whole text, counting it sent."""
+        start = self._chars.get(index, 0)
+        self._chars[index] = start + len(completion.text)
+        return start
+
+    def usage(self) -> UsageInfo:
+        completion = sum(self.tokens)
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                         total_tokens=self.prompt_tokens + completion,
+                         prompt_tokens_details={"cached_tokens": sum(self.cached_tokens)})
 
 
 async def close_all(streams: Sequence[AsyncGenerator[object, None]]) -> None:
@@ -238,7 +249,7 @@ def sse_error(exc: BaseException) -> str:
 
 
 def usage_of(finals: list[RequestOutput | None], prompt_lens: list[int]) -> UsageInfo:
-    """Gives token usage over all prompts (prompt counted once, every completion counted)."""
+    """Gives the token usage of finished outputs (prompts counted once, every completion)."""
     prompt = sum(prompt_lens)
     completion = sum(len(c.token_ids) for out in finals if out for c in out.outputs)
     cached = sum(out.num_cached_tokens for out in finals if out)
@@ -247,16 +258,17 @@ def usage_of(finals: list[RequestOutput | None], prompt_lens: list[int]) -> Usag
                      prompt_tokens_details={"cached_tokens": cached})
 
 
-def check_error(output: RequestOutput) -> None:
+def check_error(output: RequestOutput, had_tokens: bool = False) -> None:
     """Raises when the engine ended the request with an error.
 
-    An error before any token is the engine refusing the request (for example it
-    needs more KV blocks than the cache has): a 400. After tokens it is a 500.
+    An error before any token (`had_tokens`: earlier deltas had some) is the engine
+    refusing the request (for example it needs more KV blocks than the cache has):
+    a 400. After tokens it is a 500.
     """
     if not output.error and not any(c.finish_reason == "error" for c in output.outputs):
         return
     message = output.error or "the engine ended the request with an error"
-    if any(c.token_ids for c in output.outputs):
+    if had_tokens or any(c.token_ids for c in output.outputs):
         raise OpenAIError(500, f"the engine failed this request: {message}")
     raise OpenAIError(400, f"the engine refused this request: {message}")
 
@@ -274,9 +286,8 @@ def ranked(entry: TokenLogprobs, k: int) -> list[tuple[int, float]]:
     return [(tid, lp.logprob) for tid, lp in items[:k]]
 
 
-def new_logprobs(completion: CompletionOutput, start: int
-                 ) -> list[tuple[int, TokenLogprobs | None]]:
-    """Gives (token id, its logprob entry) for the tokens of `completion` from `start` on."""
+def token_logprobs(completion: CompletionOutput) -> list[tuple[int, TokenLogprobs | None]]:
+    """Gives (token id, its logprob entry) for each token of `completion`."""
     entries = completion.logprobs or []
     return [(tid, entries[i] if i < len(entries) else None)
-            for i, tid in enumerate(completion.token_ids[start:], start)]
+            for i, tid in enumerate(completion.token_ids)]

@@ -1,0 +1,1 @@
+"""The engine core in its own process, and the API server's end of it (`kvpilot serve`)."""
