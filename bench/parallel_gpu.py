@@ -192,6 +192,7 @@ def allreduce_rank(rank: int, world: int, port: int, device_type: str, out: str)
                 graph.replay()
             sync()
             row["graph_us"] = (time.perf_counter() - start) / 1000 * 1e6
+            graph.reset()  # before the groups go (pytorch/pytorch#115388)
         rows[f"{tokens}x{hidden}"] = row
     if rank == 0:
         Path(out).write_text(json.dumps({"world": world, "rows": list(rows.values())}))

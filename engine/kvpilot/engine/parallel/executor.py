@@ -140,6 +140,7 @@ class MultiRankExecutor:
                 clean = False
         if not stepping:
             self._step_lock.release()
+        self.runner.release_graphs()  # before leaving the groups (see DecodeGraphs.release)
         if clean:  # every rank leaves the groups together (see destroy_distributed)
             destroy_distributed()
             self.workers.stop(grace=10.0)
