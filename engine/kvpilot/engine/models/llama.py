@@ -31,7 +31,6 @@ from kvpilot.engine.models.layers import (
 )
 from kvpilot.engine.models.rope import RotaryEmbedding, StepRope
 from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup, shard_slice
-from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
 from kvpilot.engine.parallel.layers import (
     VocabShard,
     linear_layout,
@@ -39,6 +38,7 @@ from kvpilot.engine.parallel.layers import (
     row_parallel_linear,
     vocab_embedding,
 )
+from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
 
 # builds one layer's feed-forward block (dense MLP or mixture of experts) for a TP rank
 MakeMLP: TypeAlias = Callable[[ModelConfig, TPGroup], FeedForward]
