@@ -275,7 +275,7 @@ def _vocab_layout(module: nn.Embedding | nn.Linear | VocabShard, name: str,
                   param: str) -> WeightLayout:
     if isinstance(module, VocabShard):
         return module.weight_layout(name, param)
-    return whole(name, module.weight)
+    return {name: WeightSlot(param, tuple(module.weight.shape))}
 
 
 def _to_local(slot: WeightSlot, prefix: str, local_prefix: str) -> WeightSlot:
