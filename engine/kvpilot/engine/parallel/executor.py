@@ -1,4 +1,5 @@
-"""The driver's executor of a tensor-parallel engine (global rank 0).
+"""The driver's executor of a tensor-parallel engine (global rank 0); the pipeline-parallel
+one (`parallel.pipeline_executor`) builds on it.
 
 It starts this node's other ranks as worker processes, joins the process groups,
 loads rank 0's shard, and then runs each step twice over: it broadcasts the packed
@@ -39,7 +40,7 @@ SHUTDOWN_STEP_WAIT_S = 10.0
 
 
 class WorkerLostError(RuntimeError):
-    """A worker process of a tensor-parallel engine died; the engine cannot continue."""
+    """A worker process of a parallel engine died; the engine cannot continue."""
 
 
 class MultiRankExecutor:
