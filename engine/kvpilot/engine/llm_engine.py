@@ -271,7 +271,9 @@ class LLMEngine:
         """Submits a new batch while the pipeline has room and one can be scheduled; else
         waits for the oldest batch in flight and books it (see `engine.batch_queue`)."""
         if queue.has_room:
-            plan = self.scheduler.schedule(queue.busy)
+            # as many batches as stages: the sequences split evenly, so the stages overlap
+            share = -(-self.scheduler.num_unfinished // queue.executor.max_concurrent_batches)
+            plan = self.scheduler.schedule(queue.busy, max(share, 1))
             if not plan.is_empty:
                 self._last_plan = plan
                 queue.submit(plan, self._entries(plan))
