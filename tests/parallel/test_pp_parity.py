@@ -16,6 +16,7 @@ from helpers.parity import (
     run,
 )
 
+from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm import LLM
 
 # name -> (model: a built-in name or an HF family with overrides, parallel flags)
@@ -68,3 +69,29 @@ def test_pp2_matches_one_rank(case, prompts, tiny_checkpoints, tmp_path):
     if case == "tiny-llama":
         assert want_stats.num_total_blocks == 14
         assert stats.num_total_blocks == 28  # each stage caches its own layers only
+
+
+# what the driver's sampler does with the logits rows that come back from the last stage
+SAMPLING = {
+    "n2-greedy": SamplingParams(temperature=0, max_tokens=6, n=2, ignore_eos=True),
+    "n3-seeded": SamplingParams(temperature=0.8, seed=3, max_tokens=6, n=3, ignore_eos=True),
+    "beam3": SamplingParams(max_tokens=6, beam_width=3, ignore_eos=True),
+    "penalties-logprobs": SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3,
+                                         presence_penalty=0.5, logprobs=2, ignore_eos=True),
+}
+
+
+def test_pp2_sampling_options_match_one_rank(prompts):
+    flags = dict(max_num_batched_tokens=32, num_kv_blocks=40)
+    single = LLM("tiny-llama", **flags)
+    llm = LLM("tiny-llama", pipeline_parallel_size=2, **flags)
+    try:
+        for name, params in SAMPLING.items():
+            want = single.generate(prompts[:5], params)
+            got = llm.generate(prompts[:5], params)
+            assert [[c.token_ids for c in o.outputs] for o in got] == \
+                [[c.token_ids for c in o.outputs] for o in want], name
+            if params.logprobs:
+                assert [o.outputs[0].logprobs is not None for o in got] == [True] * 5
+    finally:
+        llm.engine.shutdown()
