@@ -1,10 +1,11 @@
 """The engine core's loop: add requests, step (schedule -> run -> sample -> stop checks).
 
 Not thread-safe: one thread (the core process's loop, or the offline LLM)
-drives it. With pipeline parallelism several batches are in flight at once
-(`engine.batch_queue`); each is booked as a synchronous step when it comes back. Each `step()` returns a delta per request that got new tokens or
+drives it. Each `step()` returns a delta per request that got new tokens or
 finished in that step: its new token ids, not its whole output. Text is decoded
-by whoever reads the deltas (`kvpilot.engine.request_state`).
+by whoever reads the deltas (`kvpilot.engine.request_state`). With pipeline
+parallelism several batches are in flight at once (`engine.batch_queue`); each is
+booked as a synchronous step when it comes back.
 """
 
 from __future__ import annotations
