@@ -120,7 +120,7 @@ def start_pod(env: dict[str, str], log: Path, pattern: str,
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvpilot.cli.main", "serve", *flags],
             env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while True:
         found = re.search(pattern + r" (http://\S+)", log.read_text(errors="replace"))
         if found:
@@ -144,20 +144,20 @@ def test_two_pods_of_a_group_answer(tmp_path: Path):
         pods.append(worker)
         leader, url = start_pod(rendezvous_env(group), tmp_path / "pod0.log", "listening on")
         pods.append(leader)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while httpx.get(f"{url}/ready", timeout=5).status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.2)
         for probe in ("/health", "/ready"):
-            assert httpx.get(worker_url + probe, timeout=5).status_code == 200
+            assert httpx.get(worker_url + probe, timeout=30).status_code == 200
         answer = httpx.post(f"{url}/v1/completions", timeout=60, json={
             "model": "tiny-llama", "prompt": "the same rendered command on two pods",
             "max_tokens": 8, "temperature": 0, "ignore_eos": True})
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == want.rstrip("\ufffd")
         leader.terminate()  # drains, then stops its workers: the worker pod exits 0
-        assert leader.wait(60) == 0
-        assert worker.wait(60) == 0
+        assert leader.wait(180) == 0
+        assert worker.wait(180) == 0
     finally:
         for pod in pods:
             pod.kill()
@@ -199,7 +199,7 @@ def test_rendered_pp2_group_answers(tmp_path: Path):
         pods.append(worker)
         leader, url = start_pod(envs[0], tmp_path / "pod0.log", "listening on", flags)
         pods.append(leader)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while httpx.get(f"{url}/ready", timeout=5).status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.2)
@@ -209,8 +209,8 @@ def test_rendered_pp2_group_answers(tmp_path: Path):
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == want.rstrip("\ufffd")
         leader.terminate()  # drains, then stops the last stage: the worker pod exits 0
-        assert leader.wait(60) == 0
-        assert worker.wait(60) == 0
+        assert leader.wait(180) == 0
+        assert worker.wait(180) == 0
     finally:
         for pod in pods:
             pod.kill()

@@ -242,5 +242,10 @@ class ModelRunner:
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Keeps nothing: a single-rank runner has no processes to lose between steps."""
 
+    def release_graphs(self) -> None:
+        """Frees the captured decode graphs; later decode steps run eagerly."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+
     def shutdown(self) -> None:
         """Stops nothing: a single-rank runner has no processes of its own."""

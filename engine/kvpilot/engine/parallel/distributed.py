@@ -14,6 +14,8 @@ watchdog sees the process exit (`parallel.processes`).
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,6 +27,7 @@ from kvpilot.engine.parallel.config import ParallelConfig
 from kvpilot.engine.parallel.groups import TPGroup
 from kvpilot.engine.parallel.stage import PipelineStage
 
+logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 IDLE_TIMEOUT = timedelta(days=30)
 
@@ -95,20 +98,25 @@ def init_distributed(parallel: ParallelConfig, rendezvous: Rendezvous, rank: int
                        logits_group if isinstance(logits_group, dist.ProcessGroup) else None)
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(wait_s: float = 60.0) -> None:
     """Leaves the process groups (so a later engine in this process can join new ones).
 
-    NCCL's destroy finalizes each communicator with its peers: the driver leaves after its
-    workers have exited (or died), so there it would wait forever (seen on 4 H100s). At
-    shutdown nothing is in flight, so NCCL ranks abort their communicators instead, which
-    is local and also removes every group.
+    Every rank leaves at the same time: NCCL's destroy finalizes each communicator with
+    its peers, so a rank that leaves after its peers have exited waits forever (seen on
+    4 H100s, with destroy and with abort alike). The driver therefore leaves right after
+    sending the stop step, while its workers leave too. After a failure a peer may be
+    gone: the leaving happens in a thread, and after `wait_s` seconds the rank gives up
+    (logged) rather than hang its shutdown.
     """
     if not dist.is_initialized():
         return
-    if dist.get_backend() == "nccl":
-        from torch.distributed.distributed_c10d import _abort_process_group
+    left = threading.Event()
 
-        _abort_process_group()
-        if not dist.is_initialized():
-            return
-    dist.destroy_process_group()
+    def leave() -> None:
+        dist.destroy_process_group()
+        left.set()
+
+    threading.Thread(target=leave, name="kvpilot-leave-groups", daemon=True).start()
+    if not left.wait(wait_s):
+        logger.warning("left the process groups unfinished after %.0f s (a peer is gone); "
+                       "a new engine in this process cannot join new groups", wait_s)

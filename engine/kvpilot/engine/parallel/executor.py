@@ -152,5 +152,10 @@ class MultiRankExecutor:
                 clean = False
         if not stepping:
             self._step_lock.release()
-        self.workers.stop(grace=10.0 if clean else 0.0)
-        destroy_distributed()
+        self.runner.release_graphs()  # before leaving the groups (see DecodeGraphs.release)
+        if clean:  # every rank leaves the groups together (see destroy_distributed)
+            destroy_distributed()
+            self.workers.stop(grace=10.0)
+        else:
+            self.workers.stop(grace=0.0)
+            destroy_distributed(wait_s=5.0)

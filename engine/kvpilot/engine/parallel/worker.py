@@ -61,6 +61,7 @@ def run_worker(args: EngineArgs, rank: int, rendezvous: Rendezvous) -> None:
     torch.manual_seed(args.seed)
     model_config = ModelConfig.from_engine_args(args, device)
     ctx = init_distributed(parallel, rendezvous, rank, device.type, model_config.num_layers)
+    runner: ModelRunner | None = None
     try:
         runner = ModelRunner(args, model_config, ctx.device, ctx.tp, ctx.min_over_ranks,
                              ctx.stage)
@@ -74,6 +75,8 @@ def run_worker(args: EngineArgs, rank: int, rendezvous: Rendezvous) -> None:
         while (step := channel.receive()) is not None:
             runner.run(unpack_step(step.header, step.buf, step.host), step.prev_tokens)
     finally:
+        if runner is not None:  # graphs before groups (see DecodeGraphs.release)
+            runner.release_graphs()
         destroy_distributed()
 
 
