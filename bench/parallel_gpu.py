@@ -164,8 +164,9 @@ def allreduce_rank(rank: int, world: int, port: int, device_type: str, out: str)
     from kvpilot.engine.parallel.config import ParallelConfig
     from kvpilot.engine.parallel.distributed import destroy_distributed, init_distributed
 
+    # one pipeline stage: the layer count only sizes stages, and no model is built here
     ctx = init_distributed(ParallelConfig(world), Rendezvous.local(world, port), rank,
-                           device_type)
+                           device_type, num_layers=1)
     dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
     rows = {}
     for tokens, hidden in ((1, 4096), (1, 8192), (64, 4096), (64, 8192)):
