@@ -136,7 +136,7 @@ async def test_router_demand_scales_a_pool_from_zero(api, operator, client) -> N
         pool["spec"]["replicas"] = 0
         pool["spec"]["autoscaling"]["minReplicas"] = 0
         assert (await client.post(POOLS, json=pool)).status_code == 200
-        got = await eventually(lambda: _scaled_from_zero(client), timeout=20,
+        got = await eventually(lambda: _scaled_from_zero(client), timeout=120,
                                what="zero-decode at 1 replica")
         assert got["status"]["lastScaleDecision"]["reason"].startswith(
             "router holds 3 requests for a pool with no ready replica")
@@ -175,7 +175,7 @@ async def test_prometheus_source_drives_the_pool(api, operator, client, monkeypa
         pool = decode_pool()
         pool["metadata"]["name"] = "prom-decode"
         assert (await client.post(POOLS, json=pool)).status_code == 200
-        got = await eventually(lambda: _replicas_of(client, "prom-decode", 2), timeout=20,
+        got = await eventually(lambda: _replicas_of(client, "prom-decode", 2), timeout=120,
                                what="prom-decode at 2 replicas")
         assert got["status"]["lastScaleDecision"]["reason"].startswith(
             "queueDepthPerReplica 40 vs target 1")
@@ -185,8 +185,10 @@ async def test_prometheus_source_drives_the_pool(api, operator, client, monkeypa
 
 
 async def _replicas_of(client: httpx.AsyncClient, name: str, n: int) -> dict[str, Any] | None:
+    # spec.replicas and the status are two patches: wait for both.
     pool = (await client.get(f"{POOLS}/{name}")).json()
-    return pool if pool["spec"]["replicas"] == n else None
+    decided = pool.get("status", {}).get("lastScaleDecision", {}).get("toReplicas") == n
+    return pool if pool["spec"]["replicas"] == n and decided else None
 
 
 IMS = f"/apis/kvpilot.dev/v1alpha1/namespaces/{NAMESPACE}/inferencemodels"
@@ -203,13 +205,13 @@ async def test_model_gpu_budget_holds_the_pool_and_status_rolls_up(
                    "accelerator": {"vendor": "cpu"}, "gpuBudget": 1,
                    "decode": {"replicas": 1, "autoscaling": autoscaling}}}
     assert (await client.post(IMS, json=im)).status_code == 200, "InferenceModel rejected"
-    await eventually(lambda: _exists(client, f"{POOLS}/{POOL}"), timeout=20,
+    await eventually(lambda: _exists(client, f"{POOLS}/{POOL}"), timeout=120,
                      what="the model's decode pool")
     ports = [port for port, _ in engines]
     replicaset = asyncio.create_task(play_replicaset(client, ports))
     tasks = await load(ports[0], 8)
     try:
-        status = await eventually(lambda: _model_decision(client), timeout=30,
+        status = await eventually(lambda: _model_decision(client), timeout=120,
                                   what="the model's lastScaleDecision")
         decision = status["lastScaleDecision"]
         assert (decision["pool"], decision["fromReplicas"], decision["toReplicas"]) == \
@@ -217,7 +219,7 @@ async def test_model_gpu_budget_holds_the_pool_and_status_rolls_up(
         assert "GPU budget 1 binds: chat-decode 1 of 2 wanted" in decision["reason"]
         assert status["queueDepth"] >= 1 and 0 <= status["kvCachePercent"] <= 100
         # The decision is an Event on the model as well as on the pool.
-        await eventually(lambda: _model_event(client, "ScaleHeld"), timeout=10,
+        await eventually(lambda: _model_event(client, "ScaleHeld"), timeout=60,
                          what="a ScaleHeld event on the InferenceModel")
         await asyncio.sleep(3)
         assert await spec_replicas(client) == 1
@@ -250,7 +252,7 @@ async def test_load_scales_up_idleness_scales_down_dead_metrics_freeze(
     try:
         # Load: 8 requests on an engine that runs 2 at a time leaves 6 waiting.
         tasks = await load(ports[0], 8)
-        await eventually(lambda: _replicas_at_least(client, 2), timeout=30,
+        await eventually(lambda: _replicas_at_least(client, 2), timeout=120,
                          what="scale-up to 2")
         pool = (await client.get(f"{POOLS}/{POOL}")).json()
         decision = pool["status"]["lastScaleDecision"]
@@ -263,19 +265,19 @@ async def test_load_scales_up_idleness_scales_down_dead_metrics_freeze(
 
         # Idle: back to 1 once the 4 s window has passed; the idle pod was marked first.
         start = time.monotonic()
-        await eventually(lambda: _replicas_at_most(client, 1), timeout=40,
+        await eventually(lambda: _replicas_at_most(client, 1), timeout=120,
                          what="scale-down to 1")
         assert time.monotonic() - start >= 3.5
         decision = (await client.get(f"{POOLS}/{POOL}")).json()["status"]["lastScaleDecision"]
         assert (decision["fromReplicas"], decision["toReplicas"]) == (2, 1)
         await eventually(lambda: _event_reasons(client, {"ScaledUp", "ScaledDown"}),
-                         timeout=10, what="ScaledUp and ScaledDown events")
+                         timeout=60, what="ScaledUp and ScaledDown events")
 
         # A dead metrics endpoint: two replicas, one engine killed, idle load.
         engines[1][1].kill()
         engines[1][1].wait(10)
         await client.patch(f"{POOLS}/{POOL}", json={"spec": {"replicas": 2}}, headers=MERGE)
-        await eventually(lambda: _pods(client, 2), timeout=10, what="two pods")
+        await eventually(lambda: _pods(client, 2), timeout=60, what="two pods")
         await asyncio.sleep(9)  # more than twice the scale-down window
         assert await spec_replicas(client) == 2
         status = (await client.get(f"{POOLS}/{POOL}")).json()["status"]
@@ -288,11 +290,16 @@ async def test_load_scales_up_idleness_scales_down_dead_metrics_freeze(
 
 
 async def _replicas_at_least(client: httpx.AsyncClient, n: int) -> bool:
-    return await spec_replicas(client) >= n
+    # spec.replicas and the status are two patches: wait for the decision too.
+    pool = (await client.get(f"{POOLS}/{POOL}")).json()
+    decided = pool.get("status", {}).get("lastScaleDecision", {}).get("toReplicas", 0) >= n
+    return pool["spec"]["replicas"] >= n and decided
 
 
 async def _replicas_at_most(client: httpx.AsyncClient, n: int) -> bool:
-    return await spec_replicas(client) <= n
+    pool = (await client.get(f"{POOLS}/{POOL}")).json()
+    decided = pool.get("status", {}).get("lastScaleDecision", {}).get("toReplicas", n + 1) <= n
+    return pool["spec"]["replicas"] <= n and decided
 
 
 async def _pods(client: httpx.AsyncClient, n: int) -> bool:
