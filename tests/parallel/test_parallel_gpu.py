@@ -1,8 +1,9 @@
-"""Tensor and pipeline parallelism on GPUs (NCCL, bf16): TP=2 and PP=2 on 2 GPUs, TP=4 with
-EP=1 and EP=4 on a Mixtral-shaped model and TP=2 x PP=2 on 4 GPUs match TP=1 under a top-5
-rule: every greedy token of the parallel run is within TP=1's top 5 at that step, TP=1
-teacher-forced on the parallel run's prefix. Single-stage runs replay CUDA graphs with their
-all-reduces inside; pipeline stages run eagerly and keep two batches in flight."""
+"""Tensor and pipeline parallelism on GPUs (NCCL): TP=2 and PP=2 on 2 GPUs, TP=4 and
+TP=2 x PP=2 on 4 GPUs match TP=1 in bf16 under a top-5 rule (every greedy token of the
+parallel run is within TP=1's top 5 at that step, TP=1 teacher-forced on the parallel run's
+prefix); TP=4 with EP=1 and EP=4 on a Mixtral-shaped model gives TP=1's very tokens in
+float32. Single-stage runs replay CUDA graphs with their all-reduces inside; pipeline stages
+run eagerly and keep two batches in flight."""
 
 from __future__ import annotations
 
@@ -57,11 +58,11 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def tp_greedy(path: Path, tp: int, ep: int, batch: list[list[int]],
-              pp: int = 1) -> list[list[int]]:
+              pp: int = 1, dtype: str = "bfloat16") -> list[list[int]]:
     """Gives the parallel run's greedy tokens; checks its decode steps replayed CUDA graphs
     (one stage) or that two batches were in the pipeline at once (two stages)."""
     llm = LLM(str(path), tensor_parallel_size=tp, expert_parallel_size=ep,
-              pipeline_parallel_size=pp, **ENGINE)
+              pipeline_parallel_size=pp, **{**ENGINE, "dtype": dtype})
     try:
         outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
                                                      ignore_eos=True))
@@ -96,14 +97,24 @@ def test_tp2_matches_tp1(tmp_path: Path):
     assert_top5(path, batch, tp_greedy(path, 2, 1, batch))
 
 
-@pytest.mark.parametrize(("shape", "ep"), [(LLAMA_SHAPE, 1), (MIXTRAL_SHAPE, 1),
-                                           (MIXTRAL_SHAPE, 4)],
-                         ids=["llama-tp4", "mixtral-tp4-ep1", "mixtral-tp4-ep4"])
-def test_tp4_matches_tp1(tmp_path: Path, shape: dict, ep: int):
+def test_tp4_matches_tp1(tmp_path: Path):
     need_gpus(4)
-    path = model_dir(tmp_path / "model", shape)
-    batch = prompts(shape["vocab_size"])
-    assert_top5(path, batch, tp_greedy(path, 4, ep, batch))
+    path = model_dir(tmp_path / "model", LLAMA_SHAPE)
+    batch = prompts(LLAMA_SHAPE["vocab_size"])
+    assert_top5(path, batch, tp_greedy(path, 4, 1, batch))
+
+
+@pytest.mark.parametrize("ep", [1, 4], ids=["mixtral-tp4-ep1", "mixtral-tp4-ep4"])
+def test_tp4_moe_matches_tp1_in_float32(tmp_path: Path, ep: int):
+    """In float32 the Mixtral-shaped model's TP=4 tokens equal TP=1's. Not in bf16 under the
+    top-5 rule: with dummy weights the router's scores nearly tie, so a bf16 rounding
+    difference picks another expert and the sequences part (measured on 4 H100s: fp32 32/32
+    tokens equal on every sequence at EP=1 and EP=4; bf16 parted after 2-23 tokens)."""
+    need_gpus(4)
+    path = model_dir(tmp_path / "model", MIXTRAL_SHAPE)
+    batch = prompts(MIXTRAL_SHAPE["vocab_size"])[:4]
+    want = tp_greedy(path, 1, 1, batch, dtype="float32")
+    assert tp_greedy(path, 4, ep, batch, dtype="float32") == want
 
 
 def test_pp2_matches_tp1(tmp_path: Path):
