@@ -77,13 +77,17 @@ class ModelRunner:
                  tp: TPGroup = SINGLE_RANK,
                  agree_num_blocks: Callable[[int], int] | None = None) -> None:
         from kvpilot.engine.models.loader import load_model
+        from kvpilot.engine.quantization.config import check_device, resolve_quantization
 
         self.args = args
         self.config = model_config
         self.device = device
         self.block_size = args.block_size
+        check_device(resolve_quantization(args.quantization, model_config.hf_config,
+                                          model_config.architecture), device)
         started = time.perf_counter()
-        self.model = load_model(model_config, args.load_format, device, seed=args.seed, tp=tp)
+        self.model = load_model(model_config, args.load_format, device, seed=args.seed, tp=tp,
+                                quantization=args.quantization)
         self.load_seconds = time.perf_counter() - started
         self.model.attn_backend = select_attention_backend(args, device)
         kv_heads = tp.kv_heads(model_config.num_kv_heads)
