@@ -68,9 +68,7 @@ def scale_layout(layout: WeightLayout, quantized: list[str]) -> WeightLayout:
     for name, slot in layout.items():
         if slot.param not in params or not name.endswith(".weight"):
             continue
-        # a row-parallel slot slices dimension 1 (its source starts with slice(None)):
-        # every output row, so every scale, is this rank's
-        rows = slot.source[:1] if slot.source and slot.source[0] != slice(None) else ()
+        # the rows the weight's source takes (a row-parallel slot's is slice(None): all)
         scales[f"{name}_scale"] = WeightSlot(f"{slot.param}_scale", slot.shape[:1],
-                                             slot.index[:1], rows, per_row=True)
+                                             slot.index[:1], slot.source[:1], per_row=True)
     return scales
