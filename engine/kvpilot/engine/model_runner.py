@@ -25,6 +25,7 @@ from kvpilot.engine.device import StagingBuffer
 from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
 from kvpilot.engine.startup_log import LoadReport
 from kvpilot.engine.step_batch import PackedStep, StepInputs, pack_step, unpack_step
+from kvpilot.kernels.kv_cache_dtype import as_bytes
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
@@ -77,7 +78,11 @@ class ModelRunner:
                  tp: TPGroup = SINGLE_RANK,
                  agree_num_blocks: Callable[[int], int] | None = None) -> None:
         from kvpilot.engine.models.loader import load_model
-        from kvpilot.engine.quantization.config import check_device, resolve_quantization
+        from kvpilot.engine.quantization.config import (
+            check_device,
+            resolve_kv_cache_dtype,
+            resolve_quantization,
+        )
 
         self.args = args
         self.config = model_config
@@ -85,6 +90,7 @@ class ModelRunner:
         self.block_size = args.block_size
         check_device(resolve_quantization(args.quantization, model_config.hf_config,
                                           model_config.architecture), device)
+        self.kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_config.dtype, device)
         started = time.perf_counter()
         self.model = load_model(model_config, args.load_format, device, seed=args.seed, tp=tp,
                                 quantization=args.quantization)
@@ -109,7 +115,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         cfg = self.config
-        elem = torch.tensor([], dtype=cfg.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * self.block_size * self.num_kv_heads * cfg.head_dim * elem * cfg.num_layers
 
     def load_report(self) -> LoadReport:
@@ -123,7 +129,7 @@ class ModelRunner:
     def _new_caches(self, num_blocks: int) -> list[torch.Tensor]:
         cfg = self.config
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
-        return [torch.zeros(shape, dtype=cfg.dtype, device=self.device)
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                 for _ in range(cfg.num_layers)]
 
     def _num_kv_blocks(self) -> int:
@@ -181,7 +187,7 @@ class ModelRunner:
         caches = self.kv_caches if kv_caches is None else kv_caches
         if step.copies is not None:  # copy-on-write of shared blocks before the step writes
             src, dst = step.copies
-            for cache in caches:
+            for cache in map(as_bytes, caches):  # fp8 rows move as bytes (CPU indexing)
                 cache[:, dst] = cache[:, src]
         input_ids = step.input_ids
         if step.patches is not None:

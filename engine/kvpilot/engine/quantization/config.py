@@ -1,4 +1,4 @@
-"""Which 8-bit format a model runs: from `--quantization` (quantised at load time) or from
+"""Which 8-bit format a model runs (and its KV cache's dtype): from `--quantization` (quantised at load time) or from
 a pre-quantised checkpoint's `config.json` `quantization_config`, and where it can run.
 
 Pre-quantised checkpoints read: HF/vLLM `quant_method: fp8` (dynamic activation scheme,
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kvpilot.engine.quantization.methods import METHODS, QuantMethod
+from kvpilot.kernels.kv_cache_dtype import FP8_KV_DTYPE
 
 _FIX = ("kvpilot reads 8-bit per-channel or per-tensor fp8/compressed-tensors checkpoints: "
         "serve the bf16 checkpoint with --quantization int8 or fp8 instead")
@@ -103,6 +104,18 @@ def _check_ignored(key: str, ignored: list[str]) -> None:
     if extra:
         raise ValueError(f"quantization_config.{key} lists {extra!r}: only the LM head may be "
                          f"left unquantised here: {_FIX}")
+
+
+def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype,
+                           device: torch.device) -> torch.dtype:
+    """Gives the KV cache's dtype for `--kv-cache-dtype` (auto: the model's); raises
+    ValueError on a GPU whose kernels cannot load fp8 (compute capability below 8.9)."""
+    if choice == "auto":
+        return model_dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"kv_cache_dtype='fp8' needs compute capability 8.9+ (H100, L4), "
+                         f"not {torch.cuda.get_device_name(device)}: use --kv-cache-dtype auto")
+    return FP8_KV_DTYPE
 
 
 def check_device(quant: QuantConfig | None, device: torch.device) -> None:
