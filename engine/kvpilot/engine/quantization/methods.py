@@ -1,9 +1,10 @@
 """The 8-bit weight formats: how a [out, in] weight is quantised (one float32 scale per
 output row) and how a quantised linear layer multiplies.
 
-- int8 (W8A16): weights in int8, activations stay in the model dtype; the weight is
-  widened to the activation dtype and multiplied, then each output column is scaled.
-  Works on every device.
+- int8 (W8A16): weights in int8, activations stay in the model dtype. On CUDA, batches of
+  up to 64 rows go through a Triton GEMM that widens int8 tiles in registers
+  (kvpilot.kernels.w8a16_gemm); elsewhere, and for larger batches, the weight is widened
+  to the activation dtype and multiplied, then each output column is scaled.
 - fp8 (W8A8): weights in float8 E4M3; each token's activations are scaled into E4M3
   on the fly (dynamic per-token scales) and `torch._scaled_mm` multiplies the two on
   FP8 tensor cores (compute capability 8.9+). Off CUDA the same arithmetic runs as a
@@ -55,6 +56,13 @@ class Int8WeightOnly(QuantMethod):
         return scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.is_cuda:
+            from kvpilot.kernels.w8a16_gemm import MAX_M, w8a16_gemm
+
+            if rows.shape[0] <= MAX_M:  # decode sizes: read the int8 weight once
+                out = w8a16_gemm(rows.contiguous(), weight, scale)
+                return out.reshape(*x.shape[:-1], weight.shape[0])
         return (F.linear(x, weight.to(x.dtype)) * scale).to(x.dtype)
 
 
