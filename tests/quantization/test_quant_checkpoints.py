@@ -128,3 +128,15 @@ def test_block_wise_scale_refused(tiny_checkpoints, tmp_path):
     save_file(tensors, str(file), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"down_proj\.weight_scale.*1 or 64 values"):
         load_model(config_of(dst), "auto", "cpu")
+
+
+@pytest.mark.parametrize("extra", ["model.layers.0.self_attn.k_scale",
+                                   "model.layers.0.mlp.down_proj.input_scale"])
+def test_unread_scales_refused_naming_them(extra, tiny_checkpoints, tmp_path):
+    dst = write_quantized(tiny_checkpoints("llama"), tmp_path / "q", "fp8", "channel")
+    file = dst / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors[extra] = torch.tensor(1.0)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{extra}'.*scales are not read"):
+        load_model(config_of(dst), "auto", "cpu")

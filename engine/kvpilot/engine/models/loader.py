@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 DUMMY_STD = 0.02
 # Checkpoint tensors that carry no weights the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Scales some quantised checkpoints carry that kvpilot does not read.
+_UNREAD_SCALES = ("input_scale", "k_scale", "v_scale", "kv_scale")
 
 
 def load_model(config: ModelConfig, load_format: str, device: torch.device | str,
@@ -126,6 +128,11 @@ def load_safetensors(model: LlamaForCausalLM, path: Path, progress_bar: bool = T
                     # checked against the embedding's slice once that is loaded
                     tied_head = _read(f, name, layout["model.embed_tokens.weight"])
                     continue
+                if name not in layout and name.endswith(_UNREAD_SCALES):
+                    raise ValueError(
+                        f"checkpoint {path} has tensor {name!r}: static activation or KV-cache "
+                        "scales are not read (activations are scaled per token, the fp8 KV "
+                        "cache uses scale 1.0): serve the bf16 checkpoint with --quantization")
                 if name not in layout:
                     raise ValueError(
                         f"checkpoint {path} has tensor {name!r} that {model.config.architecture}"
