@@ -26,6 +26,7 @@ from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
 from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
 from kvpilot.engine.startup_log import LoadReport
 from kvpilot.engine.step_batch import PackedStep, StepInputs, pack_step, unpack_step
+from kvpilot.kernels.kv_cache_dtype import as_bytes
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
@@ -80,15 +81,23 @@ class ModelRunner:
                  agree_num_blocks: Callable[[int], int] | None = None,
                  stage: PipelineStage | None = None) -> None:
         from kvpilot.engine.models.loader import load_model
+        from kvpilot.engine.quantization.config import (
+            check_device,
+            resolve_kv_cache_dtype,
+            resolve_quantization,
+        )
 
         self.args = args
         self.config = model_config
         self.device = device
         self.block_size = args.block_size
         self.stage = stage or PipelineStage.whole(model_config.num_layers)
+        check_device(resolve_quantization(args.quantization, model_config.hf_config,
+                                          model_config.architecture), device)
+        self.kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_config.dtype, device)
         started = time.perf_counter()
         self.model = load_model(model_config, args.load_format, device, seed=args.seed, tp=tp,
-                                stage=self.stage)
+                                stage=self.stage, quantization=args.quantization)
         self.load_seconds = time.perf_counter() - started
         self.model.attn_backend = select_attention_backend(args, device)
         kv_heads = tp.kv_heads(model_config.num_kv_heads)
@@ -111,7 +120,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         cfg = self.config
-        elem = torch.tensor([], dtype=cfg.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return (2 * self.block_size * self.num_kv_heads * cfg.head_dim * elem
                 * len(self.stage.layers))
 
@@ -126,7 +135,7 @@ class ModelRunner:
     def _new_caches(self, num_blocks: int) -> list[torch.Tensor]:
         cfg = self.config
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
-        return [torch.zeros(shape, dtype=cfg.dtype, device=self.device)
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                 for _ in self.stage.layers]
 
     def _num_kv_blocks(self) -> int:
@@ -210,7 +219,7 @@ class ModelRunner:
         """Copies the step's shared blocks and patches its in-flight tokens; gives its ids."""
         if step.copies is not None:  # copy-on-write of shared blocks before the step writes
             src, dst = step.copies
-            for cache in caches:
+            for cache in map(as_bytes, caches):  # fp8 rows move as bytes (CPU indexing)
                 cache[:, dst] = cache[:, src]
         input_ids = step.input_ids
         if step.patches is not None:

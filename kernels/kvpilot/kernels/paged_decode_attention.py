@@ -11,7 +11,8 @@ once and scores it against *all* query heads of that KV head's group at once
 covers ``ceil(seq_len / num_splits)`` tokens, computed on the device from
 ``seq_len``: the launch shape depends on nothing but the batch size, which is
 what lets CUDA graphs replay it at any context length. Stage 2 merges the
-splits' partial outputs through their log-sum-exps.
+splits' partial outputs through their log-sum-exps. An fp8 (E4M3) cache is widened
+to float32 and multiplied by its per-layer scale right after each load.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels.jit import jit
+from kvpilot.kernels.kv_cache_dtype import FP8_KV_DTYPE, cached_rows
 
 
 # Arguments that change from step to step are not specialised on (divisibility by 16,
@@ -33,10 +35,10 @@ def _decode_split_kernel(
     scale, num_splits,
     stride_qt, stride_qh,
     stride_kv, stride_slot,
-    stride_bt,
+    stride_bt, k_scale, v_scale,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,6 +71,9 @@ def _decode_split_kernel(
         kv_off = slot[:, None] * stride_slot + offs_d[None, :]
         k = tl.load(k_base + kv_off, mask=valid[:, None], other=0.0)
         v = tl.load(v_base + kv_off, mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -128,6 +133,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # (k, v) dequantisation scales of an fp8 cache
 ) -> torch.Tensor:
     """Gives the attention output [B, num_heads, head_dim] of each sequence's one query token."""
     num_seqs, num_heads, head_dim = q.shape
@@ -149,10 +155,11 @@ def paged_decode_attention(
         scale, num_splits,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), *kv_scales,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
@@ -165,7 +172,7 @@ def paged_decode_attention(
 
 def paged_decode_attention_ref(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Gives the same output computed in float32 with plain torch, one sequence at a time."""
     num_seqs, num_heads, head_dim = q.shape
@@ -177,10 +184,11 @@ def paged_decode_attention_ref(
             continue
         pos = torch.arange(n, device=q.device)
         slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
-        k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots].float()  # [n, kvh, d]
-        v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots].float()
+        k = cached_rows(kv_cache[0], slots, kv_scales[0])  # [n, kvh, d]
+        v = cached_rows(kv_cache[1], slots, kv_scales[1])
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
         out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
     return out.to(q.dtype)
+

@@ -11,7 +11,8 @@ the paged cache (every query row sees all of it), then over the new tokens'
 own K/V, read contiguously from the step's ``k``/``v`` (the causal part: full
 tiles left of the diagonal unmasked, the diagonal tile masked). Reading new
 K/V from the step's tensors rather than the cache keeps the common no-prefix
-case on dense, coalesced loads.
+case on dense, coalesced loads. An fp8 (E4M3) cache is widened and scaled by its
+per-layer scale right after each load; the new tokens' K/V stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels.jit import jit
+from kvpilot.kernels.kv_cache_dtype import FP8_KV_DTYPE, cached_rows
 
 LOG2E = 1.4426950408889634
 
@@ -46,9 +48,9 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_kv, stride_slot, stride_bt,
+    stride_kv, stride_slot, stride_bt, k_scale, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     head = tl.program_id(0)
     # the longest (most masked-in) tiles first: better tail balance for causal work
@@ -83,6 +85,9 @@ def _prefill_kernel(
         kv_off = slot[:, None] * stride_slot + offs_d[None, :]
         k = tl.load(k_base + kv_off, mask=valid[:, None], other=0.0)
         v = tl.load(k_base + stride_kv + kv_off, mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :])
 
     # 2) the new tokens: tiles fully left of the diagonal need no mask
@@ -140,6 +145,7 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # (k, v) dequantisation scales of an fp8 cache
 ) -> torch.Tensor:
     """Gives the causal attention output [T, num_heads, head_dim] of every new token."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -161,9 +167,10 @@ def paged_prefill_attention(
         q, k, v, kv_cache, block_tables, query_start_loc, seq_lens, out, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(2), block_tables.stride(0),
+        kv_cache.stride(0), kv_cache.stride(2), block_tables.stride(0), *kv_scales,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -171,15 +178,13 @@ def paged_prefill_attention(
 def paged_prefill_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float,
+    scale: float, kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Gives the same output in float32 with plain torch: prefix from the cache, then new K/V."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_heads = q.shape[1]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    flat_k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)
-    flat_v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)
     for b in range(seq_lens.shape[0]):
         q0, q1 = int(query_start_loc[b]), int(query_start_loc[b + 1])
         q_len, ctx = q1 - q0, int(seq_lens[b]) - (q1 - q0)
@@ -187,8 +192,9 @@ def paged_prefill_attention_ref(
             continue
         pos = torch.arange(ctx, device=q.device)
         slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
-        keys = torch.cat([flat_k[slots], k[q0:q1]]).float().repeat_interleave(group, dim=1)
-        vals = torch.cat([flat_v[slots], v[q0:q1]]).float().repeat_interleave(group, dim=1)
+        keys = torch.cat([cached_rows(kv_cache[0], slots, kv_scales[0]), k[q0:q1].float()])
+        vals = torch.cat([cached_rows(kv_cache[1], slots, kv_scales[1]), v[q0:q1].float()])
+        keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,nhd->hqn", q[q0:q1].float(), keys) * scale
         causal = torch.arange(ctx + q_len, device=q.device)[None, :] <= (
             ctx + torch.arange(q_len, device=q.device))[:, None]

@@ -20,5 +20,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        # (k, v) scales of an fp8 cache: it stores k / k_scale and v / v_scale
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:  # [T, num_heads, head_dim], causal within each sequence
         ...

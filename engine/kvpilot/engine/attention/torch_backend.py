@@ -3,7 +3,9 @@
 Correct on any device and reasonably quick on CPU: decode rows (query_len 1) go
 through a few padded SDPA calls, sequences of similar length together; each prefill chunk gets its own
 call with an explicit causal mask offset by the tokens already cached. The index
-tensors of a step are built once and reused by every layer.
+tensors of a step are built once and reused by every layer. Cache rows are moved as
+bytes (CPU torch cannot index fp8 tensors) and an fp8 cache's are dequantised with
+the layer's scales after the gather.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch.nn import functional as F
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.kernels.kv_cache_dtype import as_bytes, from_cache_dtype, to_cache_dtype
 
 
 @dataclass
@@ -45,28 +48,31 @@ class TorchAttentionBackend:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """Gives the attention output [T, num_heads, head_dim] after caching this step's k, v."""
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scales)
         plan = self._plan_for(meta, kv_cache.shape[2])
         out = torch.empty_like(q)
         for group in plan.decode_groups:
-            out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)
+            out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale, kv_scales)
         for seq, start, num_q in plan.prefills:
             rows = slice(start, start + num_q)
             seq_len = plan.seq_lens[seq]
             if num_q == seq_len:  # nothing cached before this chunk: use k, v as they are
                 ctx_k, ctx_v = k[rows], v[rows]
-            else:
-                ctx_k, ctx_v = gather_context(kv_cache, meta.block_tables[seq], seq_len)
+            else:  # the cached prefix from the cache, this chunk's own k, v as they are
+                ctx_k, ctx_v = gather_context(kv_cache, meta.block_tables[seq], seq_len - num_q)
+                ctx_k = torch.cat([from_cache_dtype(ctx_k, q.dtype, kv_scales[0]), k[rows]])
+                ctx_v = torch.cat([from_cache_dtype(ctx_v, q.dtype, kv_scales[1]), v[rows]])
             out[rows] = _prefill(q[rows], ctx_k, ctx_v, scale)
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup,
-                scale: float) -> torch.Tensor:
+                scale: float, kv_scales: tuple[float, float]) -> torch.Tensor:
         """Gives attention of D single-token queries [D, heads, d] over their padded contexts."""
-        k = self._gather_padded("k", kv_cache[0], group).to(q.dtype)
-        v = self._gather_padded("v", kv_cache[1], group).to(q.dtype)
+        k = from_cache_dtype(self._gather_padded("k", kv_cache[0], group), q.dtype, kv_scales[0])
+        v = from_cache_dtype(self._gather_padded("v", kv_cache[1], group), q.dtype, kv_scales[1])
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=group.mask,
                                              scale=scale, enable_gqa=True)
         return out.squeeze(2)
@@ -78,7 +84,7 @@ class TorchAttentionBackend:
         Slots past a sequence's end hold whatever the cache had (even NaN), and a masked
         score times a NaN value is still NaN, so they are zeroed.
         """
-        blocks = group.blocks
+        blocks, dtype, cache = group.blocks, cache.dtype, as_bytes(cache)
         shape = (blocks.numel(), *cache.shape[1:])
         numel = blocks.numel() * cache[0].numel()
         buffer = self._buffers.get(name)
@@ -90,7 +96,7 @@ class TorchAttentionBackend:
         tokens = rows.view(-1, *cache.shape[2:])
         tokens.index_fill_(0, group.pad_rows, 0)
         batch = group.mask.shape[0]
-        return tokens.view(batch, -1, *cache.shape[2:]).transpose(1, 2)
+        return tokens.view(batch, -1, *cache.shape[2:]).transpose(1, 2).view(dtype)
 
     def _plan_for(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
         """Gives the step plan of `meta`, building it on the first layer of the step."""
@@ -135,24 +141,28 @@ def _decode_group(meta: AttentionMetadata, seqs: list[int], starts: list[int],
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Stores k, v [T, kv_heads, d] at their slots; rows with slot -1 are not written."""
+                   slot_mapping: torch.Tensor,
+                   kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+    """Stores k, v [T, kv_heads, d] at their slots (fp8: divided by `kv_scales`); rows with
+    slot -1 are not written."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    flat = as_bytes(kv_cache).view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    for i, (x, x_scale) in enumerate(((k, kv_scales[0]), (v, kv_scales[1]))):
+        flat[i].index_copy_(0, slot_mapping, as_bytes(to_cache_dtype(x, kv_cache.dtype, x_scale)))
 
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
                    num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gives one sequence's first `num_tokens` cached k and v, each [num_tokens, kv_heads, d]."""
-    block_size = kv_cache.shape[2]
+    """Gives one sequence's first `num_tokens` cached k and v, each [num_tokens, kv_heads, d],
+    in the cache dtype."""
+    block_size, dtype = kv_cache.shape[2], kv_cache.dtype
     blocks = block_table[: -(-num_tokens // block_size)].long()
-    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:num_tokens]
-    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:num_tokens]
+    raw = as_bytes(kv_cache)
+    k = raw[0].index_select(0, blocks).flatten(0, 1)[:num_tokens].view(dtype)
+    v = raw[1].index_select(0, blocks).flatten(0, 1)[:num_tokens].view(dtype)
     return k, v
 
 

@@ -27,9 +27,10 @@ class TritonAttentionBackend:
         self.num_sms = num_sms or 132
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """Gives the attention output [T, num_heads, head_dim] after caching this step's k, v."""
-        kv_cache_write(k, v, kv_cache, meta.slot_mapping)
+        kv_cache_write(k, v, kv_cache, meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)
         num_tokens = q.shape[0]
         # a batch of only single-token queries is all decode even if the runner did not say so
@@ -39,12 +40,12 @@ class TritonAttentionBackend:
                                         self.num_sms)
             paged_decode_attention(q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
                                    meta.seq_lens[:num_decodes], scale, num_splits=splits,
-                                   out=out[:num_decodes])
+                                   out=out[:num_decodes], kv_scales=kv_scales)
         if num_decodes < num_tokens:
             # query_start_loc holds absolute row offsets, so the prefill kernel takes the
             # remaining sequences' slice and indexes the full q/k/v/out
             paged_prefill_attention(q, k, v, kv_cache, meta.block_tables[num_decodes:],
                                     meta.query_start_loc[num_decodes:],
                                     meta.seq_lens[num_decodes:], meta.max_query_len, scale,
-                                    out=out)
+                                    out=out, kv_scales=kv_scales)
         return out

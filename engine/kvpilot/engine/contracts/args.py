@@ -23,6 +23,8 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ASYNC_SCHEDULING = ("auto", "on", "off")
+QUANTIZATIONS = ("none", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
 # With --kv-transfer-port 0 an engine's KV agent listens on its HTTP port plus this.
 KV_PORT_OFFSET = 1000
 # Engines and routers read their API key from this variable when --api-key is absent (the
@@ -105,12 +107,24 @@ class EngineArgs:
     kv_transfer_port: int = field(default=0, metadata={
         "help": f"TCP port of the KV-transfer listener (0: the server port + {KV_PORT_OFFSET})"})
     fleet_secret_file: str | None = field(default=None, metadata={"help": FLEET_SECRET_HELP})
+    # quantization (issue 23)
+    quantization: str = field(default="none", metadata={"choices": QUANTIZATIONS,
+        "help": "8-bit projection weights, quantised at load time (a pre-quantised fp8 or "
+                "compressed-tensors checkpoint is detected from config.json): int8 weight-only "
+                "(W8A16, any device) or fp8 (W8A8, dynamic per-token activation scales, GPUs "
+                "with FP8 tensor cores); the LM head and embeddings stay unquantised"})
+    kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES,
+        "help": "auto: the model dtype; fp8: E4M3 with per-layer scales (1.0, no calibration "
+                "read yet), half the bytes per token so twice the tokens in the same memory "
+                "(CPU, or GPUs of compute capability 8.9+); a disaggregated peer must match"})
 
     def __post_init__(self) -> None:
         for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("scheduling_policy", SCHEDULING_POLICIES), ("role", ROLES),
-                              ("async_scheduling", ASYNC_SCHEDULING)):
+                              ("async_scheduling", ASYNC_SCHEDULING),
+                              ("quantization", QUANTIZATIONS),
+                              ("kv_cache_dtype", KV_CACHE_DTYPES)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is invalid: choose one of {', '.join(allowed)}")

@@ -40,6 +40,7 @@ from kvpilot.engine.device import to_device
 from kvpilot.engine.kv_transfer.block_checksums import block_checksums
 from kvpilot.engine.kv_transfer.fair_lock import FairLock
 from kvpilot.engine.kv_transfer.host_buffers import BufferPool, ReceiveBuffer
+from kvpilot.kernels.kv_cache_dtype import as_bytes
 
 # one reusable host buffer of `read` holds up to this many bytes (and at most 256 blocks): each
 # read takes the lock once, and on a busy prefill engine the lock comes once per step
@@ -156,8 +157,10 @@ class EngineBlockStore:
         if not isinstance(runner, ModelRunner):
             raise ValueError("KV transfer needs a single-rank engine: use "
                              "--tensor-parallel-size 1 with --role prefill|decode")
-        return cls(engine.kv.pool, runner.kv_caches, engine.engine_args.block_size,
-                   engine.kv.hash_salt)
+        # an fp8 cache moves as its bytes (CPU torch cannot index fp8); a peer with another
+        # KV dtype has other block bytes and is refused at the handshake
+        return cls(engine.kv.pool, [as_bytes(c) for c in runner.kv_caches],
+                   engine.engine_args.block_size, engine.kv.hash_salt)
 
     # ---- with the lock held -------------------------------------------------------------
 

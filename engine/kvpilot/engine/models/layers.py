@@ -21,12 +21,14 @@ from torch.nn import functional as F
 class WeightSlot:
     """Where one checkpoint tensor lands on this rank: `source` (its slice of the tensor,
     () for all of it) is copied into `param[index]`; `param` None: another rank's tensor
-    (an expert this rank does not hold), read by nobody here."""
+    (an expert this rank does not hold), read by nobody here. `per_row`: a quantisation
+    scale, stored as a scalar (per-tensor), [rows] or [rows, 1]; spread over `shape`'s rows."""
 
     param: str | None
     shape: tuple[int, ...]  # the checkpoint tensor's full shape
     index: tuple = ()
     source: tuple = ()
+    per_row: bool = False
 
 
 # checkpoint tensor name -> where (which slice of) it lands

@@ -65,6 +65,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim ** -0.5
+        # an fp8 KV cache's per-layer (k, v) scales; 1.0: no calibrated scales are read yet
+        self.kv_scales = (1.0, 1.0)
 
     def forward(self, rope: StepRope, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -77,7 +79,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 

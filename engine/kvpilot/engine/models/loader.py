@@ -17,37 +17,50 @@ from safetensors import safe_open
 
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.fused import use_fused_kernels
-from kvpilot.engine.models.layers import WeightSlot
+from kvpilot.engine.models.layers import WeightLayout, WeightSlot
 from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.models.registry import model_class
 from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
 from kvpilot.engine.parallel.stage import PipelineStage
+from kvpilot.engine.quantization.config import resolve_quantization
+from kvpilot.engine.quantization.linear import quantize_linears, scale_layout
 from kvpilot.engine.startup_log import progress
 
 logger = logging.getLogger(__name__)
 DUMMY_STD = 0.02
 # Checkpoint tensors that carry no weights the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Scales some quantised checkpoints carry that kvpilot does not read.
+_UNREAD_SCALES = ("input_scale", "k_scale", "v_scale", "kv_scale")
 
 
 def load_model(config: ModelConfig, load_format: str, device: torch.device | str,
                seed: int = 0, fused_kernels: bool | None = None,
-               tp: TPGroup = SINGLE_RANK, stage: PipelineStage | None = None
-               ) -> LlamaForCausalLM:
+               tp: TPGroup = SINGLE_RANK, stage: PipelineStage | None = None,
+               quantization: str = "none") -> LlamaForCausalLM:
     """Gives the model for `config` (tensor-parallel rank `tp`'s shard of pipeline stage
     `stage`, default the whole model) on `device`,
-    in eval mode, weights loaded per `load_format` (auto, safetensors or dummy), with the
+    in eval mode, weights loaded per `load_format` (auto, safetensors or dummy), its
+    projection layers in 8 bits per `quantization` or the checkpoint's own, with the
     Triton kernels of `kvpilot.kernels` in its norm/activation/rotary seams when
     `fused_kernels` (default: on CUDA)."""
     fmt = resolve_load_format(config, load_format)
+    quant = resolve_quantization(quantization, config.hf_config, config.architecture)
     device = torch.device(device)
     with _default_dtype(config.dtype), device:
         model = model_class(config.architecture)(config, tp=tp, stage=stage)
     checkpoint = None if fmt == "dummy" else config.model_path  # set for safetensors
+    prequantized = quant is not None and quant.prequantized and checkpoint is not None
     if checkpoint is None:
         init_dummy_weights(model, seed)
+    elif quant is not None and prequantized:
+        layout = model.weight_layout()  # before the swap: the layouts read the layer types
+        layout |= scale_layout(layout, quantize_linears(model, quant.method, quantize=False))
+        load_safetensors(model, Path(checkpoint), progress_bar=tp.is_first, layout=layout)
     else:
         load_safetensors(model, Path(checkpoint), progress_bar=tp.is_first)
+    if quant is not None and not prequantized:
+        quantize_linears(model, quant.method)
     if fused_kernels:
         use_fused_kernels(model)
     elif fused_kernels is None and device.type == "cuda":
@@ -97,11 +110,13 @@ def _tensor_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
 
 
-def load_safetensors(model: LlamaForCausalLM, path: Path, progress_bar: bool = True) -> None:
+def load_safetensors(model: LlamaForCausalLM, path: Path, progress_bar: bool = True,
+                     layout: WeightLayout | None = None) -> None:
     """Copies this rank's slice of every checkpoint tensor into its place (reading only that
     slice); raises naming any unexpected, mis-shaped or missing tensor. `progress_bar`: one
-    over the shards on an interactive terminal (the driver's; the workers' would overlap it)."""
-    layout = model.weight_layout()
+    over the shards on an interactive terminal (the driver's; the workers' would overlap it).
+    `layout`: where tensors land (default: the model's own)."""
+    layout = layout if layout is not None else model.weight_layout()
     params = dict(model.named_parameters())
     tied = model.config.tie_word_embeddings
     seen: set[str] = set()
@@ -117,17 +132,26 @@ def load_safetensors(model: LlamaForCausalLM, path: Path, progress_bar: bool = T
                     # checked against the embedding's slice once that is loaded
                     tied_head = _read(f, name, layout["model.embed_tokens.weight"])
                     continue
+                if name not in layout and name.endswith(_UNREAD_SCALES):
+                    raise ValueError(
+                        f"checkpoint {path} has tensor {name!r}: static activation or KV-cache "
+                        "scales are not read (activations are scaled per token, the fp8 KV "
+                        "cache uses scale 1.0): serve the bf16 checkpoint with --quantization")
                 if name not in layout:
                     raise ValueError(
                         f"checkpoint {path} has tensor {name!r} that {model.config.architecture}"
                         " does not use: is config.json's `architectures` right for these weights?")
                 slot = layout[name]
+                seen.add(name)
+                if slot.per_row:
+                    params[str(slot.param)].data[slot.index].copy_(
+                        _read_scale(f.get_tensor(name), name, slot))
+                    continue
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != slot.shape:
                     raise ValueError(
                         f"checkpoint tensor {name!r} has shape {shape} but config.json implies "
                         f"{slot.shape}: the config and the weights disagree")
-                seen.add(name)
                 if slot.param is not None:
                     params[slot.param].data[slot.index].copy_(_read(f, name, slot))
     if tied_head is not None and model.lm_head is not None:
@@ -147,6 +171,19 @@ def load_safetensors(model: LlamaForCausalLM, path: Path, progress_bar: bool = T
 def _read(f: Any, name: str, slot: WeightSlot) -> torch.Tensor:
     """Gives the slot's slice of checkpoint tensor `name`, read from disk alone."""
     return f.get_slice(name)[slot.source] if slot.source else f.get_tensor(name)
+
+
+def _read_scale(scale: torch.Tensor, name: str, slot: WeightSlot) -> torch.Tensor:
+    """Gives the slot's rows of a per-tensor ([] or [1]) or per-row scale, as float32."""
+    rows = slot.shape[0]
+    flat = scale.float().reshape(-1)
+    if flat.numel() == 1:
+        flat = flat.expand(rows)
+    elif flat.numel() != rows:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(scale.shape)}: a "
+                         f"per-tensor or per-channel scale of {rows} rows must have 1 or "
+                         f"{rows} values (block-wise scales are not supported)")
+    return flat[slot.source] if slot.source else flat
 
 
 def checkpoint_files(path: Path) -> list[Path]:

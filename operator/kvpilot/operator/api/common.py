@@ -21,6 +21,8 @@ from kvpilot.operator.api.formats import QUANTITY, DnsSubdomain, EnvMap, SecretK
 from kvpilot.operator.api.rules import CelRule, JsonDict, validations
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["none", "int8", "fp8"]  # the engine's QUANTIZATIONS
+KvCacheDtype = Literal["auto", "fp8"]  # the engine's KV_CACHE_DTYPES
 ConditionStatus = Literal["True", "False", "Unknown"]
 NcclDebug = Literal["VERSION", "WARN", "INFO", "TRACE"]
 
@@ -139,6 +141,13 @@ class EngineSpec(ApiModel):
     """Fraction of GPU memory the engine may use (engine default 0.9)."""
     kv_cache_memory: str | None = Field(default=None, pattern=r"^\d+(\.\d+)?\s*([KMGT]i?B?|B)?$")
     """Bytes for the KV cache on CPU, e.g. 512MiB."""
+    # unset rather than defaulted: a stored spec's hash, and so its pods, stay as they were
+    quantization: Quantization | None = None
+    """8-bit projection weights (--quantization; unset: none): int8 weight-only, or fp8 (W8A8,
+    NVIDIA GPUs of compute capability 8.9+); the LM head and embeddings stay unquantised."""
+    kv_cache_dtype: KvCacheDtype | None = None
+    """KV-cache dtype (--kv-cache-dtype; unset: auto, the model dtype): fp8 (E4M3) holds twice
+    the bf16 tokens per byte; NVIDIA GPUs of compute capability 8.9+, or CPU."""
     extra_args: list[str] = Field(default_factory=list, max_length=64)
     """Further `kvpilot serve` flags, e.g. ["--seed", "1"]; the operator parses them with the
     engine's own parser and refuses unknown flags and flags it sets itself."""

@@ -1,7 +1,7 @@
 """KV-cache sizing the operator can check before a pod exists: a cache too small to serve.
 
 The engine turns `--kv-cache-memory` into whole blocks of `2 x blockSize x kvHeads x headDim
-x dtype bytes x layers` and starts with at least one, so a cache smaller than one
+x KV dtype bytes x layers` (1 for an fp8 cache) and starts with at least one, so a cache smaller than one
 `maxModelLen` sequence reports ready and answers 400 to every long request. vLLM refuses
 to start in that case; the operator refuses the spec, for the models whose shape it knows
 (the engine's built-in ones; a `hf://` or `pvc://` model's shape is in its config.json).
@@ -16,7 +16,7 @@ from kvpilot.engine.contracts.args import parse_size
 from kvpilot.engine.contracts.builtin_models import BUILTIN_CONFIGS
 from kvpilot.operator.api.accelerator import Vendor
 from kvpilot.operator.api.common import EngineSpec, ModelSource
-from kvpilot.operator.planning.accelerators import bytes_per_param
+from kvpilot.operator.planning.quantization import kv_bytes_per_element
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def check_kv_cache(model: ModelSource, engine: EngineSpec, vendor: Vendor) -> No
     if engine.kv_cache_memory is None or shape is None:
         return
     tokens = engine.max_model_len or shape.max_model_len
-    block = bytes_per_block(shape, engine.block_size, bytes_per_param(engine.dtype, vendor))
+    block = bytes_per_block(shape, engine.block_size, kv_bytes_per_element(engine, vendor))
     need = math.ceil(tokens / engine.block_size) * block
     have = parse_size(engine.kv_cache_memory)
     if have < need:

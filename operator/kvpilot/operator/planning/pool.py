@@ -22,6 +22,7 @@ from kvpilot.operator.api.overrides import Overrides
 from kvpilot.operator.api.pools import AnyPoolSpec
 from kvpilot.operator.planning.kv_cache import check_kv_cache
 from kvpilot.operator.planning.placement import PodPlacement, plan_placement
+from kvpilot.operator.planning.quantization import check_quantization
 
 # A replica may take this long to become ready (download, load, a node) before its pool
 # reports ProgressDeadlineExceeded; big models on a slow link need most of an hour.
@@ -102,6 +103,7 @@ def resolve_pool(spec: AnyPoolSpec, owner: InferenceModelSpec | None) -> Resolve
     check_sections(model, [topology], accelerator, communication,
                    [communication.env, overrides.env])
     check_kv_cache(model, engine, accelerator.vendor)
+    check_quantization(engine, accelerator.vendor)
     placement = plan_placement(topology, model, accelerator, engine, communication)
     budget = owner.gpu_budget if owner else None
     gpus = spec.replicas * placement.gpus_per_pod * placement.nodes_per_replica

@@ -23,10 +23,10 @@ from kvpilot.operator.api.accelerator import AcceleratorSpec
 from kvpilot.operator.api.common import EngineSpec, ModelSource, TopologySpec
 from kvpilot.operator.planning.accelerators import (
     Placement,
-    bytes_per_param,
     check_memory_fit,
     placement,
 )
+from kvpilot.operator.planning.quantization import weight_bytes as quantized_weight_bytes
 
 
 class TopologyError(ValueError):
@@ -145,7 +145,7 @@ def _check_fit(model: ModelSource, engine: EngineSpec, acc: AcceleratorSpec, gpu
                where: Placement) -> None:
     weight_bytes = model.weight_bytes
     if weight_bytes is None and model.parameter_count is not None:
-        weight_bytes = model.parameter_count * bytes_per_param(engine.dtype, acc.vendor)
+        weight_bytes = quantized_weight_bytes(model.parameter_count, engine, acc.vendor)
     if weight_bytes is None or where.memory_bytes_per_gpu is None:
         return
     mode = f" {acc.compute_partition}/{acc.memory_partition or 'NPS1'}" \

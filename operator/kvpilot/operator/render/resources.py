@@ -21,8 +21,8 @@ from typing import Any
 
 from kvpilot.engine.contracts.args import parse_size
 from kvpilot.operator.api.formats import parse_quantity
-from kvpilot.operator.planning.accelerators import bytes_per_param
 from kvpilot.operator.planning.pool import ResolvedPool
+from kvpilot.operator.planning.quantization import weight_bytes as quantized_weight_bytes
 
 # Resource the NVIDIA network operator's RDMA shared device plugin advertises by default.
 RDMA_RESOURCE = "rdma/rdma_shared_device_a"
@@ -40,7 +40,8 @@ def weight_bytes(pool: ResolvedPool) -> int | None:
     if model.weight_bytes is not None:
         return model.weight_bytes
     if model.parameter_count is not None:
-        return model.parameter_count * bytes_per_param(pool.engine.dtype, pool.accelerator.vendor)
+        return quantized_weight_bytes(model.parameter_count, pool.engine,
+                                      pool.accelerator.vendor)
     return None
 
 

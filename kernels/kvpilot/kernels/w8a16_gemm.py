@@ -1,0 +1,73 @@
+"""W8A16 GEMM for decode-sized batches: out = x @ (weight * scale[:, None]).T with an int8
+weight [N, K], a float32 per-row scale [N] and activations x [M, K] (M <= MAX_M).
+
+At decode sizes the layer is bound by reading the weight: the point of int8 is to read one
+byte per weight, so the kernel widens each int8 tile to the activation dtype in registers
+(the torch path writes and re-reads a widened copy of the whole weight). One program
+computes BLOCK_N output columns for every row: `tl.dot` needs 16 rows, so the rows are
+padded to BLOCK_M >= 16 with masks; a small BLOCK_N gives enough programs to fill the GPU
+without splitting K. Larger batches are compute-bound and stay on the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpilot.kernels.jit import jit
+
+MAX_M = 64  # rows beyond which the torch path (widen, then cuBLAS) wins
+
+
+@jit
+def _w8a16_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K,
+    stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+    out = acc * scale[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def w8a16_gemm(
+    x: torch.Tensor,  # [M, K], M <= MAX_M, rows dense
+    weight: torch.Tensor,  # [N, K] int8, rows dense
+    scale: torch.Tensor,  # [N] float32
+    block_n: int = 16,
+    block_k: int = 256,
+) -> torch.Tensor:
+    """Gives x @ (weight * scale[:, None]).T [M, N] in x's dtype."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    assert rows <= MAX_M, f"{rows} rows: the torch path takes batches above {MAX_M}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be dense"
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    _w8a16_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, scale, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return out
+
+
+def w8a16_gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Gives the same product computed in float32 with torch."""
+    return ((x.float() @ weight.float().t()) * scale[None, :]).to(x.dtype)
