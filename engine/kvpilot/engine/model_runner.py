@@ -28,6 +28,7 @@ from kvpilot.engine.step_batch import PackedStep, StepInputs, pack_step, unpack_
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
+    from kvpilot.engine.models.llama import LlamaForCausalLM
 
 CPU_KV_CACHE_DEFAULT = "256MiB"
 
@@ -69,13 +70,14 @@ def select_attention_backend(args: EngineArgs, device: torch.device) -> Attentio
 class ModelRunner:
     """Holds the model and its KV cache (this rank's shards); executes steps.
 
-    `agree_num_blocks` (tensor parallelism) turns this rank's KV block count into the
-    one every rank uses: the smallest.
+    `agree_num_blocks` turns this rank's KV block count into the one it uses: with tensor
+    parallelism the smallest of every rank's, with a draft model its share of the budget.
     """
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig, device: torch.device,
                  tp: TPGroup = SINGLE_RANK,
-                 agree_num_blocks: Callable[[int], int] | None = None) -> None:
+                 agree_num_blocks: Callable[[int], int] | None = None,
+                 model: LlamaForCausalLM | None = None) -> None:
         from kvpilot.engine.models.loader import load_model
 
         self.args = args
@@ -83,7 +85,10 @@ class ModelRunner:
         self.device = device
         self.block_size = args.block_size
         started = time.perf_counter()
-        self.model = load_model(model_config, args.load_format, device, seed=args.seed, tp=tp)
+        # a model given is already loaded (a draft model, loaded before the target sizes the
+        # KV cache so the profile sees its weights)
+        self.model = model if model is not None else load_model(
+            model_config, args.load_format, device, seed=args.seed, tp=tp)
         self.load_seconds = time.perf_counter() - started
         self.model.attn_backend = select_attention_backend(args, device)
         kv_heads = tp.kv_heads(model_config.num_kv_heads)
