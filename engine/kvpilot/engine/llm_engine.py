@@ -546,7 +546,7 @@ class LLMEngine:
         """Gives the gauges and counters the server exports."""
         running = {s.request.request_id for s in self.scheduler.running}
         waiting = [r for r in self.requests.values() if r.request_id not in running]
-        return EngineStats(
+        stats = EngineStats(
             num_running=len(running),
             num_waiting=len(waiting),
             num_waiting_prompt_tokens=sum(r.num_prompt_tokens for r in waiting),
@@ -561,15 +561,11 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             graph_steps=self.runner.num_graph_steps,
             eager_steps=self.runner.num_eager_steps,
-            **self._spec_stats(),
         )
-
-    def _spec_stats(self) -> dict[str, int | list[int]]:
-        """Gives the spec_decode counters as EngineStats fields (none without speculation)."""
-        if self.spec is None:
-            return {}
-        c = self.spec.counters
-        return {"spec_decode_num_drafts": c.num_drafts,
-                "spec_decode_num_draft_tokens": c.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": c.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(c.num_accepted_tokens_per_pos)}
+        if self.spec is not None:
+            c = self.spec.counters
+            stats.spec_decode_num_drafts = c.num_drafts
+            stats.spec_decode_num_draft_tokens = c.num_draft_tokens
+            stats.spec_decode_num_accepted_tokens = c.num_accepted_tokens
+            stats.spec_decode_num_accepted_tokens_per_pos = list(c.num_accepted_tokens_per_pos)
+        return stats
