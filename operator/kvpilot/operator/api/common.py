@@ -19,6 +19,7 @@ from kvpilot.operator.api.accelerator import AcceleratorSpec
 from kvpilot.operator.api.base import ApiModel
 from kvpilot.operator.api.formats import QUANTITY, DnsSubdomain, EnvMap, SecretKey
 from kvpilot.operator.api.rules import CelRule, JsonDict, validations
+from kvpilot.operator.api.speculative import SpeculativeSpec
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 ConditionStatus = Literal["True", "False", "Unknown"]
@@ -139,6 +140,9 @@ class EngineSpec(ApiModel):
     """Fraction of GPU memory the engine may use (engine default 0.9)."""
     kv_cache_memory: str | None = Field(default=None, pattern=r"^\d+(\.\d+)?\s*([KMGT]i?B?|B)?$")
     """Bytes for the KV cache on CPU, e.g. 512MiB."""
+    # speculative decoding (issue 23)
+    speculative: SpeculativeSpec | None = None
+    """Speculative decoding (n-gram or a draft model); one GPU per replica, aggregated only."""
     extra_args: list[str] = Field(default_factory=list, max_length=64)
     """Further `kvpilot serve` flags, e.g. ["--seed", "1"]; the operator parses them with the
     engine's own parser and refuses unknown flags and flags it sets itself."""

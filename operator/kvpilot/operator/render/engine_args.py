@@ -33,6 +33,7 @@ OWNED_FLAGS = {
     "drain_timeout": "the operator's --drain-timeout",
     "api_key": "spec.auth.apiKeySecretRef (never a key in a pod's args)",
     "fleet_secret_file": "the fleet Secret the operator mounts",
+    "speculative_config": "spec.engine.speculative",
 }
 
 
@@ -96,6 +97,8 @@ def serve_args(pool: ResolvedPool, drain_timeout: int) -> list[str]:
         expert_parallel_size=topo.expert_parallel,
         role=pool.role,
         fleet_secret_file=FLEET_SECRET_PATH,
+        speculative_config=(engine.speculative.to_engine_config().to_json()
+                            if engine.speculative else None),
     )
     server = ServerArgs(host="0.0.0.0", port=ENGINE_PORT, drain_timeout=float(drain_timeout))
     check_extra_args(engine.extra_args)
