@@ -61,8 +61,11 @@ def load_draft(args: EngineArgs, spec: SpeculativeConfig, target: ModelConfig,
 
     if spec.model is None:
         raise ValueError("a draft-model speculative_config needs 'model'")
+    # a dummy target (benchmarks) gets a dummy draft: same seed, so a draft naming the
+    # target's config has the target's weights
+    load_format = "dummy" if args.load_format == "dummy" else "auto"
     draft_args = with_local_model(replace(
-        args, model=spec.model, served_model_name=None, tokenizer=None, load_format="auto",
+        args, model=spec.model, served_model_name=None, tokenizer=None, load_format=load_format,
         max_model_len=target.max_model_len, speculative_config=None))
     config = ModelConfig.from_engine_args(draft_args, device)
     if config.vocab_size != target.vocab_size:
