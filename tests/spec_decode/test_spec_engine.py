@@ -163,3 +163,31 @@ def test_metrics_page_carries_the_spec_decode_counters():
     plain = ServerMetrics("m")
     plain.set_stats(EngineStats())
     assert "spec_decode" not in plain.render().decode()
+
+
+def test_rejected_draft_slots_are_freed_after_every_step():
+    """A draft model that disagrees (another random model) gets most drafts rejected; after
+    every step each running decode holds exactly the blocks of its verified tokens, and the
+    pool's blocks are all either free or in a table."""
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model="tiny-llama", num_kv_blocks=48, block_size=4,
+        speculative_config=draft("tiny-qwen3", k=4)))
+    for i, prompt in enumerate(prompts()[:4]):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=20, ignore_eos=True,
+                                                          temperature=0.0))
+    kv = engine.kv
+    checked = 0
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        for seq in engine.scheduler.running:
+            if seq.num_pending_tokens == 1:  # a decode between steps
+                assert len(kv.block_ids(seq)) == -(-seq.num_computed_tokens // 4)
+                checked += 1
+        owned = {b.block_id for table in kv.block_tables.values() for b in table}
+        assert len(owned) + kv.pool.num_free_blocks == kv.num_blocks
+    assert not engine.has_unfinished_requests()
+    stats = engine.get_stats()
+    assert checked > 20
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
