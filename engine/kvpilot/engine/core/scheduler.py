@@ -4,7 +4,9 @@ Each step spends a token budget (`max_num_batched_tokens`) on running sequences
 first — decodes, then continuing prefill chunks — and then admits waiting ones.
 When the KV cache runs out, the least important running sequence (lowest
 priority, then newest arrival) is preempted by recompute: its blocks are freed
-and it waits again with its generated tokens kept.
+and it waits again with its generated tokens kept. With speculative decoding a
+decode also reserves slots for k draft tokens (`_num_spec_tokens`), dropped first
+when the pool is short; the spec step fills them (`spec_decode/spec_decoder.py`).
 """
 
 from __future__ import annotations
