@@ -8,12 +8,14 @@ from __future__ import annotations
 import functools
 import random
 
+import msgspec
 import pytest
 from helpers.checkpoints import write_checkpoint
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.outputs import EngineStats
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.core_process.messages import StepOutputs, from_core_decoder
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.server.metrics import ServerMetrics
 
@@ -163,6 +165,12 @@ def test_metrics_page_carries_the_spec_decode_counters():
     plain = ServerMetrics("m")
     plain.set_stats(EngineStats())
     assert "spec_decode" not in plain.render().decode()
+
+
+def test_spec_counters_cross_the_core_process_boundary():
+    stats = EngineStats(spec_decode_num_drafts=2, spec_decode_num_accepted_tokens_per_pos=[2, 1])
+    step = StepOutputs([], stats)
+    assert from_core_decoder().decode(msgspec.msgpack.encode(step)) == step
 
 
 def test_rejected_draft_slots_are_freed_after_every_step():
