@@ -344,6 +344,7 @@ def markdown(r: dict[str, Any]) -> str:
               f"speed {b['served_over_offline_speed']:.2f}x offline.", "",
               f"Reproduce: `python bench/serve_vs_offline.py --out DIR --api-server-counts "
               f"{','.join(r['served_inf'])} --clients {r['clients']}"
+              f" --max-num-batched-tokens {r['max_num_batched_tokens']}"
               f"{' --smoke' if r['smoke'] else ''}`"]
     return "\n".join(lines) + "\n"
 
@@ -357,15 +358,23 @@ def main() -> None:
                         help="Poisson rate as a fraction of the rate-inf request rate")
     parser.add_argument("--clients", type=int, default=4,
                         help="load generator processes sending the served requests")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the engine's token budget per step, both sides (default: the "
+                             "recipe's 16384): smaller steps bound the inter-token latency")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of every phase")
     args = parser.parse_args()
     counts = [int(c) for c in args.api_server_counts.split(",")]
     spec = SMOKE if args.smoke else full_spec()
+    if args.max_num_batched_tokens is not None:
+        spec = {**spec, "engine": {**spec["engine"],
+                                   "max_num_batched_tokens": args.max_num_batched_tokens}}
     with tempfile.TemporaryDirectory() as tmp:
         result = run(spec, counts, args.saturation, args.clients, Path(tmp))
     record = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": machine(), "smoke": args.smoke, "requests": spec["requests"],
-              "lengths": spec["lengths"], "clients": args.clients, **result}
+              "lengths": spec["lengths"], "clients": args.clients,
+              "max_num_batched_tokens": spec["engine"].get("max_num_batched_tokens", 8192),
+              **result}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve_vs_offline.json").write_text(json.dumps(record, indent=1) + "\n")
     table = markdown(record)

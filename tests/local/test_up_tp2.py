@@ -1,6 +1,6 @@
-"""`kvpilot up` runs the TP=2 CPU manifest as the pods would (the engine core starts its
-worker rank itself, gloo between them) and answers an OpenAI request through the router with the
-single-rank engine's tokens."""
+"""`kvpilot up` runs the TP=2 and the PP=2 CPU manifests as the pods would (the engine core
+starts its worker rank itself, gloo between them) and answers an OpenAI request through the
+router with the single-rank engine's tokens."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 import yaml
 
 from kvpilot.engine.parallel.processes import WORKER_MODULE
@@ -15,20 +16,26 @@ from kvpilot.operator.local.plan import plan_local
 from kvpilot.operator.local.supervisor import Supervisor, free_port
 
 ROOT = Path(__file__).parents[2]
-MANIFEST = yaml.safe_load((ROOT / "examples" / "tiny-cpu-tp2.yaml").read_text())
+# example manifest -> the engine flag its topology renders
+MANIFESTS = {"tiny-cpu-tp2.yaml": "--tensor-parallel-size",
+             "tiny-cpu-pp2.yaml": "--pipeline-parallel-size"}
 PROMPT = "tensor parallel on a laptop"
 
 
-def test_up_serves_the_tp2_manifest(tmp_path: Path):
+@pytest.mark.parametrize("example", list(MANIFESTS))
+def test_up_serves_the_parallel_manifest(tmp_path: Path, example: str):
     from kvpilot.engine.contracts.sampling_params import SamplingParams
     from kvpilot.engine.llm import LLM
 
-    engine = MANIFEST["spec"]["engine"]
+    manifest = yaml.safe_load((ROOT / "examples" / example).read_text())
+    engine = manifest["spec"]["engine"]
     want = LLM("tiny-llama", dtype=engine["dtype"], max_model_len=engine["maxModelLen"],
                kv_cache_memory=engine["kvCacheMemory"]).generate(
         PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
-    engines, router = plan_local(MANIFEST, free_port, free_port())
-    assert len(engines) == 1 and "--tensor-parallel-size" in engines[0].argv
+    engines, router = plan_local(manifest, free_port, free_port())
+    assert len(engines) == 1
+    flag = MANIFESTS[example]
+    assert engines[0].argv[engines[0].argv.index(flag) + 1] == "2"
     supervisor = Supervisor(tmp_path)
     try:
         for process in [*engines, router]:

@@ -25,9 +25,17 @@ def shape(base: str = "tiny-llama", **hf) -> ModelConfig:
 
 # (id, (tp, pp, ep), model, device, visible GPUs, role, message)
 REFUSED = [
-    ("pp", (1, 2, 1), LLAMA, "cpu", 0, "both",
-     "--pipeline-parallel-size=2 is not supported yet: the engine runs tensor and expert "
-     "parallelism; use --pipeline-parallel-size 1"),
+    ("pp-over-layers", (1, 3, 1), LLAMA, "cpu", 0, "both",
+     "--pipeline-parallel-size=3 does not fit the model's 2 layers: each stage holds at least "
+     "one whole layer; use 1 to 2"),
+    ("pp-zero", (1, 0, 1), LLAMA, "cpu", 0, "both",
+     "--pipeline-parallel-size=0 does not fit the model's 2 layers"),
+    ("pp-gpus", (2, 2, 1), LLAMA, "cuda", 2, "both",
+     "--tensor-parallel-size=2 --pipeline-parallel-size=2 needs 4 GPUs on this node but 2 are "
+     "visible"),
+    ("pp-role", (1, 2, 1), LLAMA, "cpu", 0, "decode",
+     "--role decode with --tensor-parallel-size=1 --pipeline-parallel-size=2 is not supported: "
+     "the KV transfer moves one rank's whole cache"),
     ("tp-heads", (3, 1, 1), LLAMA, "cpu", 0, "both",
      "--tensor-parallel-size=3 does not divide the model's 4 attention heads: each rank needs "
      "whole heads; use one of 1, 2, 4"),
@@ -75,6 +83,8 @@ ACCEPTED = [
     ("tp2-on-2-gpus", (2, 1, 1), LLAMA, "cuda", 2),
     ("mixtral-ep1", (2, 1, 1), MIXTRAL, "cpu", 0),
     ("mixtral-ep-equals-tp", (4, 1, 4), MIXTRAL, "cpu", 0),
+    ("pp2", (1, 2, 1), LLAMA, "cpu", 0),
+    ("tp2-pp2-on-4-gpus", (2, 2, 1), LLAMA, "cuda", 4),
 ]
 
 
@@ -82,6 +92,15 @@ ACCEPTED = [
                          [a[1:] for a in ACCEPTED], ids=[a[0] for a in ACCEPTED])
 def test_accepted(topology, config, device, visible):
     validate(ParallelConfig(*topology), config, device, visible)
+
+
+def test_async_scheduling_on_is_refused_with_pp():
+    validate(ParallelConfig(1, 2), LLAMA, "cpu", 0, async_scheduling="auto")
+    with pytest.raises(ParallelConfigError) as err:
+        validate(ParallelConfig(1, 2), LLAMA, "cpu", 0, async_scheduling="on")
+    assert str(err.value) == (
+        "--async-scheduling on with --pipeline-parallel-size=2 is not supported: pipeline "
+        "stages overlap batches instead; use --async-scheduling auto or off")
 
 
 def test_ranks_per_node_count_against_the_node_gpus():
@@ -121,6 +140,14 @@ def test_llm_refuses_before_starting_anything():
     children = len(psutil.Process().children(recursive=True))
     with pytest.raises(ParallelConfigError, match="--tensor-parallel-size=3 does not divide"):
         LLM("tiny-llama", tensor_parallel_size=3)
+    assert len(psutil.Process().children(recursive=True)) == children
+
+
+def test_llm_refuses_pp_with_async_scheduling_before_starting_anything():
+    children = len(psutil.Process().children(recursive=True))
+    with pytest.raises(ParallelConfigError, match="--async-scheduling on with "
+                                                  "--pipeline-parallel-size=2"):
+        LLM("tiny-llama", pipeline_parallel_size=2, async_scheduling="on")
     assert len(psutil.Process().children(recursive=True)) == children
 
 

@@ -1,7 +1,8 @@
-"""Tensor parallelism on GPUs (NCCL, bf16): TP=2 on 2 GPUs, and TP=4 with EP=1 and EP=4 on
-a Mixtral-shaped model on 4 GPUs, replay CUDA graphs with their all-reduces inside and
-match TP=1 under a top-5 rule: every greedy token of the TP run is within TP=1's top 5 at
-that step, TP=1 teacher-forced on the TP run's prefix."""
+"""Tensor and pipeline parallelism on GPUs (NCCL, bf16): TP=2 and PP=2 on 2 GPUs, TP=4 with
+EP=1 and EP=4 on a Mixtral-shaped model and TP=2 x PP=2 on 4 GPUs match TP=1 under a top-5
+rule: every greedy token of the parallel run is within TP=1's top 5 at that step, TP=1
+teacher-forced on the parallel run's prefix. Single-stage runs replay CUDA graphs with their
+all-reduces inside; pipeline stages run eagerly and keep two batches in flight."""
 
 from __future__ import annotations
 
@@ -55,13 +56,19 @@ def prompts(vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randrange(8, 200))] for _ in range(8)]
 
 
-def tp_greedy(path: Path, tp: int, ep: int, batch: list[list[int]]) -> list[list[int]]:
-    """Gives the TP run's greedy tokens; checks its decode steps replayed CUDA graphs."""
-    llm = LLM(str(path), tensor_parallel_size=tp, expert_parallel_size=ep, **ENGINE)
+def tp_greedy(path: Path, tp: int, ep: int, batch: list[list[int]],
+              pp: int = 1) -> list[list[int]]:
+    """Gives the parallel run's greedy tokens; checks its decode steps replayed CUDA graphs
+    (one stage) or that two batches were in the pipeline at once (two stages)."""
+    llm = LLM(str(path), tensor_parallel_size=tp, expert_parallel_size=ep,
+              pipeline_parallel_size=pp, **ENGINE)
     try:
         outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
                                                      ignore_eos=True))
-        assert llm.get_stats().graph_steps > 0  # decode graphs hold the all-reduces
+        if pp == 1:
+            assert llm.get_stats().graph_steps > 0  # decode graphs hold the all-reduces
+        else:
+            assert llm.engine.runner.max_in_flight == pp  # type: ignore[attr-defined]
     finally:
         llm.engine.shutdown()
     del llm
@@ -97,3 +104,17 @@ def test_tp4_matches_tp1(tmp_path: Path, shape: dict, ep: int):
     path = model_dir(tmp_path / "model", shape)
     batch = prompts(shape["vocab_size"])
     assert_top5(path, batch, tp_greedy(path, 4, ep, batch))
+
+
+def test_pp2_matches_tp1(tmp_path: Path):
+    need_gpus(2)
+    path = model_dir(tmp_path / "llama", LLAMA_SHAPE)
+    batch = prompts(LLAMA_SHAPE["vocab_size"])
+    assert_top5(path, batch, tp_greedy(path, 1, 1, batch, pp=2))
+
+
+def test_tp2_pp2_matches_tp1(tmp_path: Path):
+    need_gpus(4)
+    path = model_dir(tmp_path / "llama", LLAMA_SHAPE)
+    batch = prompts(LLAMA_SHAPE["vocab_size"])
+    assert_top5(path, batch, tp_greedy(path, 2, 1, batch, pp=2))

@@ -1,7 +1,9 @@
 """One contract between the operator's multi-node rendering and the engine: the env a
 rendered group's pods get is exactly what `Rendezvous.from_env` reads, giving each pod its
-ranks; and two local processes started with that env (a TP=2 group split over two
-"pods") answer an OpenAI request with the single-rank engine's tokens."""
+ranks; two local processes started with that env (a TP=2 group split over two "pods")
+answer an OpenAI request with the single-rank engine's tokens; and so do the two pods of a
+PP=2 group the operator renders, run with their rendered command and env (the leader's
+address mapped to this machine)."""
 
 from __future__ import annotations
 
@@ -34,9 +36,17 @@ GROUP_SPEC = {"model": {"name": "llama", "source": "dummy:tiny-llama", "numAtten
               "accelerator": {"vendor": "nvidia"}}
 
 
-def rendered_group(config: RenderConfig) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """Gives (the multi-node workload, the pool's Service, its nodes) of GROUP_SPEC."""
-    spec = InferenceModelSpec.model_validate(GROUP_SPEC)
+# one GPU per node: each of the two stages of tiny-llama is a pod of its own
+PP_GROUP_SPEC = {"model": {"name": "tiny-llama", "source": "dummy:tiny-llama",
+                           "numAttentionHeads": 4, "numKeyValueHeads": 2, "numLayers": 2},
+                 "topology": {"pipelineParallel": 2},
+                 "accelerator": {"vendor": "nvidia", "gpusPerNode": 1}}
+
+
+def rendered_group(config: RenderConfig, group_spec: dict[str, Any] = GROUP_SPEC
+                   ) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """Gives (the multi-node workload, the pool's Service, its nodes) of `group_spec`."""
+    spec = InferenceModelSpec.model_validate(group_spec)
     im = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel",
           "metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 1}}
     pool = next(o for o in render_children(im, spec, owned_pools(spec, "m"), config)
@@ -99,14 +109,18 @@ def test_rendered_group_env_is_what_the_engine_reads(config, index_label):
             "m-decode-g0-0.m-decode-workers.ns.svc"
 
 
-def start_pod(env: dict[str, str], log: Path, pattern: str) -> tuple[subprocess.Popen, str]:
+TP2_FLAGS = ["--model", "tiny-llama", "--device", "cpu", "--tensor-parallel-size", "2",
+             "--num-kv-blocks", "64", "--port", "0"]
+
+
+def start_pod(env: dict[str, str], log: Path, pattern: str,
+              flags: list[str] = TP2_FLAGS) -> tuple[subprocess.Popen, str]:
     """Starts one "pod" (`kvpilot serve` with the group env); gives it and its URL."""
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpilot.cli.main", "serve", "--model", "tiny-llama",
-             "--device", "cpu", "--tensor-parallel-size", "2", "--num-kv-blocks", "64",
-             "--port", "0"], env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
+            [sys.executable, "-m", "kvpilot.cli.main", "serve", *flags],
+            env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
     while True:
         found = re.search(pattern + r" (http://\S+)", log.read_text(errors="replace"))
         if found:
@@ -130,20 +144,73 @@ def test_two_pods_of_a_group_answer(tmp_path: Path):
         pods.append(worker)
         leader, url = start_pod(rendezvous_env(group), tmp_path / "pod0.log", "listening on")
         pods.append(leader)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while httpx.get(f"{url}/ready", timeout=5).status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.2)
         for probe in ("/health", "/ready"):
-            assert httpx.get(worker_url + probe, timeout=5).status_code == 200
+            assert httpx.get(worker_url + probe, timeout=30).status_code == 200
         answer = httpx.post(f"{url}/v1/completions", timeout=60, json={
             "model": "tiny-llama", "prompt": "the same rendered command on two pods",
             "max_tokens": 8, "temperature": 0, "ignore_eos": True})
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == want.rstrip("\ufffd")
         leader.terminate()  # drains, then stops its workers: the worker pod exits 0
-        assert leader.wait(60) == 0
-        assert worker.wait(60) == 0
+        assert leader.wait(180) == 0
+        assert worker.wait(180) == 0
+    finally:
+        for pod in pods:
+            pod.kill()
+            pod.wait(30)
+
+
+def local_flags(args: list[str]) -> list[str]:
+    """Gives a rendered pod's `kvpilot serve` flags as this machine runs them: CPU instead of
+    the GPU, any free port on 127.0.0.1, no fleet Secret file (there is no Secret mount)."""
+    out, values = [], iter(args)
+    for flag in values:
+        if flag in ("--device", "--host", "--port", "--fleet-secret-file"):
+            next(values)
+            continue
+        out.append(flag)
+    return [*out, "--device", "cpu", "--host", "127.0.0.1", "--port", "0"]
+
+
+def test_rendered_pp2_group_answers(tmp_path: Path):
+    from kvpilot.engine.contracts.sampling_params import SamplingParams
+    from kvpilot.engine.llm import LLM
+
+    group, _, nodes = rendered_group(RenderConfig(), PP_GROUP_SPEC)
+    container = group["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["kvpilot", "serve"] and nodes == 2
+    flags = local_flags(container["args"])
+    assert flags[flags.index("--pipeline-parallel-size") + 1] == "2"
+    prompt = "two stages on two pods"
+    want = LLM("tiny-llama").generate(prompt, SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+    port = str(free_port())  # the rendered 29500 may be taken on a shared machine
+    envs = [{**pod_env(container, {POD_INDEX_LABEL: str(node)}), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": port} for node in range(nodes)]
+    assert [(e["WORLD_SIZE"], e["NNODES"], e["NODE_RANK"]) for e in envs] == [
+        ("2", "2", "0"), ("2", "2", "1")]
+    pods = []
+    try:
+        worker, _ = start_pod(envs[1], tmp_path / "pod1.log", "answering probes on", flags)
+        pods.append(worker)
+        leader, url = start_pod(envs[0], tmp_path / "pod0.log", "listening on", flags)
+        pods.append(leader)
+        deadline = time.monotonic() + 300
+        while httpx.get(f"{url}/ready", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        answer = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == want.rstrip("\ufffd")
+        leader.terminate()  # drains, then stops the last stage: the worker pod exits 0
+        assert leader.wait(180) == 0
+        assert worker.wait(180) == 0
     finally:
         for pod in pods:
             pod.kill()

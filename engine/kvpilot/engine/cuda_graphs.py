@@ -82,10 +82,21 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
+    def release(self) -> None:
+        """Frees the captured graphs (the replay counter stays). A graph that captured NCCL
+        collectives keeps its communicator busy: destroying the process group before the
+        graph hangs (pytorch/pytorch#115388), so ranks release their graphs first."""
+        torch.cuda.synchronize()
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.buckets = []
+
     def can_replay(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
         """Gives whether this step is a pure decode batch that fits a captured graph."""
         return (meta.max_query_len == 1 and kv_caches is self.kv_caches
-                and meta.num_seqs <= self.buckets[-1]
+                and bool(self.buckets) and meta.num_seqs <= self.buckets[-1]
                 and meta.block_tables.shape[1] <= self.block_tables.shape[1]
                 and meta.max_seq_len <= self.max_model_len)
 

@@ -72,7 +72,7 @@ def make_executor(args: EngineArgs, model_config: ModelConfig, device: torch.dev
     rendezvous = Rendezvous.from_env(env, parallel.world_size)
     visible = torch.cuda.device_count() if device.type == "cuda" else 0
     validate(parallel, model_config, device.type, visible, args.role,
-             rendezvous.ranks_per_node if rendezvous else None)
+             rendezvous.ranks_per_node if rendezvous else None, args.async_scheduling)
     log_topology(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                  parallel.expert_parallel_size, rendezvous.nnodes if rendezvous else 1,
                  model_config.num_experts)
@@ -87,4 +87,8 @@ def make_executor(args: EngineArgs, model_config: ModelConfig, device: torch.dev
         raise ParallelConfigError(
             f"NODE_RANK={rendezvous.node_rank}: only node rank 0 runs the engine; the other "
             "pods of a group run workers only (`kvpilot serve` does that by itself)")
+    if parallel.pipeline_parallel_size > 1:
+        from kvpilot.engine.parallel.pipeline_executor import PipelineExecutor
+
+        return PipelineExecutor(args, model_config, device.type, parallel, rendezvous)
     return MultiRankExecutor(args, model_config, device.type, parallel, rendezvous)

@@ -3,7 +3,9 @@
 Not thread-safe: one thread (the core process's loop, or the offline LLM)
 drives it. Each `step()` returns a delta per request that got new tokens or
 finished in that step: its new token ids, not its whole output. Text is decoded
-by whoever reads the deltas (`kvpilot.engine.request_state`).
+by whoever reads the deltas (`kvpilot.engine.request_state`). With pipeline
+parallelism several batches are in flight at once (`engine.batch_queue`); each is
+booked as a synchronous step when it comes back.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpilot.engine.batch_queue import BatchQueue, PipelinedExecutor
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.fleet_secret import FleetSecret
 from kvpilot.engine.contracts.outputs import EngineStats, TokenLogprobs
@@ -34,6 +37,7 @@ from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
 from kvpilot.engine.executor import ModelExecutor, make_executor
 from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from kvpilot.engine.spec_decode.proposers import Drafts
 from kvpilot.engine.spec_decode.spec_decoder import SpecDecoder, VerifyItem, make_spec_decoder
 
 if TYPE_CHECKING:
@@ -105,9 +109,11 @@ class LLMEngine:
         # the core process keeps True to stream
         self.stream_outputs = True
         mode = engine_args.async_scheduling
-        # EngineArgs refuses "on" with speculation; "auto" turns off for it
-        self.async_scheduling = mode == "on" or (mode == "auto" and runner.device.type == "cuda"
-                                                 and spec is None)
+        # pipeline stages overlap batches instead (parallel.config refuses "on" with PP > 1);
+        # EngineArgs refuses "on" with speculation, "auto" turns off for it
+        self.batch_queue = BatchQueue(runner) if isinstance(runner, PipelinedExecutor) else None
+        self.async_scheduling = self.batch_queue is None and spec is None and (
+            mode == "on" or (mode == "auto" and runner.device.type == "cuda"))
         self._inflight: _InFlight | None = None
         self._gpu_wait_s = 0.0  # of the last step: waiting for the GPU's sampled tokens
         # of the last step, for the slow-iteration log: phase -> seconds, and its batch
@@ -226,7 +232,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Gives whether a `step` has work (requests, or outputs still to return)."""
-        return bool(self.requests) or bool(self._pending) or self._inflight is not None
+        return (bool(self.requests) or bool(self._pending) or self._inflight is not None
+                or bool(self.batch_queue and self.batch_queue.batches))
 
     def _seed(self, seq: Sequence) -> None:
         seed = seq.request.params.seed
@@ -243,6 +250,9 @@ class LLMEngine:
         the host while the GPU runs this one.
         """
         results, self._pending = self._pending, []
+        if self.batch_queue is not None:
+            self._step_pipelined(self.batch_queue, results)
+            return results
         self._gpu_wait_s = 0.0
         phases, clock = {}, time.perf_counter
         self._phases, start = phases, clock()
@@ -276,23 +286,52 @@ class LLMEngine:
             phases["advance"] = clock() - start
             self._inflight = launched
             return results
+        self._book(plan, entries, logits, results, drafts)
+        phases["sample"] = clock() - start
+        return results
+
+    def _step_pipelined(self, queue: BatchQueue, results: list[EngineCoreOutput]) -> None:
+        """Submits a new batch while the pipeline has room and one can be scheduled; else
+        waits for the oldest batch in flight and books it (see `engine.batch_queue`)."""
+        if queue.has_room:
+            # as many batches as stages: the sequences split evenly, so the stages overlap
+            share = -(-self.scheduler.num_unfinished // queue.executor.max_concurrent_batches)
+            plan = self.scheduler.schedule(queue.busy, max(share, 1))
+            if not plan.is_empty:
+                self._last_plan = plan
+                queue.submit(plan, self._entries(plan))
+                if queue.has_room:
+                    return
+        if queue.batches:
+            batch, logits = queue.collect()
+            self._book(batch.plan, batch.entries, logits, results)
+
+    def _book(self, plan: SchedulerOutput, entries: list[BatchEntry], logits: torch.Tensor,
+              results: list[EngineCoreOutput], drafts: dict[int, Drafts] | None = None) -> None:
+        """Books a step whose logits are here: computed counts, full blocks, prompt
+        logprobs, then sampling and stop checks; `drafts` (speculation) are verified."""
         to_sample: list[tuple[Sequence, int]] = []
         to_verify: list[VerifyItem] = []
         row = 0
         cache_full_blocks = self.kv.cache_full_blocks
+        finished = SequenceStatus.FINISHED
         for (seq, num_new), entry in zip(plan.scheduled, entries, strict=True):
             if drafts and seq.seq_id in drafts:
                 to_verify.append(VerifyItem(seq, row, drafts[seq.seq_id]))
                 row += num_new
                 continue
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens = start + num_new
-            cache_full_blocks(seq)
+            first_row = row
             if entry.logits == "last":
                 row += 1
             elif entry.logits == "all":
-                self._record_prompt_logprobs(seq, start, logits[row:row + num_new])
                 row += num_new
+            if seq.status is finished:
+                continue  # aborted while its batch was in the pipeline (pipeline parallelism)
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens = start + num_new
+            cache_full_blocks(seq)
+            if entry.logits == "all":
+                self._record_prompt_logprobs(seq, start, logits[first_row:row])
             if seq.num_computed_tokens == len(seq.token_ids):
                 request = seq.request
                 if request.forked or request.params.n == 1 or request.is_beam_search:
@@ -303,8 +342,6 @@ class LLMEngine:
         if to_verify and self.spec is not None:
             self._collect(self._apply_verified(to_verify, self.spec.verify(to_verify, logits)),
                           results)
-        phases["sample"] = clock() - start
-        return results
 
     def _apply_verified(self, items: list[VerifyItem], emitted: list[list[int]]
                         ) -> list[Request]:

@@ -1,5 +1,5 @@
 """Runs the model on one scheduled step: owns the paged KV cache and the model (or one
-tensor-parallel rank's shard of both).
+tensor-parallel rank's shard of both, for the layers of its pipeline stage).
 
 The batch is the layout of `engine/attention/metadata.py`, packed into one int64
 buffer by `step_batch.pack_step` (numpy, no per-token Python loops) and read back
@@ -23,6 +23,7 @@ from kvpilot.engine.contracts.args import EngineArgs, parse_size
 from kvpilot.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from kvpilot.engine.device import StagingBuffer
 from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
+from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
 from kvpilot.engine.startup_log import LoadReport
 from kvpilot.engine.step_batch import PackedStep, StepInputs, pack_step, unpack_step
 
@@ -70,13 +71,16 @@ def select_attention_backend(args: EngineArgs, device: torch.device) -> Attentio
 class ModelRunner:
     """Holds the model and its KV cache (this rank's shards); executes steps.
 
-    `agree_num_blocks` turns this rank's KV block count into the one it uses: with tensor
-    parallelism the smallest of every rank's, with a draft model its share of the budget.
+    `agree_num_blocks` turns this rank's KV block count into the one it uses: with tensor or
+    pipeline parallelism the smallest of every rank's, with a draft model its share of the
+    budget. A pipeline `stage` holds the KV cache of its layers only, and runs eagerly (no
+    CUDA graphs yet).
     """
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig, device: torch.device,
                  tp: TPGroup = SINGLE_RANK,
                  agree_num_blocks: Callable[[int], int] | None = None,
+                 stage: PipelineStage | None = None,
                  model: LlamaForCausalLM | None = None) -> None:
         from kvpilot.engine.models.loader import load_model
 
@@ -84,11 +88,12 @@ class ModelRunner:
         self.config = model_config
         self.device = device
         self.block_size = args.block_size
+        self.stage = stage or PipelineStage.whole(model_config.num_layers)
         started = time.perf_counter()
         # a model given is already loaded (a draft model, loaded before the target sizes the
         # KV cache so the profile sees its weights)
         self.model = model if model is not None else load_model(
-            model_config, args.load_format, device, seed=args.seed, tp=tp)
+            model_config, args.load_format, device, seed=args.seed, tp=tp, stage=self.stage)
         self.load_seconds = time.perf_counter() - started
         self.model.attn_backend = select_attention_backend(args, device)
         kv_heads = tp.kv_heads(model_config.num_kv_heads)
@@ -103,15 +108,17 @@ class ModelRunner:
             self.num_blocks = agree_num_blocks(self.num_blocks)
         self.kv_caches = self._new_caches(self.num_blocks)
         started = time.perf_counter()
-        self.decode_graphs = capture_decode_graphs(self.model, self.kv_caches, args,
-                                                   model_config.max_model_len)
+        if self.stage.size == 1:
+            self.decode_graphs = capture_decode_graphs(self.model, self.kv_caches, args,
+                                                       model_config.max_model_len)
         self.graph_seconds = time.perf_counter() - started
 
     @property
     def bytes_per_block(self) -> int:
         cfg = self.config
         elem = torch.tensor([], dtype=cfg.dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * cfg.head_dim * elem * cfg.num_layers
+        return (2 * self.block_size * self.num_kv_heads * cfg.head_dim * elem
+                * len(self.stage.layers))
 
     def load_report(self) -> LoadReport:
         """Gives what this rank loaded and sized while starting (the start-up log's numbers)."""
@@ -125,7 +132,7 @@ class ModelRunner:
         cfg = self.config
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         return [torch.zeros(shape, dtype=cfg.dtype, device=self.device)
-                for _ in range(cfg.num_layers)]
+                for _ in self.stage.layers]
 
     def _num_kv_blocks(self) -> int:
         """Gives the KV block count: exact flag, memory budget, or what the GPU has left."""
@@ -144,7 +151,14 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         scratch = self._new_caches(num_blocks)
         packed, buf = self.pack([BatchEntry([0] * num_tokens, 0, list(range(num_blocks)))], [])
-        self.run(unpack_step(packed.header, buf, packed.host), kv_caches=scratch)
+        step = unpack_step(packed.header, buf, packed.host)
+        if self.stage.size == 1:
+            self.run(step, kv_caches=scratch)
+        else:  # the activations a middle or last stage would receive
+            hidden = torch.zeros(num_tokens, self.config.hidden_size, dtype=self.config.dtype,
+                                 device=self.device)
+            received = None if self.stage.is_first else Intermediate(hidden, hidden.clone())
+            self.run_stage(step, received, kv_caches=scratch)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del scratch
@@ -180,6 +194,25 @@ class ModelRunner:
         """Runs an unpacked step: block copies, patches, forward; gives its logits rows
         (float32, [rows, vocab] on tensor-parallel rank 0)."""
         caches = self.kv_caches if kv_caches is None else kv_caches
+        input_ids = self._prepare(step, prev_tokens, caches)
+        hidden = self.forward(input_ids, step.positions, step.meta, caches)
+        return self._logits(step, hidden)
+
+    @torch.inference_mode()
+    def run_stage(self, step: StepInputs, received: Intermediate | None,
+                  kv_caches: list[torch.Tensor] | None = None) -> Intermediate | torch.Tensor:
+        """Runs an unpacked step through this pipeline stage's layers (`received`: the
+        previous stage's activations, None on the first); gives the activations for the
+        next stage, or on the last stage its logits rows (as `run` does)."""
+        caches = self.kv_caches if kv_caches is None else kv_caches
+        input_ids = self._prepare(step, None, caches)
+        self.num_eager_steps += 1
+        out = self.model.forward_stage(input_ids, step.positions, caches, step.meta, received)
+        return out if isinstance(out, Intermediate) else self._logits(step, out)
+
+    def _prepare(self, step: StepInputs, prev_tokens: torch.Tensor | None,
+                 caches: list[torch.Tensor]) -> torch.Tensor:
+        """Copies the step's shared blocks and patches its in-flight tokens; gives its ids."""
         if step.copies is not None:  # copy-on-write of shared blocks before the step writes
             src, dst = step.copies
             for cache in caches:
@@ -190,7 +223,10 @@ class ModelRunner:
                 raise ValueError("entries have patch_row set but no prev_tokens were given")
             positions_to_patch, sampled_rows = step.patches
             input_ids[positions_to_patch] = prev_tokens[sampled_rows]
-        hidden = self.forward(input_ids, step.positions, step.meta, caches)
+        return input_ids
+
+    def _logits(self, step: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
+        """Gives the float32 logits of the step's rows that sample (or score the prompt)."""
         if not step.header.num_rows:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         if step.rows is None:
@@ -210,6 +246,11 @@ class ModelRunner:
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Keeps nothing: a single-rank runner has no processes to lose between steps."""
+
+    def release_graphs(self) -> None:
+        """Frees the captured decode graphs; later decode steps run eagerly."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
 
     def shutdown(self) -> None:
         """Stops nothing: a single-rank runner has no processes of its own."""

@@ -4,14 +4,18 @@ Each step spends a token budget (`max_num_batched_tokens`) on running sequences
 first — decodes, then continuing prefill chunks — and then admits waiting ones.
 When the KV cache runs out, the least important running sequence (lowest
 priority, then newest arrival) is preempted by recompute: its blocks are freed
-and it waits again with its generated tokens kept. With speculative decoding a
-decode also reserves slots for k draft tokens (`_num_spec_tokens`), dropped first
-when the pool is short; the spec step fills them (`spec_decode/spec_decoder.py`).
+and it waits again with its generated tokens kept. Under pipeline parallelism the
+sequences of batches still in the pipeline (`busy`) are neither scheduled again nor
+preempted until their batch comes back, and a batch takes at most `max_seqs` sequences,
+so the running ones split into as many batches as there are stages. With speculative
+decoding a decode also reserves slots for k draft tokens (`_num_spec_tokens`), dropped
+first when the pool is short; the spec step fills them (`spec_decode/spec_decoder.py`).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
@@ -118,8 +122,11 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        """Plans the next step under the token budget, preempting when blocks run out."""
+    def schedule(self, busy: Set[int] = frozenset(), max_seqs: int | None = None
+                 ) -> SchedulerOutput:
+        """Plans the next step under the token budget, preempting when blocks run out;
+        sequences whose ids are in `busy` (in a batch in flight) are left alone, and at most
+        `max_seqs` sequences are planned (default: no limit but max_num_seqs)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         planned: dict[int, tuple[Sequence, int, list[tuple[int, int]]]] = {}
@@ -128,11 +135,11 @@ class Scheduler:
         order = sorted(self.running, key=lambda s: (not s.is_decode, key(s)))
         running = SequenceStatus.RUNNING
         for seq in order:
-            if budget == 0:
+            if budget == 0 or (max_seqs is not None and len(planned) >= max_seqs):
                 break
             num_new = len(seq.token_ids) - seq.num_computed_tokens
-            if seq.status is not running or num_new == 0:
-                continue  # preempted above, or a beam waiting for its siblings
+            if seq.status is not running or num_new == 0 or seq.seq_id in busy:
+                continue  # preempted above, a beam waiting for its siblings, or in flight
             if seq.inflight_row >= 0 and len(seq.token_ids) >= self._max_total_tokens(seq.request):
                 continue  # its token in flight is its last (async scheduling): nothing to run
             if not cfg.enable_chunked_prefill and self._must_wait_whole(num_new, budget):
@@ -145,7 +152,9 @@ class Scheduler:
                 num_new = 1  # no room for drafts: decode plainly before preempting anyone
                 copies = self.kv.allocate_slots(seq, num_new)
             while copies is None:
-                victim = max(self.running, key=self._key)
+                victim = self._victim(busy)
+                if victim is None:
+                    break
                 if victim.seq_id in planned:
                     budget += planned.pop(victim.seq_id)[1]
                 self._preempt(victim, out)
@@ -156,7 +165,7 @@ class Scheduler:
                 continue
             planned[seq.seq_id] = (seq, num_new, copies)
             budget -= num_new
-        self._admit_waiting(budget, planned, out)
+        self._admit_waiting(budget, planned, out, max_seqs)
         for seq, num_new, copies in planned.values():
             out.scheduled.append((seq, num_new))
             out.block_copies.extend(copies)
@@ -173,9 +182,17 @@ class Scheduler:
         left = self._max_total_tokens(seq.request) - len(seq.token_ids) - 1
         return max(min(self.config.num_speculative_tokens, left), 0)
 
-    def _admit_waiting(self, budget: int, planned: dict, out: SchedulerOutput) -> None:
+    def _victim(self, busy: Set[int]) -> Sequence | None:
+        """Gives the least important running sequence not in a batch in flight, if any."""
+        if not busy:
+            return max(self.running, key=self._key)
+        return max((s for s in self.running if s.seq_id not in busy), key=self._key,
+                   default=None)
+
+    def _admit_waiting(self, budget: int, planned: dict, out: SchedulerOutput,
+                       max_seqs: int | None) -> None:
         cfg = self.config
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and (max_seqs is None or len(planned) < max_seqs):
             if len(self.running) >= cfg.max_num_seqs and not self._preempt_idle(out):
                 break
             # a preempted beam that already has its candidates waits for selection, not compute

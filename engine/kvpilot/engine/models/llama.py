@@ -4,12 +4,15 @@ One flat batch of T tokens goes through every layer; attention reads and writes
 the paged KV cache through `model.attn_backend`, which the model runner may swap
 (torch reference on CPU, Triton on GPU). Under tensor parallelism (`tp`) each rank
 holds its heads, its KV heads and its slice of the MLP; the attention and MLP outputs
-are all-reduced, so the hidden states between layers are the same on every rank.
+are all-reduced, so the hidden states between layers are the same on every rank. Under
+pipeline parallelism (`stage`) a rank builds only its stage's layers: the embedding on the
+first stage, the final norm and LM head on the last; `forward_stage` runs them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeAlias
 
 import torch
@@ -23,6 +26,7 @@ from kvpilot.engine.models.layers import (
     MergedLinear,
     RMSNorm,
     WeightLayout,
+    WeightSlot,
     whole,
 )
 from kvpilot.engine.models.rope import RotaryEmbedding, StepRope
@@ -34,6 +38,7 @@ from kvpilot.engine.parallel.layers import (
     row_parallel_linear,
     vocab_embedding,
 )
+from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
 
 # builds one layer's feed-forward block (dense MLP or mixture of experts) for a TP rank
 MakeMLP: TypeAlias = Callable[[ModelConfig, TPGroup], FeedForward]
@@ -127,14 +132,20 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embeddings, the decoder layers and the final norm (HF's `model.` prefix)."""
+    """Embeddings, the decoder layers and the final norm (HF's `model.` prefix); under
+    pipeline parallelism only what `stage` holds (`layers[i]` is global layer
+    `stage.layers[i]`)."""
 
-    def __init__(self, config: ModelConfig, make_mlp: MakeMLP, tp: TPGroup = SINGLE_RANK) -> None:
+    def __init__(self, config: ModelConfig, make_mlp: MakeMLP, tp: TPGroup = SINGLE_RANK,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
-        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
+        self.stage = stage or PipelineStage.whole(config.num_layers)
+        self.embed_tokens = (vocab_embedding(config.vocab_size, config.hidden_size, tp)
+                             if self.stage.is_first else None)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, make_mlp(config, tp), tp) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            DecoderLayer(config, make_mlp(config, tp), tp) for _ in self.stage.layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last \
+            else None
         # One table for all layers: it is max_model_len x head_dim floats.
         self.rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta,
                                       config.rope_scaling)
@@ -146,11 +157,32 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
+        """Gives the final hidden states of the whole model (a single stage)."""
+        assert self.embed_tokens is not None and self.norm is not None  # the single stage
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(rope, x, residual, kv_cache, meta, backend)
+        return self.norm(x, residual)[0]
+
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                      backend: AttentionBackend, received: Intermediate | None
+                      ) -> Intermediate | torch.Tensor:
+        """Gives this stage's output: the activations for the next stage, or on the last
+        stage the final hidden states. `received`: the previous stage's (None on the first)."""
+        if received is None:
+            assert self.embed_tokens is not None  # the first stage embeds
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = received.hidden, received.residual
+        rope = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(rope, x, residual, kv_cache, meta, backend)
+        assert residual is not None  # every stage holds at least one layer
+        if self.norm is None:
+            return Intermediate(x, residual)
         return self.norm(x, residual)[0]
 
 
@@ -163,7 +195,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM; also serves Mistral, Qwen2 and Qwen3 through config flags."""
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None,
-                 make_mlp: MakeMLP = dense_mlp, tp: TPGroup = SINGLE_RANK) -> None:
+                 make_mlp: MakeMLP = dense_mlp, tp: TPGroup = SINGLE_RANK,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         if attn_backend is None:
             from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
@@ -171,43 +204,85 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.attn_backend = attn_backend
-        self.model = DecoderModel(config, make_mlp, tp)
-        self.lm_head = lm_head(config.vocab_size, config.hidden_size, tp)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = DecoderModel(config, make_mlp, tp, stage)
+        self.stage = self.model.stage
+        self.lm_head = lm_head(config.vocab_size, config.hidden_size, tp) \
+            if self.stage.is_last else None
+        embed = self.model.embed_tokens
+        if config.tie_word_embeddings and self.lm_head is not None and embed is not None:
+            self.lm_head.weight = embed.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """Gives the final hidden states [T, hidden] of the flat batch `input_ids` [T]."""
         return self.model(input_ids, positions, kv_caches, meta, self.attn_backend)
 
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                      received: Intermediate | None) -> Intermediate | torch.Tensor:
+        """Gives this pipeline stage's output (see `DecoderModel.forward_stage`)."""
+        return self.model.forward_stage(input_ids, positions, kv_caches, meta,
+                                        self.attn_backend, received)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Gives float32 logits [N, vocab] for the hidden states [N, hidden] to sample from
         (on tensor-parallel rank 0; the other ranks get their vocabulary slice's)."""
+        assert self.lm_head is not None  # only the last pipeline stage computes logits
         return self.lm_head(hidden).float()
 
     def weight_layout(self) -> WeightLayout:
-        """Gives where (this rank's slice of) every tensor of an HF checkpoint lands."""
-        embed = "model.embed_tokens.weight"
-        layout = _vocab_layout(self.model.embed_tokens, embed, embed)
-        layout |= whole("model.norm.weight", self.model.norm.weight)
-        if not self.config.tie_word_embeddings:
-            layout |= _vocab_layout(self.lm_head, "lm_head.weight", "lm_head.weight")
-        for i, layer in enumerate(self.model.decoder_layers()):
+        """Gives where (this rank's slice of) every tensor of an HF checkpoint this stage
+        holds lands; `other_stage` names the tensors another stage holds."""
+        embed_name, head = "model.embed_tokens.weight", self.lm_head
+        layout: WeightLayout = {}
+        if self.model.embed_tokens is not None:
+            layout |= _vocab_layout(self.model.embed_tokens, embed_name, embed_name)
+        elif head is not None and self.config.tie_word_embeddings:
+            # a last stage without the embedding reads its tied head from the embedding
+            layout |= _vocab_layout(head, embed_name, "lm_head.weight")
+        if self.model.norm is not None:
+            layout |= whole("model.norm.weight", self.model.norm.weight)
+        if head is not None and not self.config.tie_word_embeddings:
+            layout |= _vocab_layout(head, "lm_head.weight", "lm_head.weight")
+        for local, (i, layer) in enumerate(zip(self.stage.layers, self.model.decoder_layers(),
+                                               strict=True)):
             prefix = f"model.layers.{i}"
+            layer_layout: WeightLayout = {}
             for name, norm in (("input_layernorm", layer.input_layernorm),
                                ("post_attention_layernorm", layer.post_attention_layernorm)):
-                layout |= whole(f"{prefix}.{name}.weight", norm.weight)
-            layout |= _attention_layout(f"{prefix}.self_attn", layer.self_attn)
-            layout |= layer.mlp.weight_layout(prefix)
+                layer_layout |= whole(f"{prefix}.{name}.weight", norm.weight)
+            layer_layout |= _attention_layout(f"{prefix}.self_attn", layer.self_attn)
+            layer_layout |= layer.mlp.weight_layout(prefix)
+            if local != i:  # the checkpoint's global layer index, this stage's local one
+                layer_layout = {name: _to_local(slot, prefix, f"model.layers.{local}")
+                                for name, slot in layer_layout.items()}
+            layout |= layer_layout
         return layout
+
+    def other_stage(self, name: str) -> bool:
+        """Gives whether checkpoint tensor `name` belongs to another pipeline stage."""
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) not in self.stage.layers
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is None and not (
+                self.config.tie_word_embeddings and self.lm_head is not None)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.lm_head is None
+        return False
 
 
 def _vocab_layout(module: nn.Embedding | nn.Linear | VocabShard, name: str,
                   param: str) -> WeightLayout:
     if isinstance(module, VocabShard):
         return module.weight_layout(name, param)
-    return whole(name, module.weight)
+    return {name: WeightSlot(param, tuple(module.weight.shape))}
+
+
+def _to_local(slot: WeightSlot, prefix: str, local_prefix: str) -> WeightSlot:
+    """Gives `slot` landing in this stage's local layer instead of the global one."""
+    if slot.param is None or not slot.param.startswith(prefix + "."):
+        return slot
+    return replace(slot, param=local_prefix + slot.param[len(prefix):])
 
 
 def _attention_layout(prefix: str, attn: Attention) -> WeightLayout:

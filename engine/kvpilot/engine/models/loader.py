@@ -1,5 +1,6 @@
-"""Builds a model for its config (or one tensor-parallel rank's shard of it) and fills its
-weights from safetensors or at random, reading only the slices this rank holds."""
+"""Builds a model for its config (or one tensor-parallel rank's shard of one pipeline stage
+of it) and fills its weights from safetensors or at random, reading only the slices this
+rank holds."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kvpilot.engine.models.layers import WeightSlot
 from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.models.registry import model_class
 from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
+from kvpilot.engine.parallel.stage import PipelineStage
 from kvpilot.engine.startup_log import progress
 
 logger = logging.getLogger(__name__)
@@ -30,15 +32,17 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def load_model(config: ModelConfig, load_format: str, device: torch.device | str,
                seed: int = 0, fused_kernels: bool | None = None,
-               tp: TPGroup = SINGLE_RANK) -> LlamaForCausalLM:
-    """Gives the model for `config` (tensor-parallel rank `tp`'s shard of it) on `device`,
+               tp: TPGroup = SINGLE_RANK, stage: PipelineStage | None = None
+               ) -> LlamaForCausalLM:
+    """Gives the model for `config` (tensor-parallel rank `tp`'s shard of pipeline stage
+    `stage`, default the whole model) on `device`,
     in eval mode, weights loaded per `load_format` (auto, safetensors or dummy), with the
     Triton kernels of `kvpilot.kernels` in its norm/activation/rotary seams when
     `fused_kernels` (default: on CUDA)."""
     fmt = resolve_load_format(config, load_format)
     device = torch.device(device)
     with _default_dtype(config.dtype), device:
-        model = model_class(config.architecture)(config, tp=tp)
+        model = model_class(config.architecture)(config, tp=tp, stage=stage)
     checkpoint = None if fmt == "dummy" else config.model_path  # set for safetensors
     if checkpoint is None:
         init_dummy_weights(model, seed)
@@ -107,7 +111,7 @@ def load_safetensors(model: LlamaForCausalLM, path: Path, progress_bar: bool = T
     for file in shards:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name.endswith(_IGNORED_SUFFIXES):
+                if name.endswith(_IGNORED_SUFFIXES) or model.other_stage(name):
                     continue
                 if tied and name == "lm_head.weight":
                     # checked against the embedding's slice once that is loaded
@@ -126,7 +130,7 @@ def load_safetensors(model: LlamaForCausalLM, path: Path, progress_bar: bool = T
                 seen.add(name)
                 if slot.param is not None:
                     params[slot.param].data[slot.index].copy_(_read(f, name, slot))
-    if tied_head is not None:
+    if tied_head is not None and model.lm_head is not None:
         embed = layout["model.embed_tokens.weight"]
         if not torch.equal(tied_head.to(model.lm_head.weight),
                            model.lm_head.weight.data[embed.index]):

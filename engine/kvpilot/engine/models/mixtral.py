@@ -17,6 +17,7 @@ from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.layers import FeedForward, WeightLayout, WeightSlot, rows_source
 from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
+from kvpilot.engine.parallel.stage import PipelineStage
 
 
 class SparseMoE(FeedForward):
@@ -106,10 +107,10 @@ class MixtralForCausalLM(LlamaForCausalLM):
     """Sparse-MoE causal LM in the Mixtral checkpoint layout (`block_sparse_moe`)."""
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None,
-                 tp: TPGroup = SINGLE_RANK) -> None:
+                 tp: TPGroup = SINGLE_RANK, stage: PipelineStage | None = None) -> None:
         if config.num_experts < 1 or not 1 <= config.num_experts_per_tok <= config.num_experts:
             raise ValueError(
                 f"num_local_experts={config.num_experts} and num_experts_per_tok="
                 f"{config.num_experts_per_tok} in config.json are invalid: need "
                 "1 <= num_experts_per_tok <= num_local_experts")
-        super().__init__(config, attn_backend, make_mlp=SparseMoE, tp=tp)
+        super().__init__(config, attn_backend, make_mlp=SparseMoE, tp=tp, stage=stage)

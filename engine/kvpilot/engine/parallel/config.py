@@ -5,10 +5,12 @@ loaded or process started. Supported: tensor parallelism (TP) that divides the
 attention heads, the KV heads (or is a multiple of them: KV heads replicated) and
 the MLP's intermediate size; expert parallelism (EP) on MoE models with EP == 1
 (every expert TP-sharded) or EP == TP (experts partitioned whole across the TP
-ranks). Refused, each with the flag, the value and what is supported: pipeline
-parallelism (not built yet), 1 < EP < TP, EP on a dense model, more ranks per
-node than visible GPUs, and prefill/decode roles with more than one rank (the KV
-transfer moves one rank's whole cache).
+ranks); pipeline parallelism (PP) up to one stage per layer (`contracts/pipeline.py`),
+times TP. Refused, each with the flag, the value and what is supported: more stages
+than layers, `--async-scheduling on` with PP (a stage's steps are collected apart,
+not overlapped with sampling), 1 < EP < TP, EP on a dense model, more ranks per node
+than visible GPUs, and prefill/decode roles with more than one rank (the KV transfer
+moves one rank's whole cache).
 """
 
 from __future__ import annotations
@@ -94,9 +96,21 @@ def _check_expert(tp: int, ep: int, config: ModelConfig) -> None:
             "(experts partitioned whole) or 1 (every expert sharded across the ranks)")
 
 
+def _check_pipeline(pp: int, config: ModelConfig, async_scheduling: str) -> None:
+    flag = f"--pipeline-parallel-size={pp}"
+    if pp < 1 or pp > config.num_layers:
+        raise ParallelConfigError(
+            f"{flag} does not fit the model's {config.num_layers} layers: each stage holds at "
+            f"least one whole layer; use 1 to {config.num_layers}")
+    if pp > 1 and async_scheduling == "on":
+        raise ParallelConfigError(
+            f"--async-scheduling on with {flag} is not supported: pipeline stages overlap "
+            "batches instead; use --async-scheduling auto or off")
+
+
 def validate(parallel: ParallelConfig, config: ModelConfig, device: str,
-             visible_devices: int, role: str = "both", ranks_per_node: int | None = None
-             ) -> None:
+             visible_devices: int, role: str = "both", ranks_per_node: int | None = None,
+             async_scheduling: str = "auto") -> None:
     """Raises ParallelConfigError for every topology the engine cannot run as asked.
 
     `device` is the resolved device type (cpu or cuda); `visible_devices` the GPUs
@@ -104,24 +118,22 @@ def validate(parallel: ParallelConfig, config: ModelConfig, device: str,
     """
     tp, pp, ep = (parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                   parallel.expert_parallel_size)
-    if pp != 1:
-        raise ParallelConfigError(
-            f"--pipeline-parallel-size={pp} is not supported yet: the engine runs tensor and "
-            "expert parallelism; use --pipeline-parallel-size 1 and raise "
-            "--tensor-parallel-size instead")
+    _check_pipeline(pp, config, async_scheduling)
     _check_tensor(tp, config)
     _check_expert(tp, ep, config)
     world = parallel.world_size
     if world == 1:
         return
+    flags = f"--tensor-parallel-size={tp}" + (f" --pipeline-parallel-size={pp}" if pp > 1
+                                              else "")
     if role != "both":
         raise ParallelConfigError(
-            f"--role {role} with --tensor-parallel-size={tp} is not supported: the KV transfer "
-            "moves one rank's whole cache, not a sharded one; use --role both, or "
-            "--tensor-parallel-size 1 for prefill/decode pools")
+            f"--role {role} with {flags} is not supported: the KV transfer moves one rank's "
+            "whole cache, not a sharded one; use --role both, or --tensor-parallel-size 1 "
+            "--pipeline-parallel-size 1 for prefill/decode pools")
     local = ranks_per_node or world
     if device == "cuda" and local > visible_devices:
         raise ParallelConfigError(
-            f"--tensor-parallel-size={tp} needs {local} GPUs on this node but {visible_devices} "
-            "are visible (CUDA_VISIBLE_DEVICES or the pod's GPU request): request more GPUs "
-            f"or lower --tensor-parallel-size to {visible_devices} or less")
+            f"{flags} needs {local} GPUs on this node but {visible_devices} are visible "
+            "(CUDA_VISIBLE_DEVICES or the pod's GPU request): request more GPUs or lower "
+            f"the ranks per node to {visible_devices} or less")

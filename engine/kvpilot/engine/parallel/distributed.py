@@ -1,6 +1,9 @@
 """Joins a rank to its engine's process groups: the device group the model's collectives
 use (NCCL on CUDA, RCCL through the same API on ROCm, gloo on CPU) and a gloo group on
-the host for step headers and start-up agreement.
+the host for step headers and start-up agreement. With pipeline parallelism each stage
+gets its own pair of them (its TP ranks), and the driver and the last stage's first rank
+a device group of two for the logits coming back (its own communicator, so on NCCL the
+logits never queue behind the driver's activation sends to the same peer).
 
 Timeouts: a collective inside a step that waits `COLLECTIVE_TIMEOUT` has lost a
 rank; workers wait on the host group for the next step, which may come after hours
@@ -11,6 +14,8 @@ watchdog sees the process exit (`parallel.processes`).
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,20 +25,26 @@ import torch.distributed as dist
 from kvpilot.engine.contracts.rendezvous import Rendezvous
 from kvpilot.engine.parallel.config import ParallelConfig
 from kvpilot.engine.parallel.groups import TPGroup
+from kvpilot.engine.parallel.stage import PipelineStage
 
+logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 IDLE_TIMEOUT = timedelta(days=30)
 
 
 @dataclass(frozen=True)
 class RankContext:
-    """One rank's place in the engine: its device, its TP group, the host group."""
+    """One rank's place in the engine: its device, its stage, its TP group, the host groups."""
 
     rank: int
     world_size: int
     device: torch.device
     tp: TPGroup
-    host_group: dist.ProcessGroup  # gloo: step headers, start-up agreement
+    host_group: dist.ProcessGroup  # gloo, every rank: start-up agreement, stage-to-stage headers
+    stage: PipelineStage
+    stage_host_group: dist.ProcessGroup  # gloo, this stage's TP ranks: step headers
+    # device group of the driver and the last stage's first rank (pipeline parallelism only)
+    logits_group: dist.ProcessGroup | None = None
 
     def min_over_ranks(self, value: int) -> int:
         """Gives the smallest `value` any rank holds (every rank calls it)."""
@@ -51,7 +62,7 @@ def init_method(rendezvous: Rendezvous) -> str:
 
 
 def init_distributed(parallel: ParallelConfig, rendezvous: Rendezvous, rank: int,
-                     device_type: str) -> RankContext:
+                     device_type: str, num_layers: int) -> RankContext:
     """Gives rank `rank`'s context once every rank of the world has joined."""
     local_rank = rank - rendezvous.local_ranks.start
     if device_type == "cuda":
@@ -66,26 +77,46 @@ def init_distributed(parallel: ParallelConfig, rendezvous: Rendezvous, rank: int
     world = dist.group.WORLD
     # every rank is a member of both (new_group gives an int sentinel only to non-members)
     assert isinstance(host_group, dist.ProcessGroup) and world is not None
-    # one pipeline stage (config.validate refuses more): the TP group is the whole world
-    _, tp_rank = parallel.coordinates(rank)
-    tp = TPGroup(tp_rank, parallel.tensor_parallel_size, parallel.expert_parallel_size, world)
-    return RankContext(rank, rendezvous.world_size, device, tp, host_group)
+    pp_rank, tp_rank = parallel.coordinates(rank)
+    pp_size, tp_size = parallel.pipeline_parallel_size, parallel.tensor_parallel_size
+    stage = PipelineStage.of(num_layers, pp_size, pp_rank)
+    if pp_size == 1:  # one stage: the TP group is the whole world
+        tp = TPGroup(tp_rank, tp_size, parallel.expert_parallel_size, world)
+        return RankContext(rank, rendezvous.world_size, device, tp, host_group, stage, host_group)
+    # every rank creates every group, in the same order (torch.distributed requires it)
+    stage_groups = []
+    for first in range(0, parallel.world_size, tp_size):
+        ranks = list(range(first, first + tp_size))
+        stage_groups.append((dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT),
+                             dist.new_group(ranks, backend="gloo", timeout=IDLE_TIMEOUT)))
+    logits_group = dist.new_group([0, (pp_size - 1) * tp_size], timeout=COLLECTIVE_TIMEOUT)
+    device_group, stage_host = stage_groups[pp_rank]
+    assert isinstance(device_group, dist.ProcessGroup)  # this rank is in its stage's groups
+    assert isinstance(stage_host, dist.ProcessGroup)
+    tp = TPGroup(tp_rank, tp_size, parallel.expert_parallel_size, device_group)
+    return RankContext(rank, rendezvous.world_size, device, tp, host_group, stage, stage_host,
+                       logits_group if isinstance(logits_group, dist.ProcessGroup) else None)
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(wait_s: float = 60.0) -> None:
     """Leaves the process groups (so a later engine in this process can join new ones).
 
-    NCCL's destroy finalizes each communicator with its peers: the driver leaves after its
-    workers have exited (or died), so there it would wait forever (seen on 4 H100s). At
-    shutdown nothing is in flight, so NCCL ranks abort their communicators instead, which
-    is local and also removes every group.
+    Every rank leaves at the same time: NCCL's destroy finalizes each communicator with
+    its peers, so a rank that leaves after its peers have exited waits forever (seen on
+    4 H100s, with destroy and with abort alike). The driver therefore leaves right after
+    sending the stop step, while its workers leave too. After a failure a peer may be
+    gone: the leaving happens in a thread, and after `wait_s` seconds the rank gives up
+    (logged) rather than hang its shutdown.
     """
     if not dist.is_initialized():
         return
-    if dist.get_backend() == "nccl":
-        from torch.distributed.distributed_c10d import _abort_process_group
+    left = threading.Event()
 
-        _abort_process_group()
-        if not dist.is_initialized():
-            return
-    dist.destroy_process_group()
+    def leave() -> None:
+        dist.destroy_process_group()
+        left.set()
+
+    threading.Thread(target=leave, name="kvpilot-leave-groups", daemon=True).start()
+    if not left.wait(wait_s):
+        logger.warning("left the process groups unfinished after %.0f s (a peer is gone); "
+                       "a new engine in this process cannot join new groups", wait_s)

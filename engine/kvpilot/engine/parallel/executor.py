@@ -1,4 +1,5 @@
-"""The driver's executor of a tensor-parallel engine (global rank 0).
+"""The driver's executor of a tensor-parallel engine (global rank 0); the pipeline-parallel
+one (`parallel.pipeline_executor`) builds on it.
 
 It starts this node's other ranks as worker processes, joins the process groups,
 loads rank 0's shard, and then runs each step twice over: it broadcasts the packed
@@ -39,7 +40,7 @@ SHUTDOWN_STEP_WAIT_S = 10.0
 
 
 class WorkerLostError(RuntimeError):
-    """A worker process of a tensor-parallel engine died; the engine cannot continue."""
+    """A worker process of a parallel engine died; the engine cannot continue."""
 
 
 class MultiRankExecutor:
@@ -55,9 +56,10 @@ class MultiRankExecutor:
         workers = [r for r in rendezvous.local_ranks if r != 0]
         self.workers = WorkerProcesses(args, rendezvous, workers, self._on_worker_exit)
         try:
-            self.ctx = init_distributed(parallel, rendezvous, 0, device_type)
+            self.ctx = init_distributed(parallel, rendezvous, 0, device_type,
+                                        model_config.num_layers)
             self.runner = ModelRunner(args, model_config, self.ctx.device, self.ctx.tp,
-                                      self.ctx.min_over_ranks)
+                                      self.ctx.min_over_ranks, self.ctx.stage)
         except BaseException as exc:
             message = self.workers.wait_for_exit(0.5)
             self.workers.stop(grace=0.0)
@@ -67,8 +69,9 @@ class MultiRankExecutor:
             raise
         self.channel = StepChannel(self.ctx)
         self._stopped = False
-        logger.info("tensor-parallel engine: %d ranks, %d KV blocks per rank",
-                    parallel.world_size, self.runner.num_blocks)
+        logger.info("parallel engine: %d ranks (TP %d x PP %d), %d KV blocks per rank",
+                    parallel.world_size, parallel.tensor_parallel_size,
+                    parallel.pipeline_parallel_size, self.runner.num_blocks)
 
     @property
     def device(self) -> torch.device:
@@ -103,11 +106,16 @@ class MultiRankExecutor:
                 return self.runner.run(unpack_step(packed.header, buf, packed.host),
                                        prev_tokens)
         except RuntimeError as exc:
-            message = self.workers.wait_for_exit(EXIT_NOTICE_S)
-            if message is None:
-                raise
-            self.failure = message
-            raise WorkerLostError(message) from exc
+            raise self._step_failed(exc) from exc
+
+    def _step_failed(self, exc: RuntimeError) -> RuntimeError:
+        """Gives the error a failed step raises: WorkerLostError naming the worker that died,
+        when the watchdog sees one exit soon, else `exc` itself."""
+        message = self.workers.wait_for_exit(EXIT_NOTICE_S)
+        if message is None:
+            return exc
+        self.failure = message
+        return WorkerLostError(message)
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Has `callback(reason)` called from the watchdog thread when a worker dies."""
@@ -124,6 +132,10 @@ class MultiRankExecutor:
         for callback in listeners:
             callback(message)
 
+    def _send_stop(self) -> None:
+        """Tells every worker to leave its loop."""
+        self.channel.send_stop()
+
     def shutdown(self) -> None:
         """Stops the workers (a stop step, then signals) and leaves the process groups."""
         if self._stopped:
@@ -134,11 +146,16 @@ class MultiRankExecutor:
         clean = self.failure is None and not stepping
         if clean:
             try:
-                self.channel.send_stop()
+                self._send_stop()
             except RuntimeError as exc:  # a worker already gone: stop the rest by signal
                 logger.warning("stop step not delivered (%s)", exc)
                 clean = False
         if not stepping:
             self._step_lock.release()
-        self.workers.stop(grace=10.0 if clean else 0.0)
-        destroy_distributed()
+        self.runner.release_graphs()  # before leaving the groups (see DecodeGraphs.release)
+        if clean:  # every rank leaves the groups together (see destroy_distributed)
+            destroy_distributed()
+            self.workers.stop(grace=10.0)
+        else:
+            self.workers.stop(grace=0.0)
+            destroy_distributed(wait_s=5.0)

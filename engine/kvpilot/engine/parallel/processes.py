@@ -76,10 +76,10 @@ class WorkerProcesses:
             code = proc.poll()
             if code is not None:
                 if code == 0:
-                    return f"tensor-parallel worker rank {rank} (pid {proc.pid}) was stopped"
+                    return f"parallel worker rank {rank} (pid {proc.pid}) was stopped"
                 how = (f"was killed by {signal.Signals(-code).name}" if code < 0
                        else f"exited with code {code}")
-                return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}: the engine "
+                return (f"parallel worker rank {rank} (pid {proc.pid}) {how}: the engine "
                         "cannot run without it; restart the server")
         return None
 

@@ -1,6 +1,7 @@
-"""How each step reaches the workers: a fixed-length header over the host group, then the
-step's packed buffer and (async scheduling) the sampled tokens it patches from over the
-device group.
+"""How each step reaches the workers of the driver's stage: a fixed-length header over the
+stage's host group, then the step's packed buffer and (async scheduling) the sampled
+tokens it patches from over its device group (the other pipeline stages get the step
+from the stage before them: `parallel.pipe_channel`).
 
 On CUDA the buffer goes device to device over NCCL, queued behind the driver's
 host-to-device copy, and the sampled tokens behind the sampler's kernels (stream
@@ -41,20 +42,20 @@ class StepChannel:
     def send(self, header: StepHeader, buf: torch.Tensor,
              prev_tokens: torch.Tensor | None) -> None:
         """Broadcasts one step from the driver (its buffer already on the driver's device)."""
-        dist.broadcast(header.to_tensor(), DRIVER, group=self.ctx.host_group)
+        dist.broadcast(header.to_tensor(), DRIVER, group=self.ctx.stage_host_group)
         dist.broadcast(buf, DRIVER, group=self.device_group)
         if header.num_patched:
             assert prev_tokens is not None  # pack_step counted them
             dist.broadcast(prev_tokens.contiguous(), DRIVER, group=self.device_group)
 
     def send_stop(self) -> None:
-        """Tells every worker to leave its loop."""
-        dist.broadcast(StepHeader.stop().to_tensor(), DRIVER, group=self.ctx.host_group)
+        """Tells every worker of the stage to leave its loop (each passes it down the pipe)."""
+        dist.broadcast(StepHeader.stop().to_tensor(), DRIVER, group=self.ctx.stage_host_group)
 
     def receive(self) -> ReceivedStep | None:
         """Gives the next step (a worker blocks here while the server is idle); None: stop."""
         values = StepHeader.empty_tensor()
-        dist.broadcast(values, DRIVER, group=self.ctx.host_group)
+        dist.broadcast(values, DRIVER, group=self.ctx.stage_host_group)
         header = StepHeader.from_tensor(values)
         if header.command == STOP:
             return None

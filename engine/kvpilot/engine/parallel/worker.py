@@ -1,5 +1,7 @@
-"""A tensor-parallel worker process: joins the engine's groups, loads its shard, and runs
-every step the driver broadcasts until the driver says stop (or goes away).
+"""A worker process of a parallel engine: joins the engine's groups, loads its shard (of
+its pipeline stage), and runs every step until the driver says stop (or goes away).
+Workers of the driver's stage receive each step from the driver; the other stages'
+from the stage before them, with its activations, and pass on what they compute.
 
 Started by `parallel.processes.WorkerProcesses` as `python -m
 kvpilot.engine.parallel.worker <engine flags>`, with its rank and the rendezvous in
@@ -22,8 +24,14 @@ from kvpilot.engine.contracts.rendezvous import Rendezvous
 from kvpilot.engine.device import resolve_device
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.parallel.config import ParallelConfig
-from kvpilot.engine.parallel.distributed import destroy_distributed, init_distributed
+from kvpilot.engine.parallel.distributed import (
+    RankContext,
+    destroy_distributed,
+    init_distributed,
+)
+from kvpilot.engine.parallel.pipe_channel import PipeChannel
 from kvpilot.engine.parallel.processes import PARENT_ENV, RANK_ENV
+from kvpilot.engine.parallel.stage import Intermediate
 from kvpilot.engine.parallel.step_channel import StepChannel
 from kvpilot.engine.step_batch import unpack_step
 
@@ -52,15 +60,47 @@ def run_worker(args: EngineArgs, rank: int, rendezvous: Rendezvous) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // rendezvous.ranks_per_node))
     torch.manual_seed(args.seed)
     model_config = ModelConfig.from_engine_args(args, device)
-    ctx = init_distributed(parallel, rendezvous, rank, device.type)
+    ctx = init_distributed(parallel, rendezvous, rank, device.type, model_config.num_layers)
+    runner: ModelRunner | None = None
     try:
-        runner = ModelRunner(args, model_config, ctx.device, ctx.tp, ctx.min_over_ranks)
+        runner = ModelRunner(args, model_config, ctx.device, ctx.tp, ctx.min_over_ranks,
+                             ctx.stage)
+        logger.info("worker rank %d (pipeline stage %d, layers %d-%d) ready on %s", rank,
+                    ctx.stage.rank, ctx.stage.layers.start, ctx.stage.layers.stop - 1, ctx.device)
+        if ctx.stage.size > 1:
+            _run_stage(ctx, runner, PipeChannel(ctx, model_config.hidden_size,
+                                                model_config.dtype))
+            return
         channel = StepChannel(ctx)
-        logger.info("worker rank %d ready on %s", rank, ctx.device)
         while (step := channel.receive()) is not None:
             runner.run(unpack_step(step.header, step.buf, step.host), step.prev_tokens)
     finally:
+        if runner is not None:  # graphs before groups (see DecodeGraphs.release)
+            runner.release_graphs()
         destroy_distributed()
+
+
+def _run_stage(ctx: RankContext, runner: ModelRunner, pipe: PipeChannel) -> None:
+    """Runs this pipeline stage's part of every step until stop, then passes the stop on."""
+    channel = StepChannel(ctx) if ctx.stage.is_first else None
+    while True:
+        if channel is not None:  # a worker of the driver's stage: the driver broadcasts
+            step = channel.receive()
+            if step is None:
+                break
+            header, buf, host, received = step.header, step.buf, step.host, None
+        else:
+            got = pipe.receive()
+            if got is None:
+                break
+            header, buf, host, received = got
+        out = runner.run_stage(unpack_step(header, buf, host), received)
+        if isinstance(out, Intermediate):
+            pipe.send_next(header, buf, out)
+        elif ctx.tp.is_first and header.num_rows:
+            pipe.send_logits(out)
+    pipe.send_stop_next()
+    pipe.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
