@@ -163,6 +163,22 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
      "ipBlock cannot be combined"),
     ("peer-namespace", im(router={"allowFrom": [{"namespaceSelector": {
         "matchLabels": {"team": "a"}}}]}), None),
+    ("spec-ngram", im(engine={"speculative": {"method": "ngram", "numSpeculativeTokens": 3,
+                                              "promptLookupMax": 4}}), None),
+    ("spec-draft", im(engine={"speculative": {"method": "draft", "numSpeculativeTokens": 3,
+                                              "draftSource": "dummy:tiny-llama"}}), None),
+    ("spec-draft-no-source", im(engine={"speculative": {"method": "draft",
+                                                        "numSpeculativeTokens": 3}}),
+     "method draft needs draftSource"),
+    ("spec-ngram-with-source", pool("DecodePool", model=MODEL, engine={"speculative": {
+        "method": "ngram", "numSpeculativeTokens": 3, "draftSource": "pvc://d/m"}}),
+     "method ngram proposes from the context"),
+    ("spec-lookup-on-draft", im(engine={"speculative": {
+        "method": "draft", "numSpeculativeTokens": 3, "draftSource": "pvc://d/m",
+        "promptLookupMin": 2}}), "promptLookupMin/Max are for method ngram only"),
+    ("spec-lookup-order", im(engine={"speculative": {
+        "method": "ngram", "numSpeculativeTokens": 3, "promptLookupMin": 5,
+        "promptLookupMax": 2}}), "promptLookupMin must not exceed promptLookupMax"),
 ]
 
 

@@ -61,9 +61,11 @@ class ModelExecutor(Protocol):
 
 
 def make_executor(args: EngineArgs, model_config: ModelConfig, device: torch.device,
-                  env: Mapping[str, str] = os.environ) -> ModelExecutor:
+                  env: Mapping[str, str] = os.environ,
+                  share_kv_blocks: Callable[[int], int] | None = None) -> ModelExecutor:
     """Gives the executor `args` ask for, after refusing any topology the engine cannot run
-    (before a weight is loaded or a process started)."""
+    (before a weight is loaded or a process started); `share_kv_blocks` turns one rank's
+    own KV block count into what it keeps when a draft model shares the budget."""
     from kvpilot.engine.model_runner import ModelRunner
 
     parallel = ParallelConfig.from_engine_args(args)
@@ -75,7 +77,7 @@ def make_executor(args: EngineArgs, model_config: ModelConfig, device: torch.dev
                  parallel.expert_parallel_size, rendezvous.nnodes if rendezvous else 1,
                  model_config.num_experts)
     if parallel.world_size == 1:
-        return ModelRunner(args, model_config, device)
+        return ModelRunner(args, model_config, device, agree_num_blocks=share_kv_blocks)
     from kvpilot.engine.parallel.executor import MultiRankExecutor
     from kvpilot.engine.parallel.processes import free_port
 

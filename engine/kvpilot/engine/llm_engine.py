@@ -23,6 +23,7 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.fleet_secret import FleetSecret
 from kvpilot.engine.contracts.outputs import EngineStats, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.speculative import DRAFT, parse_speculative_config
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core.beam_search import apply_selection, select_beams
 from kvpilot.engine.core.detokenizer import init_offsets
@@ -36,9 +37,12 @@ from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
 from kvpilot.engine.executor import ModelExecutor, make_executor
 from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from kvpilot.engine.spec_decode.proposers import Drafts
+from kvpilot.engine.spec_decode.spec_decoder import SpecDecoder, VerifyItem, make_spec_decoder
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
+    from kvpilot.engine.spec_decode.draft_proposer import DraftModel
 
 # a sampled token the host has not read back yet (async scheduling); never fed to the model:
 # the runner patches it on the device from the step in flight
@@ -72,7 +76,7 @@ class LLMEngine:
     """A paged-KV engine over one model: continuous batching, prefix caching, preemption."""
 
     def __init__(self, engine_args: EngineArgs, model_config: ModelConfig, tokenizer: TokenizerLike,
-                 runner: ModelExecutor) -> None:
+                 runner: ModelExecutor, draft: DraftModel | None = None) -> None:
         self.engine_args = engine_args
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -80,6 +84,7 @@ class LLMEngine:
         # salts the block hashes (the router and the other engines use the same salt) and
         # keys the KV agent of a prefill/decode role
         self.fleet_secret = FleetSecret.from_file(engine_args.fleet_secret_file)
+        spec = parse_speculative_config(engine_args.speculative_config)
         self.kv = KVCacheManager(runner.num_blocks, engine_args.block_size,
                                  engine_args.enable_prefix_caching,
                                  cache_prompt_tails=engine_args.role == "prefill",
@@ -89,7 +94,10 @@ class LLMEngine:
             max_num_batched_tokens=engine_args.max_num_batched_tokens,
             enable_chunked_prefill=engine_args.enable_chunked_prefill,
             policy=engine_args.scheduling_policy,
-            max_model_len=model_config.max_model_len), self.kv)
+            max_model_len=model_config.max_model_len,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0), self.kv)
+        self.spec = make_spec_decoder(engine_args, self.kv, runner.num_blocks, runner.device,
+                                      draft)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, model_config.eos_token_ids,
                                        model_config.max_model_len)
@@ -101,9 +109,10 @@ class LLMEngine:
         # the core process keeps True to stream
         self.stream_outputs = True
         mode = engine_args.async_scheduling
-        # pipeline stages overlap batches instead (parallel.config refuses "on" with PP > 1)
+        # pipeline stages overlap batches instead (parallel.config refuses "on" with PP > 1);
+        # EngineArgs refuses "on" with speculation, "auto" turns off for it
         self.batch_queue = BatchQueue(runner) if isinstance(runner, PipelinedExecutor) else None
-        self.async_scheduling = self.batch_queue is None and (
+        self.async_scheduling = self.batch_queue is None and spec is None and (
             mode == "on" or (mode == "auto" and runner.device.type == "cuda"))
         self._inflight: _InFlight | None = None
         self._gpu_wait_s = 0.0  # of the last step: waiting for the GPU's sampled tokens
@@ -131,13 +140,21 @@ class LLMEngine:
         log.log_model(args, model_config.architecture, model_config.num_layers,
                       str(model_config.dtype).removeprefix("torch."), str(device))
         tokenizer = load_tokenizer(args.tokenizer or args.model)
+        spec = parse_speculative_config(args.speculative_config)
+        draft = None
+        if spec is not None and spec.method == DRAFT:
+            from kvpilot.engine.spec_decode.draft_proposer import load_draft
+
+            draft = load_draft(args, spec, model_config, device)
         # refuses an unsupported topology before any weight is loaded or process started
-        runner = make_executor(args, model_config, device)
+        runner = make_executor(args, model_config, device,
+                               share_kv_blocks=draft.share_kv_blocks(model_config) if draft
+                               else None)
         log.log_load(runner.load_report(), resolve_load_format(model_config, args.load_format),
                      log.kv_budget_source(args, device.type),
                      "CPU" if device.type != "cuda" else "--enforce-eager or the torch "
                      "attention backend", args.tensor_parallel_size * args.pipeline_parallel_size)
-        engine = cls(args, model_config, tokenizer, runner)
+        engine = cls(args, model_config, tokenizer, runner, draft)
         if device.type == "cuda":
             engine.freeze_gc_heap()
         log.log_ready(time.perf_counter() - started, model_config.max_model_len,
@@ -193,6 +210,8 @@ class LLMEngine:
         self.requests[request_id] = request
         if needs_host_sampling(params):
             self._host_sampling.add(request_id)
+        else:
+            request.speculate = self.spec is not None
         self.scheduler.add(seq)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
@@ -249,7 +268,10 @@ class LLMEngine:
                 self._resolve(flight, results)
                 self._inflight = None
             return results
+        drafts = self.spec.prepare(plan) if self.spec is not None else {}
         entries = self._entries(plan)
+        if drafts:
+            SpecDecoder.fill(plan, entries, drafts)
         self._last_plan = plan
         logits = self.runner.execute(entries, plan.block_copies,
                                      flight.tokens if flight is not None else None)
@@ -264,7 +286,7 @@ class LLMEngine:
             phases["advance"] = clock() - start
             self._inflight = launched
             return results
-        self._book(plan, entries, logits, results)
+        self._book(plan, entries, logits, results, drafts)
         phases["sample"] = clock() - start
         return results
 
@@ -285,14 +307,19 @@ class LLMEngine:
             self._book(batch.plan, batch.entries, logits, results)
 
     def _book(self, plan: SchedulerOutput, entries: list[BatchEntry], logits: torch.Tensor,
-              results: list[EngineCoreOutput]) -> None:
+              results: list[EngineCoreOutput], drafts: dict[int, Drafts] | None = None) -> None:
         """Books a step whose logits are here: computed counts, full blocks, prompt
-        logprobs, then sampling and stop checks."""
+        logprobs, then sampling and stop checks; `drafts` (speculation) are verified."""
         to_sample: list[tuple[Sequence, int]] = []
+        to_verify: list[VerifyItem] = []
         row = 0
         cache_full_blocks = self.kv.cache_full_blocks
         finished = SequenceStatus.FINISHED
         for (seq, num_new), entry in zip(plan.scheduled, entries, strict=True):
+            if drafts and seq.seq_id in drafts:
+                to_verify.append(VerifyItem(seq, row, drafts[seq.seq_id]))
+                row += num_new
+                continue
             first_row = row
             if entry.logits == "last":
                 row += 1
@@ -312,6 +339,28 @@ class LLMEngine:
                 else:
                     to_sample.extend(self._branches(seq, row - 1))
         self._collect(self._sample(to_sample, logits), results)
+        if to_verify and self.spec is not None:
+            self._collect(self._apply_verified(to_verify, self.spec.verify(to_verify, logits)),
+                          results)
+
+    def _apply_verified(self, items: list[VerifyItem], emitted: list[list[int]]
+                        ) -> list[Request]:
+        """Books verified drafts: the pending token and the accepted drafts become computed,
+        the emitted tokens are appended (stop checks per token), rejected slots are freed."""
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for item, tokens in zip(items, emitted, strict=True):
+            seq = item.seq
+            touched[seq.request.request_id] = seq.request
+            seq.num_computed_tokens += len(tokens)  # the pending token + the accepted drafts
+            for token in tokens:
+                self._append(seq, token, None, None, now)
+                if seq.finish_reason is not None:
+                    break
+            if not seq.finished:
+                self.kv.free_tail(seq, seq.num_computed_tokens)
+                self.kv.cache_full_blocks(seq)
+        return list(touched.values())
 
     def _entries(self, plan: SchedulerOutput) -> list[BatchEntry]:
         """Gives the runner's batch entries of `plan` (one per scheduled sequence)."""
@@ -534,7 +583,7 @@ class LLMEngine:
         """Gives the gauges and counters the server exports."""
         running = {s.request.request_id for s in self.scheduler.running}
         waiting = [r for r in self.requests.values() if r.request_id not in running]
-        return EngineStats(
+        stats = EngineStats(
             num_running=len(running),
             num_waiting=len(waiting),
             num_waiting_prompt_tokens=sum(r.num_prompt_tokens for r in waiting),
@@ -550,3 +599,10 @@ class LLMEngine:
             graph_steps=self.runner.num_graph_steps,
             eager_steps=self.runner.num_eager_steps,
         )
+        if self.spec is not None:
+            c = self.spec.counters
+            stats.spec_decode_num_drafts = c.num_drafts
+            stats.spec_decode_num_draft_tokens = c.num_draft_tokens
+            stats.spec_decode_num_accepted_tokens = c.num_accepted_tokens
+            stats.spec_decode_num_accepted_tokens_per_pos = list(c.num_accepted_tokens_per_pos)
+        return stats

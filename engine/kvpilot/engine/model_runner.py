@@ -30,6 +30,7 @@ from kvpilot.kernels.kv_cache_dtype import as_bytes
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
+    from kvpilot.engine.models.llama import LlamaForCausalLM
 
 CPU_KV_CACHE_DEFAULT = "256MiB"
 
@@ -71,15 +72,17 @@ def select_attention_backend(args: EngineArgs, device: torch.device) -> Attentio
 class ModelRunner:
     """Holds the model and its KV cache (this rank's shards); executes steps.
 
-    `agree_num_blocks` (tensor or pipeline parallelism) turns this rank's KV block count
-    into the one every rank uses: the smallest. A pipeline `stage` holds the KV cache of
-    its layers only, and runs eagerly (no CUDA graphs yet).
+    `agree_num_blocks` turns this rank's KV block count into the one it uses: with tensor or
+    pipeline parallelism the smallest of every rank's, with a draft model its share of the
+    budget. A pipeline `stage` holds the KV cache of its layers only, and runs eagerly (no
+    CUDA graphs yet).
     """
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig, device: torch.device,
                  tp: TPGroup = SINGLE_RANK,
                  agree_num_blocks: Callable[[int], int] | None = None,
-                 stage: PipelineStage | None = None) -> None:
+                 stage: PipelineStage | None = None,
+                 model: LlamaForCausalLM | None = None) -> None:
         from kvpilot.engine.models.loader import load_model
         from kvpilot.engine.quantization.config import (
             check_device,
@@ -96,8 +99,11 @@ class ModelRunner:
                                           model_config.architecture), device)
         self.kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_config.dtype, device)
         started = time.perf_counter()
-        self.model = load_model(model_config, args.load_format, device, seed=args.seed, tp=tp,
-                                stage=self.stage, quantization=args.quantization)
+        # a model given is already loaded (a draft model, loaded before the target sizes the
+        # KV cache so the profile sees its weights)
+        self.model = model if model is not None else load_model(
+            model_config, args.load_format, device, seed=args.seed, tp=tp, stage=self.stage,
+            quantization=args.quantization)
         self.load_seconds = time.perf_counter() - started
         self.model.attn_backend = select_attention_backend(args, device)
         kv_heads = tp.kv_heads(model_config.num_kv_heads)

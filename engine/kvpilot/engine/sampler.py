@@ -91,6 +91,30 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Gives each row's sampling distribution: softmax after temperature, min_p, top_k, top_p
+    (float32 [N, vocab]; what a random row draws from and what speculation must keep)."""
+    dev = logits.device
+    temperatures = [max(p.temperature, 1e-5) for p in params]
+    if all(t == temperatures[0] for t in temperatures):
+        # one temperature (the common case): a device-side fill, no blocking host copy;
+        # the same float32 divisor as the per-row tensor, so the same quotients
+        temperature = torch.full((len(params),), temperatures[0], device=dev)
+    else:
+        temperature = to_device(temperatures, dev)
+    logits = logits.float() / temperature[:, None]
+    if any(p.min_p > 0 for p in params):
+        probs = logits.softmax(dim=-1)
+        min_p = to_device([p.min_p for p in params], dev)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = to_device([p.top_k for p in params], dev)
+        top_p = to_device([p.top_p for p in params], dev)
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
+    return logits.softmax(dim=-1)
+
+
 class Sampler:
     """Turns a step's logits [N, vocab] into one next token per row."""
 
@@ -128,26 +152,8 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow],
                        greedy: list[bool]) -> torch.Tensor:
         dev = logits.device
-        params = [r.params for r in rows]
         greedy_logits = logits
-        temperatures = [max(p.temperature, 1e-5) for p in params]
-        if all(t == temperatures[0] for t in temperatures):
-            # one temperature (the common case): a device-side fill, no blocking host copy;
-            # the same float32 divisor as the per-row tensor, so the same quotients
-            temperature = torch.full((len(rows),), temperatures[0], device=dev)
-        else:
-            temperature = to_device(temperatures, dev)
-        logits = logits / temperature[:, None]
-        if any(p.min_p > 0 for p in params):
-            probs = logits.softmax(dim=-1)
-            min_p = to_device([p.min_p for p in params], dev)
-            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = to_device([p.top_k for p in params], dev)
-            top_p = to_device([p.top_p for p in params], dev)
-            logits = _apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
+        probs = processed_probs(logits, [r.params for r in rows])
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
         if len(unseeded) == len(rows):
             # no seeded row: the one draw is the noise (same values as scattering it row by row)

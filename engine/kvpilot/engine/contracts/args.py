@@ -117,6 +117,14 @@ class EngineArgs:
         "help": "auto: the model dtype; fp8: E4M3 with per-layer scales (1.0, no calibration "
                 "read yet), half the bytes per token so twice the tokens in the same memory "
                 "(CPU, or GPUs of compute capability 8.9+); a disaggregated peer must match"})
+    # speculative decoding (issue 23)
+    speculative_config: str | None = field(default=None, metadata={
+        "help": "speculative decoding as vLLM's JSON: '{\"method\": \"ngram\", "
+                "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                "\"prompt_lookup_min\": 2}' or '{\"model\": DRAFT, "
+                "\"num_speculative_tokens\": 4}' (a draft sharing the tokenizer); one rank "
+                "only, async scheduling off; requests with penalties, logprobs, n > 1, beam "
+                "search or min_tokens decode without drafts"})
 
     def __post_init__(self) -> None:
         for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
@@ -137,6 +145,24 @@ class EngineArgs:
                              "must be in (0, 1]")
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        from kvpilot.engine.contracts.speculative import parse_speculative_config
+
+        if parse_speculative_config(self.speculative_config) is None:
+            return
+        if self.async_scheduling == "on":
+            raise ValueError("async_scheduling='on' does not work with speculative_config yet: "
+                             "use --async-scheduling auto or off (auto turns it off)")
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError(f"speculative_config needs one rank, got tensor_parallel_size="
+                             f"{self.tensor_parallel_size} x pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size}: drop --speculative-config or run "
+                             "on one GPU")
+        if self.role != "both":
+            raise ValueError(f"speculative_config does not work with role={self.role!r}: "
+                             "use it on an aggregated engine (--role both)")
 
     @property
     def name(self) -> str:

@@ -9,7 +9,7 @@ everything. The engine core itself gives token-id deltas without text
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -87,3 +87,8 @@ class EngineStats:
     generation_tokens: int = 0
     graph_steps: int = 0  # forwards replayed by a CUDA graph
     eager_steps: int = 0  # forwards run eagerly (prefill and mixed steps, CPU)
+    # speculative decoding (vLLM's spec_decode counters); the list is empty without it
+    spec_decode_num_drafts: int = 0  # verifications that had drafts
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)

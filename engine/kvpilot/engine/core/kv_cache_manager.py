@@ -147,6 +147,18 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_new_blocks))
         return copies
 
+    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Frees `seq`'s blocks past those its first `num_tokens` tokens need (the slots of
+        rejected or never-proposed draft tokens; none of them is in the prefix cache)."""
+        table = self.block_tables.get(seq.seq_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not table or len(table) <= keep:
+            return
+        tail = table[keep:]
+        del table[keep:]
+        self._id_arrays.pop(seq.seq_id, None)
+        self.pool.free(tail[::-1])
+
     def record_prefix_lookup(self, seq: Sequence, num_hit_tokens: int) -> None:
         """Counts one admission's prefix-cache query and hit, in tokens."""
         self.prefix_cache_queries += seq.num_tokens

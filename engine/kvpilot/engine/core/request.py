@@ -113,6 +113,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     forked: bool = False  # whether the n / beam branches exist yet
     first_output_sent: bool = False  # whether an EngineCoreOutput of this request went out
+    speculate: bool = False  # whether its decodes verify drafts (speculative decoding)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

@@ -7,7 +7,9 @@ priority, then newest arrival) is preempted by recompute: its blocks are freed
 and it waits again with its generated tokens kept. Under pipeline parallelism the
 sequences of batches still in the pipeline (`busy`) are neither scheduled again nor
 preempted until their batch comes back, and a batch takes at most `max_seqs` sequences,
-so the running ones split into as many batches as there are stages.
+so the running ones split into as many batches as there are stages. With speculative
+decoding a decode also reserves slots for k draft tokens (`_num_spec_tokens`), dropped
+first when the pool is short; the spec step fills them (`spec_decode/spec_decoder.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     max_model_len: int = 2048
+    num_speculative_tokens: int = 0  # draft slots reserved per speculating decode
 
 
 @dataclass
@@ -142,7 +145,12 @@ class Scheduler:
             if not cfg.enable_chunked_prefill and self._must_wait_whole(num_new, budget):
                 continue
             num_new = min(num_new, budget)
+            if num_new == 1 and seq.request.speculate and seq.num_computed_tokens:
+                num_new += min(self._num_spec_tokens(seq), budget - 1)
             copies = self.kv.allocate_slots(seq, num_new)
+            if copies is None and num_new > 1 and seq.is_decode:
+                num_new = 1  # no room for drafts: decode plainly before preempting anyone
+                copies = self.kv.allocate_slots(seq, num_new)
             while copies is None:
                 victim = self._victim(busy)
                 if victim is None:
@@ -164,6 +172,15 @@ class Scheduler:
         # decodes first: the attention metadata's layout contract
         out.scheduled.sort(key=lambda item: item[1] != 1)
         return out
+
+    def _num_spec_tokens(self, seq: Sequence) -> int:
+        """Gives the draft slots to reserve for decode `seq`: k, fewer near its last token.
+
+        Verifying k drafts emits up to k + 1 tokens, so k stays below what `seq` may
+        still generate.
+        """
+        left = self._max_total_tokens(seq.request) - len(seq.token_ids) - 1
+        return max(min(self.config.num_speculative_tokens, left), 0)
 
     def _victim(self, busy: Set[int]) -> Sequence | None:
         """Gives the least important running sequence not in a batch in flight, if any."""

@@ -83,6 +83,7 @@ class _StatsCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=label)
             family.add_metric(value, float(number))
             yield family
+        yield from _spec_decode_families(stats, label, value)
         steps = CounterMetricFamily(names.MODEL_STEPS, "model forwards, by graph replay or eager",
                                     labels=[*label, names.MODE_LABEL])
         steps.add_metric([*value, "graph"], float(stats.graph_steps))
@@ -94,6 +95,30 @@ class _StatsCollector(Collector):
                                              names.NUM_GPU_BLOCKS_LABEL])
             info.add_metric([*value, str(stats.block_size), str(stats.num_total_blocks)], 1.0)
             yield info
+
+
+def _spec_decode_families(stats: EngineStats, label: list[str], value: list[str]
+                          ) -> Iterator[Metric]:
+    """Yields vLLM's spec_decode counters, when the engine speculates (per_pos is non-empty)."""
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    if not per_pos:
+        return
+    for name, doc, number in (
+            (names.SPEC_DECODE_NUM_DRAFTS, "verifications with draft tokens",
+             stats.spec_decode_num_drafts),
+            (names.SPEC_DECODE_NUM_DRAFT_TOKENS, "draft tokens proposed",
+             stats.spec_decode_num_draft_tokens),
+            (names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, "draft tokens accepted",
+             stats.spec_decode_num_accepted_tokens)):
+        family = CounterMetricFamily(name, doc, labels=label)
+        family.add_metric(value, float(number))
+        yield family
+    family = CounterMetricFamily(names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
+                                 "draft tokens accepted, by position in the draft",
+                                 labels=[*label, names.POSITION_LABEL])
+    for pos, number in enumerate(per_pos):
+        family.add_metric([*value, str(pos)], float(number))
+    yield family
 
 
 class ServerMetrics:

@@ -19,6 +19,7 @@ from kvpilot.operator.api.accelerator import AcceleratorSpec
 from kvpilot.operator.api.base import ApiModel
 from kvpilot.operator.api.formats import QUANTITY, DnsSubdomain, EnvMap, SecretKey
 from kvpilot.operator.api.rules import CelRule, JsonDict, validations
+from kvpilot.operator.api.speculative import SpeculativeSpec
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "fp8"]  # the engine's QUANTIZATIONS
@@ -148,6 +149,9 @@ class EngineSpec(ApiModel):
     kv_cache_dtype: KvCacheDtype | None = None
     """KV-cache dtype (--kv-cache-dtype; unset: auto, the model dtype): fp8 (E4M3) holds twice
     the bf16 tokens per byte; NVIDIA GPUs of compute capability 8.9+, or CPU."""
+    # speculative decoding (issue 23)
+    speculative: SpeculativeSpec | None = None
+    """Speculative decoding (n-gram or a draft model); one GPU per replica, aggregated only."""
     extra_args: list[str] = Field(default_factory=list, max_length=64)
     """Further `kvpilot serve` flags, e.g. ["--seed", "1"]; the operator parses them with the
     engine's own parser and refuses unknown flags and flags it sets itself."""

@@ -20,6 +20,7 @@ from kvpilot.operator.api.consistency import check_sections
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.overrides import Overrides
 from kvpilot.operator.api.pools import AnyPoolSpec
+from kvpilot.operator.api.speculative import check_speculative_pool
 from kvpilot.operator.planning.kv_cache import check_kv_cache
 from kvpilot.operator.planning.placement import PodPlacement, plan_placement
 from kvpilot.operator.planning.quantization import check_quantization
@@ -104,6 +105,8 @@ def resolve_pool(spec: AnyPoolSpec, owner: InferenceModelSpec | None) -> Resolve
                    [communication.env, overrides.env])
     check_kv_cache(model, engine, accelerator.vendor)
     check_quantization(engine, accelerator.vendor)
+    check_speculative_pool(engine.speculative,
+                           topology.tensor_parallel * topology.pipeline_parallel, spec.role)
     placement = plan_placement(topology, model, accelerator, engine, communication)
     budget = owner.gpu_budget if owner else None
     gpus = spec.replicas * placement.gpus_per_pod * placement.nodes_per_replica

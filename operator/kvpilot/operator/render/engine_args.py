@@ -34,6 +34,7 @@ OWNED_FLAGS = {
     "api_key": "spec.auth.apiKeySecretRef (never a key in a pod's args)",
     "fleet_secret_file": "the fleet Secret the operator mounts",
     "quantization": "spec.engine.quantization", "kv_cache_dtype": "spec.engine.kvCacheDtype",
+    "speculative_config": "spec.engine.speculative",
 }
 
 
@@ -99,6 +100,8 @@ def serve_args(pool: ResolvedPool, drain_timeout: int) -> list[str]:
         fleet_secret_file=FLEET_SECRET_PATH,
         quantization=engine.quantization or EngineArgs.quantization,
         kv_cache_dtype=engine.kv_cache_dtype or EngineArgs.kv_cache_dtype,
+        speculative_config=(engine.speculative.to_engine_config().to_json()
+                            if engine.speculative else None),
     )
     server = ServerArgs(host="0.0.0.0", port=ENGINE_PORT, drain_timeout=float(drain_timeout))
     check_extra_args(engine.extra_args)

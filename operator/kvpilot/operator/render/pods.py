@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpilot.engine.contracts.args import KV_PORT_OFFSET
+from kvpilot.operator.api.speculative import DRAFT_DIR
 from kvpilot.operator.planning.placement import PodPlacement
 from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.engine_args import serve_args
@@ -158,6 +159,13 @@ def _volumes(pool: ResolvedPool,
         # The engine only reads the weights, whoever writes them (an init container, a Job).
         volumes.append(volume)
         mounts.append({"name": "model", "mountPath": location.mount_path, "readOnly": True})
+    speculative = pool.engine.speculative
+    draft = speculative.draft_claim() if speculative else None
+    if draft is not None:  # a draft model on a claim: mounted beside the target's weights
+        volumes.append({"name": "draft-model", "persistentVolumeClaim": {
+            "claimName": draft[0], "readOnly": True}})
+        mounts.append({"name": "draft-model", "mountPath": f"{DRAFT_DIR}/{draft[0]}",
+                       "readOnly": True})
     return volumes, mounts
 
 

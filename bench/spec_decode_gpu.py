@@ -1,0 +1,218 @@
+"""Issue 23: speculative decoding on a GPU: speed-up at batch 1 and batch 32, acceptance beside it.
+
+Llama-3-8B-shaped dummy model (bf16), greedy, on two prompt kinds: random tokens
+and a repetitive prompt (a 16-token motif repeated). Scenarios, each in a fresh process:
+  base          no speculation (the reference for every speed-up)
+  draft=target  the target's own weights as the draft: acceptance's upper bound (1.0 under
+                greedy), at the cost of a full-size draft
+  noised-S      the target's weights plus Gaussian noise (S x each tensor's std) as the draft:
+                a realistic acceptance, still a full-size draft
+  ngram         prompt lookup (no draft model): the repetitive prompt is where it pays
+Goal (issue 23): >= 1.5x at batch 1 where acceptance >= 0.7. A draft as big as the target
+costs as much per proposed token as the target per verified one, so only the n-gram rows
+(or a real small draft) can reach the goal; the draft rows measure the mechanism.
+
+    python bench/spec_decode_gpu.py OUT [--k 4] [--noise 0.02,0.1] [--new-tokens 128]
+    python bench/spec_decode_gpu.py OUT --smoke      # CPU, tiny shape (tests run this)
+
+Writes OUT/results.json and OUT/results.md; prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
+}
+TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16}
+RESULT_PREFIX = "RESULT "
+MOTIF_LEN, PROMPT_LEN = 16, 128
+
+
+def model_dir(root: Path, smoke: bool) -> Path:
+    """Gives a model dir: the shape's config.json and a word-level tokenizer over its vocab."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = TINY if smoke else LLAMA3_8B
+    path = root / ("tiny" if smoke else "llama3-8b-shape")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config["vocab_size"])},
+                                     unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def prompts(kind: str, n: int, vocab: int, seed: int) -> list[list[int]]:
+    """Gives n prompts of PROMPT_LEN tokens: random, or a random motif repeated."""
+    rng = random.Random(seed)
+    if kind == "random":
+        return [[rng.randrange(vocab) for _ in range(PROMPT_LEN)] for _ in range(n)]
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(vocab) for _ in range(MOTIF_LEN)]
+        out.append((motif * (PROMPT_LEN // MOTIF_LEN + 1))[:PROMPT_LEN])
+    return out
+
+
+def spec_config(scenario: str, path: Path, k: int) -> str | None:
+    if scenario == "base":
+        return None
+    if scenario == "ngram":
+        return json.dumps({"method": "ngram", "num_speculative_tokens": k,
+                           "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    return json.dumps({"model": str(path), "num_speculative_tokens": k})
+
+
+def add_noise(engine, scale: float, seed: int) -> None:
+    """Perturbs the draft model's weights: w += scale * std(w) * N(0, 1)."""
+    gen = torch.Generator(device=engine.runner.device).manual_seed(seed)
+    with torch.no_grad():
+        for param in engine.spec.proposer.runner.model.parameters():
+            noise = torch.randn(param.shape, generator=gen, device=param.device,
+                                dtype=torch.float32)
+            param.add_((noise * scale * param.float().std()).to(param.dtype))
+
+
+def run_scenario(args: argparse.Namespace) -> dict:
+    """Runs one scenario in this process; gives its rows (one per prompt kind and batch)."""
+    from kvpilot.engine.contracts.args import EngineArgs
+    from kvpilot.engine.contracts.sampling_params import SamplingParams
+    from kvpilot.engine.llm_engine import LLMEngine
+
+    path = Path(args.model_dir)
+    scenario = args.scenario
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(path), load_format="dummy", dtype="float32" if args.smoke else "bfloat16",
+        device="cpu" if args.smoke else "cuda", max_model_len=1024, max_num_seqs=64,
+        gpu_memory_utilization=0.85, speculative_config=spec_config(scenario, path, args.k),
+        kv_cache_memory="64MiB" if args.smoke else None))
+    if scenario.startswith("noised-"):
+        add_noise(engine, float(scenario.removeprefix("noised-")), seed=1)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+
+    def generate(batch: list[list[int]], tag: str) -> tuple[float, dict[str, list[int]]]:
+        for i, prompt in enumerate(batch):
+            engine.add_request(f"{tag}-{i}", prompt, params)
+        outs: dict[str, list[int]] = {}
+        start = time.perf_counter()
+        for _ in range(100_000):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = list(out.completions[0].token_ids)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, outs
+
+    engine.stream_outputs = False
+    generate(prompts("random", 2, vocab, 99), "warm")
+    rows = []
+    for kind in ("random", "repetitive"):
+        for batch in args.batches:
+            before = engine.get_stats()
+            seconds, outs = generate(prompts(kind, batch, vocab, 7), f"{kind}-{batch}")
+            after = engine.get_stats()
+            drafts = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+            accepted = (after.spec_decode_num_accepted_tokens
+                        - before.spec_decode_num_accepted_tokens)
+            tokens = sum(len(t) for t in outs.values())
+            rows.append({"scenario": scenario, "prompt": kind, "batch": batch,
+                         "seconds": seconds, "ms_per_step_token": 1e3 * seconds * batch / tokens,
+                         "tok_per_s": tokens / seconds, "draft_tokens": drafts,
+                         "acceptance": accepted / drafts if drafts else None,
+                         "outputs": [outs[k] for k in sorted(outs)]})
+    return {"rows": rows}
+
+
+def table(rows: list[dict], k: int) -> str:
+    """Gives the markdown table: speed-up against base on the same prompt kind and batch."""
+    base = {(r["prompt"], r["batch"]): r for r in rows if r["scenario"] == "base"}
+    lines = [f"| scenario | prompt | batch | tok/s | ms/token/seq | speed-up | acceptance (k={k}) "
+             "| greedy tokens equal to base |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = base[(r["prompt"], r["batch"])]
+        same = sum(a == b for x, y in zip(r["outputs"], ref["outputs"], strict=True)
+                   for a, b in zip(x, y, strict=True))
+        total = sum(len(x) for x in ref["outputs"])
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        lines.append(f"| {r['scenario']} | {r['prompt']} | {r['batch']} | {r['tok_per_s']:.1f} "
+                     f"| {r['ms_per_step_token']:.2f} | {r['tok_per_s'] / ref['tok_per_s']:.2f}x "
+                     f"| {acc} | {same}/{total} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, few tokens")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--noise", default="0.02,0.1", help="noise scales of the noised drafts")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--scenario", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.smoke:
+        args.new_tokens, args.batches = min(args.new_tokens, 12), [1, 3]
+    if args.scenario:
+        print(RESULT_PREFIX + json.dumps(run_scenario(args)), flush=True)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = model_dir(Path(tempfile.mkdtemp(prefix="spec-bench-")), args.smoke)
+    scenarios = ["base", "draft=target",
+                 *[f"noised-{s}" for s in args.noise.split(",") if s], "ngram"]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke \
+        else platform.processor() or "cpu"
+    report = {"date": datetime.date.today().isoformat(), "device": device,
+              "shape": "tiny" if args.smoke else "llama3-8b", "k": args.k,
+              "new_tokens": args.new_tokens, "rows": []}
+    for scenario in scenarios:
+        cmd = [sys.executable, __file__, str(args.out), "--scenario", scenario, "--model-dir",
+               str(path), "--k", str(args.k), "--new-tokens", str(args.new_tokens),
+               "--batches", ",".join(map(str, args.batches))] + (["--smoke"] if args.smoke else [])
+        started = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((x for x in done.stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
+        if done.returncode != 0 or line is None:
+            print(f"{scenario} failed (rc {done.returncode}):\n{done.stderr[-3000:]}",
+                  file=sys.stderr)
+            sys.exit(1)
+        report["rows"] += json.loads(line.removeprefix(RESULT_PREFIX))["rows"]
+        print(f"{scenario}: {time.perf_counter() - started:.0f} s", flush=True)
+        write(args.out, report)  # after every scenario: a run cut short keeps what it measured
+    print(table(report["rows"], args.k))
+
+
+def write(out: Path, report: dict) -> None:
+    """Writes results.json and results.md (the table) of the scenarios run so far."""
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    (out / "results.md").write_text(
+        f"# Speculative decoding, {report['device']}, {report['shape']}, k={report['k']}, "
+        f"{report['new_tokens']} new tokens, greedy\n\n{table(report['rows'], report['k'])}\n")
+
+if __name__ == "__main__":
+    main()
