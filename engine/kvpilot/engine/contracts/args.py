@@ -23,6 +23,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ASYNC_SCHEDULING = ("auto", "on", "off")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tool_parsers.py implements each
 # With --kv-transfer-port 0 an engine's KV agent listens on its HTTP port plus this.
 KV_PORT_OFFSET = 1000
 # Engines and routers read their API key from this variable when --api-key is absent (the
@@ -151,6 +152,14 @@ class ServerArgs:
     chat_template: str | None = field(default=None, metadata={
         "help": "a Jinja chat template, or a file holding one, used instead of the model's"})
     log_level: str = "info"
+    # tool calls (issue 24): vLLM's flags
+    enable_auto_tool_choice: bool = field(default=False, metadata={
+        "help": "let the model decide to call tools (tool_choice=auto); needs "
+                "--tool-call-parser"})
+    tool_call_parser: str | None = field(default=None, metadata={
+        "choices": TOOL_CALL_PARSERS,
+        "help": "how tool calls are written in this model's replies: hermes (Qwen, Hermes: "
+                "<tool_call>{...}</tool_call>) or llama3_json (Llama 3.x JSON calls)"})
     api_server_count: int = field(default=1, metadata={
         "help": "API server processes (HTTP, tokenisation, detokenisation, SSE) sharing the "
                 "port in front of the one engine core process; more than 1 when one "
@@ -160,6 +169,9 @@ class ServerArgs:
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count={self.api_server_count!r} is invalid: "
                              "must be at least 1")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice=True needs tool_call_parser: pass "
+                             f"--tool-call-parser ({' or '.join(TOOL_CALL_PARSERS)})")
 
     def to_cli(self) -> list[str]:
         return _to_cli(self)

@@ -16,6 +16,9 @@ from kvpilot.engine.contracts.outputs import RequestMetrics, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # for the annotation only: the scheduling core runs without torch
+    from concurrent.futures import Future
+
+    import llguidance
     import torch
 
 _seq_ids = itertools.count()
@@ -113,6 +116,8 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     forked: bool = False  # whether the n / beam branches exist yet
     first_output_sent: bool = False  # whether an EngineCoreOutput of this request went out
+    # the structured-output matcher (structured/matchers.py), a Future while it compiles
+    grammar: Future[llguidance.LLMatcher] | llguidance.LLMatcher | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
