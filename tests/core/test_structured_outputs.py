@@ -144,5 +144,5 @@ def test_structured_outputs_refuse_branches(params: dict[str, Any], field: str) 
 
 def test_an_invalid_grammar_is_refused_offline(llm: LLM) -> None:
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(("))
-    with pytest.raises(ValueError, match="structured_outputs.regex"):
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
         llm.generate(["x"], bad)
