@@ -136,9 +136,10 @@ def test_bitmask_keeps_exactly_the_set_bits() -> None:
 
 
 @pytest.mark.parametrize(("params", "field"), [
-    ({"n": 2}, "structured_outputs"), ({"beam_width": 2}, "structured_outputs")])
+    ({"n": 2}, "structured_outputs"), ({"beam_width": 2}, "structured_outputs"),
+    ({"min_tokens": 3}, "min_tokens"), ({"ignore_eos": True}, "ignore_eos")])
 def test_structured_outputs_refuse_branches(params: dict[str, Any], field: str) -> None:
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=f"^{field}="):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"), **params)
 
 
@@ -146,3 +147,21 @@ def test_an_invalid_grammar_is_refused_offline(llm: LLM) -> None:
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(("))
     with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
         llm.generate(["x"], bad)
+
+
+def test_a_grammar_that_fails_in_the_core_ends_its_request_with_the_error(llm: LLM) -> None:
+    engine = llm.engine  # add_request directly: past the check the API server and LLM make
+    bad = SamplingParams(max_tokens=50, structured_outputs=StructuredOutputsParams(regex="(("))
+    good = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("bad", [5, 6, 7], bad)
+    engine.add_request("good", [5, 6, 7], good)
+    finished = {}
+    for _ in range(100):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if len(finished) == 2:
+            break
+    assert "structured_outputs grammar does not compile" in (finished["bad"].error or "")
+    assert not finished["bad"].completions[0].token_ids[:-1]  # EOS at once, nothing else
+    assert finished["good"].error is None

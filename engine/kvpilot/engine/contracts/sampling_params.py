@@ -73,6 +73,12 @@ class SamplingParams:
             (self.structured_outputs is None or (self.n == 1 and self.beam_width == 1),
              "structured_outputs", "set", "works with n=1 and no beam search only: drop it "
              "or send n=1"),
+            # the grammar ends a structured output with EOS, which these would forbid
+            (self.structured_outputs is None or not self.min_tokens, "min_tokens",
+             self.min_tokens, "must be 0 with structured_outputs (the grammar decides the end)"),
+            (self.structured_outputs is None or not self.ignore_eos, "ignore_eos",
+             self.ignore_eos, "must be false with structured_outputs (the grammar ends the "
+             "output with EOS)"),
         ]
         for ok, name, value, fix in checks:
             if not ok:

@@ -116,8 +116,9 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     forked: bool = False  # whether the n / beam branches exist yet
     first_output_sent: bool = False  # whether an EngineCoreOutput of this request went out
-    # the structured-output matcher (structured/matchers.py), a Future while it compiles
-    grammar: Future[llguidance.LLMatcher] | llguidance.LLMatcher | None = None
+    # the structured-output matcher (structured/matchers.py): a Future while it compiles,
+    # the error message once it failed
+    grammar: Future[llguidance.LLMatcher] | llguidance.LLMatcher | str | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

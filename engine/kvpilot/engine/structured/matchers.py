@@ -6,7 +6,9 @@ schema costs one deep copy), waited for only when its first token is sampled.
 Each step `bitmask` fills one int32 row per sampled sequence (every bit set for
 rows without a constraint) with llguidance's parallel executor; the sampler
 applies the whole batch's mask in one masked fill. `accept` advances a matcher
-by the sampled token. Matcher state follows the output tokens, which survive
+by the sampled token. A grammar that fails in the core (the API server checked
+it, so this is a library fault) sets the request's error and allows only EOS,
+so the request ends at once and its reader gets the error. Matcher state follows the output tokens, which survive
 preemption (recompute keeps them), so nothing is rolled back there.
 """
 
@@ -19,9 +21,10 @@ from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.torch
+import numpy as np
 import torch
 
-from kvpilot.engine.structured.grammar import check_grammar
+from kvpilot.engine.structured.grammar import grammar_of
 
 if TYPE_CHECKING:
     from kvpilot.engine.core.request import Request, Sequence
@@ -41,14 +44,18 @@ class GrammarMatchers:
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar")
         self._executor: llguidance.LLExecutor | None = None
+        words = np.zeros(llguidance.torch.get_bitmask_shape(1, vocab_size)[1], dtype=np.uint32)
+        for eos in self._eos:
+            words[eos // 32] |= np.uint32(1 << (eos % 32))
+        self._eos_only = torch.from_numpy(words.view(np.int32))  # a failed grammar's row
 
     def add(self, request: Request) -> None:
-        """Starts compiling `request`'s matcher in the background; raises ValueError naming the
-        constraint when its grammar is invalid."""
+        """Starts compiling `request`'s matcher in the background (the API server checked the
+        grammar; one that fails here ends the request with an error)."""
         params = request.params.structured_outputs
         if params is None:
             return
-        request.grammar = self._pool.submit(self._matcher, check_grammar(params))
+        request.grammar = self._pool.submit(self._matcher, grammar_of(params))
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
         """Gives a fresh matcher of `grammar` (a copy of the cached compiled one)."""
@@ -58,6 +65,8 @@ class GrammarMatchers:
                 self._tokenizer = llguidance.LLTokenizer(
                     self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos)
             template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+            if template.is_error():
+                raise ValueError(template.get_error())
             self._compiled[grammar] = template
             if len(self._compiled) > _CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
@@ -66,41 +75,59 @@ class GrammarMatchers:
         return template.deep_copy()
 
     @staticmethod
-    def _resolved(request: Request) -> llguidance.LLMatcher:
+    def _resolved(request: Request) -> llguidance.LLMatcher | None:
+        """Gives `request`'s matcher once compiled; None once its grammar failed (the request
+        then carries the error and may only end)."""
         grammar = request.grammar
         if isinstance(grammar, Future):
-            grammar = request.grammar = grammar.result()
-        assert isinstance(grammar, llguidance.LLMatcher)
-        return grammar
+            try:
+                grammar = request.grammar = grammar.result()
+            except ValueError as exc:
+                grammar = request.grammar = _fail(request, f"does not compile: {exc}")
+        return grammar if isinstance(grammar, llguidance.LLMatcher) else None
 
     def bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """Gives the [len(seqs), ceil(vocab / 32)] int32 host mask of allowed tokens, or None
-        when no sequence is constrained."""
-        constrained = [(self._resolved(s.request), row) for row, s in enumerate(seqs)
-                       if s.request.grammar is not None]
-        if not constrained:
+        when no sequence is constrained; a failed grammar's row allows only EOS."""
+        rows = [(s.request, row) for row, s in enumerate(seqs) if s.request.grammar is not None]
+        if not rows:
             return None
         mask = torch.full(llguidance.torch.get_bitmask_shape(len(seqs), self._vocab_size), -1,
                           dtype=torch.int32)
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, constrained, mask)
+        constrained = []
+        for request, row in rows:
+            matcher = self._resolved(request)
+            if matcher is None:
+                mask[row] = self._eos_only
+            else:
+                constrained.append((matcher, row))
+        if constrained:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, constrained, mask)
         return mask
 
     def accept(self, seq: Sequence, token: int) -> None:
         """Advances `seq`'s matcher by its sampled `token` (nothing for unconstrained ones)."""
-        grammar = seq.request.grammar
-        if grammar is None:
+        if seq.request.grammar is None:
             return
         matcher = self._resolved(seq.request)
-        if not matcher.consume_token(token):
-            # the mask allowed only grammar tokens, so this is a matcher fault, not the model's
+        if matcher is not None and not matcher.consume_token(token):
+            # the mask allowed only grammar tokens: a matcher fault, not the model's
             log.warning("request %s: grammar matcher refused token %d: %s",
                         seq.request.request_id, token, matcher.get_error())
+            seq.request.grammar = _fail(seq.request, f"refused token {token}: "
+                                        f"{matcher.get_error()}")
 
     def shutdown(self) -> None:
         """Stops the compiling thread."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _fail(request: Request, why: str) -> str:
+    """Gives the failed-grammar state of `request` (its error message), setting its error."""
+    request.error = f"structured_outputs grammar {why}"
+    return request.error
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
