@@ -101,8 +101,8 @@ def structured_outputs_of(request: CompletionRequest | ChatCompletionRequest
         from_tools = _from_tool_choice(request)
         if from_tools is not None:
             if params is not None:
-                raise bad_request(f"tool_choice={_choice_text(request)} constrains the reply "
-                                  f"to a tool call, so {field} cannot apply: drop one",
+                raise bad_request("tool_choice (required or a named function) constrains the "
+                                  f"reply to a tool call, so {field} cannot apply: drop one",
                                   "tool_choice")
             params, field = from_tools, "tool_choice"
     if params is None:
@@ -115,10 +115,4 @@ def structured_outputs_of(request: CompletionRequest | ChatCompletionRequest
     except ValueError as exc:
         raise bad_request(str(exc), field) from exc
     return params
-
-
-def _choice_text(request: ChatCompletionRequest) -> str:
-    choice = request.tool_choice
-    return choice if isinstance(choice, str) else f"function {choice.function.name!r}" \
-        if choice is not None else "none"
 
