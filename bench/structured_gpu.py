@@ -28,6 +28,7 @@ import json
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,6 +58,7 @@ SCHEMA = {
     },
 }
 MODES = ("unconstrained", "unconstrained_sync", "json_schema")
+RESULT_PREFIX = "RESULT "
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -201,7 +203,6 @@ def validate_outputs(model: str, smoke: bool) -> int:
             good += 1
         except (ValueError, jsonschema.ValidationError):
             print(f"invalid output: {out.outputs[0].text[:200]!r}", file=sys.stderr)
-    llm.engine.shutdown()
     return good
 
 
@@ -210,18 +211,35 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny-qwen3, a few steps")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # MODE or "validate", one process
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:  # each engine in its own process: the last one's KV cache is freed
+        value = (validate_outputs(args.model, args.smoke) if args.child == "validate"
+                 else run_mode(args.model, args.child, args.smoke))
+        print(RESULT_PREFIX + json.dumps(value), flush=True)
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     model = "tiny-qwen3" if args.smoke else str(model_dir(args.out / "model"))
+
+    def child(name: str):
+        done = subprocess.run([sys.executable, __file__, str(args.out), "--child", name,
+                               "--model", model, *(["--smoke"] if args.smoke else [])],
+                              capture_output=True, text=True, check=False)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+        if done.returncode != 0 or not lines:
+            raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(lines[-1].removeprefix(RESULT_PREFIX))
+
     rows = []
     for mode in args.modes.split(","):
-        rows.append(run_mode(model, mode, args.smoke))
+        rows.append(child(mode))
         print(json.dumps(rows[-1]), flush=True)
     by_mode = {r["mode"]: r for r in rows}
     result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "host": platform.node(), "gpu": torch.cuda.get_device_name()
               if torch.cuda.is_available() else None, "smoke": args.smoke, "rows": rows,
-              "valid_outputs_of_8": validate_outputs(model, args.smoke)}
+              "valid_outputs_of_8": child("validate")}
     base, constrained = by_mode.get("unconstrained"), by_mode.get("json_schema")
     if base and constrained and base["decode_step_ms_median"] and \
             constrained["decode_step_ms_median"]:
