@@ -199,3 +199,28 @@ def test_rejected_draft_slots_are_freed_after_every_step():
     stats = engine.get_stats()
     assert checked > 20
     assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_structured_requests_decode_without_drafts_and_keep_their_grammar():
+    """Drafts are verified without the grammar's mask, so a constrained request must not
+    speculate: with a draft equal to the target (drafts always on offer), JSON-schema
+    requests still parse and draft nothing; an unconstrained request then drafts."""
+    import json
+
+    from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
+    from kvpilot.engine.llm import LLM
+
+    llm = LLM("tiny-llama", device="cpu", num_kv_blocks=128,
+              speculative_config=draft("tiny-llama"))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+              "required": ["ok"], "additionalProperties": False}
+    outs = llm.generate(["Reply in JSON:"] * 3, [SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=60,
+        structured_outputs=StructuredOutputsParams(json=json.dumps(schema)))
+        for seed in range(3)])
+    for out in outs:
+        assert json.loads(out.outputs[0].text) in ({"ok": True}, {"ok": False})
+    assert llm.get_stats().spec_decode_num_drafts == 0
+    llm.generate(["Reply in JSON:"], SamplingParams(temperature=0, max_tokens=8,
+                                                    ignore_eos=True))
+    assert llm.get_stats().spec_decode_num_drafts > 0

@@ -17,6 +17,7 @@ from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.request_state import RequestState
+from kvpilot.engine.structured.grammar import check_grammar
 
 Prompt = str | list[int]  # text, or its token ids
 Prompts = Prompt | Sequence[Prompt]
@@ -52,6 +53,9 @@ class LLM:
                 raise ValueError(f"sampling_params has {len(params_list)} entries for "
                                  f"{len(prompt_list)} prompts: pass one per prompt or a single one")
         states: dict[str, RequestState] = {}
+        for params in params_list:  # what the API server checks before the engine sees it
+            if params.structured_outputs is not None:
+                check_grammar(params.structured_outputs)
         for prompt, params in zip(prompt_list, params_list, strict=True):
             request_id = f"offline-{next(self._ids)}"
             text, token_ids = ((prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str)

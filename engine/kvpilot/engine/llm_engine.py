@@ -39,6 +39,7 @@ from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kvpilot.engine.spec_decode.proposers import Drafts
 from kvpilot.engine.spec_decode.spec_decoder import SpecDecoder, VerifyItem, make_spec_decoder
+from kvpilot.engine.structured.matchers import GrammarMatchers
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
@@ -53,10 +54,12 @@ def needs_host_sampling(params: SamplingParams) -> bool:
     """Gives whether a request's sampling needs the previous token on the host.
 
     Penalties count output tokens, min_tokens bans stop ids by output length,
-    logprobs, n > 1 and beam search fork or read back per-step values: their
-    steps run synchronously even under async scheduling.
+    logprobs, n > 1 and beam search fork or read back per-step values, and a
+    grammar's mask depends on the previous token: their steps run synchronously
+    even under async scheduling.
     """
-    return bool(params.n > 1 or params.beam_width > 1 or params.logprobs is not None
+    return bool(params.structured_outputs is not None or params.n > 1
+                or params.beam_width > 1 or params.logprobs is not None
                 or params.prompt_logprobs is not None or params.min_tokens
                 or params.presence_penalty or params.frequency_penalty
                 or params.repetition_penalty != 1.0)
@@ -121,6 +124,7 @@ class LLMEngine:
         self._last_plan: SchedulerOutput | None = None
         self._host_sampling: set[str] = set()  # live request ids that need host sampling
         self._readback = PinnedReadback(engine_args.max_num_seqs)  # sampled ids to the host
+        self._grammars: GrammarMatchers | None = None  # on the first structured request
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -196,6 +200,8 @@ class LLMEngine:
         reason = self.scheduler.exceeds_model_len(request)
         if reason is not None:
             raise ValueError(reason)
+        if params.structured_outputs is not None:
+            self.grammars().add(request)
         reason = self.scheduler.never_fits(request)
         seq = request.seqs[0]
         init_offsets(seq)
@@ -213,6 +219,18 @@ class LLMEngine:
         else:
             request.speculate = self.spec is not None
         self.scheduler.add(seq)
+
+    def grammars(self) -> GrammarMatchers:
+        """Gives the structured-output matchers (made on first use: the grammar library reads
+        the whole vocabulary); raises ValueError when the tokenizer cannot give its JSON."""
+        if self._grammars is None:
+            to_json = getattr(self.tokenizer, "to_json", None)
+            if to_json is None:
+                raise ValueError("structured_outputs needs the model's tokenizer.json: load a "
+                                 "model with one, or drop structured_outputs")
+            self._grammars = GrammarMatchers(to_json(), self.model_config.vocab_size,
+                                             list(self.model_config.eos_token_ids))
+        return self._grammars
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Stops requests, frees their blocks; each gets a final output with reason "abort"."""
@@ -499,7 +517,9 @@ class LLMEngine:
         if row_ids != list(range(logits.shape[0])):
             # forks share a row, prompt-logprob rows are skipped: gather the rows that sample
             logits = logits.index_select(0, to_device(row_ids, logits.device, torch.long))
-        out = self.sampler(logits, rows)
+        grammars = self._grammars
+        bitmask = grammars.bitmask([seq for seq, _ in to_sample]) if grammars else None
+        out = self.sampler(logits, rows, bitmask)
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for i, (seq, _) in enumerate(to_sample):
@@ -517,6 +537,9 @@ class LLMEngine:
                 top_lps = out.top_logprobs[i][:k] if out.top_logprobs else []
                 lp_map = self.outputs.token_logprobs(out.token_ids[i], lp, out.ranks[i],
                                                      top_ids, top_lps)
+            if bitmask is not None:
+                assert grammars is not None
+                grammars.accept(seq, out.token_ids[i])
             self._append(seq, out.token_ids[i], lp, lp_map, now)
         for request in touched.values():
             if request.is_beam_search:
@@ -578,6 +601,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops the executor's worker processes (a tensor-parallel engine's; none on one rank)."""
         self.runner.shutdown()
+        if self._grammars is not None:
+            self._grammars.shutdown()
 
     def get_stats(self) -> EngineStats:
         """Gives the gauges and counters the server exports."""

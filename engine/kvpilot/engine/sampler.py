@@ -18,6 +18,7 @@ import torch
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.device import to_device
+from kvpilot.engine.structured.matchers import apply_token_bitmask
 
 
 @dataclass
@@ -118,16 +119,19 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 class Sampler:
     """Turns a step's logits [N, vocab] into one next token per row."""
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Gives the sampled tokens (and logprobs where any row asks) for `rows`."""
-        token_ids = self.sample_ids(logits, rows)
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 bitmask: torch.Tensor | None = None) -> SamplerOutput:
+        """Gives the sampled tokens (and logprobs where any row asks) for `rows`; `bitmask`
+        (host int32 [N, ceil(vocab / 32)], structured outputs) leaves only its set bits."""
+        token_ids = self.sample_ids(logits, rows, bitmask)
         # one device-to-host copy per step: the only point where the host waits for the GPU
         out = SamplerOutput(token_ids=token_ids.tolist())
         if any(r.params.logprobs is not None or r.num_logprobs for r in rows):
             self._add_logprobs(out, logits.float(), token_ids, max(r.num_logprobs for r in rows))
         return out
 
-    def sample_ids(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def sample_ids(self, logits: torch.Tensor, rows: list[SamplingRow],
+                   bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """Gives the sampled token per row as a long tensor on the logits' device.
 
         Nothing here waits for the GPU: per-row parameters travel with
@@ -136,6 +140,8 @@ class Sampler:
         """
         logits = logits.float()
         params = [r.params for r in rows]
+        if bitmask is not None:  # the grammar's allowed tokens, before any other processing
+            logits = apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
         if any(r.banned_token_ids for r in rows):
             logits = logits.clone()
             for i, r in enumerate(rows):

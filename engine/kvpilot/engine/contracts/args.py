@@ -25,6 +25,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 QUANTIZATIONS = ("none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tool_parsers.py implements each
 # With --kv-transfer-port 0 an engine's KV agent listens on its HTTP port plus this.
 KV_PORT_OFFSET = 1000
 # Engines and routers read their API key from this variable when --api-key is absent (the
@@ -124,7 +125,7 @@ class EngineArgs:
                 "\"prompt_lookup_min\": 2}' or '{\"model\": DRAFT, "
                 "\"num_speculative_tokens\": 4}' (a draft sharing the tokenizer); one rank "
                 "only, async scheduling off; requests with penalties, logprobs, n > 1, beam "
-                "search or min_tokens decode without drafts"})
+                "search, min_tokens or structured outputs decode without drafts"})
 
     def __post_init__(self) -> None:
         for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
@@ -191,6 +192,14 @@ class ServerArgs:
     chat_template: str | None = field(default=None, metadata={
         "help": "a Jinja chat template, or a file holding one, used instead of the model's"})
     log_level: str = "info"
+    # tool calls (issue 24): vLLM's flags
+    enable_auto_tool_choice: bool = field(default=False, metadata={
+        "help": "let the model decide to call tools (tool_choice=auto); needs "
+                "--tool-call-parser"})
+    tool_call_parser: str | None = field(default=None, metadata={
+        "choices": TOOL_CALL_PARSERS,
+        "help": "how tool calls are written in this model's replies: hermes (Qwen, Hermes: "
+                "<tool_call>{...}</tool_call>) or llama3_json (Llama 3.x JSON calls)"})
     api_server_count: int = field(default=1, metadata={
         "help": "API server processes (HTTP, tokenisation, detokenisation, SSE) sharing the "
                 "port in front of the one engine core process; more than 1 when one "
@@ -200,6 +209,9 @@ class ServerArgs:
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count={self.api_server_count!r} is invalid: "
                              "must be at least 1")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice=True needs tool_call_parser: pass "
+                             f"--tool-call-parser ({' or '.join(TOOL_CALL_PARSERS)})")
 
     def to_cli(self) -> list[str]:
         return _to_cli(self)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -29,6 +31,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     beam_width: int = 1  # offline API only; >1 runs beam search (greedy, no sampling)
     length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +69,16 @@ class SamplingParams:
              self.prompt_logprobs, "must be between 0 and 20"),
             (self.beam_width >= 1, "beam_width", self.beam_width, "must be at least 1"),
             (all(s for s in self.stop), "stop", self.stop, "must not contain empty strings"),
+            # one grammar state per request: branches would each need their own
+            (self.structured_outputs is None or (self.n == 1 and self.beam_width == 1),
+             "structured_outputs", "set", "works with n=1 and no beam search only: drop it "
+             "or send n=1"),
+            # the grammar ends a structured output with EOS, which these would forbid
+            (self.structured_outputs is None or not self.min_tokens, "min_tokens",
+             self.min_tokens, "must be 0 with structured_outputs (the grammar decides the end)"),
+            (self.structured_outputs is None or not self.ignore_eos, "ignore_eos",
+             self.ignore_eos, "must be false with structured_outputs (the grammar ends the "
+             "output with EOS)"),
         ]
         for ok, name, value, fix in checks:
             if not ok:

@@ -41,9 +41,10 @@ class TokenizerLike(Protocol):
         """Gives the text of `ids`."""
         ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
-        """Gives the prompt text of `messages` (raises ValueError or a template error)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **extra: Any) -> str:
+        """Gives the prompt text of `messages` (raises ValueError or a template error);
+        `extra` are more template variables (`tools`)."""
         ...
 
 class Tokenizer:
@@ -87,6 +88,10 @@ class Tokenizer:
         """Gives the vocabulary strings of `ids` (byte-level BPE pieces, not text); None for
         an id outside the vocabulary."""
         return [self._tok.id_to_token(i) for i in ids]
+
+    def to_json(self) -> str:
+        """Gives the tokenizer as tokenizer.json text (what the grammar library reads)."""
+        return self._tok.to_str()
 
     def token_to_id(self, token: str) -> int | None:
         """Gives the id of a vocabulary string, or None."""

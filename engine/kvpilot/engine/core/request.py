@@ -16,6 +16,9 @@ from kvpilot.engine.contracts.outputs import RequestMetrics, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # for the annotation only: the scheduling core runs without torch
+    from concurrent.futures import Future
+
+    import llguidance
     import torch
 
 _seq_ids = itertools.count()
@@ -114,6 +117,9 @@ class Request:
     forked: bool = False  # whether the n / beam branches exist yet
     first_output_sent: bool = False  # whether an EngineCoreOutput of this request went out
     speculate: bool = False  # whether its decodes verify drafts (speculative decoding)
+    # the structured-output matcher (structured/matchers.py): a Future while it compiles,
+    # the error message once it failed
+    grammar: Future[llguidance.LLMatcher] | llguidance.LLMatcher | str | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

@@ -118,7 +118,8 @@ def serve_api(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) ->
     if config.chat_template is not None and isinstance(tokenizer, Tokenizer):
         tokenizer.chat_template = config.chat_template
     app = build_app(core, tokenizer, engine_args.name, max_queue_len=server_args.max_queue_len,
-                    auth=config.auth)
+                    auth=config.auth, tool_call_parser=server_args.tool_call_parser
+                    if server_args.enable_auto_tool_choice else None)
     asyncio.run(make_server(app, server_args).serve(sockets=[sock]))
 
 

@@ -47,18 +47,20 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def build_app(core: CoreHandle, tokenizer: TokenizerLike, model_name: str,
-              max_queue_len: int = 1024, auth: HttpAuth | None = None) -> FastAPI:
+              max_queue_len: int = 1024, auth: HttpAuth | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     """Gives the app serving the engine `core` under `model_name`; it connects while starting
     and disconnects while stopping (the core's life is its launcher's).
 
-    `auth` says which credential each path needs (`contracts.http_auth`; none: all open).
+    `auth` says which credential each path needs (`contracts.http_auth`; none: all open);
+    `tool_call_parser` (with --enable-auto-tool-choice) parses tool calls of tool_choice=auto.
     """
     metrics = ServerMetrics(model_name)
     client = CoreClient(core, tokenizer, metrics)
     gate = Gate(max_queue_len, lambda: client.stats.num_waiting + client.num_pending,
                 on_drain=metrics.set_draining)
     limits = Limits(max_model_len=core.ready.max_model_len, vocab_size=core.ready.vocab_size)
-    ctx = ServingContext(client, tokenizer, model_name, limits, gate)
+    ctx = ServingContext(client, tokenizer, model_name, limits, gate, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -10,6 +10,7 @@ from fastapi import Request
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core_process.client import OutputStream
+from kvpilot.engine.server.chat_tools import ToolReply
 from kvpilot.engine.server.params import chat_prompt, sampling_params
 from kvpilot.engine.server.protocol import (
     ChatChoice,
@@ -63,11 +64,13 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
     arrival = time.monotonic()
     # rendering and tokenising in a worker thread keeps the loop serving (a long chat)
     prompt = await ctx.off_loop(chat_prompt, request, ctx.tokenizer, ctx.limits)
-    params = sampling_params(request, len(prompt), ctx.limits)
+    tools = ToolReply.of(request, ctx.tool_call_parser)
+    # off the loop too: a JSON schema's grammar is compiled to be checked
+    params = await ctx.off_loop(sampling_params, request, len(prompt), ctx.limits)
     request_id, streams = await admit_requests(ctx, "chatcmpl", [prompt], [params], arrival,
                                                request.priority, request.stream)
     if request.stream:
-        return GenerationStream(_stream(request, ctx, request_id, streams, len(prompt)),
+        return GenerationStream(_stream(request, ctx, request_id, streams, len(prompt), tools),
                                 ctx.gate, streams)
     try:
         final = await cancel_on_disconnect(raw, _last(streams[0]))
@@ -75,13 +78,38 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
         ctx.gate.release()
     check_error(final)
     k = request.top_logprobs or 0
-    choices = [
-        ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                   logprobs=chat_logprobs(ctx.tokenizer, c, k) if request.logprobs else None,
-                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        for c in final.outputs]
+    choices = []
+    for c in final.outputs:
+        message, reason = ChatResponseMessage(content=c.text), c.finish_reason
+        if tools is not None:
+            parsed = tools.parse(c.text)
+            message = ChatResponseMessage(content=parsed.content, tool_calls=parsed.tool_calls)
+            reason = tools.finish_reason(parsed, reason)
+        choices.append(ChatChoice(
+            index=c.index, message=message,
+            logprobs=chat_logprobs(ctx.tokenizer, c, k) if request.logprobs else None,
+            finish_reason=reason, stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
                                   usage=usage_of([final], [len(prompt)]))
+
+
+def _delta(tools: ToolReply | None, c: CompletionOutput) -> ChatDelta:
+    """Gives one streamed choice's delta: its text, or with tools the content that can go
+    out now and, when the choice ends, its calls."""
+    if tools is None:
+        return ChatDelta(content=c.text or None)
+    content = tools.feed(c.index, c.text)
+    if c.finish_reason is None:
+        return ChatDelta(content=content or None)
+    rest, calls = tools.finish(c.index)
+    return ChatDelta(content=(content + (rest or "")) or None, tool_calls=calls or None)
+
+
+def _finish_reason(tools: ToolReply | None, c: CompletionOutput) -> str | None:
+    """Gives "tool_calls" for a free reply that ended in calls (read after `_delta`)."""
+    if tools is None or c.finish_reason != "stop" or tools.named is not None:
+        return c.finish_reason
+    return "tool_calls" if tools.ended_in_calls.get(c.index) else c.finish_reason
 
 
 async def _last(stream: OutputStream) -> RequestOutput:
@@ -93,8 +121,8 @@ async def _last(stream: OutputStream) -> RequestOutput:
 
 
 async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_id: str,
-                  streams: list[OutputStream],
-                  prompt_len: int) -> AsyncGenerator[str, None]:
+                  streams: list[OutputStream], prompt_len: int,
+                  tools: ToolReply | None) -> AsyncGenerator[str, None]:
     created = int(time.time())
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     k = request.top_logprobs or 0
@@ -114,9 +142,9 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
             sent.add(0, output)
             choices = [
                 ChatStreamChoice(
-                    index=c.index, delta=ChatDelta(content=c.text or None),
+                    index=c.index, delta=_delta(tools, c),
                     logprobs=chat_logprobs(ctx.tokenizer, c, k) if request.logprobs else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                    finish_reason=_finish_reason(tools, c), stop_reason=c.stop_reason)
                 for c in output.outputs]
             if choices:
                 yield opening + chunk(choices)

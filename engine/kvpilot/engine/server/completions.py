@@ -58,7 +58,9 @@ async def create_completion(request: CompletionRequest, raw: Request,
     arrival = time.monotonic()
     # tokenising (a 1 MB prompt: ~2 s of CPU) in a worker thread keeps the loop serving
     prompts = await ctx.off_loop(completion_prompts, request, ctx.tokenizer, ctx.limits)
-    params = [sampling_params(request, len(ids), ctx.limits) for ids in prompts]
+    # off the loop too: a JSON schema's grammar is compiled to be checked
+    params = await ctx.off_loop(lambda: [sampling_params(request, len(ids), ctx.limits)
+                                         for ids in prompts])
     request_id, streams = await admit_requests(ctx, "cmpl", prompts, params, arrival,
                                                request.priority, request.stream)
     if request.stream:

@@ -7,6 +7,7 @@ learns its prompt plus `max_tokens` is too long before any engine work.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +16,11 @@ from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.server.errors import bad_request, from_value_error
 from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     SamplingFields,
 )
+from kvpilot.engine.server.structured import structured_outputs_of
 
 
 @dataclass
@@ -65,17 +68,17 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer: TokenizerLike,
                 limits: Limits) -> list[int]:
     """Gives the token ids of the chat rendered through the tokenizer's chat template."""
     _check_common(request)
-    if request.tools:
-        raise bad_request("tools are not supported by kvpilot: remove tools", "tools")
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not supported by kvpilot: "
-                          "remove response_format", "response_format")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request(f"top_logprobs={request.top_logprobs} needs logprobs=true: "
                           "set logprobs=true", "top_logprobs")
-    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    messages = [_template_message(m) for m in request.messages]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if request.tools:  # the template's own tool format (its Jinja `tools` variable)
+            tools = [t.model_dump(exclude_none=True) for t in request.tools]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tools=tools)
+        else:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except Exception as exc:  # a template may raise on role orders it does not allow
         raise bad_request(f"messages cannot be rendered by the chat template: {exc}",
                           "messages") from exc
@@ -83,6 +86,30 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer: TokenizerLike,
     ids = tokenizer.encode(text, add_special_tokens=False)
     check_prompt(ids, limits, "messages")
     return ids
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """Gives one message as chat templates read it: tool calls with their arguments parsed
+    (templates write them with `tojson`), and the id a tool turn answers."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": c.type,
+             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"messages has a tool call whose arguments are not JSON ({exc}): "
+                          "send the arguments as a JSON object's text", "messages") from exc
 
 
 def check_prompt(ids: list[int], limits: Limits, param: str) -> None:
@@ -134,6 +161,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, prompt_l
         "logprobs": logprobs,
         "skip_special_tokens": request.skip_special_tokens,
         "include_stop_str_in_output": request.include_stop_str_in_output,
+        "structured_outputs": structured_outputs_of(request),
     }
     optional = {"temperature": request.temperature, "top_p": request.top_p,
                 "top_k": request.top_k, "min_p": request.min_p,

@@ -57,6 +57,7 @@ class ServingContext:
     model_name: str
     limits: Limits
     gate: Gate
+    tool_call_parser: str | None = None  # with --enable-auto-tool-choice: tool_choice=auto
     cpu: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         TOKENIZE_THREADS, thread_name_prefix="kvpilot-tokenize"))
 

@@ -1,0 +1,262 @@
+"""Issue 24: the cost of structured outputs at batch 64 (goal: <= 10% slower than unconstrained).
+
+A Qwen3-0.6B-shaped dummy model (bf16, random weights) with a byte-level BPE
+tokenizer of Qwen3's vocabulary size (151,936 ids), synthesised here: the 256
+byte tokens plus random merges of existing tokens (words, spaces, digits and
+JSON punctuation first), so the grammar library walks a token trie of a real
+size. A closed loop keeps 64 requests in flight (a finished one is replaced at
+once) for a fixed number of steps, in three modes, each its own engine:
+
+- `unconstrained`: the default (async scheduling on CUDA);
+- `unconstrained_sync`: async scheduling off, so the gap to `json_schema` is the
+  grammar's own cost (constrained steps run synchronously);
+- `json_schema`: every request constrained by one schema (objects, enums,
+  bounded strings, arrays of numbers), compiled once and copied per request.
+
+Reported per mode: the median ms of pure decode steps with 64 running, and the
+output tokens/s over the timed steps. `slowdown` = json_schema / unconstrained.
+
+    python bench/structured_gpu.py OUT_DIR            # CUDA
+    python bench/structured_gpu.py OUT_DIR --smoke    # CPU, tiny-qwen3, a few steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+QWEN3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645,
+}
+SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["name", "kind", "scores", "address", "tags"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "kind": {"enum": ["person", "company", "place"]},
+        "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 8},
+        "address": {"type": "object", "additionalProperties": False,
+                    "required": ["street", "zip"],
+                    "properties": {"street": {"type": "string", "maxLength": 60},
+                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                 "maxItems": 6},
+    },
+}
+MODES = ("unconstrained", "unconstrained_sync", "json_schema")
+RESULT_PREFIX = "RESULT "
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """Gives GPT-2's byte -> printable character map (byte-level BPE's vocabulary strings)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
+
+
+def synthetic_tokenizer(vocab_size: int, seed: int = 0) -> dict:
+    """Gives a tokenizer.json: byte-level BPE with `vocab_size - 3` tokens from random merges
+    and three special tokens at the top (<|endoftext|>, <|im_start|>, <|im_end|>)."""
+    rng = random.Random(seed)
+    alphabet = _byte_alphabet()
+    vocab: dict[str, int] = {alphabet[b]: b for b in range(256)}
+    pieces = [alphabet[b] for b in range(256)]
+    # mostly ASCII letters, a leading space, digits and JSON punctuation: as in real vocabularies
+    seeds = [alphabet[b] for b in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"]
+    space = alphabet[ord(" ")]
+    merges: list[list[str]] = []
+    target = vocab_size - 3
+    while len(vocab) < target:
+        left = rng.choice(pieces if rng.random() < 0.3 else seeds)
+        right = rng.choice(seeds if rng.random() < 0.8 else pieces)
+        if rng.random() < 0.25 and not left.startswith(space):
+            left = space + left if space + left in vocab else left
+        token = left + right
+        if token in vocab or len(token) > 16 or left not in vocab or right not in vocab:
+            continue
+        vocab[token] = len(vocab)
+        merges.append([left, right])
+        pieces.append(token)
+        if len(token) <= 6:
+            seeds.append(token)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    added = [{"id": target + i, "content": s, "single_word": False, "lstrip": False,
+              "rstrip": False, "normalized": False, "special": True}
+             for i, s in enumerate(specials)]
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": None,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
+                              "trim_offsets": True, "use_regex": True},
+            "post_processor": None,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                        "use_regex": True},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": vocab, "merges": merges}}
+
+
+def model_dir(root: Path) -> Path:
+    """Gives a model dir: the Qwen3-0.6B config (its eos the synthetic <|im_end|>) and the
+    synthetic tokenizer."""
+    path = root / "qwen3-0.6b-shape"
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = QWEN3_0_6B["vocab_size"]
+    tokenizer = synthetic_tokenizer(vocab)
+    eos = tokenizer["added_tokens"][2]["id"]
+    config = {**QWEN3_0_6B, "eos_token_id": eos, "bos_token_id": eos - 2}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return path
+
+
+def run_mode(model: str, mode: str, smoke: bool) -> dict:
+    """Gives one mode's numbers: a closed loop of `batch` requests for the timed steps."""
+    from kvpilot.engine.contracts.args import EngineArgs
+    from kvpilot.engine.contracts.sampling_params import SamplingParams
+    from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
+    from kvpilot.engine.llm_engine import LLMEngine
+
+    device = "cpu" if smoke else "cuda"
+    batch, warm_steps, timed_steps = (4, 3, 12) if smoke else (64, 30, 300)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=model, load_format="dummy", device=device, max_model_len=1024,
+        dtype="float32" if smoke else "bfloat16", max_num_seqs=batch,
+        async_scheduling="off" if mode == "unconstrained_sync" else "auto",
+        kv_cache_memory="64MiB" if smoke else None, gpu_memory_utilization=0.85))
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(1)
+    structured = (StructuredOutputsParams(json=json.dumps(SCHEMA)) if mode == "json_schema"
+                  else None)
+    # the constrained requests end when their JSON does; the others at 256 tokens (ignore_eos)
+    params = SamplingParams(temperature=1.0, max_tokens=256, structured_outputs=structured,
+                            ignore_eos=structured is None)
+    ids = iter(range(10**9))
+
+    def top_up() -> None:
+        while len(engine.requests) < batch:
+            engine.add_request(f"r{next(ids)}", [rng.randrange(vocab - 3) for _ in range(32)],
+                               params)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    step_ms: list[float] = []
+    tokens = 0
+    start = 0.0
+    for step in range(warm_steps + timed_steps):
+        top_up()
+        if step == warm_steps:
+            sync()
+            start, tokens, step_ms = time.perf_counter(), 0, []
+        began = time.perf_counter()
+        for out in engine.step():
+            tokens += sum(len(c.token_ids) for c in out.completions)
+        plan = engine._last_plan  # pure decode steps with the whole batch running
+        if plan is not None and len(plan.scheduled) == batch and \
+                all(n == 1 for _, n in plan.scheduled):
+            sync()
+            step_ms.append((time.perf_counter() - began) * 1e3)
+    sync()
+    elapsed = time.perf_counter() - start
+    stats = engine.get_stats()
+    engine.shutdown()
+    return {"mode": mode, "device": device, "batch": batch, "timed_steps": timed_steps,
+            "decode_step_ms_median": statistics.median(step_ms) if step_ms else None,
+            "pure_decode_steps": len(step_ms), "output_tok_per_s": tokens / elapsed,
+            "graph_steps": stats.graph_steps, "eager_steps": stats.eager_steps}
+
+
+def validate_outputs(model: str, smoke: bool) -> int:
+    """Gives how many of 8 constrained outputs parse and validate (they all must)."""
+    import jsonschema
+
+    from kvpilot.engine.contracts.sampling_params import SamplingParams
+    from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
+    from kvpilot.engine.llm import LLM
+
+    llm = LLM(model, load_format="dummy", device="cpu" if smoke else "cuda", max_model_len=1024,
+              dtype="float32" if smoke else "bfloat16", gpu_memory_utilization=0.85,
+              kv_cache_memory="64MiB" if smoke else None)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=900, structured_outputs=
+                             StructuredOutputsParams(json=json.dumps(SCHEMA))) for s in range(8)]
+    good = 0
+    for out in llm.generate([[5, 6, 7]] * len(params), params):
+        try:
+            jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+            good += 1
+        except (ValueError, jsonschema.ValidationError):
+            print(f"invalid output: {out.outputs[0].text[:200]!r}", file=sys.stderr)
+    return good
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Issue 24: structured outputs at batch 64")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny-qwen3, a few steps")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # MODE or "validate", one process
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:  # each engine in its own process: the last one's KV cache is freed
+        value = (validate_outputs(args.model, args.smoke) if args.child == "validate"
+                 else run_mode(args.model, args.child, args.smoke))
+        print(RESULT_PREFIX + json.dumps(value), flush=True)
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = "tiny-qwen3" if args.smoke else str(model_dir(args.out / "model"))
+
+    def child(name: str):
+        done = subprocess.run([sys.executable, __file__, str(args.out), "--child", name,
+                               "--model", model, *(["--smoke"] if args.smoke else [])],
+                              capture_output=True, text=True, check=False)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+        if done.returncode != 0 or not lines:
+            raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(lines[-1].removeprefix(RESULT_PREFIX))
+
+    rows = []
+    for mode in args.modes.split(","):
+        rows.append(child(mode))
+        print(json.dumps(rows[-1]), flush=True)
+    by_mode = {r["mode"]: r for r in rows}
+    result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "host": platform.node(), "gpu": torch.cuda.get_device_name()
+              if torch.cuda.is_available() else None, "smoke": args.smoke, "rows": rows,
+              "valid_outputs_of_8": child("validate")}
+    base, constrained = by_mode.get("unconstrained"), by_mode.get("json_schema")
+    if base and constrained and base["decode_step_ms_median"] and \
+            constrained["decode_step_ms_median"]:
+        result["slowdown_decode_step"] = (constrained["decode_step_ms_median"]
+                                          / base["decode_step_ms_median"])
+        result["slowdown_tok_per_s"] = base["output_tok_per_s"] / constrained["output_tok_per_s"]
+    (args.out / "results.json").write_text(json.dumps(result, indent=2))
+    lines = ["| mode | decode step ms (median) | output tok/s |", "|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['decode_step_ms_median']} | {r['output_tok_per_s']:.0f} |"
+              for r in rows]
+    lines.append(f"\nslowdown (json_schema / unconstrained, decode step): "
+                 f"{result.get('slowdown_decode_step')}; valid outputs: "
+                 f"{result['valid_outputs_of_8']}/8 (goal: <= 1.10, 8/8)")
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if result["valid_outputs_of_8"] == 8 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Structured outputs: grammars from llguidance, matched per request, masked in the sampler."""

@@ -1,0 +1,139 @@
+"""Per-request grammar matchers in the engine core, and the batch's token bitmask.
+
+A request with `structured_outputs` gets an llguidance matcher: compiled in a
+background thread when the request is added (cached by grammar, so a repeated
+schema costs one deep copy), waited for only when its first token is sampled.
+Each step `bitmask` fills one int32 row per sampled sequence (every bit set for
+rows without a constraint) with llguidance's parallel executor; the sampler
+applies the whole batch's mask in one masked fill. `accept` advances a matcher
+by the sampled token. A grammar that fails in the core (the API server checked
+it, so this is a library fault) sets the request's error and allows only EOS,
+so the request ends at once and its reader gets the error. Matcher state follows the output tokens, which survive
+preemption (recompute keeps them), so nothing is rolled back there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import llguidance
+import llguidance.torch
+import numpy as np
+import torch
+
+from kvpilot.engine.structured.grammar import grammar_of
+
+if TYPE_CHECKING:
+    from kvpilot.engine.core.request import Request, Sequence
+
+log = logging.getLogger(__name__)
+_CACHED_GRAMMARS = 64
+
+
+class GrammarMatchers:
+    """Compiles, caches and advances the grammar matchers of constrained requests."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar")
+        self._executor: llguidance.LLExecutor | None = None
+        words = np.zeros(llguidance.torch.get_bitmask_shape(1, vocab_size)[1], dtype=np.uint32)
+        for eos in self._eos:
+            words[eos // 32] |= np.uint32(1 << (eos % 32))
+        self._eos_only = torch.from_numpy(words.view(np.int32))  # a failed grammar's row
+
+    def add(self, request: Request) -> None:
+        """Starts compiling `request`'s matcher in the background (the API server checked the
+        grammar; one that fails here ends the request with an error)."""
+        params = request.params.structured_outputs
+        if params is None:
+            return
+        request.grammar = self._pool.submit(self._matcher, grammar_of(params))
+
+    def _matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """Gives a fresh matcher of `grammar` (a copy of the cached compiled one)."""
+        template = self._compiled.get(grammar)
+        if template is None:
+            if self._tokenizer is None:  # ~1 s for a 150k vocabulary: once, on first use
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos)
+            template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+            if template.is_error():
+                raise ValueError(template.get_error())
+            self._compiled[grammar] = template
+            if len(self._compiled) > _CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return template.deep_copy()
+
+    @staticmethod
+    def _resolved(request: Request) -> llguidance.LLMatcher | None:
+        """Gives `request`'s matcher once compiled; None once its grammar failed (the request
+        then carries the error and may only end)."""
+        grammar = request.grammar
+        if isinstance(grammar, Future):
+            try:
+                grammar = request.grammar = grammar.result()
+            except ValueError as exc:
+                grammar = request.grammar = _fail(request, f"does not compile: {exc}")
+        return grammar if isinstance(grammar, llguidance.LLMatcher) else None
+
+    def bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Gives the [len(seqs), ceil(vocab / 32)] int32 host mask of allowed tokens, or None
+        when no sequence is constrained; a failed grammar's row allows only EOS."""
+        rows = [(s.request, row) for row, s in enumerate(seqs) if s.request.grammar is not None]
+        if not rows:
+            return None
+        mask = torch.full(llguidance.torch.get_bitmask_shape(len(seqs), self._vocab_size), -1,
+                          dtype=torch.int32)
+        constrained = []
+        for request, row in rows:
+            matcher = self._resolved(request)
+            if matcher is None:
+                mask[row] = self._eos_only
+            else:
+                constrained.append((matcher, row))
+        if constrained:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, constrained, mask)
+        return mask
+
+    def accept(self, seq: Sequence, token: int) -> None:
+        """Advances `seq`'s matcher by its sampled `token` (nothing for unconstrained ones)."""
+        if seq.request.grammar is None:
+            return
+        matcher = self._resolved(seq.request)
+        if matcher is not None and not matcher.consume_token(token):
+            # the mask allowed only grammar tokens: a matcher fault, not the model's
+            log.warning("request %s: grammar matcher refused token %d: %s",
+                        seq.request.request_id, token, matcher.get_error())
+            seq.request.grammar = _fail(seq.request, f"refused token {token}: "
+                                        f"{matcher.get_error()}")
+
+    def shutdown(self) -> None:
+        """Stops the compiling thread."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _fail(request: Request, why: str) -> str:
+    """Gives the failed-grammar state of `request` (its error message), setting its error."""
+    request.error = f"structured_outputs grammar {why}"
+    return request.error
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Gives `logits` [N, vocab] with every token whose bit is 0 in `bitmask` [N, words] (int32,
+    on the logits' device) set to -inf: one masked fill over the batch."""
+    n, vocab = logits.shape
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).view(n, -1)[:, :vocab]
+    return logits.masked_fill(allowed == 0, float("-inf"))

@@ -1,0 +1,40 @@
+"""bench/structured_gpu.py end to end on CPU (its smoke mode): the three modes, the slowdown
+and the constrained outputs' validation are written to results.json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_structured_bench_smoke(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "structured_gpu.py"),
+                           str(tmp_path), "--smoke"], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [r["mode"] for r in result["rows"]] == ["unconstrained", "unconstrained_sync",
+                                                   "json_schema"]
+    assert all(r["pure_decode_steps"] > 0 and r["output_tok_per_s"] > 0 for r in result["rows"])
+    assert result["valid_outputs_of_8"] == 8
+    assert result["slowdown_decode_step"] > 0
+
+
+def test_synthetic_tokenizer_is_a_loadable_byte_level_bpe(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from structured_gpu import synthetic_tokenizer
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from tokenizers import Tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(synthetic_tokenizer(4096)))
+    tok = Tokenizer.from_file(str(path))
+    assert tok.get_vocab_size() == 4096
+    text = '{"name": "Zoë", "zip": "12345"}'
+    assert tok.decode(tok.encode(text).ids) == text
