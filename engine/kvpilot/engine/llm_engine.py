@@ -31,6 +31,7 @@ from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
 from kvpilot.engine.executor import ModelExecutor, make_executor
+from kvpilot.engine.kv_connector.host_tier import make_host_tier
 from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 
@@ -81,12 +82,16 @@ class LLMEngine:
                                  engine_args.enable_prefix_caching,
                                  cache_prompt_tails=engine_args.role == "prefill",
                                  hash_salt=self.fleet_secret.block_hash_salt)
+        # blocks outside the GPU cache: a host tier (--kv-offload-gb), a decode role's pulls
+        self.connector = make_host_tier(engine_args, runner, self.kv)
+        if self.connector is not None:
+            self.kv.pool.on_evict = self.connector.on_evicted
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=engine_args.max_num_seqs,
             max_num_batched_tokens=engine_args.max_num_batched_tokens,
             enable_chunked_prefill=engine_args.enable_chunked_prefill,
             policy=engine_args.scheduling_policy,
-            max_model_len=model_config.max_model_len), self.kv)
+            max_model_len=model_config.max_model_len), self.kv, self.connector)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, model_config.eos_token_ids,
                                        model_config.max_model_len)
@@ -233,6 +238,8 @@ class LLMEngine:
             self._resolve(flight, results)
             self._inflight = flight = None
         plan = self.scheduler.schedule()
+        if self.connector is not None:
+            self._transfer_kv(plan)
         phases["schedule"], start = clock() - start, clock()
         if plan.is_empty:
             if flight is not None:
@@ -275,6 +282,23 @@ class LLMEngine:
         self._collect(self._sample(to_sample, logits), results)
         phases["sample"] = clock() - start
         return results
+
+    def _transfer_kv(self, plan: SchedulerOutput) -> None:
+        """Runs the connector's part of the step before its forward: evicted blocks out,
+        matched blocks in. A sequence whose load failed its checksum goes back to its GPU
+        hit and leaves this step; the next computes the rest."""
+        connector = self.connector
+        assert connector is not None
+        meta = connector.build_connector_meta()
+        connector.save_kv(meta)  # first: the loads and the forward may write those slots
+        connector.start_load_kv(meta)
+        failed = connector.wait_for_load()
+        if failed:
+            for load in failed:
+                load.seq.num_computed_tokens = load.num_computed_before
+                load.seq.request.num_cached_tokens = load.num_computed_before
+            dropped = {load.seq.seq_id for load in failed}
+            plan.scheduled = [(s, n) for s, n in plan.scheduled if s.seq_id not in dropped]
 
     def _entries(self, plan: SchedulerOutput) -> list[BatchEntry]:
         """Gives the runner's batch entries of `plan` (one per scheduled sequence)."""
@@ -497,7 +521,7 @@ class LLMEngine:
         """Gives the gauges and counters the server exports."""
         running = {s.request.request_id for s in self.scheduler.running}
         waiting = [r for r in self.requests.values() if r.request_id not in running]
-        return EngineStats(
+        stats = EngineStats(
             num_running=len(running),
             num_waiting=len(waiting),
             num_waiting_prompt_tokens=sum(r.num_prompt_tokens for r in waiting),
@@ -513,3 +537,6 @@ class LLMEngine:
             graph_steps=self.runner.num_graph_steps,
             eager_steps=self.runner.num_eager_steps,
         )
+        if self.connector is not None:
+            self.connector.stats().add_to(stats)
+        return stats
