@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.core.outputs import EngineCoreOutput
+from kvpilot.engine.kv_connector.host_pool import HostKVPool
 from kvpilot.engine.llm_engine import LLMEngine
 
 BLOCK = 16
@@ -42,3 +43,9 @@ def evict(engine, name: str) -> None:
     """Runs the fillers: every block of PROMPT leaves the GPU prefix cache."""
     for index, filler in enumerate(FILLERS):
         run(engine, f"{name}-fill-{index}", filler)
+
+
+def host_pool(engine: LLMEngine) -> HostKVPool:
+    """Gives the engine's host-tier pool (it must have one)."""
+    assert engine.connector is not None, "the engine has no host tier"
+    return engine.connector.pool

@@ -5,7 +5,7 @@ a refused configuration end in recompute or a clear error."""
 from __future__ import annotations
 
 import pytest
-from kv_tier_helpers import BLOCK, PROMPT, evict, make_engine, run
+from kv_tier_helpers import BLOCK, PROMPT, evict, host_pool, make_engine, run
 
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.parallel.config import ParallelConfigError
@@ -51,7 +51,7 @@ def test_a_corrupted_host_block_is_recomputed_not_read(expected):
     engine = make_engine(OFFLOAD_GB)
     run(engine, "first", PROMPT)
     evict(engine, "x")
-    pool = engine.connector.pool
+    pool = host_pool(engine)
     third = hash_prompt_blocks(PROMPT, BLOCK)[2]
     (row,) = pool.pin([third])
     pool.unpin([row])
@@ -69,9 +69,9 @@ def test_a_corrupted_host_block_is_recomputed_not_read(expected):
 
 def test_a_full_host_tier_keeps_the_newest_blocks_and_recomputes_the_rest(expected):
     probe = make_engine(OFFLOAD_GB)
-    block_bytes = probe.connector.pool.block_bytes
+    block_bytes = host_pool(probe).block_bytes
     engine = make_engine(4 * block_bytes / 2**30)  # room for 4 blocks
-    assert engine.connector.pool.num_blocks == 4
+    assert host_pool(engine).num_blocks == 4
     run(engine, "first", PROMPT)
     evict(engine, "x")  # 6 prompt blocks and the fillers' pass through 4 rows
     before = engine.get_stats()

@@ -18,8 +18,8 @@ import torch
 
 from kvpilot.engine.contracts.kv_protocol import ProtocolError
 from kvpilot.engine.core.block_pool import BlockPool
-from kvpilot.engine.kv_transfer.connector import PendingRead
 from kvpilot.engine.kv_connector.host_pool import HostKVPool
+from kvpilot.engine.kv_transfer.connector import PendingRead
 from kvpilot.engine.kv_transfer.engine_store import (
     READ_BUFFER_MAX_BLOCKS,
     RECEIVE_BUFFER_BYTES,
