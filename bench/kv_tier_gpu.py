@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from disagg_gpu import SHAPES, write_model  # noqa: E402  (a sibling script)
+from disagg_gpu import SHAPES, write_model  # a sibling script
 
-from kvpilot.engine.contracts.args import EngineArgs  # noqa: E402
-from kvpilot.engine.contracts.sampling_params import SamplingParams  # noqa: E402
-from kvpilot.engine.llm_engine import LLMEngine  # noqa: E402
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.llm_engine import LLMEngine
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 16
