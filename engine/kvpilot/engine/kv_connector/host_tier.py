@@ -17,6 +17,8 @@ means the rows have been read when their pins drop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvpilot.engine.contracts.args import EngineArgs
@@ -33,6 +35,7 @@ from kvpilot.engine.kv_connector.base import (
     KVConnectorStats,
 )
 from kvpilot.engine.kv_connector.host_pool import HostKVPool
+from kvpilot.engine.kv_connector.kv_shards import whole_block_bytes
 from kvpilot.engine.kv_transfer.block_checksums import block_checksums
 
 LOW_32_BITS = 0xFFFFFFFF
@@ -43,9 +46,14 @@ class HostTierConnector(KVConnector):
     """Saves evicted blocks to a host pool (when `offload`) and loads prefix hits from it."""
 
     def __init__(self, pool: HostKVPool, caches: list[torch.Tensor], block_size: int,
-                 hash_salt: bytes, events: KVEventLog, offload: bool) -> None:
+                 hash_salt: bytes, events: KVEventLog, offload: bool,
+                 write: Callable[[list[int], torch.Tensor], None] | None = None) -> None:
+        """`caches` are this process's per-layer KV tensors; `write` writes whole-head
+        blocks into every rank's shard (a tensor-parallel decode engine's executor), by
+        default into `caches` (one rank holding every head)."""
         self.pool, self.caches, self.block_size = pool, caches, block_size
         self.hash_salt, self.events, self.offload = hash_salt, events, offload
+        self._write = write or self._scatter
         first = caches[0]
         self.device, self._dtype = first.device, first.dtype
         self._shape = (len(caches), 2, *first.shape[2:])  # one block, wire layout
@@ -156,7 +164,7 @@ class HostTierConnector(KVConnector):
             index = torch.tensor(rows)
             data, stored = self.pool.data[index], self.pool.sums[index]
         intact = ((block_checksums(data) & LOW_32_BITS) == stored).all(1)
-        self._scatter(slots, data)
+        self._write(slots, data)
         self._loading = (meta.loads, intact)
 
     def wait_for_load(self) -> list[BlockLoad]:
@@ -211,20 +219,28 @@ def make_host_tier(args: EngineArgs, runner: ModelExecutor, kv: KVCacheManager
     if args.kv_offload_gb <= 0 and args.role != "decode":
         return None
     from kvpilot.engine.model_runner import ModelRunner
+    from kvpilot.engine.parallel.executor import MultiRankExecutor
 
     what = (f"kv_offload_gb={args.kv_offload_gb}" if args.kv_offload_gb > 0
             else "role='decode'")
-    if not isinstance(runner, ModelRunner):
-        raise ValueError(f"{what} needs a single-rank engine (the host tier copies one rank's "
-                         "KV cache): use --tensor-parallel-size 1 --pipeline-parallel-size 1")
     if not args.enable_prefix_caching:
         raise ValueError(f"{what} needs prefix caching (blocks are found by their hash): drop "
                          "--no-enable-prefix-caching")
-    caches = runner.kv_caches
-    block_bytes = caches[0][:, 0].numel() * caches[0].element_size() * len(caches)
+    write = None
+    if isinstance(runner, MultiRankExecutor) and args.kv_offload_gb <= 0:
+        # a tensor-parallel decode engine (make_executor refuses a host tier there): pulled
+        # whole-head blocks go to every rank, each keeping its KV heads
+        caches, write = runner.runner.kv_caches, runner.write_kv_blocks
+        block_bytes = whole_block_bytes(caches, runner.runner.config.num_kv_heads)
+    elif isinstance(runner, ModelRunner):
+        caches = runner.kv_caches
+        block_bytes = caches[0][:, 0].numel() * caches[0].element_size() * len(caches)
+    else:
+        raise ValueError(f"{what} needs a single-rank engine (the host tier copies one rank's "
+                         "KV cache): use --tensor-parallel-size 1 --pipeline-parallel-size 1")
     # a decode engine without a host tier lands at most a GPU cache's worth of pulled blocks
     num_blocks = (int(args.kv_offload_gb * GIB) // block_bytes if args.kv_offload_gb > 0
                   else runner.num_blocks)
     pool = HostKVPool(num_blocks, block_bytes, pin_memory=runner.device.type == "cuda")
     return HostTierConnector(pool, caches, args.block_size, kv.hash_salt, kv.pool.events,
-                             offload=args.kv_offload_gb > 0)
+                             offload=args.kv_offload_gb > 0, write=write)

@@ -7,8 +7,10 @@ the MLP's intermediate size; expert parallelism (EP) on MoE models with EP == 1
 (every expert TP-sharded) or EP == TP (experts partitioned whole across the TP
 ranks). Refused, each with the flag, the value and what is supported: pipeline
 parallelism (not built yet), 1 < EP < TP, EP on a dense model, more ranks per
-node than visible GPUs, and prefill/decode roles with more than one rank (the KV
-transfer moves one rank's whole cache).
+node than visible GPUs, a prefill role with more than one rank (its KV agent reads
+one rank's whole cache), and a decode role with pipeline or expert parallelism. A
+decode engine may run tensor-parallel: pulled blocks carry every KV head and each
+rank keeps its own (`kv_connector.kv_shards`).
 """
 
 from __future__ import annotations
@@ -114,11 +116,15 @@ def validate(parallel: ParallelConfig, config: ModelConfig, device: str,
     world = parallel.world_size
     if world == 1:
         return
-    if role != "both":
+    if role == "prefill":
         raise ParallelConfigError(
             f"--role {role} with --tensor-parallel-size={tp} is not supported: the KV transfer "
             "moves one rank's whole cache, not a sharded one; use --role both, or "
-            "--tensor-parallel-size 1 for prefill/decode pools")
+            "--tensor-parallel-size 1 for prefill pools (decode pools may use more)")
+    if role == "decode" and ep != 1:
+        raise ParallelConfigError(
+            f"--role decode with --expert-parallel-size={ep} is not supported: pulled KV is "
+            "re-sharded for tensor parallelism only; use --expert-parallel-size 1")
     local = ranks_per_node or world
     if device == "cuda" and local > visible_devices:
         raise ParallelConfigError(

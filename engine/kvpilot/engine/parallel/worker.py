@@ -20,11 +20,12 @@ import torch
 from kvpilot.engine.contracts.args import EngineArgs, add_dataclass_args, from_namespace
 from kvpilot.engine.contracts.rendezvous import Rendezvous
 from kvpilot.engine.device import resolve_device
+from kvpilot.engine.kv_connector.kv_shards import write_blocks
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.parallel.config import ParallelConfig
 from kvpilot.engine.parallel.distributed import destroy_distributed, init_distributed
 from kvpilot.engine.parallel.processes import PARENT_ENV, RANK_ENV
-from kvpilot.engine.parallel.step_channel import StepChannel
+from kvpilot.engine.parallel.step_channel import ReceivedLoad, StepChannel
 from kvpilot.engine.step_batch import unpack_step
 
 logger = logging.getLogger("kvpilot.worker")
@@ -57,7 +58,12 @@ def run_worker(args: EngineArgs, rank: int, rendezvous: Rendezvous) -> None:
         runner = ModelRunner(args, model_config, ctx.device, ctx.tp, ctx.min_over_ranks)
         channel = StepChannel(ctx)
         logger.info("worker rank %d ready on %s", rank, ctx.device)
+        heads = ctx.tp.kv_heads(model_config.num_kv_heads)
         while (step := channel.receive()) is not None:
+            if isinstance(step, ReceivedLoad):  # pulled KV: this rank's heads of it
+                write_blocks(runner.kv_caches, step.block_ids, step.data, heads,
+                             model_config.num_kv_heads)
+                continue
             runner.run(unpack_step(step.header, step.buf, step.host), step.prev_tokens)
     finally:
         destroy_distributed()
