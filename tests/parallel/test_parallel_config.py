@@ -34,8 +34,8 @@ REFUSED = [
      "--tensor-parallel-size=2 --pipeline-parallel-size=2 needs 4 GPUs on this node but 2 are "
      "visible"),
     ("pp-role", (1, 2, 1), LLAMA, "cpu", 0, "decode",
-     "--role decode with --tensor-parallel-size=1 --pipeline-parallel-size=2 is not supported: "
-     "the KV transfer moves one rank's whole cache"),
+     "--role decode with --expert-parallel-size=1 --pipeline-parallel-size=2 is not "
+     "supported: pulled KV is re-sharded for tensor parallelism only"),
     ("tp-heads", (3, 1, 1), LLAMA, "cpu", 0, "both",
      "--tensor-parallel-size=3 does not divide the model's 4 attention heads: each rank needs "
      "whole heads; use one of 1, 2, 4"),

@@ -73,6 +73,11 @@ def make_executor(args: EngineArgs, model_config: ModelConfig, device: torch.dev
     visible = torch.cuda.device_count() if device.type == "cuda" else 0
     validate(parallel, model_config, device.type, visible, args.role,
              rendezvous.ranks_per_node if rendezvous else None, args.async_scheduling)
+    if args.kv_offload_gb > 0 and parallel.world_size > 1:
+        raise ParallelConfigError(
+            f"--kv-offload-gb={args.kv_offload_gb} with {parallel.world_size} ranks is not "
+            "supported: the host tier copies one rank's whole cache; use "
+            "--tensor-parallel-size 1, or drop --kv-offload-gb")
     log_topology(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                  parallel.expert_parallel_size, rendezvous.nnodes if rendezvous else 1,
                  model_config.num_experts)

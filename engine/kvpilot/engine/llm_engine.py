@@ -35,6 +35,7 @@ from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
 from kvpilot.engine.executor import ModelExecutor, make_executor
+from kvpilot.engine.kv_connector.host_tier import make_host_tier
 from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kvpilot.engine.spec_decode.proposers import Drafts
@@ -92,13 +93,18 @@ class LLMEngine:
                                  engine_args.enable_prefix_caching,
                                  cache_prompt_tails=engine_args.role == "prefill",
                                  hash_salt=self.fleet_secret.block_hash_salt)
+        # blocks outside the GPU cache: a host tier (--kv-offload-gb), a decode role's pulls
+        self.connector = make_host_tier(engine_args, runner, self.kv)
+        if self.connector is not None:
+            self.kv.pool.on_evict = self.connector.on_evicted
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=engine_args.max_num_seqs,
             max_num_batched_tokens=engine_args.max_num_batched_tokens,
             enable_chunked_prefill=engine_args.enable_chunked_prefill,
             policy=engine_args.scheduling_policy,
             max_model_len=model_config.max_model_len,
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0), self.kv)
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0), self.kv,
+            self.connector)
         self.spec = make_spec_decoder(engine_args, self.kv, runner.num_blocks, runner.device,
                                       draft)
         self.sampler = Sampler()
@@ -280,6 +286,8 @@ class LLMEngine:
             self._resolve(flight, results)
             self._inflight = flight = None
         plan = self.scheduler.schedule()
+        if self.connector is not None:
+            self._transfer_kv(plan)
         phases["schedule"], start = clock() - start, clock()
         if plan.is_empty:
             if flight is not None:
@@ -379,6 +387,23 @@ class LLMEngine:
                 self.kv.free_tail(seq, seq.num_computed_tokens)
                 self.kv.cache_full_blocks(seq)
         return list(touched.values())
+
+    def _transfer_kv(self, plan: SchedulerOutput) -> None:
+        """Runs the connector's part of the step before its forward: evicted blocks out,
+        matched blocks in. A sequence whose load failed its checksum goes back to its GPU
+        hit and leaves this step; the next computes the rest."""
+        connector = self.connector
+        assert connector is not None
+        meta = connector.build_connector_meta()
+        connector.save_kv(meta)  # first: the loads and the forward may write those slots
+        connector.start_load_kv(meta)
+        failed = connector.wait_for_load()
+        if failed:
+            for load in failed:
+                load.seq.num_computed_tokens = load.num_computed_before
+                load.seq.request.num_cached_tokens = load.num_computed_before
+            dropped = {load.seq.seq_id for load in failed}
+            plan.scheduled = [(s, n) for s, n in plan.scheduled if s.seq_id not in dropped]
 
     def _entries(self, plan: SchedulerOutput) -> list[BatchEntry]:
         """Gives the runner's batch entries of `plan` (one per scheduled sequence)."""
@@ -630,4 +655,6 @@ class LLMEngine:
             stats.spec_decode_num_draft_tokens = c.num_draft_tokens
             stats.spec_decode_num_accepted_tokens = c.num_accepted_tokens
             stats.spec_decode_num_accepted_tokens_per_pos = list(c.num_accepted_tokens_per_pos)
+        if self.connector is not None:
+            self.connector.stats().add_to(stats)
         return stats

@@ -1,13 +1,15 @@
 """`--role prefill|decode`: an LLMEngine with a KV agent beside it.
 
-`attach_role` wraps the engine the server drives. The wrapper takes the block
-store's lock around every engine call, so the KV agent's thread (pinning,
-reading, importing blocks) never runs during a step. As a prefill engine,
-every request that finishes normally offers its prompt's blocks under a lease
-(keyed by the request id the OpenAI response carries as `id`); a decode engine
-imports pulled blocks into its prefix cache, and the request the router sends
-next finds them as prefix hits. Generation itself is unchanged, which is why a
-disaggregated answer equals the aggregated one token for token.
+`attach_role` wraps the engine the server drives. As a prefill engine, every
+request that finishes normally offers its prompt's blocks under a lease (keyed
+by the request id the OpenAI response carries as `id`); the wrapper takes the
+block store's lock around every engine call, so the KV agent's thread (pinning
+and reading leased blocks) never runs during a step. A decode engine's agent
+lands pulled blocks in the engine's host tier (`kv_connector.landing_store`),
+without the engine lock; the request the router sends next finds them through
+the KV connector, and its step loads them before its forward. Generation itself
+is unchanged, which is why a disaggregated answer equals the aggregated one
+token for token.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.contracts.args import KV_PORT_OFFSET, EngineArgs
@@ -27,9 +29,10 @@ from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core.kv_events import KVEventLog
 from kvpilot.engine.core.outputs import EngineCoreOutput
 from kvpilot.engine.engine_core import ModelLimits, ServedEngine
-from kvpilot.engine.kv_transfer.connector import KVConnector
+from kvpilot.engine.kv_transfer.connector import KVTransport
 
 if TYPE_CHECKING:
+    from kvpilot.engine.kv_connector.landing_store import LandingStore
     from kvpilot.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvpilot.roles")
@@ -42,7 +45,7 @@ class RoleEngine:
     """Serves an engine under the block store's lock; a prefill one leases its finished
     prompts' blocks."""
 
-    def __init__(self, engine: ServedEngine, connector: KVConnector, role: str,
+    def __init__(self, engine: ServedEngine, connector: KVTransport, role: str,
                  lock: AbstractContextManager[object]) -> None:
         self.engine, self.connector, self.role, self.lock = engine, connector, role, lock
         self._lock_wait_s = 0.0
@@ -123,7 +126,6 @@ def attach_role(engine: LLMEngine, host: str, http_port: int) -> ServedEngine:
     role = engine.engine_args.role
     if role == "both":
         return engine
-    from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
     from kvpilot.engine.kv_transfer.tcp import TcpConnector
 
     # The KV agent's threads need the GIL after each socket call; the engine thread runs
@@ -131,12 +133,32 @@ def attach_role(engine: LLMEngine, host: str, http_port: int) -> ServedEngine:
     # interval (5 ms by default) for the GIL, per block received: at 1 ms a pull is not
     # paced by the engine's host work (and the engine gives the GIL up sooner).
     sys.setswitchinterval(min(sys.getswitchinterval(), ROLE_SWITCH_INTERVAL_S))
-    store = EngineBlockStore.of_engine(engine)
-    if role == "decode" and store.device.type == "cuda":
-        store.receive_buffers.fill()  # pinned now, not while pulls run beside steps
     lease_seconds = float(os.environ.get(LEASE_SECONDS_ENV, DEFAULT_LEASE_SECONDS))
-    connector = TcpConnector(store, host, kv_port(engine.engine_args, http_port), lease_seconds,
-                             kv_key=engine.fleet_secret.kv_key)
-    connector.start()
-    log.info("role %s: KV agent on %s:%d", role, host, connector.port)
-    return RoleEngine(engine, connector, role, store.lock)
+    kv_key, port = engine.fleet_secret.kv_key, kv_port(engine.engine_args, http_port)
+    if role == "decode":
+        decode = TcpConnector(_landing_store(engine), host, port, lease_seconds, kv_key=kv_key)
+        decode.start()
+        transport, lock, port = decode, nullcontext(), decode.port
+    else:
+        from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
+
+        store = EngineBlockStore.of_engine(engine)
+        prefill = TcpConnector(store, host, port, lease_seconds, kv_key=kv_key)
+        prefill.start()
+        transport, lock, port = prefill, store.lock, prefill.port
+    log.info("role %s: KV agent on %s:%d (transport tcp)", role, host, port)
+    return RoleEngine(engine, transport, role, lock)
+
+
+def _landing_store(engine: LLMEngine) -> LandingStore:
+    """Gives the store a decode engine's agent pulls into: its host tier's pool."""
+    from kvpilot.engine.kv_connector.landing_store import LandingStore
+
+    connector = engine.connector
+    if connector is None:  # make_host_tier gives a decode engine one
+        raise AssertionError("a decode engine has a host tier to land pulled KV in")
+    cuda = connector.device.type == "cuda"
+    store = LandingStore(connector.pool, engine.kv.pool, pin_memory=cuda)
+    if cuda:
+        store.receive_buffers.fill()  # pinned now, not while pulls run beside steps
+    return store

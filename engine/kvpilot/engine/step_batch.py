@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from kvpilot.engine.model_runner import BatchEntry
 
 STEP, STOP = 1, 0  # StepHeader.command
+# StepHeader.command of a KV load (`StepChannel.send_load`): no step, blocks to write
+LOAD_KV = 2
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,10 @@ class StepHeader:
     @classmethod
     def stop(cls) -> StepHeader:
         return cls(STOP, *([0] * (len(fields(cls)) - 1)))
+
+    @classmethod
+    def load_kv(cls) -> StepHeader:
+        return cls(LOAD_KV, *([0] * (len(fields(cls)) - 1)))
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor(astuple(self), dtype=torch.int64)

@@ -16,6 +16,11 @@ BLOCK_SIZE_LABEL = "block_size"
 NUM_GPU_BLOCKS_LABEL = "num_gpu_blocks"
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+# vLLM's names for tokens a KV connector was asked about / held past the GPU prefix hit:
+# here the host-memory tier and blocks pulled from a prefill engine (per tier: the GPU
+# tier's are PREFIX_CACHE_*)
+EXTERNAL_PREFIX_CACHE_QUERIES = "vllm:external_prefix_cache_queries"
+EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"
 NUM_PREEMPTIONS = "vllm:num_preemptions"
 PROMPT_TOKENS = "vllm:prompt_tokens"
 GENERATION_TOKENS = "vllm:generation_tokens"
@@ -37,6 +42,11 @@ DRAINING = "kvpilot_draining"
 # step while others decode stretches their inter-token latency
 MODEL_STEPS = "kvpilot_model_steps"
 MODE_LABEL = "mode"
+# host-memory KV tier (--kv-offload-gb, a decode engine's landed KV): blocks by what happened
+# to them (saved, loaded, failed checksum, dropped when full, evicted LRU), and its usage
+KV_OFFLOAD_BLOCKS = "kvpilot_kv_offload_blocks"
+OP_LABEL = "op"
+KV_HOST_CACHE_USAGE_PERC = "kvpilot_kv_host_cache_usage_perc"
 
 MODEL_NAME_LABEL = "model_name"
 FINISHED_REASON_LABEL = "finished_reason"

@@ -92,3 +92,14 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # the KV connector's (`kv_connector`; host tier, pulled KV): tokens asked about and found
+    # past the GPU prefix hit, blocks moved between the GPU and host memory
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_saved_blocks: int = 0  # evicted GPU blocks copied to the host tier
+    kv_offload_loaded_blocks: int = 0  # host-tier blocks copied back instead of recomputed
+    kv_offload_failed_blocks: int = 0  # loads that failed their checksum (recomputed)
+    kv_offload_dropped_blocks: int = 0  # saves a full host tier (every entry pinned) refused
+    kv_offload_evicted_blocks: int = 0  # host-tier entries dropped for room (LRU)
+    kv_host_cache_usage: float = 0.0  # fraction of host-tier rows in use, 0..1
+    kv_host_blocks: int = 0  # host-tier capacity in blocks (0: no host tier)

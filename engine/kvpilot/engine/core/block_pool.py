@@ -10,6 +10,7 @@ evicted first.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpilot.engine.core.kv_events import DEFAULT_CAPACITY, KVEventLog
@@ -41,6 +42,9 @@ class BlockPool:
         self.cached: dict[int, KVCacheBlock] = {}
         # what the router polls (GET /kv_events): hashes cached and evicted, in order
         self.events = KVEventLog(event_capacity)
+        # hears (block_id, hash) of each cached block evicted, before the block is handed out
+        # (a host-memory tier copies it out: `kv_connector.host_tier`)
+        self.on_evict: Callable[[int, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -102,6 +106,8 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
                 self.events.removed(block.block_hash)
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> None:

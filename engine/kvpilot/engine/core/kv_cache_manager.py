@@ -105,7 +105,9 @@ class KVCacheManager:
 
         `computed` are prefix hits from `get_computed_blocks` and `num_hit_tokens` the
         tokens they cover (admission only); a partial tail hit is copied into a block of
-        the sequence's own, so the cached tail stays as it is.
+        the sequence's own, so the cached tail stays as it is. Hit tokens past the
+        `computed` blocks are a KV connector's (`kv_connector.base`): they get fresh
+        blocks here, which the connector fills before the step.
         Gives None, changing nothing, when the pool is short. A shared partial
         block about to be written is copied first (copy-on-write): the returned
         (src, dst) pairs must be copied by the runner before the step's forward.
@@ -123,8 +125,11 @@ class KVCacheManager:
         if num_hit_tokens is None:
             num_hit_tokens = full_hits
         tail_hit = num_hit_tokens < full_hits  # the last hit is a partial tail block
+        external = max(num_hit_tokens - full_hits, 0)  # a connector's, past the GPU hits
+        num_hit_tokens -= external
         start = seq.num_computed_tokens + num_hit_tokens
-        num_new_blocks = cdiv(start + num_new_tokens, self.block_size) - len(table) - len(computed)
+        num_new_blocks = (cdiv(start + external + num_new_tokens, self.block_size) - len(table)
+                          - len(computed))
         first = start // self.block_size
         cow = tail_hit or (first < len(table) and table[first].ref_cnt > 1)
         num_revived = sum(1 for b in computed if b.ref_cnt == 0)
@@ -133,10 +138,10 @@ class KVCacheManager:
                 del self.block_tables[seq.seq_id]
             return None
         copies: list[tuple[int, int]] = []
-        if computed:
+        if computed or external:
             self.pool.touch(computed)
             table.extend(computed)
-            seq.num_computed_tokens = num_hit_tokens
+            seq.num_computed_tokens = num_hit_tokens + external
             self._num_hashed_blocks[seq.seq_id] = len(computed) - int(tail_hit)
         if cow:
             (fresh,) = self.pool.allocate(1)

@@ -17,9 +17,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Set
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from kvpilot.engine.kv_connector.base import KVConnector
 
 
 @dataclass
@@ -50,9 +54,12 @@ class SchedulerOutput:
 class Scheduler:
     """Keeps the waiting and running sequences and plans each step."""
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 connector: KVConnector | None = None) -> None:
         self.config = config
         self.kv = kv_manager
+        # finds a waiting sequence's blocks outside the GPU cache (host tier, pulled KV)
+        self.connector = connector
         self.waiting: list[Sequence] = []  # sorted by _key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -200,18 +207,23 @@ class Scheduler:
             if seq is None:
                 break
             hits, hit_tokens = self.kv.get_computed_blocks(seq)
-            num_new = seq.num_tokens - hit_tokens
+            external = (self.connector.get_num_new_matched_tokens(seq, hit_tokens)
+                        if self.connector is not None else 0)
+            num_new = seq.num_tokens - hit_tokens - external
             if self._must_wait_whole(num_new, budget):
                 break
             num_new = min(num_new, budget)
-            copies = self.kv.allocate_slots(seq, num_new, hits, hit_tokens)
+            copies = self.kv.allocate_slots(seq, num_new, hits, hit_tokens + external)
             while copies is None and self._preempt_idle(out):
-                copies = self.kv.allocate_slots(seq, num_new, hits, hit_tokens)
+                copies = self.kv.allocate_slots(seq, num_new, hits, hit_tokens + external)
             if copies is None:
                 break
+            if external and self.connector is not None:
+                self.connector.update_state_after_alloc(seq, hit_tokens,
+                                                        self.kv.block_ids(seq)[len(hits):])
             self.kv.record_prefix_lookup(seq, hit_tokens)
             if seq.request.metrics.first_scheduled_time is None:
-                seq.request.num_cached_tokens = hit_tokens
+                seq.request.num_cached_tokens = hit_tokens + external
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -1,4 +1,7 @@
-"""What a KV connector does, and what it needs from the engine; no transport details here."""
+"""What a KV transport between engines does, and what it needs from the engine's store; no
+wire details here. The engine's own seam is `kv_connector.base.KVConnector`: a decode
+engine's transport lands pulled blocks in its host tier (`kv_connector.landing_store`),
+where the scheduler finds them."""
 
 from __future__ import annotations
 
@@ -116,7 +119,7 @@ class BlockStore(Protocol[HandleT, BufferT, StagedT]):
         ...
 
 
-class KVConnector(ABC):
+class KVTransport(ABC):
     """Moves finished prefills' KV blocks to decode engines.
 
     The prefill side `offer`s each finished prompt (its blocks stay pinned under

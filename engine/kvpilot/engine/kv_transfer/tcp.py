@@ -39,7 +39,7 @@ from kvpilot.engine.kv_transfer.connector import (
     BlockStore,
     BufferT,
     HandleT,
-    KVConnector,
+    KVTransport,
     PendingRead,
     StagedT,
 )
@@ -52,7 +52,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class TcpConnector(KVConnector, Generic[HandleT, BufferT, StagedT]):
+class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
     """Serves FETCH/WANT/RELEASE (prefill) and PULL (decode) on host:port to peers that prove
     they hold `kv_key` (the fleet secret's; `kv_auth`), and proves it to the agents it pulls
     from."""

@@ -9,8 +9,10 @@ ranks); pipeline parallelism (PP) up to one stage per layer (`contracts/pipeline
 times TP. Refused, each with the flag, the value and what is supported: more stages
 than layers, `--async-scheduling on` with PP (a stage's steps are collected apart,
 not overlapped with sampling), 1 < EP < TP, EP on a dense model, more ranks per node
-than visible GPUs, and prefill/decode roles with more than one rank (the KV transfer
-moves one rank's whole cache).
+than visible GPUs, a prefill role with more than one rank (its KV agent reads one
+rank's whole cache), and a decode role with pipeline or expert parallelism. A decode
+engine may run tensor-parallel: pulled blocks carry every KV head and each rank keeps
+its own (`kv_connector.kv_shards`).
 """
 
 from __future__ import annotations
@@ -126,11 +128,16 @@ def validate(parallel: ParallelConfig, config: ModelConfig, device: str,
         return
     flags = f"--tensor-parallel-size={tp}" + (f" --pipeline-parallel-size={pp}" if pp > 1
                                               else "")
-    if role != "both":
+    if role == "prefill":
         raise ParallelConfigError(
             f"--role {role} with {flags} is not supported: the KV transfer moves one rank's "
             "whole cache, not a sharded one; use --role both, or --tensor-parallel-size 1 "
-            "--pipeline-parallel-size 1 for prefill/decode pools")
+            "--pipeline-parallel-size 1 for prefill pools (decode pools may use TP)")
+    if role == "decode" and (ep != 1 or pp != 1):
+        raise ParallelConfigError(
+            f"--role decode with --expert-parallel-size={ep} --pipeline-parallel-size={pp} "
+            "is not supported: pulled KV is re-sharded for tensor parallelism only; use "
+            "--expert-parallel-size 1 --pipeline-parallel-size 1")
     local = ranks_per_node or world
     if device == "cuda" and local > visible_devices:
         raise ParallelConfigError(

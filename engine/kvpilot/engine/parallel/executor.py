@@ -21,6 +21,7 @@ import torch
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.rendezvous import Rendezvous
+from kvpilot.engine.kv_connector.kv_shards import write_blocks
 from kvpilot.engine.model_runner import BatchEntry, ModelRunner
 from kvpilot.engine.parallel.config import ParallelConfig
 from kvpilot.engine.parallel.distributed import destroy_distributed, init_distributed
@@ -116,6 +117,19 @@ class MultiRankExecutor:
             return exc
         self.failure = message
         return WorkerLostError(message)
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Writes whole-head KV blocks (uint8 [n, block_bytes], on the driver's device) into
+        every rank's shard of the cache: the workers get them over the step channel, before
+        the next step, and keep their heads (a decode engine's pulled KV)."""
+        config = self.runner.config
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        with self._step_lock:
+            if self._stopped:
+                raise RuntimeError("the tensor-parallel executor was shut down")
+            self.channel.send_load(index, data.contiguous())
+            write_blocks(self.runner.kv_caches, index, data,
+                         self.ctx.tp.kv_heads(config.num_kv_heads), config.num_kv_heads)
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Has `callback(reason)` called from the watchdog thread when a worker dies."""

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kvpilot.engine.parallel.distributed import RankContext
-from kvpilot.engine.step_batch import STOP, StepHeader, buffer_size
+from kvpilot.engine.step_batch import LOAD_KV, STOP, StepHeader, buffer_size
 
 DRIVER = 0  # global rank that schedules, samples and broadcasts
 
@@ -30,6 +30,14 @@ class ReceivedStep:
     buf: torch.Tensor  # on the worker's device
     host: np.ndarray | None  # the buffer's host memory (CPU ranks), for host-side lengths
     prev_tokens: torch.Tensor | None
+
+
+@dataclass
+class ReceivedLoad:
+    """Whole-head KV blocks a worker writes its heads of (`kv_connector.kv_shards`)."""
+
+    block_ids: torch.Tensor  # [n] int64 on the worker's device
+    data: torch.Tensor  # uint8 [n, block_bytes] on the worker's device
 
 
 class StepChannel:
@@ -48,18 +56,37 @@ class StepChannel:
             assert prev_tokens is not None  # pack_step counted them
             dist.broadcast(prev_tokens.contiguous(), DRIVER, group=self.device_group)
 
+    def send_load(self, block_ids: torch.Tensor, data: torch.Tensor) -> None:
+        """Broadcasts whole-head KV blocks to write (ids [n] int64, data uint8 [n, bytes],
+        both on the driver's device) between steps."""
+        dist.broadcast(StepHeader.load_kv().to_tensor(), DRIVER, group=self.ctx.host_group)
+        sizes = torch.tensor(data.shape, dtype=torch.int64)
+        dist.broadcast(sizes, DRIVER, group=self.ctx.host_group)
+        dist.broadcast(block_ids, DRIVER, group=self.device_group)
+        dist.broadcast(data, DRIVER, group=self.device_group)
+
     def send_stop(self) -> None:
         """Tells every worker of the stage to leave its loop (each passes it down the pipe)."""
         dist.broadcast(StepHeader.stop().to_tensor(), DRIVER, group=self.ctx.stage_host_group)
 
-    def receive(self) -> ReceivedStep | None:
-        """Gives the next step (a worker blocks here while the server is idle); None: stop."""
+    def receive(self) -> ReceivedStep | ReceivedLoad | None:
+        """Gives the next step or KV load (a worker blocks here while the server is idle);
+        None: stop."""
         values = StepHeader.empty_tensor()
         dist.broadcast(values, DRIVER, group=self.ctx.stage_host_group)
         header = StepHeader.from_tensor(values)
         if header.command == STOP:
             return None
         device = self.ctx.device
+        if header.command == LOAD_KV:
+            sizes = torch.empty(2, dtype=torch.int64)
+            dist.broadcast(sizes, DRIVER, group=self.ctx.host_group)
+            count, size = sizes.tolist()
+            block_ids = torch.empty(count, dtype=torch.int64, device=device)
+            data = torch.empty((count, size), dtype=torch.uint8, device=device)
+            dist.broadcast(block_ids, DRIVER, group=self.device_group)
+            dist.broadcast(data, DRIVER, group=self.device_group)
+            return ReceivedLoad(block_ids, data)
         buf = torch.empty(buffer_size(header), dtype=torch.int64, device=device)
         dist.broadcast(buf, DRIVER, group=self.device_group)
         prev_tokens = None

@@ -22,6 +22,7 @@ import torch
 from kvpilot.engine.contracts.args import EngineArgs, add_dataclass_args, from_namespace
 from kvpilot.engine.contracts.rendezvous import Rendezvous
 from kvpilot.engine.device import resolve_device
+from kvpilot.engine.kv_connector.kv_shards import write_blocks
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.parallel.config import ParallelConfig
 from kvpilot.engine.parallel.distributed import (
@@ -32,7 +33,7 @@ from kvpilot.engine.parallel.distributed import (
 from kvpilot.engine.parallel.pipe_channel import PipeChannel
 from kvpilot.engine.parallel.processes import PARENT_ENV, RANK_ENV
 from kvpilot.engine.parallel.stage import Intermediate
-from kvpilot.engine.parallel.step_channel import StepChannel
+from kvpilot.engine.parallel.step_channel import ReceivedLoad, StepChannel
 from kvpilot.engine.step_batch import unpack_step
 
 logger = logging.getLogger("kvpilot.worker")
@@ -72,7 +73,12 @@ def run_worker(args: EngineArgs, rank: int, rendezvous: Rendezvous) -> None:
                                                 model_config.dtype))
             return
         channel = StepChannel(ctx)
+        heads = ctx.tp.kv_heads(model_config.num_kv_heads)
         while (step := channel.receive()) is not None:
+            if isinstance(step, ReceivedLoad):  # pulled KV: this rank's heads of it
+                write_blocks(runner.kv_caches, step.block_ids, step.data, heads,
+                             model_config.num_kv_heads)
+                continue
             runner.run(unpack_step(step.header, step.buf, step.host), step.prev_tokens)
     finally:
         if runner is not None:  # graphs before groups (see DecodeGraphs.release)
@@ -88,6 +94,7 @@ def _run_stage(ctx: RankContext, runner: ModelRunner, pipe: PipeChannel) -> None
             step = channel.receive()
             if step is None:
                 break
+            assert not isinstance(step, ReceivedLoad)  # decode roles run one stage (config)
             header, buf, host, received = step.header, step.buf, step.host, None
         else:
             got = pipe.receive()

@@ -29,7 +29,7 @@ from kvpilot.engine.router.discovery import Discovery, make_discovery
 from kvpilot.engine.router.fleet import Fleet, Instance
 from kvpilot.engine.router.kv_events import MAX_BODY_BYTES, parse_event
 from kvpilot.engine.router.metrics import RouterMetrics
-from kvpilot.engine.router.policy import Weights, choose
+from kvpilot.engine.router.policy import Weights, choose, hit_blocks
 from kvpilot.engine.router.prefix_index import PrefixIndex
 from kvpilot.engine.router.prompt import PromptHasher
 from kvpilot.engine.router.proxy import Forwarder, NoInstance, error_body
@@ -97,13 +97,14 @@ class Router:
                     await asyncio.wait_for(self.fleet.changed.wait(), POLL_SECONDS)
         finally:
             gauge.dec()
-        hits = {i.url: self.index.match(i.url, hashes) for i in candidates}
+        tiers = {i.url: self.index.match_tiers(i.url, hashes) for i in candidates}
+        hits = {url: hit_blocks(gpu, host, self.weights) for url, (gpu, host) in tiers.items()}
         view = choose(self.args.policy, [i.view(self.index.size(i.url)) for i in candidates],
                       counter=next(self.counter), hits=hits, num_blocks=len(hashes),
                       weights=self.weights)
         chosen = self.fleet.instances[view.url]
         self.metrics.prompt_blocks.inc(len(hashes))
-        self.metrics.prefix_hit_blocks.inc(hits.get(chosen.url, 0))
+        self.metrics.prefix_hit_blocks.inc(sum(tiers.get(chosen.url, (0, 0))))
         # The chosen instance will hold these blocks once it ran the prompt.
         self.index.insert(chosen.url, hashes)
         return chosen

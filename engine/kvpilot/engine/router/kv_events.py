@@ -1,7 +1,9 @@
 """KV events as the router takes them, bounded so the prefix index's memory cap holds.
 
 A `POST /kv_events` body, and each event an engine's `GET /kv_events` answers, is
-`{"instance", "stored": [hash], "removed": [hash], "cleared"}`. Every hash must be a
+`{"instance", "stored": [hash], "removed": [hash], "cleared", "tier"}`; `tier` is "gpu" (the
+default: the GPU prefix cache) or "host" (the engine's host-memory tier, where a hit is
+cheaper than a miss but dearer than a GPU hit). Every hash must be a
 64-bit block hash (an int in [0, 2**64), what `block_hash` gives): the index's entry
 cost (`prefix_index.ENTRY_BYTES`) assumes it, and a 4,000-digit "hash" would cost ten
 times as much. A body holds at most `MAX_HASHES` hashes (an engine's whole event ring)
@@ -10,7 +12,7 @@ in at most `MAX_BODY_BYTES`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -29,6 +31,7 @@ class KVEvent(BaseModel):
     stored: list[BlockHash] = Field(default_factory=list, max_length=MAX_HASHES)
     removed: list[BlockHash] = Field(default_factory=list, max_length=MAX_HASHES)
     cleared: bool = Field(default=False, strict=True)
+    tier: Literal["gpu", "host"] = "gpu"
 
     @model_validator(mode="after")
     def _bounded(self) -> KVEvent:

@@ -38,13 +38,21 @@ class Weights:
     # Small on purpose: only decides between instances with about equal hits and load, so a
     # new prefix goes where it evicts the least (SGLang's "smallest tree" rule).
     cached: float = 0.05
+    # what a block found only in an instance's host-memory tier is worth against one in its
+    # GPU cache (1) and a miss (0): loading it back is cheaper than computing it, not free
+    host_hit: float = 0.5
 
 
-def score(view: InstanceView, hit_blocks: int, num_blocks: int, max_load: float,
+def hit_blocks(gpu: int, host: int, weights: Weights) -> float:
+    """Gives the prompt blocks an instance holds, a host-tier block counted `host_hit`."""
+    return gpu + weights.host_hit * host
+
+
+def score(view: InstanceView, hits: float, num_blocks: int, max_load: float,
           weights: Weights, max_cached: int = 0) -> float:
-    """Gives the prefix-aware score: hit fraction minus relative load, KV-usage and
-    cached-data costs."""
-    hit = hit_blocks / num_blocks if num_blocks else 0.0
+    """Gives the prefix-aware score: hit fraction (`hit_blocks`) minus relative load,
+    KV-usage and cached-data costs."""
+    hit = hits / num_blocks if num_blocks else 0.0
     relative_load = view.load / (max_load + 1.0)
     relative_cached = view.cached_blocks / (max_cached + 1.0)
     return (hit - weights.load * relative_load - weights.kv_usage * view.kv_usage
@@ -52,7 +60,7 @@ def score(view: InstanceView, hit_blocks: int, num_blocks: int, max_load: float,
 
 
 def choose(policy: str, views: Sequence[InstanceView], *, counter: int = 0,
-           hits: Mapping[str, int] | None = None, num_blocks: int = 0,
+           hits: Mapping[str, float] | None = None, num_blocks: int = 0,
            weights: Weights = Weights()) -> InstanceView:
     """Gives the instance `policy` picks; `counter` rotates round-robin and breaks ties."""
     if not views:

@@ -65,6 +65,8 @@ class _StatsCollector(Collector):
             (names.NUM_WAITING_PROMPT_TOKENS, "prompt tokens of waiting requests",
              stats.num_waiting_prompt_tokens),
             (names.DRAINING, "1 while the server drains after SIGTERM", float(draining)),
+            (names.KV_HOST_CACHE_USAGE_PERC, "fraction of host-tier KV rows in use (0-1)",
+             stats.kv_host_cache_usage),
         ]
         for name, doc, number in gauges:
             family = GaugeMetricFamily(name, doc, labels=label)
@@ -75,6 +77,10 @@ class _StatsCollector(Collector):
              stats.prefix_cache_queries),
             (names.PREFIX_CACHE_HITS, "prompt tokens found in the prefix cache",
              stats.prefix_cache_hits),
+            (names.EXTERNAL_PREFIX_CACHE_QUERIES, "prompt tokens looked up past the GPU hit "
+             "(host tier, pulled KV)", stats.external_prefix_cache_queries),
+            (names.EXTERNAL_PREFIX_CACHE_HITS, "prompt tokens loaded from outside the GPU "
+             "cache instead of computed", stats.external_prefix_cache_hits),
             (names.NUM_PREEMPTIONS, "preemptions of running requests", stats.num_preemptions),
             (names.PROMPT_TOKENS, "prompt tokens computed", stats.prompt_tokens),
             (names.GENERATION_TOKENS, "tokens generated", stats.generation_tokens),
@@ -89,6 +95,15 @@ class _StatsCollector(Collector):
         steps.add_metric([*value, "graph"], float(stats.graph_steps))
         steps.add_metric([*value, "eager"], float(stats.eager_steps))
         yield steps
+        offload = CounterMetricFamily(names.KV_OFFLOAD_BLOCKS, "host-tier KV blocks by what "
+                                      "happened to them", labels=[*label, names.OP_LABEL])
+        for op, number in (("saved", stats.kv_offload_saved_blocks),
+                           ("loaded", stats.kv_offload_loaded_blocks),
+                           ("failed", stats.kv_offload_failed_blocks),
+                           ("dropped", stats.kv_offload_dropped_blocks),
+                           ("evicted", stats.kv_offload_evicted_blocks)):
+            offload.add_metric([*value, op], float(number))
+        yield offload
         if stats.block_size:
             info = GaugeMetricFamily(names.CACHE_CONFIG_INFO, "KV-cache layout, in its labels",
                                      labels=[*label, names.BLOCK_SIZE_LABEL,

@@ -1,0 +1,55 @@
+"""The host tier and a decode engine's landing pool on CUDA (pinned rows, copies on the
+engine's stream, saves committed after their event): the same tokens as without them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from kv_tier_helpers import BLOCK, PROMPT, evict, make_engine, run
+
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.kv_client import request_pull
+from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.roles import attach_role
+from kvpilot.operator.local.supervisor import free_port
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_gpu_evicted_prefix_is_restored_from_pinned_host_memory(async_scheduling):
+    expected = run(make_engine(device="cuda"), "ref", PROMPT)[0]
+    engine = make_engine(0.001, device="cuda", async_scheduling=async_scheduling)
+    run(engine, "first", PROMPT)
+    evict(engine, "x")
+    before = engine.get_stats()
+    tokens, final = run(engine, "again", PROMPT)
+    assert tokens == expected
+    assert engine.get_stats().kv_offload_loaded_blocks - before.kv_offload_loaded_blocks == 6
+    assert final.num_cached_tokens == 6 * BLOCK
+
+
+def test_gpu_decode_engine_loads_pulled_kv_before_its_step():
+    def role(name: str):
+        args = EngineArgs(model="tiny-llama", num_kv_blocks=64, block_size=BLOCK, role=name,
+                          kv_transfer_port=free_port(), dtype="float32", device="cuda")
+        return attach_role(LLMEngine.from_engine_args(args), "127.0.0.1", 0)
+
+    expected = run(make_engine(device="cuda"), "agg", PROMPT)[0]
+    prefill, decode = role("prefill"), role("decode")
+    try:
+        prefill.add_request("pre", PROMPT, SamplingParams(temperature=0, max_tokens=1))
+        for _ in range(50):
+            if not prefill.has_unfinished_requests():
+                break
+            prefill.step()
+        done = asyncio.run(request_pull(("127.0.0.1", decode.connector.port),
+                                        ("127.0.0.1", prefill.connector.port), "pre", 10))
+        assert done["imported"] == 7  # 6 full blocks and the tail
+        tokens, final = run(decode, "dec", PROMPT)
+        assert tokens == expected and final.num_cached_tokens == len(PROMPT) - 1
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
