@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 22's GPU lines in one device call on a 2-GPU host (fits 9 minutes): the KV-tier and
 # disagg GPU tests; bench/kv_tier_gpu.py (a 4k-token prefix restored from host vs recomputed,
-# TTFT); the TCP KV-transfer rate (NIXL is not built: --kv-transport nixl is refused, so there
+# TTFT); the TCP KV-transfer rate (NIXL is not built: KV moves over TCP only, so there
 # is no NIXL rate to set beside it); the issue-6 disaggregation benchmark rerun (8B shape,
 # 2 long prompts/s), whose decode engine now lands pulled KV in its host tier.
 #   OUT=/tmp/out bash bench/kv_tier_gpu_run.sh

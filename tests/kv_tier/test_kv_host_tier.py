@@ -103,7 +103,6 @@ def test_host_tier_changes_are_kv_events_and_metrics():
      "needs prefix caching"),
     ({"kv_offload_gb": 0.001, "tensor_parallel_size": 2}, ParallelConfigError,
      "--kv-offload-gb=0.001 with 2 ranks"),
-    ({"kv_transport": "nixl"}, ValueError, "kv_transport='nixl' is not available"),
 ])
 def test_unsupported_host_tier_setups_are_refused_by_name(overrides, error, match):
     with pytest.raises(error, match=match):

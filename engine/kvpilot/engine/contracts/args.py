@@ -26,7 +26,6 @@ ASYNC_SCHEDULING = ("auto", "on", "off")
 QUANTIZATIONS = ("none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tool_parsers.py implements each
-KV_TRANSPORTS = ("auto", "tcp", "nixl")
 # With --kv-transfer-port 0 an engine's KV agent listens on its HTTP port plus this.
 KV_PORT_OFFSET = 1000
 # Engines and routers read their API key from this variable when --api-key is absent (the
@@ -127,13 +126,10 @@ class EngineArgs:
                 "\"num_speculative_tokens\": 4}' (a draft sharing the tokenizer); one rank "
                 "only, async scheduling off; requests with penalties, logprobs, n > 1, beam "
                 "search, min_tokens or structured outputs decode without drafts"})
-    # KV connector (issue 22): a host-memory tier, and how KV moves between engines
+    # KV connector (issue 22): a host-memory tier (KV moves between engines over TCP)
     kv_offload_gb: float = field(default=0.0, metadata={
         "help": "GiB of host memory (pinned on GPU) for KV blocks evicted from the GPU prefix "
                 "cache; a later prefix hit loads them back instead of recomputing (0: off)"})
-    kv_transport: str = field(default="auto", metadata={"choices": KV_TRANSPORTS,
-        "help": "how a decode engine pulls KV from a prefill engine: tcp (through host "
-                "memory); nixl is refused in this build; auto: tcp"})
 
     def __post_init__(self) -> None:
         for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
@@ -141,8 +137,7 @@ class EngineArgs:
                               ("scheduling_policy", SCHEDULING_POLICIES), ("role", ROLES),
                               ("async_scheduling", ASYNC_SCHEDULING),
                               ("quantization", QUANTIZATIONS),
-                              ("kv_cache_dtype", KV_CACHE_DTYPES),
-                              ("kv_transport", KV_TRANSPORTS)):
+                              ("kv_cache_dtype", KV_CACHE_DTYPES)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is invalid: choose one of {', '.join(allowed)}")
@@ -158,9 +153,6 @@ class EngineArgs:
         if self.kv_offload_gb < 0:
             raise ValueError(f"kv_offload_gb={self.kv_offload_gb!r} is invalid: must be >= 0 "
                              "(0 turns the host tier off)")
-        if self.kv_transport == "nixl":
-            raise ValueError("kv_transport='nixl' is not available in this build (the NIXL "
-                             "transport is not implemented yet): use --kv-transport tcp or auto")
         self._check_speculative()
 
     def _check_speculative(self) -> None:
