@@ -9,19 +9,18 @@ import time
 
 import pytest
 from disagg_import import import_data
+from helpers.engine_run import run
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.core.outputs import EngineCoreOutput
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.roles import LEASE_SECONDS_ENV, attach_role
 from kvpilot.operator.local.supervisor import free_port
 
 BLOCK = 16
 NUM_BLOCKS = 64
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SYSTEM = list(range(3, 3 + 4 * BLOCK))  # 4 blocks every prompt below starts with
 
 
@@ -33,20 +32,6 @@ def make_engine(role: str):
     return attach_role(LLMEngine.from_engine_args(args), "127.0.0.1", 0)
 
 
-def run(engine, request_id: str, prompt: list[int], params: SamplingParams = GREEDY
-        ) -> tuple[list[int], EngineCoreOutput]:
-    """Runs one request to its end; gives its output token ids and its last delta."""
-    engine.add_request(request_id, prompt, params)
-    tokens, final = [], None
-    for _ in range(200):  # bounded: a stuck engine fails the test instead of hanging it
-        if not engine.has_unfinished_requests():
-            break
-        for output in engine.step():
-            tokens += output.completions[0].token_ids
-            if output.finished:
-                final = output
-    assert not engine.has_unfinished_requests() and final is not None
-    return tokens, final
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kv_tier_helpers import BLOCK, make_engine, run
+from helpers.engine_run import run
+from kv_tier_helpers import BLOCK, make_engine
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.kv_client import request_pull

@@ -5,7 +5,8 @@ a refused configuration end in recompute or a clear error."""
 from __future__ import annotations
 
 import pytest
-from kv_tier_helpers import BLOCK, PROMPT, evict, host_pool, make_engine, run
+from helpers.engine_run import run
+from kv_tier_helpers import BLOCK, PROMPT, evict, host_pool, make_engine
 
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.parallel.config import ParallelConfigError

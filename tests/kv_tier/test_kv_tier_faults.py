@@ -8,7 +8,8 @@ import asyncio
 import socket
 
 import pytest
-from kv_tier_helpers import BLOCK, GREEDY, make_engine, run
+from helpers.engine_run import GREEDY, run
+from kv_tier_helpers import BLOCK, make_engine
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks

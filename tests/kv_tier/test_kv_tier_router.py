@@ -5,7 +5,8 @@ a miss."""
 from __future__ import annotations
 
 import pytest
-from kv_tier_helpers import BLOCK, PROMPT, evict, make_engine, run
+from helpers.engine_run import run
+from kv_tier_helpers import BLOCK, PROMPT, evict, make_engine
 
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.router.kv_events import parse_event

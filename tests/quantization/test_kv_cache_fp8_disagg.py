@@ -7,35 +7,20 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from helpers.engine_run import run
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.contracts.kv_protocol import ProtocolError
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.core.outputs import EngineCoreOutput
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.roles import attach_role
 from kvpilot.operator.local.supervisor import free_port
 
 BLOCK, NUM_BLOCKS = 16, 64
 PROMPT = [*range(3, 3 + 4 * BLOCK), *range(200, 230)]  # 5 full blocks and a tail
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-def run(engine, request_id: str, prompt: list[int], params: SamplingParams = GREEDY
-        ) -> tuple[list[int], EngineCoreOutput]:
-    """Runs one request to its end; gives its output token ids and its last delta."""
-    engine.add_request(request_id, prompt, params)
-    tokens, final = [], None
-    for _ in range(200):  # bounded: a stuck engine fails the test instead of hanging it
-        if not engine.has_unfinished_requests():
-            break
-        for output in engine.step():
-            tokens += output.completions[0].token_ids
-            if output.finished:
-                final = output
-    assert not engine.has_unfinished_requests() and final is not None
-    return tokens, final
 
 
 def agent(engine) -> tuple[str, int]:
