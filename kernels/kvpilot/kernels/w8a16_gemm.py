@@ -1,23 +1,36 @@
-"""W8A16 GEMM for decode-sized batches: out = x @ (weight * scale[:, None]).T with an int8
-weight [N, K], a float32 per-row scale [N] and activations x [M, K] (M <= MAX_M).
+"""W8A16 GEMM for decode-sized batches: out = x @ (weight * scale[:, None]).T with an 8-bit
+weight [N, K] (int8, or float8 E4M3 on GPUs that have it), a float32 per-row scale [N] and
+activations x [M, K] (M <= MAX_M).
 
-At decode sizes the layer is bound by reading the weight: the point of int8 is to read one
-byte per weight, so the kernel widens each int8 tile to the activation dtype in registers
+At decode sizes the layer is bound by reading the weight: the point of 8 bits is to read one
+byte per weight, so the kernel widens each 8-bit tile to the activation dtype in registers
 (the torch path writes and re-reads a widened copy of the whole weight). One program
 computes BLOCK_N output columns for every row: `tl.dot` needs 16 rows, so the rows are
-padded to BLOCK_M >= 16 with masks; a small BLOCK_N gives enough programs to fill the GPU
-without splitting K. Larger batches are compute-bound and stay on the torch path.
+padded to BLOCK_M >= 16 with masks. A memory-bound kernel is as fast as the bytes it keeps in
+flight, so the tile width along K and the pipeline depth matter most; on a GPU they are
+autotuned per (N, K, BLOCK_M) from TUNED_CONFIGS during the engine's warm-up (before CUDA
+graphs capture), and the interpreter runs the plain kernel with the sizes a test gives.
+Larger batches are compute-bound and stay on the torch path.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kvpilot.kernels.jit import jit
+from kvpilot.kernels.jit import Kernel, jit
 
 MAX_M = 64  # rows beyond which the torch path (widen, then cuBLAS) wins
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): from narrow, deep tiles (many programs, each
+# streaming long rows) to wide ones; shared memory stays under Hopper's 228 KB at BLOCK_M 64
+TUNED_CONFIGS = [
+    (16, 256, 4, 3), (16, 512, 4, 4), (16, 1024, 4, 3), (32, 256, 4, 5),
+    (32, 512, 4, 4), (64, 256, 4, 4), (16, 512, 8, 4), (32, 1024, 8, 3),
+]
 
 
 @jit
@@ -37,7 +50,7 @@ def _w8a16_kernel(
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0)
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     out = acc * scale[None, :]
@@ -45,14 +58,25 @@ def _w8a16_kernel(
              out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+def _tuned(kernel: Kernel) -> Kernel:
+    """Gives `kernel` autotuned over TUNED_CONFIGS per (N, K, BLOCK_M)."""
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+               for n, k, w, s in TUNED_CONFIGS]
+    return triton.autotune(configs, key=["N", "K", "BLOCK_M"])(kernel)  # pyright: ignore[reportReturnType, reportArgumentType]
+
+
+_w8a16_tuned = _tuned(_w8a16_kernel)
+
+
 def w8a16_gemm(
     x: torch.Tensor,  # [M, K], M <= MAX_M, rows dense
-    weight: torch.Tensor,  # [N, K] int8, rows dense
+    weight: torch.Tensor,  # [N, K] int8 or float8_e4m3fn, rows dense
     scale: torch.Tensor,  # [N] float32
-    block_n: int = 16,
-    block_k: int = 256,
+    block_n: int | None = None,
+    block_k: int | None = None,
 ) -> torch.Tensor:
-    """Gives x @ (weight * scale[:, None]).T [M, N] in x's dtype."""
+    """Gives x @ (weight * scale[:, None]).T [M, N] in x's dtype; the tile sizes are autotuned
+    on a GPU unless both `block_n` and `block_k` are given (always in the interpreter)."""
     rows, k = x.shape
     n = weight.shape[0]
     assert rows <= MAX_M, f"{rows} rows: the torch path takes batches above {MAX_M}"
@@ -60,11 +84,14 @@ def w8a16_gemm(
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    _w8a16_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, scale, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4,
-    )
+    args = (x, weight, scale, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0))
+    block_m = max(16, triton.next_power_of_2(rows))
+    if (block_n is None or block_k is None) and os.environ.get("TRITON_INTERPRET") != "1":
+        _w8a16_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, BLOCK_M=block_m)
+    else:
+        block_n, block_k = block_n or 16, block_k or 256
+        _w8a16_kernel[(triton.cdiv(n, block_n),)](*args, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                  BLOCK_K=block_k, num_warps=4)
     return out
 
 

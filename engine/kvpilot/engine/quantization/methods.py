@@ -7,7 +7,10 @@ output row) and how a quantised linear layer multiplies.
   to the activation dtype and multiplied, then each output column is scaled.
 - fp8 (W8A8): weights in float8 E4M3; each token's activations are scaled into E4M3
   on the fly (dynamic per-token scales) and `torch._scaled_mm` multiplies the two on
-  FP8 tensor cores (compute capability 8.9+). Off CUDA the same arithmetic runs as a
+  FP8 tensor cores (compute capability 8.9+). Decode-sized batches (up to 64 rows) are
+  bound by reading the weight, where cuBLASLt's FP8 GEMM and the activation quantisation
+  cost more than they save: they go through the W8A16 Triton GEMM above with the E4M3
+  weight (weight-only, activations unrounded). Off CUDA the W8A8 arithmetic runs as a
   float32 reference (what the GPU path is tested against); the engine refuses fp8 there.
 """
 
@@ -76,6 +79,12 @@ class Fp8DynamicPerToken(QuantMethod):
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if rows.is_cuda:
+            from kvpilot.kernels.w8a16_gemm import MAX_M, w8a16_gemm
+
+            if rows.shape[0] <= MAX_M:  # decode sizes: read the E4M3 weight once
+                out = w8a16_gemm(rows.contiguous(), weight, scale)
+                return out.reshape(*x.shape[:-1], weight.shape[0])
         x_q, x_scale = quantize_per_token(rows)
         if rows.is_cuda:
             # weight [out, in] row-major: its .t() is the column-major [in, out] cuBLASLt wants.
