@@ -70,3 +70,15 @@ def test_events_say_what_was_stored_and_evicted_in_order():
 def test_a_pool_without_room_for_one_block_names_the_flag():
     with pytest.raises(ValueError, match="kv-offload-gb"):
         HostKVPool(0, block_bytes=8, pin_memory=False)
+
+
+def test_consecutive_rows_move_as_runs():
+    """The GPU load copies each run of side-by-side host rows at once: runs cover every row in
+    order, and a gap or a step back starts a new run."""
+    from kvpilot.engine.kv_connector.host_tier import consecutive_runs
+
+    rows = [7, 8, 9, 3, 4, 10, 10, 11]
+    runs = consecutive_runs(rows)
+    assert runs == [(0, 7, 3), (3, 3, 2), (5, 10, 1), (6, 10, 2)]
+    assert [row for _, first, count in runs for row in range(first, first + count)] == rows
+    assert consecutive_runs([]) == []

@@ -158,9 +158,10 @@ class HostTierConnector(KVConnector):
             data = torch.empty((len(rows), self.pool.block_bytes), dtype=torch.uint8,
                                device=self.device)
             stored = torch.empty((len(rows), 2), dtype=torch.int64, device=self.device)
-            for index, row in enumerate(rows):
-                data[index].copy_(self.pool.data[row], non_blocking=True)
-                stored[index].copy_(self.pool.sums[row], non_blocking=True)
+            for start, row, count in consecutive_runs(rows):  # one copy per run of rows
+                data[start:start + count].copy_(self.pool.data[row:row + count],
+                                                non_blocking=True)
+            stored.copy_(self.pool.sums[torch.tensor(rows)])  # 16 bytes a block: one copy
         else:
             index = torch.tensor(rows)
             data, stored = self.pool.data[index], self.pool.sums[index]
@@ -246,3 +247,16 @@ def make_host_tier(args: EngineArgs, runner: ModelExecutor, kv: KVCacheManager
     pool = HostKVPool(num_blocks, block_bytes, pin_memory=runner.device.type == "cuda")
     return HostTierConnector(pool, caches, args.block_size, kv.hash_salt, kv.pool.events,
                              offload=args.kv_offload_gb > 0, write=write)
+
+
+def consecutive_runs(rows: list[int]) -> list[tuple[int, int, int]]:
+    """Gives (position in `rows`, first row, count) for each run of consecutive rows, so that
+    blocks stored side by side in the host pool move in one copy."""
+    runs: list[tuple[int, int, int]] = []
+    for position, row in enumerate(rows):
+        if runs and runs[-1][1] + runs[-1][2] == row:
+            start, first, count = runs[-1]
+            runs[-1] = (start, first, count + 1)
+        else:
+            runs.append((position, row, 1))
+    return runs
