@@ -222,6 +222,7 @@ def test_a_worker_logs_only_its_own_reason(caplog):
     with caplog.at_level(logging.INFO, "kvpilot.engine"):
         setup(FakeOps(rank=1, fault="no-p2p"), Agree(), rank=1, device=torch.device("cuda", 1))
         setup(FakeOps(rank=1), Agree(), rank=1, disabled=True)  # rank 0 says the flag
+        setup(FakeOps(rank=1), Agree(), rank=1, device=torch.device("cpu"))  # and the device
     assert [r.getMessage() for r in caplog.records] == [
         "all-reduce: rank 1 cannot use symmetric memory: no peer-to-peer access to GPU(s) [0]"]
 

@@ -152,9 +152,12 @@ def setup_symm_mem(tp: TPGroup, settings: AllReduceSettings, device: torch.devic
     `agree(v)` gives the smallest `v` over the ranks."""
     if tp.size == 1:
         return tp
-    reason = _local_reason(tp, settings, device, local_ranks, ops)
+    # the flags, the device and the model are every rank's: the first rank says those
+    shared = why_not(disabled=settings.disabled, device_type=device.type, world_size=tp.size,
+                     dtype=settings.dtype)
+    reason = shared or _host_reason(tp, device, local_ranks, ops)
     if not agree(int(reason is None)):
-        return _stay_on_nccl(tp, settings, device, reason)
+        return _stay_on_nccl(tp, device, reason, own=shared is None)
     comm: SymmMemAllReduce | None = None
     try:
         group_name = tp.process_group().group_name
@@ -163,10 +166,10 @@ def setup_symm_mem(tp: TPGroup, settings: AllReduceSettings, device: torch.devic
     except Exception as exc:  # any failure here: NCCL, said below
         reason = f"symmetric buffer of {settings.capacity} bytes not set up: {exc}"
     if not agree(int(comm is not None)) or comm is None:
-        return _stay_on_nccl(tp, settings, device, reason)
+        return _stay_on_nccl(tp, device, reason, own=True)
     reason = _self_check(comm, tp.rank, settings.dtype)
     if not agree(int(reason is None)):
-        return _stay_on_nccl(tp, settings, device, reason)
+        return _stay_on_nccl(tp, device, reason, own=True)
     if tp.is_first:
         limit = one_shot_below(tp.size)
         shots = "one-shot" if limit is None or limit > settings.capacity else \
@@ -207,13 +210,10 @@ def _self_check(comm: SymmMemAllReduce, rank: int, dtype: torch.dtype) -> str | 
     return None
 
 
-def _local_reason(tp: TPGroup, settings: AllReduceSettings, device: torch.device,
-                  local_ranks: range, ops: SymmMemOps) -> str | None:
-    """Gives why this rank cannot use the path, from what it sees itself (None: it can)."""
-    reason = why_not(disabled=settings.disabled, device_type=device.type, world_size=tp.size,
-                     dtype=settings.dtype)
-    if reason is not None:
-        return reason
+def _host_reason(tp: TPGroup, device: torch.device, local_ranks: range,
+                 ops: SymmMemOps) -> str | None:
+    """Gives why this rank cannot use the path from what it sees of its host and its torch
+    (None: nothing stops it)."""
     ranks = ops.group_ranks(tp)
     one_host = all(r in local_ranks for r in ranks)
     me = device.index if device.index is not None else torch.cuda.current_device()
@@ -222,15 +222,14 @@ def _local_reason(tp: TPGroup, settings: AllReduceSettings, device: torch.device
                         no_peer_access=[p for p in peers if p != me and not ops.peer_access(me, p)])
 
 
-def _stay_on_nccl(tp: TPGroup, settings: AllReduceSettings, device: torch.device,
-                  reason: str | None) -> TPGroup:
+def _stay_on_nccl(tp: TPGroup, device: torch.device, reason: str | None,
+                  own: bool) -> TPGroup:
     """Gives `tp` unchanged, after saying why: the first rank says it for the group, another
-    rank only a reason of its own (the flag is every rank's, so the first says it)."""
+    rank a reason of its `own` only (not one every rank shares, such as the flag)."""
     backend = "NCCL" if device.type == "cuda" else "gloo"
     if tp.is_first:
         logger.info("all-reduce: %s for every message (no symmetric memory: %s)", backend,
                     reason or "another rank cannot use it; its log says why")
-    elif reason is not None and not settings.disabled:
+    elif reason is not None and own:
         logger.warning("all-reduce: rank %d cannot use symmetric memory: %s", tp.rank, reason)
     return tp
-
