@@ -40,7 +40,8 @@ KIB = 1024
 SIZES = [8 * KIB << i for i in range(10)]  # 8 KiB .. 4 MiB
 SMOKE_SIZES = [8 * KIB, 64 * KIB]
 # label -> (TP size, --disable-custom-all-reduce)
-CONFIGS = {"tp1": (1, False), "tp2-symm-mem": (2, False), "tp2-nccl": (2, True)}
+CONFIGS = {"tp1": (1, False), "tp2-nccl": (2, True), "tp2-symm-mem": (2, False)}
+CONFIG_TIMEOUT_S = 170  # one engine run; a hung one is recorded and the next runs
 RESULT_PREFIX = "RESULT "
 
 
@@ -128,7 +129,7 @@ def measure_latency(world: int, device_type: str, sizes: list[int]) -> dict:
         for p in procs:
             p.start()
         for p in procs:
-            p.join(180)
+            p.join(120)
         for p in procs:  # measured: a rank stuck leaving its groups does not matter
             if p.is_alive():
                 p.kill()
@@ -170,7 +171,7 @@ def run_config(label: str, smoke: bool) -> dict:
 def in_fresh_process(label: str, smoke: bool) -> dict:
     """Gives run_config's numbers from a fresh interpreter (GPUs 0..tp-1)."""
     argv = [sys.executable, __file__, "--run-config", label] + (["--smoke"] if smoke else [])
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=CONFIG_TIMEOUT_S)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{label} failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -209,6 +210,9 @@ def markdown(report: dict) -> str:
                        f"(batch {c['batch']}) | {c['per_gpu_tok_per_s']:.0f} | {per} | "
                        f"{c['graph_steps']} |")
         out += ["", "Goals (issue 16): TP=2 batch-1 >= 1.6x TP=1; per-GPU batch-64 >= 80% of TP=1."]
+    for error in report["errors"]:
+        out += ["", f"FAILED {error.splitlines()[0]}" if error else "FAILED", "```",
+                error[-1500:], "```"]
     return "\n".join(out) + "\n"
 
 
@@ -237,7 +241,7 @@ def main() -> int:
         f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
         "date": datetime.date.today().isoformat(), "host": platform.node(),
         "torch": torch.__version__, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "latency": None, "configs": [],
+        "latency": None, "configs": [], "errors": [],
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -247,15 +251,25 @@ def main() -> int:
         (args.out_dir / "results.md").write_text(text)
         return text
 
+    failed = False
     if not args.skip_latency:
-        report["latency"] = measure_latency(2, device_type, SMOKE_SIZES if args.smoke else SIZES)
+        try:
+            report["latency"] = measure_latency(2, device_type,
+                                                SMOKE_SIZES if args.smoke else SIZES)
+        except RuntimeError as exc:  # recorded; the engine runs still say something
+            report["errors"].append(f"latency: {exc}")
+            failed = True
         print(write(), flush=True)
     for label in labels:
-        report["configs"].append(in_fresh_process(label, args.smoke))
+        try:
+            report["configs"].append(in_fresh_process(label, args.smoke))
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            report["errors"].append(f"{label}: {str(exc)[-2000:]}")
+            failed = True
         write()
         print(f"done: {label}", flush=True)
     print(write())
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -81,6 +81,9 @@ class TorchSymmMem:
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(buffer, tp.process_group())
+        # the buffer's and signal pads' initialisation done on this GPU before the agreement
+        # after this returns, so no peer's first kernel signals into a pad still being zeroed
+        torch.cuda.synchronize(device)
         return buffer
 
     def one_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None:
