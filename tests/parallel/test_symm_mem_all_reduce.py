@@ -81,6 +81,8 @@ def test_one_shot_below():
     ({}, None),
     ({"disabled": True}, "--disable-custom-all-reduce is set"),
     ({"device_type": "cpu"}, "device cpu: symmetric memory needs CUDA GPUs"),
+    ({"rocm": True}, "ROCm: the symmetric-memory all-reduce is built and checked for NVIDIA "
+                     "GPUs only"),
     ({"world_size": 3}, "tensor_parallel_size=3: torch's kernels take (2, 4, 8) ranks"),
     ({"dtype": torch.float16}, "dtype float16: torch's kernels take bfloat16 and float32"),
 ])

@@ -62,14 +62,16 @@ def choose(x: torch.Tensor, world_size: int, capacity: int) -> str:
     return ONE_SHOT if limit is None or nbytes < limit else TWO_SHOT
 
 
-def why_not(*, disabled: bool, device_type: str, world_size: int,
-            dtype: torch.dtype) -> str | None:
+def why_not(*, disabled: bool, device_type: str, world_size: int, dtype: torch.dtype,
+            rocm: bool = False) -> str | None:
     """Gives why the flags, the device and the model rule the symmetric-memory all-reduce
     out (None: they do not), in words a start-up log line can carry."""
     if disabled:
         return "--disable-custom-all-reduce is set"
     if device_type != "cuda":
         return f"device {device_type}: symmetric memory needs CUDA GPUs"
+    if rocm:
+        return "ROCm: the symmetric-memory all-reduce is built and checked for NVIDIA GPUs only"
     if world_size not in WORLD_SIZES:
         return f"tensor_parallel_size={world_size}: torch's kernels take {WORLD_SIZES} ranks"
     if dtype not in DTYPES:

@@ -157,7 +157,7 @@ def setup_symm_mem(tp: TPGroup, settings: AllReduceSettings, device: torch.devic
         return tp
     # the flags, the device and the model are every rank's: the first rank says those
     shared = why_not(disabled=settings.disabled, device_type=device.type, world_size=tp.size,
-                     dtype=settings.dtype)
+                     dtype=settings.dtype, rocm=torch.version.hip is not None)
     reason = shared or _host_reason(tp, device, local_ranks, ops)
     if not agree(int(reason is None)):
         return _stay_on_nccl(tp, device, reason, own=shared is None)
