@@ -13,7 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_parallel_gpu import (
+    ENGINE,
+    LLAMA_SHAPE,
+    NEW_TOKENS,
+    assert_top5,
+    model_dir,
+    need_gpus,
+    prompts,
+)
 
+from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.llm import LLM
+from kvpilot.engine.parallel.all_reduce_choice import ONE_SHOT
 from kvpilot.engine.parallel.groups import TPGroup
 
 pytestmark = pytest.mark.gpu
@@ -22,16 +34,9 @@ SIZES = [8 * KIB, 64 * KIB, 512 * KIB, 4096 * KIB]  # bytes of one message
 GRAPH_SIZES = [8 * KIB, 512 * KIB]
 
 
-def need_gpus(n: int) -> None:
-    if torch.cuda.device_count() < n:
-        pytest.skip(f"needs {n} GPUs; {torch.cuda.device_count()} visible")
-
-
 def compare(tp: TPGroup, rank: int) -> list[str]:
     """Gives the mismatches of one rank: symmetric memory against NCCL, eager and in a graph."""
     import torch.distributed as dist
-
-    from kvpilot.engine.parallel.all_reduce_choice import ONE_SHOT
 
     assert tp.symm_mem is not None
     errors = []
@@ -120,12 +125,6 @@ def test_symm_mem_all_reduce_equals_nccl(tmp_path: Path):
 
 def test_tp2_engine_decodes_through_symm_mem_and_matches_tp1(tmp_path: Path):
     need_gpus(2)
-    from test_parallel_gpu import ENGINE, LLAMA_SHAPE, NEW_TOKENS, assert_top5, model_dir, prompts
-
-    from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
-    from kvpilot.engine.parallel.all_reduce_choice import ONE_SHOT
-
     path = model_dir(tmp_path / "llama", LLAMA_SHAPE)
     batch = prompts(LLAMA_SHAPE["vocab_size"])
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
