@@ -65,6 +65,8 @@ def test_choose(x: torch.Tensor, world: int, capacity: int, want: str):
 @pytest.mark.parametrize(("max_bytes", "seqs", "hidden", "dtype", "want"), [
     (0, 64, 4096, BF16, 512 * KIB),  # one decode step of a Llama-3-8B at 64 sequences
     (0, 256, 8192, BF16, 4096 * KIB),  # a 70B at the default max_num_seqs
+    (0, 1024, 8192, BF16, 8192 * KIB),  # 16 MiB capped at vLLM's custom all-reduce's 8 MiB
+    (16 << 20, 64, 4096, BF16, 16 << 20),  # the flag is not capped
     (0, 3, 5, FP32, 64),  # 60 bytes, rounded up to 16
     (1000, 64, 4096, BF16, 1008),  # the flag wins, rounded up
 ])

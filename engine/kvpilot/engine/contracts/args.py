@@ -139,7 +139,7 @@ class EngineArgs:
                 "2/4/8 ranks, bfloat16 or float32; start-up says which, and why not)"})
     custom_all_reduce_max_bytes: int = field(default=0, metadata={
         "help": "size of the symmetric all-reduce buffer, the largest message it takes "
-                "(0: max_num_seqs x hidden_size x dtype bytes, one decode step)"})
+                "(0: max_num_seqs x hidden_size x dtype bytes, one decode step, at most 8 MiB)"})
 
     def __post_init__(self) -> None:
         for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),

@@ -27,6 +27,9 @@ ONE_SHOT, TWO_SHOT, NCCL = "one-shot", "two-shot", "nccl"
 WORLD_SIZES = (2, 4, 8)  # the sizes torch's symm_mem all-reduce kernels are built for
 DTYPES = (torch.bfloat16, torch.float32)  # what those kernels dispatch on
 ALIGNMENT = 16  # bytes: offset and size, so the copied tensor and the buffer align alike
+# the auto-sized buffer's ceiling: vLLM's custom all-reduce's default max size; past it a
+# message is bandwidth-bound and NCCL's ring does as well
+AUTO_MAX_BYTES = 8 * 1024 * 1024
 # one-shot below these many bytes at (up to) this many ranks; two-shot from there
 ONE_SHOT_LIMITS = ((2, None), (4, 512 * 1024), (8, 256 * 1024))
 # the torch ops the path calls (torch.ops.symm_mem.*); missing any: NCCL, said at start-up
@@ -36,9 +39,9 @@ OPS = ("one_shot_all_reduce_copy_out", "two_shot_all_reduce_out")
 def buffer_bytes(max_bytes: int, max_num_seqs: int, hidden_size: int,
                  dtype: torch.dtype) -> int:
     """Gives the symmetric buffer's size: `max_bytes` (--custom-all-reduce-max-bytes) when set,
-    else one decode step's activations (max_num_seqs x hidden_size x dtype size); rounded
-    up to the alignment."""
-    size = max_bytes or max_num_seqs * hidden_size * dtype.itemsize
+    else one decode step's activations (max_num_seqs x hidden_size x dtype size) up to
+    AUTO_MAX_BYTES; rounded up to the alignment."""
+    size = max_bytes or min(max_num_seqs * hidden_size * dtype.itemsize, AUTO_MAX_BYTES)
     return -(-size // ALIGNMENT) * ALIGNMENT
 
 
