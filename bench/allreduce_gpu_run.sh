@@ -19,7 +19,8 @@ cat "$OUT/machine.txt"
 if [ "${BENCH_ONLY:-0}" != 1 ]; then
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --timeout 140 \
         -o faulthandler_timeout=130 -o log_cli=true -o log_cli_level=INFO \
-        tests/parallel/test_symm_mem_all_reduce.py tests/parallel/test_symm_mem_all_reduce_gpu.py \
+        tests/parallel/test_symm_mem_all_reduce.py tests/parallel/test_symm_mem_startup.py \
+        tests/parallel/test_symm_mem_all_reduce_gpu.py \
         > "$OUT/symm-mem-gpu-tests.log" 2>&1
     grep -E "all-reduce: |passed|failed|error" "$OUT/symm-mem-gpu-tests.log" | tail -12
 fi

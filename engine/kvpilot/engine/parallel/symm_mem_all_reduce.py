@@ -7,7 +7,9 @@ the torch ops, peer access to the group's GPUs); the ranks agree (the smallest a
 wins, over the gloo host group); they allocate one symmetric buffer per group
 (`symm_mem.empty` + `rendezvous`, a collective); they run one all-reduce of known values
 through each algorithm the group can take and agree that every rank got the exact sum.
-Any "no" on any rank and the whole group stays on NCCL, with a log line saying why. Every
+Any "no" on any rank and the whole group stays on NCCL, with a log line saying why; a check
+that has not finished after a minute stops the start (its kernel spins on the GPU waiting
+for a peer, so NCCL could not run behind it), naming --disable-custom-all-reduce. Every
 rank calls every agreement whatever it found, so a refusal never leaves a peer waiting
 (one exception: a rank whose allocation fails before the rendezvous leaves its peers in
 the rendezvous until the store's timeout, then they fall back too).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvpilot.engine")
 CHECK_BYTES = 8192  # the start-up check's one-shot message: one decode token of 4096 bf16
+CHECK_TIMEOUT_S = 60.0  # a check all-reduce still running after this never ends
 
 
 class SymmMemOps(Protocol):
@@ -57,6 +61,7 @@ class SymmMemOps(Protocol):
     def allocate(self, nbytes: int, device: torch.device, tp: TPGroup) -> torch.Tensor: ...
     def one_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None: ...
     def two_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None: ...
+    def finished(self, timeout_s: float) -> bool: ...
 
 
 class TorchSymmMem:
@@ -93,6 +98,18 @@ class TorchSymmMem:
     def two_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None:
         staged.copy_(x)
         torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", group_name, x)
+
+    def finished(self, timeout_s: float) -> bool:
+        """Gives whether the work queued on the current stream ends within `timeout_s` (the
+        kernels spin on their peers' signals with no timeout of their own)."""
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
 
 class SymmMemAllReduce:
@@ -204,8 +221,17 @@ def _self_check(comm: SymmMemAllReduce, rank: int, dtype: torch.dtype) -> str | 
                             for r in range(comm.world_size)]).sum(0)
         try:
             comm.all_reduce(x, algorithm)
-            right = torch.equal(x, want)
         except Exception as exc:  # a failing op: NCCL (the caller says)
+            return f"the {algorithm} check all-reduce of {nbytes} bytes failed: {exc}"
+        if not comm.ops.finished(CHECK_TIMEOUT_S):  # the GPU spins: no NCCL after that
+            raise RuntimeError(
+                f"the {algorithm} symmetric-memory check all-reduce of {nbytes} bytes did not "
+                f"finish in {CHECK_TIMEOUT_S:.0f} s on tensor-parallel rank {rank} (a peer "
+                "stopped, or cannot reach this GPU's memory): start with "
+                "--disable-custom-all-reduce")
+        try:
+            right = torch.equal(x, want)
+        except Exception as exc:  # an asynchronous error of the op
             return f"the {algorithm} check all-reduce of {nbytes} bytes failed: {exc}"
         if not right:
             return f"the {algorithm} check all-reduce of {nbytes} bytes gave a wrong sum"
