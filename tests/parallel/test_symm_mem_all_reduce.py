@@ -5,13 +5,14 @@ rank's "no" keeps the whole group on NCCL), and TPGroup sending each tensor its 
 
 from __future__ import annotations
 
+import argparse
 import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.args import EngineArgs, add_dataclass_args, from_namespace
 from kvpilot.engine.parallel import groups
 from kvpilot.engine.parallel.all_reduce_choice import (
     NCCL,
@@ -272,6 +273,10 @@ def test_flags():
                      custom_all_reduce_max_bytes=4096)
     assert off.to_cli()[-3:] == ["--disable-custom-all-reduce",
                                  "--custom-all-reduce-max-bytes", "4096"]
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, EngineArgs)
+    parsed = parser.parse_args(["--model", "tiny-llama", *off.to_cli()[-3:]])
+    assert from_namespace(EngineArgs, parsed) == off  # what a worker process parses back
     assert AllReduceSettings.of(off, config) == AllReduceSettings(True, 4096, BF16)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"custom_all_reduce_max_bytes=-1 is invalid"):
         EngineArgs(model="tiny-llama", custom_all_reduce_max_bytes=-1)
