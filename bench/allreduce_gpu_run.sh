@@ -17,15 +17,15 @@ source bench/device_env.sh
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 if [ "${BENCH_ONLY:-0}" != 1 ]; then
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --timeout 140 \
-        -o faulthandler_timeout=130 -o log_cli=true -o log_cli_level=INFO \
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -rfE --timeout 150 \
+        -o faulthandler_timeout=140 -o log_cli=true -o log_cli_level=INFO \
         tests/parallel/test_symm_mem_all_reduce.py tests/parallel/test_symm_mem_startup.py \
         tests/parallel/test_symm_mem_all_reduce_gpu.py \
         > "$OUT/symm-mem-gpu-tests.log" 2>&1
     grep -E "all-reduce: |passed|failed|error" "$OUT/symm-mem-gpu-tests.log" | tail -12
 fi
 if [ "${TESTS_ONLY:-0}" != 1 ]; then
-    timeout 260 python3 bench/allreduce_gpu.py "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
+    timeout 250 python3 bench/allreduce_gpu.py "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
     echo "bench exit $?"
     grep -E "all-reduce: " "$OUT/bench.log" | sort | uniq -c | head -6
     if [ -f "$OUT/bench/results.md" ]; then cat "$OUT/bench/results.md"; else tail -30 "$OUT/bench.log"; fi
