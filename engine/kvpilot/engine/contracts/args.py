@@ -131,6 +131,16 @@ class EngineArgs:
         "help": "GiB of host memory (pinned on GPU) for KV blocks evicted from the GPU prefix "
                 "cache; a later prefix hit loads them back instead of recomputing (0: off)"})
 
+    # all-reduce of tensor parallelism (issue 16): vLLM's flag name
+    disable_custom_all_reduce: bool = field(default=False, metadata={
+        "help": "every tensor-parallel all-reduce over NCCL; by default messages up to "
+                "--custom-all-reduce-max-bytes go over torch symmetric memory (one-/two-shot, "
+                "peer-to-peer, no multicast) when the group is on one host with P2P (CUDA, "
+                "2/4/8 ranks, bfloat16 or float32; start-up says which, and why not)"})
+    custom_all_reduce_max_bytes: int = field(default=0, metadata={
+        "help": "size of the symmetric all-reduce buffer, the largest message it takes "
+                "(0: max_num_seqs x hidden_size x dtype bytes, one decode step, at most 8 MiB)"})
+
     def __post_init__(self) -> None:
         for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
@@ -150,6 +160,9 @@ class EngineArgs:
                              "must be in (0, 1]")
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)
+        if self.custom_all_reduce_max_bytes < 0:
+            raise ValueError(f"custom_all_reduce_max_bytes={self.custom_all_reduce_max_bytes!r} "
+                             "is invalid: must be >= 0 (0 sizes it to one decode step)")
         if self.kv_offload_gb < 0:
             raise ValueError(f"kv_offload_gb={self.kv_offload_gb!r} is invalid: must be >= 0 "
                              "(0 turns the host tier off)")

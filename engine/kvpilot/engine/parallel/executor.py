@@ -27,6 +27,7 @@ from kvpilot.engine.parallel.config import ParallelConfig
 from kvpilot.engine.parallel.distributed import destroy_distributed, init_distributed
 from kvpilot.engine.parallel.processes import WorkerProcesses
 from kvpilot.engine.parallel.step_channel import StepChannel
+from kvpilot.engine.parallel.symm_mem_all_reduce import with_symm_mem
 from kvpilot.engine.startup_log import LoadReport
 from kvpilot.engine.step_batch import unpack_step
 
@@ -57,8 +58,9 @@ class MultiRankExecutor:
         workers = [r for r in rendezvous.local_ranks if r != 0]
         self.workers = WorkerProcesses(args, rendezvous, workers, self._on_worker_exit)
         try:
-            self.ctx = init_distributed(parallel, rendezvous, 0, device_type,
-                                        model_config.num_layers)
+            self.ctx = with_symm_mem(init_distributed(parallel, rendezvous, 0, device_type,
+                                                      model_config.num_layers),
+                                     args, model_config, rendezvous)
             self.runner = ModelRunner(args, model_config, self.ctx.device, self.ctx.tp,
                                       self.ctx.min_over_ranks, self.ctx.stage)
         except BaseException as exc:

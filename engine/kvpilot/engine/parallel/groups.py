@@ -3,15 +3,22 @@ collectives the sharded layers call.
 
 `SINGLE_RANK` (size 1) is the single-rank engine: every collective is the identity and
 no layer sees torch.distributed. The process groups themselves come from
-`parallel.distributed.init_distributed`.
+`parallel.distributed.init_distributed`; small all-reduces go over torch symmetric memory
+where `parallel.symm_mem_all_reduce` set that up, over the group's backend otherwise.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from kvpilot.engine.parallel.all_reduce_choice import NCCL
+
+if TYPE_CHECKING:
+    from kvpilot.engine.parallel.symm_mem_all_reduce import SymmMemAllReduce
 
 
 def shard_slice(total: int, rank: int, size: int) -> slice:
@@ -28,6 +35,7 @@ class TPGroup:
     size: int = 1
     expert_size: int = 1
     group: dist.ProcessGroup | None = None  # None: one rank (or a model built only to inspect)
+    symm_mem: SymmMemAllReduce | None = None  # None: every all-reduce over `group`
 
     @property
     def is_first(self) -> bool:
@@ -55,7 +63,9 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Gives `x` summed over the group, in place (the identity on one rank)."""
         if self.size > 1:
-            dist.all_reduce(x, group=self._group())
+            if self.symm_mem is not None and (algorithm := self.symm_mem.choose(x)) != NCCL:
+                return self.symm_mem.all_reduce(x, algorithm)
+            dist.all_reduce(x, group=self.process_group())
         return x
 
     def gather_first(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,10 +75,12 @@ class TPGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else None
-        dist.gather(x, parts, dst=dist.get_global_rank(self._group(), 0), group=self._group())
+        group = self.process_group()
+        dist.gather(x, parts, dst=dist.get_global_rank(group, 0), group=group)
         return torch.cat(parts, dim=-1) if parts is not None else x
 
-    def _group(self) -> dist.ProcessGroup:
+    def process_group(self) -> dist.ProcessGroup:
+        """Gives the group's device process group (raises when the model was built without)."""
         if self.group is None:
             raise RuntimeError(f"tensor-parallel rank {self.rank} of {self.size} has no process "
                                "group: build the model after init_distributed")

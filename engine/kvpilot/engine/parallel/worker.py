@@ -34,6 +34,7 @@ from kvpilot.engine.parallel.pipe_channel import PipeChannel
 from kvpilot.engine.parallel.processes import PARENT_ENV, RANK_ENV
 from kvpilot.engine.parallel.stage import Intermediate
 from kvpilot.engine.parallel.step_channel import ReceivedLoad, StepChannel
+from kvpilot.engine.parallel.symm_mem_all_reduce import with_symm_mem
 from kvpilot.engine.step_batch import unpack_step
 
 logger = logging.getLogger("kvpilot.worker")
@@ -61,7 +62,9 @@ def run_worker(args: EngineArgs, rank: int, rendezvous: Rendezvous) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // rendezvous.ranks_per_node))
     torch.manual_seed(args.seed)
     model_config = ModelConfig.from_engine_args(args, device)
-    ctx = init_distributed(parallel, rendezvous, rank, device.type, model_config.num_layers)
+    ctx = with_symm_mem(init_distributed(parallel, rendezvous, rank, device.type,
+                                         model_config.num_layers),
+                        args, model_config, rendezvous)
     runner: ModelRunner | None = None
     try:
         runner = ModelRunner(args, model_config, ctx.device, ctx.tp, ctx.min_over_ranks,

@@ -1,0 +1,264 @@
+"""A tensor-parallel group's all-reduce over torch symmetric memory, and the start-up that
+decides whether the group uses it (the rules: `parallel.all_reduce_choice`).
+
+Start-up, on every rank of the world, right after `init_distributed` and before the model
+is built: each rank checks what it can see (the flag, CUDA, world size, dtype, one host,
+the torch ops, peer access to the group's GPUs); the ranks agree (the smallest answer
+wins, over the gloo host group); they allocate one symmetric buffer per group
+(`symm_mem.empty` + `rendezvous`, a collective); they run one all-reduce of known values
+through each algorithm the group can take and agree that every rank got the exact sum.
+Any "no" on any rank and the whole group stays on NCCL, with a log line saying why; a check
+that has not finished after a minute stops the start (its kernel spins on the GPU waiting
+for a peer, so NCCL could not run behind it), naming --disable-custom-all-reduce. Every
+rank calls every agreement whatever it found, so a refusal never leaves a peer waiting
+(one exception: a rank whose allocation fails before the rendezvous leaves its peers in
+the rendezvous until the store's timeout, then they fall back too).
+
+Under CUDA graph capture the ops are captured like any kernel: the buffer's address and
+its peers' are fixed at start-up, and each call's launch reads them from the handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from kvpilot.engine.parallel.all_reduce_choice import (
+    ONE_SHOT,
+    OPS,
+    TWO_SHOT,
+    buffer_bytes,
+    choose,
+    one_shot_below,
+    why_not,
+    why_not_here,
+)
+from kvpilot.engine.parallel.groups import TPGroup
+
+if TYPE_CHECKING:
+    from kvpilot.engine.contracts.args import EngineArgs
+    from kvpilot.engine.contracts.rendezvous import Rendezvous
+    from kvpilot.engine.models.config import ModelConfig
+    from kvpilot.engine.parallel.distributed import RankContext
+
+logger = logging.getLogger("kvpilot.engine")
+CHECK_BYTES = 8192  # the start-up check's one-shot message: one decode token of 4096 bf16
+CHECK_TIMEOUT_S = 60.0  # a check all-reduce still running after this never ends
+
+
+class SymmMemOps(Protocol):
+    """What the path needs from torch (a fake stands in for it in the CPU tests)."""
+
+    def missing(self) -> list[str]: ...
+    def group_ranks(self, tp: TPGroup) -> list[int]: ...
+    def peer_access(self, device: int, peer: int) -> bool: ...
+    def allocate(self, nbytes: int, device: torch.device, tp: TPGroup) -> torch.Tensor: ...
+    def one_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None: ...
+    def two_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None: ...
+    def finished(self, timeout_s: float) -> bool: ...
+
+
+class TorchSymmMem:
+    """torch.distributed._symmetric_memory and torch.ops.symm_mem (CUDA backend, no multicast)."""
+
+    def missing(self) -> list[str]:
+        return [op for op in OPS if not hasattr(torch.ops.symm_mem, op)]
+
+    def group_ranks(self, tp: TPGroup) -> list[int]:
+        import torch.distributed as dist
+
+        return dist.get_process_group_ranks(tp.process_group())
+
+    def peer_access(self, device: int, peer: int) -> bool:
+        return torch.cuda.can_device_access_peer(device, peer)
+
+    def allocate(self, nbytes: int, device: torch.device, tp: TPGroup) -> torch.Tensor:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        # the one- and two-shot kernels read peers' memory directly and need no multicast
+        # object; keep the rendezvous from making one (the device rules keep multicast off)
+        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(buffer, tp.process_group())
+        # the buffer's and signal pads' initialisation done on this GPU before the agreement
+        # after this returns, so no peer's first kernel signals into a pad still being zeroed
+        torch.cuda.synchronize(device)
+        return buffer
+
+    def one_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None:
+        # copies x into the buffer, waits for the peers, sums every rank's buffer into x
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, x, "sum", group_name, x)
+
+    def two_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None:
+        staged.copy_(x)
+        torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", group_name, x)
+
+    def finished(self, timeout_s: float) -> bool:
+        """Gives whether the work queued on the current stream ends within `timeout_s` (the
+        kernels spin on their peers' signals with no timeout of their own)."""
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+
+class SymmMemAllReduce:
+    """A group's all-reduce of messages up to `capacity` bytes through its symmetric buffer."""
+
+    def __init__(self, ops: SymmMemOps, buffer: torch.Tensor, group_name: str,
+                 world_size: int) -> None:
+        self.ops = ops
+        self.buffer = buffer  # uint8, this rank's part of the symmetric allocation
+        self.capacity = buffer.numel()
+        self.group_name = group_name
+        self.world_size = world_size
+        # calls made from Python (eager steps and graph captures; replays do not count)
+        self.calls = {ONE_SHOT: 0, TWO_SHOT: 0}
+
+    def choose(self, x: torch.Tensor) -> str:
+        """Gives the algorithm `x` takes: ONE_SHOT, TWO_SHOT, or NCCL (not through here)."""
+        return choose(x, self.world_size, self.capacity)
+
+    def all_reduce(self, x: torch.Tensor, algorithm: str) -> torch.Tensor:
+        """Gives `x` summed over the group, in place, by `algorithm` (ONE_SHOT or TWO_SHOT)."""
+        staged = self.buffer[:x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+        if algorithm == ONE_SHOT:
+            self.ops.one_shot(staged, x, self.group_name)
+        else:
+            self.ops.two_shot(staged, x, self.group_name)
+        self.calls[algorithm] += 1
+        return x
+
+
+@dataclass(frozen=True)
+class AllReduceSettings:
+    """What start-up needs from the flags and the model."""
+
+    disabled: bool
+    capacity: int  # bytes of the symmetric buffer: the largest message it takes
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, args: EngineArgs, model_config: ModelConfig) -> AllReduceSettings:
+        return cls(args.disable_custom_all_reduce,
+                   buffer_bytes(args.custom_all_reduce_max_bytes, args.max_num_seqs,
+                                model_config.hidden_size, model_config.dtype),
+                   model_config.dtype)
+
+
+def with_symm_mem(ctx: RankContext, args: EngineArgs, model_config: ModelConfig,
+                  rendezvous: Rendezvous) -> RankContext:
+    """Gives `ctx` with its TP group's all-reduce over symmetric memory where every rank can
+    use it (else `ctx` as it was: NCCL, or gloo on CPU); every rank of the world calls it."""
+    tp = setup_symm_mem(ctx.tp, AllReduceSettings.of(args, model_config), ctx.device,
+                        rendezvous.local_ranks, ctx.min_over_ranks, TorchSymmMem())
+    return replace(ctx, tp=tp)
+
+
+def setup_symm_mem(tp: TPGroup, settings: AllReduceSettings, device: torch.device,
+                   local_ranks: range, agree: Callable[[int], int],
+                   ops: SymmMemOps) -> TPGroup:
+    """Gives `tp` with a SymmMemAllReduce when every rank agrees it works (see the module doc);
+    `agree(v)` gives the smallest `v` over the ranks."""
+    if tp.size == 1:
+        return tp
+    # the flags, the device and the model are every rank's: the first rank says those
+    shared = why_not(disabled=settings.disabled, device_type=device.type, world_size=tp.size,
+                     dtype=settings.dtype, rocm=torch.version.hip is not None)
+    reason = shared or _host_reason(tp, device, local_ranks, ops)
+    if not agree(int(reason is None)):
+        return _stay_on_nccl(tp, device, reason, own=shared is None)
+    comm: SymmMemAllReduce | None = None
+    try:
+        group_name = tp.process_group().group_name
+        comm = SymmMemAllReduce(ops, ops.allocate(settings.capacity, device, tp),
+                                group_name, tp.size)
+    except Exception as exc:  # any failure here: NCCL, said below
+        reason = f"symmetric buffer of {settings.capacity} bytes not set up: {exc}"
+    if not agree(int(comm is not None)) or comm is None:
+        return _stay_on_nccl(tp, device, reason, own=True)
+    reason = _self_check(comm, tp.rank, settings.dtype)
+    if not agree(int(reason is None)):
+        return _stay_on_nccl(tp, device, reason, own=True)
+    if tp.is_first:
+        limit = one_shot_below(tp.size)
+        shots = "one-shot" if limit is None or limit > settings.capacity else \
+            f"one-shot below {limit} bytes, two-shot from there"
+        logger.info("all-reduce: torch symmetric memory (%s) for messages up to %d bytes "
+                    "(a %d-rank group on one host, peer-to-peer, no multicast); NCCL above "
+                    "(--custom-all-reduce-max-bytes sets the limit, "
+                    "--disable-custom-all-reduce turns it off)", shots, settings.capacity,
+                    tp.size)
+    return replace(tp, symm_mem=comm)
+
+
+def check_input(rank: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Gives rank `rank`'s start-up check message: small integers, exact in bfloat16 summed."""
+    return (torch.arange(numel, device=device) % 7 + rank).to(dtype)
+
+
+def _self_check(comm: SymmMemAllReduce, rank: int, dtype: torch.dtype) -> str | None:
+    """Gives why this rank's check all-reduces went wrong (None: each gave the exact sum)."""
+    device = comm.buffer.device
+    sizes = {ONE_SHOT: min(CHECK_BYTES, comm.capacity)}
+    limit = one_shot_below(comm.world_size)
+    if limit is not None and limit <= comm.capacity:
+        sizes[TWO_SHOT] = limit
+    for algorithm, nbytes in sizes.items():
+        numel = nbytes // dtype.itemsize
+        x = check_input(rank, numel, dtype, device)
+        want = torch.stack([check_input(r, numel, dtype, device)
+                            for r in range(comm.world_size)]).sum(0)
+        try:
+            comm.all_reduce(x, algorithm)
+        except Exception as exc:  # a failing op: NCCL (the caller says)
+            return f"the {algorithm} check all-reduce of {nbytes} bytes failed: {exc}"
+        if not comm.ops.finished(CHECK_TIMEOUT_S):  # the GPU spins: no NCCL after that
+            raise RuntimeError(
+                f"the {algorithm} symmetric-memory check all-reduce of {nbytes} bytes did not "
+                f"finish in {CHECK_TIMEOUT_S:.0f} s on tensor-parallel rank {rank} (a peer "
+                "stopped, or cannot reach this GPU's memory): start with "
+                "--disable-custom-all-reduce")
+        try:
+            right = torch.equal(x, want)
+        except Exception as exc:  # an asynchronous error of the op
+            return f"the {algorithm} check all-reduce of {nbytes} bytes failed: {exc}"
+        if not right:
+            return f"the {algorithm} check all-reduce of {nbytes} bytes gave a wrong sum"
+    comm.calls = {ONE_SHOT: 0, TWO_SHOT: 0}
+    return None
+
+
+def _host_reason(tp: TPGroup, device: torch.device, local_ranks: range,
+                 ops: SymmMemOps) -> str | None:
+    """Gives why this rank cannot use the path from what it sees of its host and its torch
+    (None: nothing stops it)."""
+    ranks = ops.group_ranks(tp)
+    one_host = all(r in local_ranks for r in ranks)
+    me = device.index if device.index is not None else torch.cuda.current_device()
+    peers = [r - local_ranks.start for r in ranks] if one_host else []
+    return why_not_here(one_host=one_host, missing_ops=ops.missing(),
+                        no_peer_access=[p for p in peers if p != me and not ops.peer_access(me, p)])
+
+
+def _stay_on_nccl(tp: TPGroup, device: torch.device, reason: str | None,
+                  own: bool) -> TPGroup:
+    """Gives `tp` unchanged, after saying why: the first rank says it for the group, another
+    rank a reason of its `own` only (not one every rank shares, such as the flag)."""
+    backend = "NCCL" if device.type == "cuda" else "gloo"
+    if tp.is_first:
+        logger.info("all-reduce: %s for every message (no symmetric memory: %s)", backend,
+                    reason or "another rank cannot use it; its log says why")
+    elif reason is not None and own:
+        logger.warning("all-reduce: rank %d cannot use symmetric memory: %s", tp.rank, reason)
+    return tp
