@@ -70,39 +70,42 @@ def samples(streams: int, tokens: int) -> list[SampleRequest]:
 
 
 class GcPauses:
-    """Records the pauses of Python's cyclic GC in this process (gc.callbacks): seconds, by
-    generation."""
+    """Records the pauses of Python's cyclic GC in this process (gc.callbacks): (when it
+    started, time.monotonic; generation; seconds)."""
 
     def __init__(self) -> None:
-        self.pauses: list[tuple[int, float]] = []
+        self.pauses: list[tuple[float, int, float]] = []
         self._since = 0.0
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            self._since = time.perf_counter()
+            self._since = time.monotonic()
         else:
-            self.pauses.append((info["generation"], time.perf_counter() - self._since))
+            self.pauses.append((self._since, info["generation"], time.monotonic() - self._since))
 
-    def summary(self) -> dict[str, float]:
-        """Gives the count, the total and the longest pause (ms) of each generation."""
-        out: dict[str, float] = {}
-        for gen in (0, 1, 2):
-            ms = [s * 1e3 for g, s in self.pauses if g == gen]
-            out |= {f"gen{gen}_count": len(ms), f"gen{gen}_total_ms": sum(ms),
-                    f"gen{gen}_max_ms": max(ms, default=0.0)}
-        return out
+
+def gc_summary(pauses: list[tuple[float, int, float]], start: float, end: float
+               ) -> dict[str, float]:
+    """Gives the count, the total and the longest pause (ms) of each generation, of the pauses
+    that started between `start` and `end`."""
+    out: dict[str, float] = {}
+    for gen in (0, 1, 2):
+        ms = [s * 1e3 for at, g, s in pauses if g == gen and start <= at <= end]
+        out |= {f"gen{gen}_count": len(ms), f"gen{gen}_total_ms": sum(ms),
+                f"gen{gen}_max_ms": max(ms, default=0.0)}
+    return out
 
 
 def _api_server(core: CoreHandle, config: ApiServerConfig, sock: socket.socket,
                 profile_to: str | None, gc_to: str) -> None:
     """One API server process: `serve_api`, under cProfile when `profile_to` is a directory;
-    writes its GC pauses to `gc_to`/gc-<pid>.json."""
+    writes its GC pauses to `gc_to`/gc-<pid>.json (the parent keeps those of the load)."""
     pauses = GcPauses()
     try:
         _serve(core, config, sock, profile_to)
     finally:
-        Path(gc_to, f"gc-{os.getpid()}.json").write_text(json.dumps(pauses.summary()))
+        Path(gc_to, f"gc-{os.getpid()}.json").write_text(json.dumps(pauses.pauses))
 
 
 def _serve(core: CoreHandle, config: ApiServerConfig, sock: socket.socket,
@@ -172,7 +175,9 @@ def measure(streams: int, tokens: int, period_s: float, api_servers: int, client
             server_pids = [s.pid for s in servers if s.pid is not None]
             assert core.pid is not None, "started"
             before = _cpu(server_pids), _cpu([core.pid])
+            started = time.monotonic()
             summary = load(base, samples(streams, tokens), clients=clients)
+            ended = time.monotonic()
             after = _cpu(server_pids), _cpu([core.pid])
         finally:
             for server in servers:
@@ -182,7 +187,8 @@ def measure(streams: int, tokens: int, period_s: float, api_servers: int, client
                 server.join(30)
             core.stop()
             sock.close()
-        gc_pauses = [json.loads(p.read_text()) for p in Path(tmp).glob("gc-*.json")]
+        gc_pauses = [gc_summary(json.loads(p.read_text()), started, ended)
+                     for p in Path(tmp).glob("gc-*.json")]
     out_tokens = summary["total_output_tokens"]
     return {"streams": streams, "tokens": tokens, "period_ms": period_s * 1e3,
             "api_servers": api_servers, "clients": clients,
@@ -204,12 +210,16 @@ def row(r: dict[str, Any]) -> str:
             f"server(s) | {r['output_tok_s']:.0f} | {r['itl_p50_ms']:.1f} | "
             f"{r['itl_p99_ms']:.1f} | {r['itl_p99_over_p50']:.2f} | {r['tokens_per_chunk']:.2f} | "
             f"{r['api_server_cpu_us_per_token']:.0f}, {r['core_cpu_us_per_token']:.0f}, "
-            f"{r['loadgen_cpu_us_per_token']:.0f} |")
+            f"{r['loadgen_cpu_us_per_token']:.0f} | "
+            + "; ".join(f"{g['gen0_count'] + g['gen1_count'] + g['gen2_count']}, "
+                        f"{g['gen2_count']}, {max(g[f'gen{n}_max_ms'] for n in (0, 1, 2)):.1f}"
+                        for g in r["api_server_gc"]) + " |")
 
 
 HEADER = ("| streams x tokens, period, API servers | output tok/s | ITL p50 ms | ITL p99 ms | "
-          "p99/p50 | tokens/chunk | CPU us/token: API servers, core, load generators |\n"
-          "|---|---|---|---|---|---|---|")
+          "p99/p50 | tokens/chunk | CPU us/token: API servers, core, load generators | "
+          "API server GC in the load: collections, full ones, longest ms |\n"
+          "|---|---|---|---|---|---|---|---|")
 
 
 def main() -> None:
