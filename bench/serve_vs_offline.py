@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import json
 import math
 import multiprocessing
@@ -215,6 +216,8 @@ def _client(base: str, samples: list[SampleRequest], rate: float, seed: int, sta
     gives (results, seconds, CPU seconds it spent)."""
     cfg = BenchConfig(base_url=base, model="served", request_rate=rate, ignore_eos=True,
                       seed=seed)
+    gc.collect()
+    gc.freeze()  # as `kvpilot bench serve` does: no full collection pauses its loop
     start.wait()
     cpu = time.process_time()
     results, duration = asyncio.run(run_benchmark(cfg, samples))

@@ -261,13 +261,14 @@ class CoreClient:
         if metrics is not None:
             metrics.set_stats(message.stats)
         requests = self._requests
+        now = time.monotonic()  # the step's deltas arrived together
         for delta in message.outputs:
             rid = delta.request_id
             live = requests.pop(rid, None) if delta.finished else requests.get(rid)
             if live is None:
                 continue  # aborted by this server meanwhile
             if metrics is not None:
-                metrics.on_output(delta)
+                metrics.on_output(delta, now)
             output = live.state.apply(delta)
             if output is not None:
                 live.outputs.put(output)

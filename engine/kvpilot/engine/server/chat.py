@@ -39,6 +39,7 @@ from kvpilot.engine.server.serving import (
     token_text,
     usage_of,
 )
+from kvpilot.engine.server.sse_chunks import ChatChunks
 
 
 def chat_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, k: int) -> ChatLogprobs:
@@ -122,7 +123,7 @@ async def _last(stream: OutputStream) -> RequestOutput:
 
 async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_id: str,
                   streams: list[OutputStream], prompt_len: int,
-                  tools: ToolReply | None) -> AsyncGenerator[str, None]:
+                  tools: ToolReply | None) -> AsyncGenerator[str | bytes, None]:
     created = int(time.time())
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     k = request.top_logprobs or 0
@@ -135,11 +136,19 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
     # token: until a stream's first byte, a router may still retry the request elsewhere.
     opening = chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                      for i in range(request.n)])
+    # plain content (no tools, no logprobs) is written as bytes directly (`sse_chunks`)
+    plain = ChatChunks(request_id, created, ctx.model_name) \
+        if tools is None and not request.logprobs else None
     try:
         sent = StreamUsage([prompt_len])
         async for _, output in merge(streams):
             check_error(output, had_tokens=sent.tokens[0] > 0)
             sent.add(0, output)
+            if plain is not None:
+                if output.outputs:
+                    yield opening.encode() + plain.event(output.outputs)
+                    opening = ""
+                continue
             choices = [
                 ChatStreamChoice(
                     index=c.index, delta=_delta(tools, c),

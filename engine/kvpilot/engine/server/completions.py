@@ -32,6 +32,7 @@ from kvpilot.engine.server.serving import (
     token_text,
     usage_of,
 )
+from kvpilot.engine.server.sse_chunks import CompletionChunks
 
 
 def completion_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, k: int,
@@ -99,14 +100,21 @@ def _response(request: CompletionRequest, ctx: ServingContext, request_id: str,
 
 async def _stream(request: CompletionRequest, ctx: ServingContext, request_id: str,
                   streams: list[OutputStream],
-                  prompts: list[list[int]]) -> AsyncGenerator[str, None]:
+                  prompts: list[list[int]]) -> AsyncGenerator[str | bytes, None]:
     created = int(time.time())
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     sent = StreamUsage([len(p) for p in prompts])
+    # without logprobs, the chunks are written as bytes directly (`sse_chunks`: same JSON)
+    plain = CompletionChunks(request_id, created, ctx.model_name) \
+        if request.logprobs is None else None
     try:
         async for i, output in merge(streams):
             check_error(output, had_tokens=sent.tokens[i] > 0)
             sent.add(i, output)
+            if plain is not None:
+                if output.outputs:
+                    yield plain.event([(i * request.n + c.index, c) for c in output.outputs])
+                continue
             choices = []
             for c in output.outputs:
                 index = i * request.n + c.index

@@ -165,6 +165,9 @@ class ServerMetrics:
         self.queue_time = Histogram(names.REQUEST_QUEUE_TIME,
                                     "seconds from arrival to first scheduling", label,
                                     buckets=LATENCY_BUCKETS, registry=own)
+        # the per-token observers, labelled once: `labels()` costs a lock and a dict lookup
+        self._ttft = self.ttft.labels(model_name)
+        self._itl = self.itl.labels(model_name)
 
     def snapshot(self) -> tuple[EngineStats, bool]:
         """Gives the latest engine stats and whether the server is draining."""
@@ -194,11 +197,11 @@ class ServerMetrics:
         if num_new:
             if progress.last_token_time is None:
                 first = m.first_token_time if m and m.first_token_time else now
-                self.ttft.labels(self.model_name).observe(max(0.0, first - progress.arrival_time))
+                self._ttft.observe(max(0.0, first - progress.arrival_time))
                 progress.last_token_time = first
             else:
                 # One sample per step that produced tokens, as vLLM does.
-                self.itl.labels(self.model_name).observe(max(0.0, now - progress.last_token_time))
+                self._itl.observe(max(0.0, now - progress.last_token_time))
                 progress.last_token_time = now
         if output.finished:
             reason = next((c.finish_reason for c in output.completions if c.finish_reason),

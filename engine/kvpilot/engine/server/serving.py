@@ -153,7 +153,7 @@ class GenerationStream(StreamingResponse):
     `finally`).
     """
 
-    def __init__(self, body: AsyncGenerator[str, None], gate: Gate,
+    def __init__(self, body: AsyncGenerator[str | bytes, None], gate: Gate,
                  streams: list[OutputStream]) -> None:
         super().__init__(body, media_type="text/event-stream")
         self._body = body
