@@ -33,6 +33,7 @@ from kvpilot.engine.kv_transfer.connector import KVTransport
 
 if TYPE_CHECKING:
     from kvpilot.engine.kv_connector.landing_store import LandingStore
+    from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent
     from kvpilot.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvpilot.roles")
@@ -86,7 +87,9 @@ class RoleEngine:
 
     def get_stats(self) -> EngineStats:
         with self.lock:
-            return self.engine.get_stats()
+            stats = self.engine.get_stats()
+        stats.kv_transport, stats.kv_pulls = self.connector.transport, dict(self.connector.pulls)
+        return stats
 
     def step(self) -> list[EngineCoreOutput]:
         asked = time.perf_counter()
@@ -135,19 +138,35 @@ def attach_role(engine: LLMEngine, host: str, http_port: int) -> ServedEngine:
     sys.setswitchinterval(min(sys.getswitchinterval(), ROLE_SWITCH_INTERVAL_S))
     lease_seconds = float(os.environ.get(LEASE_SECONDS_ENV, DEFAULT_LEASE_SECONDS))
     kv_key, port = engine.fleet_secret.kv_key, kv_port(engine.engine_args, http_port)
+    nixl = _nixl_agent(engine, host, port)
     if role == "decode":
-        decode = TcpConnector(_landing_store(engine), host, port, lease_seconds, kv_key=kv_key)
+        decode = TcpConnector(_landing_store(engine), host, port, lease_seconds, kv_key=kv_key,
+                              nixl=nixl)
         decode.start()
         transport, lock, port = decode, nullcontext(), decode.port
     else:
         from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
 
         store = EngineBlockStore.of_engine(engine)
-        prefill = TcpConnector(store, host, port, lease_seconds, kv_key=kv_key)
+        if nixl is not None:
+            nixl.register_caches(store.caches)
+        prefill = TcpConnector(store, host, port, lease_seconds, kv_key=kv_key, nixl=nixl)
         prefill.start()
         transport, lock, port = prefill, store.lock, prefill.port
-    log.info("role %s: KV agent on %s:%d (transport tcp)", role, host, port)
+    log.info("role %s: KV agent on %s:%d (transport %s)", role, host, port,
+             transport.transport)
     return RoleEngine(engine, transport, role, lock)
+
+
+def _nixl_agent(engine: LLMEngine, host: str, port: int) -> NixlAgent | None:
+    """Gives a NIXL agent under --kv-transport nixl when nixl loads here, else None (TCP)."""
+    if engine.engine_args.kv_transport != "nixl":
+        return None
+    from kvpilot.engine.kv_transfer.nixl_agent import make_agent
+
+    # unique per process: a restarted peer's metadata must not be taken for the old one's
+    return make_agent(f"kvpilot-{engine.engine_args.role}-{host}:{port}-{os.getpid()}-"
+                      f"{time.monotonic_ns()}")
 
 
 def _landing_store(engine: LLMEngine) -> LandingStore:

@@ -68,6 +68,9 @@ class LandingStore:
     def read(self, handle: list[int], hashes: Sequence[int]) -> PendingRead:
         raise ProtocolError("a decode engine serves no leases: pull from the prefill engine")
 
+    def slots(self, handle: list[int], hashes: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        raise ProtocolError("a decode engine serves no leases: pull from the prefill engine")
+
     def owned_blocks(self) -> int:
         return self.pool.num_blocks - self.pool.num_free_blocks
 

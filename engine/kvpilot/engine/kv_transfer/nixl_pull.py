@@ -1,0 +1,83 @@
+"""The NIXL half of a pull conversation: SLOTS out (prefill side), READs in (decode side).
+
+The TCP agent keeps the conversation (handshake, FETCH, LEASE, WANT, RELEASE) and the
+lease; only the bytes move differently. The prefill side answers a `"nixl": true`
+WANT with SLOTS: the wanted blocks' ids in its caches and their checksums, computed
+on its device from the blocks it pins. The decode side READs them, a receive
+buffer-full per transfer, and imports each group exactly as a TCP pull does
+(`tcp.import_group`): the checksums are checked before anything is read (on the
+device at load, for a decode engine's host tier), so a block overwritten or cut
+short mid-READ is recomputed, never used.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpilot.engine.contracts.kv_protocol import Frame, ProtocolError, encode, expect_sync
+from kvpilot.engine.kv_transfer.connector import BlockStore, BufferT, HandleT, StagedT
+from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent, NixlTimeout
+from kvpilot.engine.kv_transfer.nixl_layout import CacheLayout
+
+
+def slots_frame(block_ids: Sequence[int], digests: Sequence[bytes]) -> bytes:
+    """Gives the SLOTS frame that tells a decode side where to READ the wanted blocks."""
+    return encode(Frame.SLOTS, {"block_ids": list(block_ids),
+                                "checksums": [d.hex() for d in digests]})
+
+
+def parse_slots(message: dict[str, Any], count: int) -> tuple[list[int], list[bytes]]:
+    """Gives (block ids, checksum fields) of a SLOTS message for `count` wanted blocks."""
+    try:
+        ids = [int(b) for b in message["block_ids"]]
+        digests = [bytes.fromhex(d) for d in message["checksums"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed SLOTS frame: {exc!r}") from exc
+    if len(ids) != count or len(digests) != count or any(len(d) != 8 for d in digests):
+        raise ProtocolError(f"SLOTS names {len(ids)} blocks and {len(digests)} checksums "
+                            f"for {count} wanted blocks")
+    return ids, digests
+
+
+def receive_by_nixl(sock: socket.socket, agent: NixlAgent, peer: str, layout: CacheLayout,
+                    store: BlockStore[HandleT, BufferT, StagedT], prefix: list[int],
+                    wanted: list[int], remaining: Callable[[], float],
+                    import_group: Callable[..., tuple[int, bool, StagedT]]) -> int:
+    """Reads the wanted blocks after SLOTS by NIXL, a receive buffer-full per READ, importing
+    each group once read; gives how many went in.
+
+    A READ still running at the deadline leaves its buffer out of the pool (the peer
+    may still write it); any NIXL failure raises NixlError, which the caller answers by
+    retrying over TCP. Groups imported before a failure stay, as in a TCP pull.
+    """
+    _, message = expect_sync(sock, Frame.SLOTS)
+    ids, digests = parse_slots(message, len(wanted))
+    buffer = store.receive_buffer(remaining())
+    imported, previous, abandoned = 0, None, False
+    try:
+        for start in range(0, len(wanted), buffer.capacity):
+            group = wanted[start:start + buffer.capacity]
+            rows = buffer.tensor[:len(group)]
+            try:
+                agent.read(peer, layout, ids[start:start + len(group)], rows, remaining())
+            except NixlTimeout:
+                abandoned = True
+                raise
+            count, full, staged = import_group(store, buffer, group,
+                                               digests[start:start + len(group)],
+                                               [*prefix, *wanted[:start]])
+            imported += count
+            if previous is not None:
+                previous.wait()
+            previous = staged
+            if full:
+                break  # later blocks would not extend the prefix: not read at all
+        if previous is not None:
+            previous.wait()
+    finally:
+        if not abandoned:
+            buffer.release()
+    return imported
+

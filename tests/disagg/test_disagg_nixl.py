@@ -1,0 +1,126 @@
+"""Tiny engines in prefill and decode roles with --kv-transport nixl (DRAM registrations,
+UCX, on CPU): pulled KV moves by NIXL READs and gives the aggregated engine's greedy
+tokens; a peer without NIXL, an engine where nixl does not import, and a failed READ
+all end in a TCP pull with the same tokens; /metrics names the transport."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from helpers.engine_run import run
+
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.kv_client import request_pull
+from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.kv_transfer import nixl_agent
+from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.roles import attach_role
+from kvpilot.engine.server.metrics import ServerMetrics
+from kvpilot.operator.local.supervisor import free_port
+
+try:
+    nixl_agent.nixl_api()
+except nixl_agent.NixlUnavailable as exc:
+    pytest.skip(f"nixl is not installed ({exc}); pip install 'kvpilot-engine[nixl]'",
+                allow_module_level=True)
+
+BLOCK = 16
+NUM_BLOCKS = 64
+FIRST = SamplingParams(temperature=0, max_tokens=1)
+
+
+def make_engine(role: str, transport: str = "nixl"):
+    # float32: greedy tokens of a random tiny model are compared exactly
+    args = EngineArgs(model="tiny-llama", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, role=role,
+                      kv_transfer_port=free_port(), dtype="float32", kv_transport=transport)
+    return attach_role(LLMEngine.from_engine_args(args), "127.0.0.1", 0)
+
+
+def agent(engine) -> tuple[str, int]:
+    return ("127.0.0.1", engine.connector.port)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    both = LLMEngine.from_engine_args(EngineArgs(model="tiny-llama", num_kv_blocks=NUM_BLOCKS,
+                                                 block_size=BLOCK, dtype="float32"))
+    prefill, decode = make_engine("prefill"), make_engine("decode")
+    yield both, prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def handoff(both, prefill, decode, name: str, prompt: list[int]) -> dict:
+    """Prefills on `prefill`, pulls into `decode`, decodes there; asserts the aggregated
+    tokens, that the decode engine computed only the prompt's last token (the pulled
+    blocks passed their checksums and were used, not recomputed), and gives the pull's
+    DONE message."""
+    expected, _ = run(both, f"agg-{name}", prompt)
+    assert run(prefill, f"pre-{name}", prompt, FIRST)[0] == expected[:1]
+    done = asyncio.run(request_pull(agent(decode), agent(prefill), f"pre-{name}", timeout=20))
+    computed_before = decode.engine.prompt_tokens
+    assert run(decode, f"dec-{name}", prompt)[0] == expected
+    assert decode.engine.prompt_tokens - computed_before == 1
+    return done
+
+
+def test_nixl_pull_equals_aggregated(engines):
+    both, prefill, decode = engines
+    assert (prefill.connector.transport, decode.connector.transport) == ("nixl", "nixl")
+    before = dict(decode.connector.pulls)
+    done = handoff(both, prefill, decode, "nixl", [*range(3, 3 + 5 * BLOCK), *range(200, 210)])
+    # 5 full blocks and the cached tail, read by NIXL, not sent as BLOCK frames
+    assert (done["transport"], done["imported"], done["skipped"]) == ("nixl", 6, 0)
+    assert decode.connector.pulls["nixl"] == before["nixl"] + 1
+    assert len(prefill.connector.leases) == 0  # RELEASE came after the READs
+
+
+def test_metrics_name_the_transport(engines):
+    _, _, decode = engines
+    metrics = ServerMetrics("tiny")
+    metrics.set_stats(decode.get_stats())
+    text = metrics.render().decode()
+    assert 'kvpilot_kv_transport_info{model_name="tiny",transport="nixl"} 1.0' in text
+    assert 'kvpilot_kv_pulls_total{model_name="tiny",transport="nixl"}' in text
+
+
+def test_failed_read_falls_back_to_tcp(engines, monkeypatch):
+    both, prefill, decode = engines
+
+    def broken_read(*args, **kwargs):
+        raise nixl_agent.NixlError("injected: the agents cannot reach each other")
+
+    monkeypatch.setattr(decode.connector.nixl, "read", broken_read)
+    monkeypatch.setattr(decode.connector, "_nixl_failed", set())
+    done = handoff(both, prefill, decode, "broken", [*range(700, 700 + 3 * BLOCK), 5])
+    assert done["transport"] == "tcp"  # the second attempt moved the blocks by BLOCK frames
+    assert f"127.0.0.1:{prefill.connector.port}" in decode.connector._nixl_failed
+
+
+def test_peer_without_nixl_is_pulled_over_tcp(engines):
+    both, _, decode = engines
+    prefill_tcp = make_engine("prefill", transport="tcp")
+    try:
+        assert prefill_tcp.connector.transport == "tcp"
+        done = handoff(both, prefill_tcp, decode, "tcp-peer", [*range(800, 800 + 2 * BLOCK), 9])
+        assert done["transport"] == "tcp"
+    finally:
+        prefill_tcp.shutdown()
+
+
+def test_nixl_import_failure_falls_back_to_tcp(engines, monkeypatch):
+    both, prefill, _ = engines
+
+    def missing():
+        raise nixl_agent.NixlUnavailable("injected: No module named 'nixl'")
+
+    monkeypatch.setattr(nixl_agent, "nixl_api", missing)
+    decode_tcp = make_engine("decode")
+    try:
+        assert decode_tcp.connector.transport == "tcp" and decode_tcp.connector.nixl is None
+        assert decode_tcp.get_stats().kv_transport == "tcp"
+        done = handoff(both, prefill, decode_tcp, "no-nixl", [*range(900, 900 + 2 * BLOCK), 4])
+        assert done["transport"] == "tcp"
+    finally:
+        decode_tcp.shutdown()
