@@ -92,7 +92,7 @@ def test_failed_read_falls_back_to_tcp(engines, monkeypatch):
         raise nixl_agent.NixlError("injected: the agents cannot reach each other")
 
     monkeypatch.setattr(decode.connector.nixl, "read", broken_read)
-    monkeypatch.setattr(decode.connector, "_nixl_failed", set())
+    monkeypatch.setattr(decode.connector, "_nixl_failed", {})
     done = handoff(both, prefill, decode, "broken", [*range(700, 700 + 3 * BLOCK), 5])
     assert done["transport"] == "tcp"  # the second attempt moved the blocks by BLOCK frames
     assert f"127.0.0.1:{prefill.connector.port}" in decode.connector._nixl_failed

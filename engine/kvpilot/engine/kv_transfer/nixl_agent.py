@@ -137,12 +137,15 @@ class NixlAgent:
         local, remote = read_descriptors(layout, block_ids, row_ptrs)
         deadline = time.monotonic() + timeout
         with self._lock:
+            handle = None
             try:
                 handle = self._agent.initialize_xfer(
                     "READ", self._agent.get_xfer_descs(local, "DRAM"),
                     self._agent.get_xfer_descs(remote, layout.mem), peer)
                 state = self._agent.transfer(handle)
-            except Exception as exc:
+            except Exception as exc:  # nixl raises its own error types (a dead peer's too)
+                if handle is not None:
+                    self._agent.release_xfer_handle(handle)
                 raise NixlError(f"NIXL READ from {peer!r} could not start: {exc!r}") from exc
         pause = POLL_MIN_S
         while state == "PROC" and time.monotonic() < deadline:

@@ -51,6 +51,7 @@ from kvpilot.engine.kv_transfer.nixl_pull import receive_by_nixl, slots_frame
 log = logging.getLogger("kvpilot.kv_transfer")
 FETCH_IO_TIMEOUT = 30.0  # a decode peer silent this long mid-transfer is gone (the lease expires)
 EXPIRY_TICK = 0.5
+NIXL_RETRY_S = 60.0  # after a failed NIXL READ from a peer, pulls from it use TCP this long
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -68,7 +69,8 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
         self.nixl = nixl
         self.transport = "nixl" if nixl is not None else "tcp"
         self.pulls = {"nixl": 0, "tcp": 0}  # pulls completed, by how their blocks moved
-        self._nixl_failed: set[str] = set()  # peers ("host:port") whose READs failed: TCP
+        # peer "host:port" -> when a NIXL READ from it failed: pulls from it use TCP a while
+        self._nixl_failed: dict[str, float] = {}
         self._kv_key = kv_key
         self.host, self.port = host, port
         self.leases: LeaseTable[HandleT] = LeaseTable(lease_seconds)
@@ -233,7 +235,8 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
             except (OSError, ProtocolError, TimeoutError) as exc:
                 error = exc
                 if isinstance(exc, NixlError):
-                    self._nixl_failed.add(str(message["remote"]))  # the retry moves by TCP
+                    # the retry, and pulls from this peer for NIXL_RETRY_S, move by TCP
+                    self._nixl_failed[str(message["remote"])] = time.monotonic()
                 log.warning("pull of lease %s from %s, attempt %d: %r", lease_id,
                             message["remote"], attempt + 1, exc)
                 if isinstance(exc, ProtocolError) and "unknown or expired" in str(exc):
@@ -260,7 +263,8 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
             set_kernel_timeouts(sock, remaining())
             prove_to_agent_sync(sock, self._kv_key)
             remote = f"{host}:{port}"
-            ask_nixl = self.nixl is not None and remote not in self._nixl_failed
+            ask_nixl = self.nixl is not None and (
+                time.monotonic() - self._nixl_failed.get(remote, -NIXL_RETRY_S) >= NIXL_RETRY_S)
             sock.sendall(encode(Frame.FETCH, {"lease_id": lease_id,
                                               **({"nixl": True} if ask_nixl else {})}))
             _, lease = expect_sync(sock, Frame.LEASE)
@@ -299,7 +303,7 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
         try:
             return self.nixl.connect(offer)
         except NixlError as exc:
-            self._nixl_failed.add(remote)
+            self._nixl_failed[remote] = time.monotonic()
             log.warning("pull from %s moves by TCP: %s", remote, exc)
             return None
 
