@@ -51,17 +51,17 @@ def engines():
     decode.shutdown()
 
 
-def handoff(both, prefill, decode, name: str, prompt: list[int]) -> dict:
+def handoff(both, prefill, decode, name: str, prompt: list[int], recomputed: int = 1) -> dict:
     """Prefills on `prefill`, pulls into `decode`, decodes there; asserts the aggregated
-    tokens, that the decode engine computed only the prompt's last token (the pulled
-    blocks passed their checksums and were used, not recomputed), and gives the pull's
-    DONE message."""
+    tokens, that the decode engine computed `recomputed` prompt tokens (1: only the last,
+    the pulled blocks passed their checksums and were used), and gives the pull's DONE
+    message."""
     expected, _ = run(both, f"agg-{name}", prompt)
     assert run(prefill, f"pre-{name}", prompt, FIRST)[0] == expected[:1]
     done = asyncio.run(request_pull(agent(decode), agent(prefill), f"pre-{name}", timeout=20))
     computed_before = decode.engine.prompt_tokens
     assert run(decode, f"dec-{name}", prompt)[0] == expected
-    assert decode.engine.prompt_tokens - computed_before == 1
+    assert decode.engine.prompt_tokens - computed_before == recomputed
     return done
 
 
@@ -124,3 +124,21 @@ def test_nixl_import_failure_falls_back_to_tcp(engines, monkeypatch):
         assert done["transport"] == "tcp"
     finally:
         decode_tcp.shutdown()
+
+
+def test_block_corrupted_in_flight_is_recomputed_not_read(engines, monkeypatch):
+    both, prefill, decode = engines
+    read = decode.connector.nixl.read
+
+    def corrupting_read(peer, layout, block_ids, rows, timeout):
+        read(peer, layout, block_ids, rows, timeout)
+        rows[1, :64] ^= 0x5A  # the second block, as if overwritten mid-READ
+
+    monkeypatch.setattr(decode.connector.nixl, "read", corrupting_read)
+    failed_before = decode.get_stats().kv_offload_failed_blocks
+    prompt = [*range(600, 600 + 3 * BLOCK), 6]
+    # block 1 fails its checksum at load: the sequence goes back to its GPU hit (none) and
+    # recomputes the whole prompt, with the aggregated engine's tokens
+    done = handoff(both, prefill, decode, "corrupt", prompt, recomputed=len(prompt))
+    assert done["transport"] == "nixl"
+    assert decode.get_stats().kv_offload_failed_blocks > failed_before

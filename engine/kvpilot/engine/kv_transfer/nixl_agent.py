@@ -80,8 +80,7 @@ class NixlAgent:
         first = caches[0]
         if any(not c.is_contiguous() or c.shape != first.shape for c in caches):
             raise ValueError("NIXL needs contiguous per-layer KV caches of one shape")
-        mem = "VRAM" if first.is_cuda else "DRAM"
-        device = (first.device.index or 0) if first.is_cuda else 0
+        mem, device = _memory_of(first)
         for cache in caches:
             self._register(cache, mem, device)
         self.layout = CacheLayout(mem, device, tuple(c.data_ptr() for c in caches),
@@ -121,8 +120,9 @@ class NixlAgent:
 
     def read(self, peer: str, layout: CacheLayout, block_ids: list[int], rows: torch.Tensor,
              timeout: float) -> None:
-        """READs the peer's blocks `block_ids` into `rows` (uint8 [n, block_bytes] host memory,
-        a receive buffer's leading rows) as one transfer, waiting at most `timeout` seconds.
+        """READs the peer's blocks `block_ids` into `rows` (uint8 [n, block_bytes]: a receive
+        buffer's leading rows in host memory, or GPU memory) as one transfer, waiting at
+        most `timeout` seconds.
 
         Raises NixlError when the transfer fails, NixlTimeout when it is still running at
         the deadline (then `rows` must not be reused: the peer may still write them).
@@ -131,16 +131,17 @@ class NixlAgent:
             raise ProtocolError(f"the peer's blocks are {layout.block_bytes} bytes, this "
                                 f"engine's {rows.shape[1]}: a different model, dtype or "
                                 "block size")
+        mem, device = _memory_of(rows)
         base = rows.untyped_storage()
-        self._register_storage(base.data_ptr(), base.nbytes())
+        self._register_storage(base.data_ptr(), base.nbytes(), mem, device)
         row_ptrs = [rows.data_ptr() + i * rows.shape[1] for i in range(len(block_ids))]
-        local, remote = read_descriptors(layout, block_ids, row_ptrs)
+        local, remote = read_descriptors(layout, block_ids, row_ptrs, device)
         deadline = time.monotonic() + timeout
         with self._lock:
             handle = None
             try:
                 handle = self._agent.initialize_xfer(
-                    "READ", self._agent.get_xfer_descs(local, "DRAM"),
+                    "READ", self._agent.get_xfer_descs(local, mem),
                     self._agent.get_xfer_descs(remote, layout.mem), peer)
                 state = self._agent.transfer(handle)
             except Exception as exc:  # nixl raises its own error types (a dead peer's too)
@@ -186,6 +187,11 @@ class NixlAgent:
             for registration in self._registered.values():
                 self._agent.deregister_memory(registration)
             self._registered.clear()
+
+
+def _memory_of(tensor: torch.Tensor) -> tuple[str, int]:
+    """Gives NIXL's memory type and device id for a tensor's memory."""
+    return ("VRAM", tensor.device.index or 0) if tensor.is_cuda else ("DRAM", 0)
 
 
 def make_agent(name: str) -> NixlAgent | None:

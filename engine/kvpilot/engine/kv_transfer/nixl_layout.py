@@ -58,11 +58,11 @@ class CacheLayout:
         return layout
 
 
-def read_descriptors(layout: CacheLayout, block_ids: list[int], row_ptrs: list[int]
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def read_descriptors(layout: CacheLayout, block_ids: list[int], row_ptrs: list[int],
+                     local_device: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Gives (local, remote) Nx3 uint64 descriptor arrays (address, length, device) that
     read block `block_ids[i]` of the peer's caches into the wire-layout row at
-    `row_ptrs[i]`; the local rows are host memory (device 0)."""
+    `row_ptrs[i]` (on GPU `local_device`, or host memory: 0)."""
     if len(block_ids) != len(row_ptrs):
         raise ValueError(f"{len(block_ids)} block ids for {len(row_ptrs)} rows")
     bad = [b for b in block_ids if not 0 <= b < layout.num_blocks]
@@ -82,7 +82,8 @@ def read_descriptors(layout: CacheLayout, block_ids: list[int], row_ptrs: list[i
     local = rows[:, None, None] + offsets[None] * np.uint64(piece)
     count = remote.size
     lengths = np.full(count, piece, dtype=np.uint64)
-    local_descs = np.stack([local.reshape(-1), lengths, np.zeros(count, np.uint64)], axis=1)
+    local_descs = np.stack([local.reshape(-1), lengths,
+                            np.full(count, local_device, np.uint64)], axis=1)
     remote_descs = np.stack([remote.reshape(-1), lengths,
                              np.full(count, layout.device, np.uint64)], axis=1)
     return local_descs, remote_descs
