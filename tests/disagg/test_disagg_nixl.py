@@ -142,3 +142,25 @@ def test_block_corrupted_in_flight_is_recomputed_not_read(engines, monkeypatch):
     done = handoff(both, prefill, decode, "corrupt", prompt, recomputed=len(prompt))
     assert done["transport"] == "nixl"
     assert decode.get_stats().kv_offload_failed_blocks > failed_before
+
+
+@pytest.mark.gpu
+def test_gpu_nixl_pull_from_vram_equals_aggregated():
+    """The prefill engine registers its CUDA caches (VRAM); the decode engine READs them into
+    its pinned receive buffers, checks them at load, and decodes the aggregated tokens."""
+
+    def cuda_engine(role: str):
+        args = EngineArgs(model="tiny-llama", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK,
+                          role=role, kv_transfer_port=free_port(), dtype="float32",
+                          device="cuda", kv_transport="nixl")
+        engine = LLMEngine.from_engine_args(args)
+        return engine if role == "both" else attach_role(engine, "127.0.0.1", 0)
+
+    both, prefill, decode = cuda_engine("both"), cuda_engine("prefill"), cuda_engine("decode")
+    try:
+        assert prefill.connector.nixl.layout.mem == "VRAM"
+        done = handoff(both, prefill, decode, "gpu", [*range(3, 3 + 5 * BLOCK), 7])
+        assert (done["transport"], done["imported"]) == ("nixl", 6)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
