@@ -91,11 +91,11 @@ def test_failed_read_falls_back_to_tcp(engines, monkeypatch):
     def broken_read(*args, **kwargs):
         raise nixl_agent.NixlError("injected: the agents cannot reach each other")
 
-    monkeypatch.setattr(decode.connector.nixl, "read", broken_read)
-    monkeypatch.setattr(decode.connector, "_nixl_failed", {})
+    monkeypatch.setattr(decode.connector.nixl.agent, "read", broken_read)
+    monkeypatch.setattr(decode.connector.nixl, "failed", {})
     done = handoff(both, prefill, decode, "broken", [*range(700, 700 + 3 * BLOCK), 5])
     assert done["transport"] == "tcp"  # the second attempt moved the blocks by BLOCK frames
-    assert f"127.0.0.1:{prefill.connector.port}" in decode.connector._nixl_failed
+    assert f"127.0.0.1:{prefill.connector.port}" in decode.connector.nixl.failed
 
 
 def test_peer_without_nixl_is_pulled_over_tcp(engines):
@@ -128,13 +128,13 @@ def test_nixl_import_failure_falls_back_to_tcp(engines, monkeypatch):
 
 def test_block_corrupted_in_flight_is_recomputed_not_read(engines, monkeypatch):
     both, prefill, decode = engines
-    read = decode.connector.nixl.read
+    read = decode.connector.nixl.agent.read
 
     def corrupting_read(peer, layout, block_ids, rows, timeout):
         read(peer, layout, block_ids, rows, timeout)
         rows[1, :64] ^= 0x5A  # the second block, as if overwritten mid-READ
 
-    monkeypatch.setattr(decode.connector.nixl, "read", corrupting_read)
+    monkeypatch.setattr(decode.connector.nixl.agent, "read", corrupting_read)
     failed_before = decode.get_stats().kv_offload_failed_blocks
     prompt = [*range(600, 600 + 3 * BLOCK), 6]
     # block 1 fails its checksum at load: the sequence goes back to its GPU hit (none) and
@@ -158,7 +158,7 @@ def test_gpu_nixl_pull_from_vram_equals_aggregated():
 
     both, prefill, decode = cuda_engine("both"), cuda_engine("prefill"), cuda_engine("decode")
     try:
-        assert prefill.connector.nixl.layout.mem == "VRAM"
+        assert prefill.connector.nixl.agent.layout.mem == "VRAM"
         done = handoff(both, prefill, decode, "gpu", [*range(3, 3 + 5 * BLOCK), 7])
         assert (done["transport"], done["imported"]) == ("nixl", 6)
     finally:

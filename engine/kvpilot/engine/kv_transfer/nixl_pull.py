@@ -12,14 +12,19 @@ short mid-READ is recomputed, never used.
 
 from __future__ import annotations
 
+import logging
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpilot.engine.contracts.kv_protocol import Frame, ProtocolError, encode, expect_sync
 from kvpilot.engine.kv_transfer.connector import BlockStore, BufferT, HandleT, StagedT
-from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent, NixlTimeout
+from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent, NixlError, NixlTimeout
 from kvpilot.engine.kv_transfer.nixl_layout import CacheLayout
+
+log = logging.getLogger("kvpilot.kv_transfer")
+NIXL_RETRY_S = 60.0  # after a failed NIXL READ from a peer, pulls from it use TCP this long
 
 
 def slots_frame(block_ids: Sequence[int], digests: Sequence[bytes]) -> bytes:
@@ -81,3 +86,41 @@ def receive_by_nixl(sock: socket.socket, agent: NixlAgent, peer: str, layout: Ca
             buffer.release()
     return imported
 
+
+
+class NixlPath:
+    """A KV agent's NIXL side: what its LEASE offers, which peers to ask for NIXL, the peer a
+    LEASE offers; a peer whose READ failed is pulled by TCP for `retry_s`."""
+
+    def __init__(self, agent: NixlAgent, retry_s: float = NIXL_RETRY_S) -> None:
+        self.agent, self.retry_s = agent, retry_s
+        self.failed: dict[str, float] = {}  # peer "host:port" -> when its NIXL failed
+
+    def offer(self, fetch: dict[str, Any]) -> dict[str, Any]:
+        """Gives the LEASE frame's `nixl` part for a FETCH that asks for it (a prefill agent's
+        registered caches), else nothing."""
+        if not fetch.get("nixl") or self.agent.layout is None:
+            return {}
+        return {"nixl": self.agent.offer()}
+
+    def ask(self, remote: str) -> bool:
+        """Gives whether to ask the peer at `remote` for NIXL (not within `retry_s` of a
+        failure)."""
+        return time.monotonic() - self.failed.get(remote, -self.retry_s) >= self.retry_s
+
+    def fail(self, remote: str) -> None:
+        self.failed[remote] = time.monotonic()
+
+    def peer(self, lease: dict[str, Any], remote: str) -> tuple[str, CacheLayout] | None:
+        """Gives the NIXL peer a LEASE offers (added to this agent), or None: the blocks then
+        move by TCP (logged: the peer offers no NIXL, or it cannot be added)."""
+        offer = lease.get("nixl")
+        if not offer:
+            log.info("pull from %s moves by TCP: the peer offers no NIXL", remote)
+            return None
+        try:
+            return self.agent.connect(offer)
+        except NixlError as exc:
+            self.fail(remote)
+            log.warning("pull from %s moves by TCP: %s", remote, exc)
+            return None

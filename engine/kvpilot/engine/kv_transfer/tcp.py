@@ -45,13 +45,11 @@ from kvpilot.engine.kv_transfer.connector import (
 )
 from kvpilot.engine.kv_transfer.leases import Lease, LeaseTable
 from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent, NixlError
-from kvpilot.engine.kv_transfer.nixl_layout import CacheLayout
-from kvpilot.engine.kv_transfer.nixl_pull import receive_by_nixl, slots_frame
+from kvpilot.engine.kv_transfer.nixl_pull import NixlPath, receive_by_nixl, slots_frame
 
 log = logging.getLogger("kvpilot.kv_transfer")
 FETCH_IO_TIMEOUT = 30.0  # a decode peer silent this long mid-transfer is gone (the lease expires)
 EXPIRY_TICK = 0.5
-NIXL_RETRY_S = 60.0  # after a failed NIXL READ from a peer, pulls from it use TCP this long
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -66,11 +64,9 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
                  lease_seconds: float = 30.0, pull_attempts: int = 2,
                  kv_key: bytes = NO_SECRET_KEY, nixl: NixlAgent | None = None) -> None:
         self.store = store
-        self.nixl = nixl
+        self.nixl = NixlPath(nixl) if nixl is not None else None
         self.transport = "nixl" if nixl is not None else "tcp"
         self.pulls = {"nixl": 0, "tcp": 0}  # pulls completed, by how their blocks moved
-        # peer "host:port" -> when a NIXL READ from it failed: pulls from it use TCP a while
-        self._nixl_failed: dict[str, float] = {}
         self._kv_key = kv_key
         self.host, self.port = host, port
         self.leases: LeaseTable[HandleT] = LeaseTable(lease_seconds)
@@ -118,7 +114,7 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
             for lease in self.leases.expire(float("inf")):
                 self.store.unpin(lease.pinned)
         if self.nixl is not None:
-            self.nixl.close()
+            self.nixl.agent.close()
 
     # ---- prefill side -----------------------------------------------------------------
 
@@ -159,8 +155,7 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
             sock.sendall(encode(Frame.ERROR, {"message": f"lease {lease_id!r} is unknown or "
                                                         "expired"}))
             return
-        offer = ({"nixl": self.nixl.offer()} if message.get("nixl") and self.nixl is not None
-                 and self.nixl.layout is not None else {})
+        offer = self.nixl.offer(message) if self.nixl is not None else {}
         sock.sendall(encode(Frame.LEASE, {"hashes": lease.hashes,
                                           "block_bytes": self.store.block_bytes, **offer}))
         _, want = expect_sync(sock, Frame.WANT)
@@ -234,9 +229,8 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
                 return await self._in_worker(self._pull, host, int(port), lease_id, deadline)
             except (OSError, ProtocolError, TimeoutError) as exc:
                 error = exc
-                if isinstance(exc, NixlError):
-                    # the retry, and pulls from this peer for NIXL_RETRY_S, move by TCP
-                    self._nixl_failed[str(message["remote"])] = time.monotonic()
+                if isinstance(exc, NixlError) and self.nixl is not None:
+                    self.nixl.fail(str(message["remote"]))  # the retry moves by TCP
                 log.warning("pull of lease %s from %s, attempt %d: %r", lease_id,
                             message["remote"], attempt + 1, exc)
                 if isinstance(exc, ProtocolError) and "unknown or expired" in str(exc):
@@ -263,10 +257,9 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
             set_kernel_timeouts(sock, remaining())
             prove_to_agent_sync(sock, self._kv_key)
             remote = f"{host}:{port}"
-            ask_nixl = self.nixl is not None and (
-                time.monotonic() - self._nixl_failed.get(remote, -NIXL_RETRY_S) >= NIXL_RETRY_S)
+            nixl = self.nixl if self.nixl is not None and self.nixl.ask(remote) else None
             sock.sendall(encode(Frame.FETCH, {"lease_id": lease_id,
-                                              **({"nixl": True} if ask_nixl else {})}))
+                                              **({"nixl": True} if nixl else {})}))
             _, lease = expect_sync(sock, Frame.LEASE)
             hashes = [int(h) for h in lease["hashes"]]
             with self.store.lock:
@@ -276,11 +269,11 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
             if wanted and lease["block_bytes"] != size:
                 raise ProtocolError(f"the peer's blocks are {lease['block_bytes']} bytes, this "
                                     f"engine's {size}: a different model, dtype or block size")
-            peer = self._nixl_peer(lease, remote) if ask_nixl and wanted else None
+            peer = nixl.peer(lease, remote) if nixl is not None and wanted else None
             sock.sendall(encode(Frame.WANT, {"hashes": wanted,
                                              **({"nixl": True} if peer else {})}))
-            if peer is not None and self.nixl is not None:
-                imported = receive_by_nixl(sock, self.nixl, *peer, self.store, hashes[:have],
+            if peer is not None and nixl is not None:
+                imported = receive_by_nixl(sock, nixl.agent, *peer, self.store, hashes[:have],
                                            wanted, remaining, import_group)
             else:
                 imported = self._receive(sock, hashes[:have], wanted, remaining) if wanted else 0
@@ -292,20 +285,6 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
             self.pulls[transport] += 1
             return {"imported": imported, "skipped": have, "blocks": len(hashes),
                     "transport": transport}
-
-    def _nixl_peer(self, lease: dict[str, Any], remote: str) -> tuple[str, CacheLayout] | None:
-        """Gives the NIXL peer a LEASE offers (added to this agent), or None: the blocks then
-        move by TCP (logged: the peer offers no NIXL, or it cannot be added)."""
-        offer = lease.get("nixl")
-        if self.nixl is None or not offer:
-            log.info("pull from %s moves by TCP: the peer offers no NIXL", remote)
-            return None
-        try:
-            return self.nixl.connect(offer)
-        except NixlError as exc:
-            self._nixl_failed[remote] = time.monotonic()
-            log.warning("pull from %s moves by TCP: %s", remote, exc)
-            return None
 
     def _receive(self, sock: socket.socket, prefix: list[int], wanted: list[int],
                  remaining: Callable[[], float]) -> int:
