@@ -18,12 +18,13 @@ import logging
 import threading
 import time
 from types import ModuleType
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvpilot.engine.contracts.kv_protocol import ProtocolError
 from kvpilot.engine.kv_transfer.nixl_layout import CacheLayout, read_descriptors
+
+if TYPE_CHECKING:
+    import torch  # only tensors' own methods are called: the agent imports without torch
 
 log = logging.getLogger("kvpilot.kv_transfer")
 # the meta package `nixl` picks its CUDA variant; a variant wheel installed alone is used as is
