@@ -93,46 +93,69 @@ def vram_reads(reader: NixlAgent, offer: dict, src: EngineBlockStore, ids: list[
     return times[1:]
 
 
+class Prompts:
+    """Fresh prompts of `num_blocks` blocks, cached in the source store as if computed."""
+
+    def __init__(self, src: EngineBlockStore, num_blocks: int) -> None:
+        self.src, self.num_blocks, self.count = src, num_blocks, 0
+
+    def next(self) -> tuple[list[int], list[int]]:
+        """Gives (token ids, block ids) of the next prompt."""
+        first = self.count * 100_000
+        self.count += 1
+        tokens = list(range(first, first + self.num_blocks * BLOCK))
+        return tokens, cache_prompt(self.src, tokens)
+
+
+def pull_times(prefill: TcpConnector, decode: TcpConnector, prompts: Prompts, name: str,
+               repeat: int) -> list[float]:
+    """Gives the seconds of `repeat` pulls of fresh prompts, after one warm-up pull."""
+    times = [pull(prefill, decode, prompts.next()[0], f"{name}-{index}")
+             for index in range(repeat + 1)]
+    return times[1:]
+
+
 def measure(args: argparse.Namespace) -> dict:
+    """Gives each transport's rates (GB/s per run), or the error that stopped it."""
     devices = ("cpu", "cpu") if args.smoke else ("cuda:0", "cuda:1")
     num_blocks = args.tokens // BLOCK
-    src = make_store(num_blocks * (args.repeat + 2) + 1, args.shape, devices[0])
+    src = make_store(num_blocks * (2 * args.repeat + 4) + 1, args.shape, devices[0])
     dst = make_store(num_blocks + 1, args.shape, devices[1])
     bytes_moved = num_blocks * src.block_bytes
+    prompts = Prompts(src, num_blocks)
     prefill_nixl, decode_nixl = NixlAgent("bench-prefill"), NixlAgent("bench-decode")
     prefill_nixl.register_caches(src.caches)
     agents = {"tcp": (TcpConnector(src, "127.0.0.1", 0), TcpConnector(dst, "127.0.0.1", 0)),
               "nixl-pull": (TcpConnector(src, "127.0.0.1", 0, nixl=prefill_nixl),
                             TcpConnector(dst, "127.0.0.1", 0, nixl=decode_nixl))}
-    rates: dict[str, list[float]] = {name: [] for name in [*agents, "nixl-vram"]}
-    prompt = 0
+    times: dict[str, list[float]] = {}
+    errors: dict[str, str] = {}
     try:
         for prefill, decode in agents.values():
             prefill.start()
             decode.start()
         for name, (prefill, decode) in agents.items():
-            for index in range(args.repeat + 1):  # the first pull warms up: not counted
-                tokens = list(range(prompt * 100_000, prompt * 100_000 + num_blocks * BLOCK))
-                prompt += 1
-                cache_prompt(src, tokens)
-                seconds = pull(prefill, decode, tokens, f"{name}-{index}")
-                if index:
-                    rates[name].append(bytes_moved / seconds / 1e9)
-            print(f"{name}: {statistics.median(rates[name]):.2f} GB/s", flush=True)
-        ids = cache_prompt(src, list(range(prompt * 100_000,
-                                           prompt * 100_000 + num_blocks * BLOCK)))
-        for seconds in vram_reads(decode_nixl, prefill_nixl.offer(), src, ids, devices[1],
-                                  args.repeat):
-            rates["nixl-vram"].append(bytes_moved / seconds / 1e9)
-        print(f"nixl-vram: {statistics.median(rates['nixl-vram']):.2f} GB/s", flush=True)
+            try:
+                times[name] = pull_times(prefill, decode, prompts, name, args.repeat)
+            except (Exception, SystemExit) as exc:  # a bench reports what failed and goes on
+                errors[name] = repr(exc)
+        try:
+            times["nixl-vram"] = vram_reads(decode_nixl, prefill_nixl.offer(), src,
+                                            prompts.next()[1], devices[1], args.repeat)
+        except (Exception, SystemExit) as exc:
+            errors["nixl-vram"] = repr(exc)
     finally:
         for prefill, decode in agents.values():
             prefill.stop()
             decode.stop()
-    tcp = statistics.median(rates["tcp"])
-    return {"rates_gb_s": {k: statistics.median(v) for k, v in rates.items()},
-            "runs_gb_s": rates, "bytes_per_transfer": bytes_moved, "blocks": num_blocks,
-            "over_tcp": {k: statistics.median(v) / tcp for k, v in rates.items()}}
+    rates = {name: [bytes_moved / t / 1e9 for t in runs] for name, runs in times.items()}
+    medians = {name: statistics.median(runs) for name, runs in rates.items()}
+    for name, error in errors.items():
+        print(f"{name}: FAILED {error}", flush=True)
+    tcp = medians.get("tcp")
+    return {"rates_gb_s": medians, "runs_gb_s": rates, "errors": errors,
+            "bytes_per_transfer": bytes_moved, "blocks": num_blocks,
+            "over_tcp": {name: rate / tcp for name, rate in medians.items()} if tcp else {}}
 
 
 def device_names(smoke: bool) -> str:
@@ -151,8 +174,9 @@ def write_report(report: dict, out: Path, shape: str) -> None:
              f"{report['bytes_per_transfer'] // report['blocks']} bytes per transfer "
              "(median of the runs).", "",
              "| transport | GB/s | x TCP |", "|---|---|---|"]
-    lines += [f"| {name} | {rate:.2f} | {report['over_tcp'][name]:.1f} |"
+    lines += [f"| {name} | {rate:.2f} | {report['over_tcp'].get(name, float('nan')):.1f} |"
               for name, rate in report["rates_gb_s"].items()]
+    lines += [f"| {name} | failed: {error} | |" for name, error in report["errors"].items()]
     (out / f"kv_nixl_gpu-{shape}.md").write_text("\n".join(lines) + "\n")
 
 
@@ -173,8 +197,11 @@ def main() -> None:
                        + (" --smoke" if args.smoke else ""),
               **measure(args)}
     write_report(report, args.out, args.shape)
-    print(f"{devices}: " + ", ".join(f"{k} {v:.2f} GB/s ({report['over_tcp'][k]:.1f}x tcp)"
-                                     for k, v in report["rates_gb_s"].items()), flush=True)
+    print(f"{devices}: " + ", ".join(
+        f"{k} {v:.2f} GB/s ({report['over_tcp'].get(k, float('nan')):.1f}x tcp)"
+        for k, v in report["rates_gb_s"].items()), flush=True)
+    if report["errors"]:
+        raise SystemExit(f"failed: {', '.join(report['errors'])}")
 
 
 if __name__ == "__main__":

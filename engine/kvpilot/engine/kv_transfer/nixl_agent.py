@@ -110,6 +110,9 @@ class NixlAgent:
         with self._lock:
             if self._peers.get(name) != metadata:
                 try:
+                    if name in self._peers:  # the same agent with new registrations
+                        self._agent.remove_remote_agent(name)
+                        del self._peers[name]
                     added = self._agent.add_remote_agent(metadata)
                 except Exception as exc:  # nixl raises its own error types from C++
                     raise NixlError(f"cannot add NIXL agent {name!r}: {exc!r}") from exc
