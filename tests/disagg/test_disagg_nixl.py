@@ -130,9 +130,9 @@ def test_block_corrupted_in_flight_is_recomputed_not_read(engines, monkeypatch):
     both, prefill, decode = engines
     read = decode.connector.nixl.agent.read
 
-    def corrupting_read(peer, layout, block_ids, rows, timeout):
-        read(peer, layout, block_ids, rows, timeout)
-        rows[1, :64] ^= 0x5A  # the second block, as if overwritten mid-READ
+    def corrupting_read(peer, layout, block_ids, rows, timeout, at=None):
+        read(peer, layout, block_ids, rows, timeout, at)
+        rows[at[1], :64] ^= 0x5A  # the second block's host-tier row, as if overwritten mid-READ
 
     monkeypatch.setattr(decode.connector.nixl.agent, "read", corrupting_read)
     failed_before = decode.get_stats().kv_offload_failed_blocks

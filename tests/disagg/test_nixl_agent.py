@@ -26,7 +26,7 @@ from kvpilot.engine.kv_transfer.nixl_agent import (
     nixl_api,
 )
 from kvpilot.engine.kv_transfer.nixl_layout import CacheLayout, read_descriptors
-from kvpilot.engine.kv_transfer.nixl_pull import parse_slots, slots_frame
+from kvpilot.engine.kv_transfer.nixl_pull import land_in_place, parse_slots, slots_frame
 
 LAYOUT = CacheLayout("VRAM", 1, (1000, 5000), num_blocks=10, piece_bytes=8)
 
@@ -172,3 +172,55 @@ def test_read_from_a_killed_peer_is_a_clear_error_not_a_hang(peer):
         assert time.monotonic() - started < 20
     finally:
         agent.close()
+
+
+class _FakeLanding:
+    """A DirectLanding store with rows 10, 11, ... for the hashes it does not hold."""
+
+    def __init__(self, held: set[int]) -> None:
+        self.held, self.landed, self.abandoned = held, [], []
+
+    def reserve(self, hashes):
+        entries = [(h, 10 + i) for i, h in enumerate(h for h in hashes if h not in self.held)]
+        return torch.zeros((16, 8), dtype=torch.uint8), entries
+
+    def land(self, entries, digests):
+        self.landed.append((entries, digests))
+
+    def abandon(self, entries):
+        self.abandoned.append(entries)
+
+
+class _ReadAgent:
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error, self.calls = error, []
+
+    def read(self, peer, layout, block_ids, rows, timeout, at=None):
+        self.calls.append((block_ids, at))
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize(("error", "landed", "abandoned"), [
+    (None, True, False),  # read, then findable with the SLOTS checksums
+    (NixlError("peer gone"), False, True),  # rows back to the pool
+    (NixlTimeout("still running"), False, False),  # rows kept reserved: the peer may write
+])
+def test_land_in_place_reads_only_missing_blocks_once(error, landed, abandoned):
+    store, agent = _FakeLanding(held={2}), _ReadAgent(error)
+    digests = [bytes([i]) * 8 for i in range(3)]
+
+    def call() -> int:
+        return land_in_place(agent, "peer", LAYOUT, store, [1, 2, 3], [7, 8, 9], digests,
+                             lambda: 5.0)
+
+    if error is None:
+        assert call() == 2
+    else:
+        with pytest.raises(type(error)):
+            call()
+    # one READ: remote blocks 7 and 9 (hash 2 is held) into host rows 10 and 11
+    assert agent.calls == [([7, 9], [10, 11])]
+    assert bool(store.landed) is landed and bool(store.abandoned) is abandoned
+    if landed:
+        assert store.landed == [([(1, 10), (3, 11)], [digests[0], digests[2]])]

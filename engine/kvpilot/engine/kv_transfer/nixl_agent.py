@@ -123,10 +123,10 @@ class NixlAgent:
         return name, layout
 
     def read(self, peer: str, layout: CacheLayout, block_ids: list[int], rows: torch.Tensor,
-             timeout: float) -> None:
-        """READs the peer's blocks `block_ids` into `rows` (uint8 [n, block_bytes]: a receive
-        buffer's leading rows in host memory, or GPU memory) as one transfer, waiting at
-        most `timeout` seconds.
+             timeout: float, at: list[int] | None = None) -> None:
+        """READs the peer's blocks `block_ids` into rows `at` (default 0, 1, ...) of `rows`
+        (uint8 [capacity, block_bytes] in host or GPU memory: a receive buffer, the host
+        tier's rows) as one transfer, waiting at most `timeout` seconds.
 
         Raises NixlError when the transfer fails, NixlTimeout when it is still running at
         the deadline (then `rows` must not be reused: the peer may still write them).
@@ -138,7 +138,8 @@ class NixlAgent:
         mem, device = _memory_of(rows)
         base = rows.untyped_storage()
         self._register_storage(base.data_ptr(), base.nbytes(), mem, device)
-        row_ptrs = [rows.data_ptr() + i * rows.shape[1] for i in range(len(block_ids))]
+        indices = range(len(block_ids)) if at is None else at
+        row_ptrs = [rows.data_ptr() + i * rows.shape[1] for i in indices]
         local, remote = read_descriptors(layout, block_ids, row_ptrs, device)
         deadline = time.monotonic() + timeout
         with self._lock:

@@ -16,12 +16,15 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvpilot.engine.contracts.kv_protocol import Frame, ProtocolError, encode, expect_sync
 from kvpilot.engine.kv_transfer.connector import BlockStore, BufferT, HandleT, StagedT
 from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent, NixlError, NixlTimeout
 from kvpilot.engine.kv_transfer.nixl_layout import CacheLayout
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("kvpilot.kv_transfer")
 NIXL_RETRY_S = 60.0  # after a failed NIXL READ from a peer, pulls from it use TCP this long
@@ -46,12 +49,55 @@ def parse_slots(message: dict[str, Any], count: int) -> tuple[list[int], list[by
     return ids, digests
 
 
+@runtime_checkable
+class DirectLanding(Protocol):
+    """A store whose destination rows a READ can write in place (a decode engine's host
+    tier, `LandingStore`): no receive buffer, no copy after the READ."""
+
+    def reserve(self, hashes: Sequence[int]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Gives the rows tensor and (hash, row) of each hash not held, as far as room goes."""
+        ...
+
+    def land(self, entries: list[tuple[int, int]], digests: Sequence[bytes]) -> None:
+        """Makes written rows findable, with their checksums."""
+        ...
+
+    def abandon(self, entries: list[tuple[int, int]]) -> None:
+        """Gives reserved rows back unwritten."""
+        ...
+
+
+def land_in_place(agent: NixlAgent, peer: str, layout: CacheLayout, store: DirectLanding,
+                  wanted: list[int], ids: list[int], digests: list[bytes],
+                  remaining: Callable[[], float]) -> int:
+    """READs the wanted blocks the store has room for straight into its rows, in one
+    transfer; gives how many landed. A failed READ gives its rows back; one still running
+    at the deadline keeps them reserved (the peer may still write them), never findable."""
+    rows, entries = store.reserve(wanted)
+    if not entries:
+        return 0
+    position = {block_hash: index for index, block_hash in enumerate(wanted)}
+    picked = [position[block_hash] for block_hash, _ in entries]
+    try:
+        agent.read(peer, layout, [ids[i] for i in picked], rows, remaining(),
+                   at=[row for _, row in entries])
+    except NixlTimeout:
+        log.warning("%d host-tier rows stay reserved after a NIXL READ timed out", len(entries))
+        raise
+    except BaseException:
+        store.abandon(entries)
+        raise
+    store.land(entries, [digests[i] for i in picked])
+    return len(entries)
+
+
 def receive_by_nixl(sock: socket.socket, agent: NixlAgent, peer: str, layout: CacheLayout,
                     store: BlockStore[HandleT, BufferT, StagedT], prefix: list[int],
                     wanted: list[int], remaining: Callable[[], float],
                     import_group: Callable[..., tuple[int, bool, StagedT]]) -> int:
-    """Reads the wanted blocks after SLOTS by NIXL, a receive buffer-full per READ, importing
-    each group once read; gives how many went in.
+    """Reads the wanted blocks after SLOTS by NIXL, straight into a `DirectLanding` store's
+    rows (one READ), else a receive buffer-full per READ, importing each group once read;
+    gives how many went in.
 
     A READ still running at the deadline leaves its buffer out of the pool (the peer
     may still write it); any NIXL failure raises NixlError, which the caller answers by
@@ -59,6 +105,8 @@ def receive_by_nixl(sock: socket.socket, agent: NixlAgent, peer: str, layout: Ca
     """
     _, message = expect_sync(sock, Frame.SLOTS)
     ids, digests = parse_slots(message, len(wanted))
+    if isinstance(store, DirectLanding):
+        return land_in_place(agent, peer, layout, store, wanted, ids, digests, remaining)
     buffer = store.receive_buffer(remaining())
     imported, previous, abandoned = 0, None, False
     try:
