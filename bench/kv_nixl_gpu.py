@@ -3,16 +3,18 @@
 One long prompt's blocks (Llama-3-8B or Llama-3.2-1B shaped, bf16) sit in a prefill
 store's paged caches on cuda:0; each rate moves all of them to cuda:1:
 
-- `tcp`: a `TcpConnector` pull into a store on cuda:1 (BLOCK frames through host
-  memory, checksums, import): the transport before issue 22;
-- `nixl-pull`: the same pull with NIXL agents on both sides (`--kv-transport nixl`):
-  READs of cuda:0's registered caches into the decode side's pinned receive buffers,
-  then the same staging, checksums and import on cuda:1 (what the engines run today);
+- `tcp`: a `TcpConnector` pull into a decode engine's landing store (BLOCK frames into
+  pinned receive buffers, copied into its pinned host tier): the transport before issue 22;
+- `nixl-pull`: the same pull with NIXL agents on both sides (`--kv-transport nixl`): one
+  READ of cuda:0's registered caches straight into the host tier's rows (what a decode
+  engine runs; the step that needs the blocks then loads them onto its GPU, not timed
+  here, nor for `tcp`);
 - `nixl-vram`: one NIXL READ of the same blocks (descriptor lists of block slices)
   from cuda:0's caches straight into a paged-KV-shaped tensor on cuda:1: the
   GPU-to-GPU path the issue's >= 20x goal is about.
 
-All agents share this process (and its GIL), like bench/kv_transfer_rate.py. Writes
+All agents share this process (and its GIL), like bench/kv_transfer_rate.py; the host
+tier is pinned memory of the process, as a decode engine on cuda:1 would have it. Writes
 kv_nixl_gpu-<shape>.json and .md under --out.
 
     python bench/kv_nixl_gpu.py [--shape 8b] [--tokens 8192] [--repeat 3] [--out DIR]
@@ -34,6 +36,8 @@ import torch
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.core.block_pool import BlockPool
+from kvpilot.engine.kv_connector.host_pool import HostKVPool
+from kvpilot.engine.kv_connector.landing_store import LandingStore
 from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
 from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent
 from kvpilot.engine.kv_transfer.tcp import TcpConnector
@@ -120,7 +124,11 @@ def measure(args: argparse.Namespace) -> dict:
     devices = ("cpu", "cpu") if args.smoke else ("cuda:0", "cuda:1")
     num_blocks = args.tokens // BLOCK
     src = make_store(num_blocks * (2 * args.repeat + 4) + 1, args.shape, devices[0])
-    dst = make_store(num_blocks + 1, args.shape, devices[1])
+    pinned = not args.smoke
+    dst = LandingStore(HostKVPool(num_blocks + 1, src.block_bytes, pin_memory=pinned),
+                       BlockPool(1), pin_memory=pinned)
+    if pinned:
+        dst.receive_buffers.fill()  # as a decode engine does at start-up
     bytes_moved = num_blocks * src.block_bytes
     prompts = Prompts(src, num_blocks)
     prefill_nixl, decode_nixl = NixlAgent("bench-prefill"), NixlAgent("bench-decode")
@@ -181,7 +189,7 @@ def write_report(report: dict, out: Path, shape: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=3)
