@@ -19,6 +19,7 @@ kv_nixl_gpu-<shape>.json and .md under --out.
 
     python bench/kv_nixl_gpu.py [--shape 8b] [--tokens 8192] [--repeat 3] [--out DIR]
     python bench/kv_nixl_gpu.py --smoke --out DIR   # CPU, DRAM, tiny shape: checks the script
+    python bench/kv_nixl_gpu.py --device cpu --shape 1b --tokens 2048   # DRAM to DRAM
 """
 
 from __future__ import annotations
@@ -121,10 +122,10 @@ def pull_times(prefill: TcpConnector, decode: TcpConnector, prompts: Prompts, na
 
 def measure(args: argparse.Namespace) -> dict:
     """Gives each transport's rates (GB/s per run), or the error that stopped it."""
-    devices = ("cpu", "cpu") if args.smoke else ("cuda:0", "cuda:1")
+    devices = ("cpu", "cpu") if args.device == "cpu" else ("cuda:0", "cuda:1")
     num_blocks = args.tokens // BLOCK
     src = make_store(num_blocks * (2 * args.repeat + 4) + 1, args.shape, devices[0])
-    pinned = not args.smoke
+    pinned = args.device == "cuda"
     dst = LandingStore(HostKVPool(num_blocks + 1, src.block_bytes, pin_memory=pinned),
                        BlockPool(1), pin_memory=pinned)
     if pinned:
@@ -166,9 +167,11 @@ def measure(args: argparse.Namespace) -> dict:
             "over_tcp": {name: rate / tcp for name, rate in medians.items()} if tcp else {}}
 
 
-def device_names(smoke: bool) -> str:
-    if smoke:
+def device_names(args: argparse.Namespace) -> str:
+    if args.smoke:
         return "CPU, DRAM (smoke test, not a measurement)"
+    if args.device == "cpu":
+        return "CPU, DRAM to DRAM (no GPU)"
     if torch.cuda.device_count() < 2:
         raise SystemExit(f"needs 2 CUDA GPUs, torch sees {torch.cuda.device_count()}")
     return " -> ".join(torch.cuda.get_device_name(i) for i in (0, 1))
@@ -194,15 +197,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: both stores and the raw READ's target in DRAM")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, DRAM registrations, tiny shape, 256 tokens: checks the script")
     args = parser.parse_args()
     if args.smoke:
-        args.shape, args.tokens, args.repeat = "tiny", 256, 1
-    devices = device_names(args.smoke)
+        args.device, args.shape, args.tokens, args.repeat = "cpu", "tiny", 256, 1
+    devices = device_names(args)
     report = {"date": datetime.date.today().isoformat(), "devices": devices,
               "flags": f"--shape {args.shape} --tokens {args.tokens} --repeat {args.repeat}"
-                       + (" --smoke" if args.smoke else ""),
+                       + (" --smoke" if args.smoke else f" --device {args.device}"),
               **measure(args)}
     write_report(report, args.out, args.shape)
     print(f"{devices}: " + ", ".join(
