@@ -19,15 +19,26 @@ from kvpilot.engine.roles import attach_role
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.operator.local.supervisor import free_port
 
-try:
-    nixl_agent.nixl_api()
-except nixl_agent.NixlUnavailable as exc:
-    pytest.skip(f"nixl is not installed ({exc}); pip install 'kvpilot-engine[nixl]'",
-                allow_module_level=True)
+
+def _nixl_missing() -> str:
+    """Gives why nixl cannot be used here, or '' when it can."""
+    try:
+        nixl_agent.nixl_api()
+    except nixl_agent.NixlUnavailable as exc:
+        return str(exc)
+    return ""
+
+
+needs_nixl = pytest.mark.skipif(bool(_nixl_missing()), reason=_nixl_missing())
 
 BLOCK = 16
 NUM_BLOCKS = 64
 FIRST = SamplingParams(temperature=0, max_tokens=1)
+
+
+def aggregated():
+    return LLMEngine.from_engine_args(EngineArgs(model="tiny-llama", num_kv_blocks=NUM_BLOCKS,
+                                                 block_size=BLOCK, dtype="float32"))
 
 
 def make_engine(role: str, transport: str = "nixl"):
@@ -43,9 +54,7 @@ def agent(engine) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def engines():
-    both = LLMEngine.from_engine_args(EngineArgs(model="tiny-llama", num_kv_blocks=NUM_BLOCKS,
-                                                 block_size=BLOCK, dtype="float32"))
-    prefill, decode = make_engine("prefill"), make_engine("decode")
+    both, prefill, decode = aggregated(), make_engine("prefill"), make_engine("decode")
     yield both, prefill, decode
     prefill.shutdown()
     decode.shutdown()
@@ -65,6 +74,7 @@ def handoff(both, prefill, decode, name: str, prompt: list[int], recomputed: int
     return done
 
 
+@needs_nixl
 def test_nixl_pull_equals_aggregated(engines):
     both, prefill, decode = engines
     assert (prefill.connector.transport, decode.connector.transport) == ("nixl", "nixl")
@@ -76,6 +86,7 @@ def test_nixl_pull_equals_aggregated(engines):
     assert len(prefill.connector.leases) == 0  # RELEASE came after the READs
 
 
+@needs_nixl
 def test_metrics_name_the_transport(engines):
     _, _, decode = engines
     metrics = ServerMetrics("tiny")
@@ -85,6 +96,7 @@ def test_metrics_name_the_transport(engines):
     assert 'kvpilot_kv_pulls_total{model_name="tiny",transport="nixl"}' in text
 
 
+@needs_nixl
 def test_failed_read_falls_back_to_tcp(engines, monkeypatch):
     both, prefill, decode = engines
 
@@ -98,6 +110,7 @@ def test_failed_read_falls_back_to_tcp(engines, monkeypatch):
     assert f"127.0.0.1:{prefill.connector.port}" in decode.connector.nixl.failed
 
 
+@needs_nixl
 def test_peer_without_nixl_is_pulled_over_tcp(engines):
     both, _, decode = engines
     prefill_tcp = make_engine("prefill", transport="tcp")
@@ -109,23 +122,27 @@ def test_peer_without_nixl_is_pulled_over_tcp(engines):
         prefill_tcp.shutdown()
 
 
-def test_nixl_import_failure_falls_back_to_tcp(engines, monkeypatch):
-    both, prefill, _ = engines
+def test_nixl_import_failure_falls_back_to_tcp(monkeypatch):
+    """Runs with or without nixl installed: --kv-transport nixl where it does not import."""
 
     def missing():
         raise nixl_agent.NixlUnavailable("injected: No module named 'nixl'")
 
     monkeypatch.setattr(nixl_agent, "nixl_api", missing)
-    decode_tcp = make_engine("decode")
+    prefill, decode = make_engine("prefill"), make_engine("decode")
     try:
-        assert decode_tcp.connector.transport == "tcp" and decode_tcp.connector.nixl is None
-        assert decode_tcp.get_stats().kv_transport == "tcp"
-        done = handoff(both, prefill, decode_tcp, "no-nixl", [*range(900, 900 + 2 * BLOCK), 4])
+        for engine in (prefill, decode):
+            assert engine.connector.transport == "tcp" and engine.connector.nixl is None
+            assert engine.get_stats().kv_transport == "tcp"
+        done = handoff(aggregated(), prefill, decode, "no-nixl",
+                       [*range(900, 900 + 2 * BLOCK), 4])
         assert done["transport"] == "tcp"
     finally:
-        decode_tcp.shutdown()
+        prefill.shutdown()
+        decode.shutdown()
 
 
+@needs_nixl
 def test_block_corrupted_in_flight_is_recomputed_not_read(engines, monkeypatch):
     both, prefill, decode = engines
     read = decode.connector.nixl.agent.read
@@ -145,6 +162,7 @@ def test_block_corrupted_in_flight_is_recomputed_not_read(engines, monkeypatch):
 
 
 @pytest.mark.gpu
+@needs_nixl
 def test_gpu_nixl_pull_from_vram_equals_aggregated():
     """The prefill engine registers its CUDA caches (VRAM); the decode engine READs them into
     its pinned receive buffers, checks them at load, and decodes the aggregated tokens."""
