@@ -182,3 +182,16 @@ def test_gpu_nixl_pull_from_vram_equals_aggregated():
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+@needs_nixl
+def test_caches_nixl_cannot_register_leave_the_prefill_engine_on_tcp(monkeypatch):
+    def refuse(self, caches):
+        raise RuntimeError("injected: UCX has no transport for this memory")
+
+    monkeypatch.setattr(nixl_agent.NixlAgent, "register_caches", refuse)
+    prefill = make_engine("prefill")
+    try:
+        assert prefill.connector.transport == "tcp" and prefill.connector.nixl is None
+    finally:
+        prefill.shutdown()

@@ -32,6 +32,8 @@ from kvpilot.engine.engine_core import ModelLimits, ServedEngine
 from kvpilot.engine.kv_transfer.connector import KVTransport
 
 if TYPE_CHECKING:
+    import torch
+
     from kvpilot.engine.kv_connector.landing_store import LandingStore
     from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent
     from kvpilot.engine.llm_engine import LLMEngine
@@ -138,19 +140,17 @@ def attach_role(engine: LLMEngine, host: str, http_port: int) -> ServedEngine:
     sys.setswitchinterval(min(sys.getswitchinterval(), ROLE_SWITCH_INTERVAL_S))
     lease_seconds = float(os.environ.get(LEASE_SECONDS_ENV, DEFAULT_LEASE_SECONDS))
     kv_key, port = engine.fleet_secret.kv_key, kv_port(engine.engine_args, http_port)
-    nixl = _nixl_agent(engine, host, port)
     if role == "decode":
         decode = TcpConnector(_landing_store(engine), host, port, lease_seconds, kv_key=kv_key,
-                              nixl=nixl)
+                              nixl=_nixl_agent(engine, host, port))
         decode.start()
         transport, lock, port = decode, nullcontext(), decode.port
     else:
         from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
 
         store = EngineBlockStore.of_engine(engine)
-        if nixl is not None:
-            nixl.register_caches(store.caches)
-        prefill = TcpConnector(store, host, port, lease_seconds, kv_key=kv_key, nixl=nixl)
+        prefill = TcpConnector(store, host, port, lease_seconds, kv_key=kv_key,
+                               nixl=_nixl_agent(engine, host, port, store.caches))
         prefill.start()
         transport, lock, port = prefill, store.lock, prefill.port
     log.info("role %s: KV agent on %s:%d (transport %s)", role, host, port,
@@ -158,15 +158,17 @@ def attach_role(engine: LLMEngine, host: str, http_port: int) -> ServedEngine:
     return RoleEngine(engine, transport, role, lock)
 
 
-def _nixl_agent(engine: LLMEngine, host: str, port: int) -> NixlAgent | None:
-    """Gives a NIXL agent under --kv-transport nixl when nixl loads here, else None (TCP)."""
+def _nixl_agent(engine: LLMEngine, host: str, port: int,
+                caches: list[torch.Tensor] | None = None) -> NixlAgent | None:
+    """Gives a NIXL agent (with a prefill engine's `caches` registered) under --kv-transport
+    nixl when nixl works here, else None (TCP)."""
     if engine.engine_args.kv_transport != "nixl":
         return None
     from kvpilot.engine.kv_transfer.nixl_agent import make_agent
 
     # unique per process: a restarted peer's metadata must not be taken for the old one's
     return make_agent(f"kvpilot-{engine.engine_args.role}-{host}:{port}-{os.getpid()}-"
-                      f"{time.monotonic_ns()}")
+                      f"{time.monotonic_ns()}", caches)
 
 
 def _landing_store(engine: LLMEngine) -> LandingStore:

@@ -199,10 +199,20 @@ def _memory_of(tensor: torch.Tensor) -> tuple[str, int]:
     return ("VRAM", tensor.device.index or 0) if tensor.is_cuda else ("DRAM", 0)
 
 
-def make_agent(name: str) -> NixlAgent | None:
-    """Gives a NIXL agent, or None (logged: the KV agent then moves blocks over TCP)."""
+def make_agent(name: str, caches: list[torch.Tensor] | None = None) -> NixlAgent | None:
+    """Gives a NIXL agent with `caches` registered (a prefill engine's), or None when nixl
+    does not load or cannot register them (logged: the KV agent then moves blocks by TCP)."""
     try:
-        return NixlAgent(name)
+        agent = NixlAgent(name)
     except NixlUnavailable as exc:
         log.warning("--kv-transport nixl: %s; KV moves over TCP", exc)
         return None
+    if caches is not None:
+        try:
+            agent.register_caches(caches)
+        except Exception as exc:  # nixl's own errors, e.g. a UCX without CUDA support
+            log.warning("--kv-transport nixl: cannot register the KV caches with NIXL (%r); "
+                        "KV moves over TCP", exc)
+            agent.close()
+            return None
+    return agent
