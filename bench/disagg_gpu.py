@@ -45,6 +45,7 @@ from kvpilot.engine.contracts.builtin_models import (
     TOKENIZER_FILE,
 )
 from kvpilot.engine.contracts.metric_names import (
+    KV_PULLS,
     MODEL_STEPS,
     ROUTER_REQUESTS,
     ROUTER_TRANSFERRED_BLOCKS,
@@ -94,6 +95,7 @@ def engine(name: str, role: str, gpu: int, model: Path, args: argparse.Namespace
         "--load-format", "dummy", "--dtype", "bfloat16" if cuda else "float32",
         "--device", args.device, "--max-model-len", "12288",
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--role", role,
+        *(["--kv-transport", args.kv_transport] if role != "both" else []),
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
         {"CUDA_VISIBLE_DEVICES": str(gpu)} if cuda else {}, port)
 
@@ -161,6 +163,9 @@ def run_config(name: str, processes: list[LocalProcess], log_dir: Path,
         result["engine_steps"] = {
             p.name: {mode: count - steps_before[p.name][mode]
                      for mode, count in model_steps(p.url).items()} for p in processes[:-1]}
+        # which transport moved the KV of the decode engine's pulls (--kv-transport)
+        result["kv_pulls"] = {p.name: kv_pulls(p.url) for p in processes[:-1]
+                              if p.role == "decode"}
         return result
     finally:
         supervisor.stop()
@@ -171,6 +176,14 @@ def model_steps(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     return {mode: read_metrics(text, [MODEL_STEPS], labels={"mode": mode})[0].get(MODEL_STEPS, 0.0)
             for mode in ("graph", "eager")}
+
+
+def kv_pulls(url: str) -> dict[str, int]:
+    """Gives a decode engine's completed KV pulls by the transport that moved their blocks."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return {sample.labels["transport"]: int(sample.value)
+            for family in text_string_to_metric_families(text) if family.name == KV_PULLS
+            for sample in family.samples if sample.name.endswith("_total")}
 
 
 def router_outcomes(url: str) -> dict[str, int]:
@@ -204,6 +217,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run both setups this many times, alternating; the ratios "
                              "reported are the medians, each run's are listed")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-transport", choices=["tcp", "nixl"], default="tcp",
+                        help="how the disaggregated setup's decode engine pulls KV (nixl needs "
+                             "the nixl wheel; the report's kv_pulls say which transport ran)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the results")
     parser.add_argument("--logs", type=Path, default=None,
                         help="keep the processes' logs here (default: a temporary folder)")
@@ -236,6 +252,8 @@ def flags(args: argparse.Namespace) -> str:
     out = (f"--shape {args.shape} --seconds {args.seconds:g} --long-rate {args.long_rate:g} "
            f"--decode-rate {args.decode_rate:g} "
            f"--max-num-batched-tokens {args.max_num_batched_tokens} --seed {args.seed}")
+    if args.kv_transport != "tcp":
+        out += f" --kv-transport {args.kv_transport}"
     if args.repeat > 1:
         out += f" --repeat {args.repeat}"
     if args.device != "cuda":
@@ -257,7 +275,9 @@ def ratios(configs: dict) -> dict[str, float]:
     return {"itl_p99_agg_over_disagg": a["decodes"]["p99_itl_ms"] / max(
                 d["decodes"]["p99_itl_ms"], 1e-9),
             "throughput_disagg_over_agg": d["all"]["output_throughput"] / max(
-                a["all"]["output_throughput"], 1e-9)}
+                a["all"]["output_throughput"], 1e-9),
+            "long_ttft_disagg_over_agg": d["long_prompts"]["median_ttft_ms"] / max(
+                a["long_prompts"]["median_ttft_ms"], 1e-9)}
 
 
 def row(name: str, c: dict) -> str:
@@ -303,7 +323,8 @@ def write_report(report: dict, args: argparse.Namespace) -> None:
     runs = [run["ratios"] for run in report["runs"]]
     report["ratios"] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"disagg_gpu-{args.shape}"
+    stem = args.out / (f"disagg_gpu-{args.shape}"
+                       + ("-nixl" if args.kv_transport == "nixl" else ""))
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     lines = [f"# Disaggregated vs aggregated on {report['gpu']} ({report['date']})", "",
              f"`python bench/disagg_gpu.py {report['flags']}` (Llama-{args.shape}-shaped dummy "
@@ -319,7 +340,11 @@ def write_report(report: dict, args: argparse.Namespace) -> None:
         len(runs) > 1) else ""
     lines += ["", f"ITL p99 aggregated / disaggregated: {r['itl_p99_agg_over_disagg']:.2f}x"
               f"{' (median)' if len(runs) > 1 else ''}{each}; throughput disaggregated / "
-              f"aggregated: {r['throughput_disagg_over_agg']:.2f}x (goal: >= 2x and >= 0.9x)", ""]
+              f"aggregated: {r['throughput_disagg_over_agg']:.2f}x (goal: >= 2x and >= 0.9x); "
+              f"long-prompt TTFT p50 disaggregated / aggregated: "
+              f"{r['long_ttft_disagg_over_agg']:.2f}x (issue 22's goal: <= 1.2x); decode "
+              f"engine's pulls by transport: {report['configs']['disaggregated']['kv_pulls']}",
+              ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
     print(f"wrote {stem}.json and {stem}.md", flush=True)

@@ -22,6 +22,10 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]]; then
     # Three distributions, each editable (a plain .pth: tools resolve every import):
     # kvpilot (CLI, operator, router, contracts), kvpilot-kernels, kvpilot-engine.
     "$VENV/bin/python" -m pip install -q -e ".[test]" -e ./kernels -e ./engine
+    # the engine's `nixl` extra (69 MB, seconds from the index) for the NIXL transport's tests;
+    # without it they skip, so a machine that cannot fetch it still sets up
+    "$VENV/bin/python" -m pip install -q "nixl-cu12>=1.5" \
+        || echo "nixl-cu12 not installed: the NIXL transport's tests will skip"
     echo "$WANT" > "$STAMP"
 fi
 

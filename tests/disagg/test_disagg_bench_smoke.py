@@ -27,6 +27,7 @@ def test_disagg_bench_runs_both_setups_and_reports_each_run(tmp_path: Path) -> N
             assert config["decodes"]["failed"] == 0 and config["long_prompts"]["failed"] == 0
             assert config["decodes"]["completed"] > 0
         assert disagg["router_outcomes"].get("transferred_blocks", 0) > 0
+        assert disagg["kv_pulls"]["decode"].get("tcp", 0) > 0  # the default transport
         assert run["ratios"]["itl_p99_agg_over_disagg"] > 0
     table = (out / "disagg_gpu-tiny.md").read_text()
     assert "disaggregated, run 2" in table and "per run" in table

@@ -188,7 +188,8 @@ async def test_pull_between_engine_stores_chunks_and_groups(dtype):
         src.unpin(pinned)
     assert import_data(dst, hashes[:5], read.wait()) == 5
     done = await pull_between(src, dst, tokens)
-    assert done == {"imported": 35, "skipped": 5, "blocks": 40}
+    assert done == {"imported": 35, "skipped": 5, "blocks": 40,
+                    "transport": "tcp"}
     for block_hash in hashes:
         assert torch.equal(block_bits(src, block_hash), block_bits(dst, block_hash))
     assert src.owned_blocks() == 0 and dst.owned_blocks() == 0
@@ -270,7 +271,7 @@ async def test_short_pool_takes_the_leading_blocks_that_fit(group_blocks):
     tokens = prompt(10)
     hashes = compute(src, tokens)
     done = await pull_between(src, dst, tokens)  # the blocks that did not fit are drained
-    assert done == {"imported": 6, "skipped": 0, "blocks": 10}
+    assert done == {"imported": 6, "skipped": 0, "blocks": 10, "transport": "tcp"}
     assert dst.num_cached_prefix(hashes) == 6
     for block_hash in hashes[:6]:
         assert torch.equal(block_bits(src, block_hash), block_bits(dst, block_hash))

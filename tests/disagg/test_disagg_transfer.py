@@ -56,7 +56,7 @@ async def test_pull_moves_the_missing_blocks(agents, decode_has, capacity, impor
         assert prefill.offer("cmpl-1", PROMPT) == 10
     assert prefill_store.pinned == 10
     done = await request_pull(addr(decode), addr(prefill), "cmpl-1", timeout=5)
-    assert done == {"imported": imported, "skipped": skipped, "blocks": 10}
+    assert done == {"imported": imported, "skipped": skipped, "blocks": 10, "transport": "tcp"}
     for h in hashes[:skipped + imported]:
         assert decode_store.blocks[h] == block_data(h, 64)
     await asyncio.sleep(0.05)  # the RELEASE lands just after DONE

@@ -32,7 +32,10 @@ from kvpilot.engine.engine_core import ModelLimits, ServedEngine
 from kvpilot.engine.kv_transfer.connector import KVTransport
 
 if TYPE_CHECKING:
+    import torch
+
     from kvpilot.engine.kv_connector.landing_store import LandingStore
+    from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent
     from kvpilot.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvpilot.roles")
@@ -86,7 +89,9 @@ class RoleEngine:
 
     def get_stats(self) -> EngineStats:
         with self.lock:
-            return self.engine.get_stats()
+            stats = self.engine.get_stats()
+        stats.kv_transport, stats.kv_pulls = self.connector.transport, dict(self.connector.pulls)
+        return stats
 
     def step(self) -> list[EngineCoreOutput]:
         asked = time.perf_counter()
@@ -136,18 +141,34 @@ def attach_role(engine: LLMEngine, host: str, http_port: int) -> ServedEngine:
     lease_seconds = float(os.environ.get(LEASE_SECONDS_ENV, DEFAULT_LEASE_SECONDS))
     kv_key, port = engine.fleet_secret.kv_key, kv_port(engine.engine_args, http_port)
     if role == "decode":
-        decode = TcpConnector(_landing_store(engine), host, port, lease_seconds, kv_key=kv_key)
+        decode = TcpConnector(_landing_store(engine), host, port, lease_seconds, kv_key=kv_key,
+                              nixl=_nixl_agent(engine, host, port))
         decode.start()
         transport, lock, port = decode, nullcontext(), decode.port
     else:
         from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
 
         store = EngineBlockStore.of_engine(engine)
-        prefill = TcpConnector(store, host, port, lease_seconds, kv_key=kv_key)
+        prefill = TcpConnector(store, host, port, lease_seconds, kv_key=kv_key,
+                               nixl=_nixl_agent(engine, host, port, store.caches))
         prefill.start()
         transport, lock, port = prefill, store.lock, prefill.port
-    log.info("role %s: KV agent on %s:%d (transport tcp)", role, host, port)
+    log.info("role %s: KV agent on %s:%d (transport %s)", role, host, port,
+             transport.transport)
     return RoleEngine(engine, transport, role, lock)
+
+
+def _nixl_agent(engine: LLMEngine, host: str, port: int,
+                caches: list[torch.Tensor] | None = None) -> NixlAgent | None:
+    """Gives a NIXL agent (with a prefill engine's `caches` registered) under --kv-transport
+    nixl when nixl works here, else None (TCP)."""
+    if engine.engine_args.kv_transport != "nixl":
+        return None
+    from kvpilot.engine.kv_transfer.nixl_agent import make_agent
+
+    # unique per process: a restarted peer's metadata must not be taken for the old one's
+    return make_agent(f"kvpilot-{engine.engine_args.role}-{host}:{port}-{os.getpid()}-"
+                      f"{time.monotonic_ns()}", caches)
 
 
 def _landing_store(engine: LLMEngine) -> LandingStore:

@@ -25,6 +25,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 QUANTIZATIONS = ("none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
+KV_TRANSPORTS = ("tcp", "nixl")  # how a decode engine pulls KV (kv_transfer/nixl_agent.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tool_parsers.py implements each
 # With --kv-transfer-port 0 an engine's KV agent listens on its HTTP port plus this.
 KV_PORT_OFFSET = 1000
@@ -126,10 +127,16 @@ class EngineArgs:
                 "\"num_speculative_tokens\": 4}' (a draft sharing the tokenizer); one rank "
                 "only, async scheduling off; requests with penalties, logprobs, n > 1, beam "
                 "search, min_tokens or structured outputs decode without drafts"})
-    # KV connector (issue 22): a host-memory tier (KV moves between engines over TCP)
+    # KV connector (issue 22): a host-memory tier
     kv_offload_gb: float = field(default=0.0, metadata={
         "help": "GiB of host memory (pinned on GPU) for KV blocks evicted from the GPU prefix "
                 "cache; a later prefix hit loads them back instead of recomputing (0: off)"})
+    # NIXL KV transport (issue 22)
+    kv_transport: str = field(default="tcp", metadata={"choices": KV_TRANSPORTS,
+        "help": "how KV blocks move between prefill and decode engines: tcp (BLOCK frames "
+                "through host memory), or nixl (NIXL READs of the prefill engine's registered "
+                "caches, needs the engine's `nixl` extra on both sides; a pull falls back to "
+                "tcp where nixl is missing or its READ fails, and /metrics says which ran)"})
 
     # all-reduce of tensor parallelism (issue 16): vLLM's flag name
     disable_custom_all_reduce: bool = field(default=False, metadata={
@@ -147,7 +154,8 @@ class EngineArgs:
                               ("scheduling_policy", SCHEDULING_POLICIES), ("role", ROLES),
                               ("async_scheduling", ASYNC_SCHEDULING),
                               ("quantization", QUANTIZATIONS),
-                              ("kv_cache_dtype", KV_CACHE_DTYPES)):
+                              ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("kv_transport", KV_TRANSPORTS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is invalid: choose one of {', '.join(allowed)}")

@@ -18,6 +18,14 @@ each connection opened by the challenge-response of `kv_auth` (AUTH frames):
     decode -> router       : DONE {"imported", "skipped"}  or  ERROR {"message"}
 
 and, for operators and tests, STATS {} -> STATS {"leases", "leased_blocks", "owned_blocks"}.
+
+With `--kv-transport nixl` on both sides (`kv_transfer/nixl_agent.py`) FETCH carries
+`"nixl": true`, LEASE a `"nixl"` part (agent name, metadata, cache layout), and the
+blocks move by NIXL READs instead of BLOCK frames:
+
+    decode -> prefill      : WANT {"hashes", "nixl": true}
+    prefill -> decode      : SLOTS {"block_ids", "checksums"}   (then the decode side READs)
+    decode -> prefill      : RELEASE {"lease_id"}
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ class Frame(IntEnum):
     ERROR = 9
     STATS = 10
     AUTH = 11
+    SLOTS = 12  # the NIXL path's answer to WANT: where the blocks are, and their checksums
 
 
 class ProtocolError(Exception):

@@ -47,6 +47,11 @@ MODE_LABEL = "mode"
 KV_OFFLOAD_BLOCKS = "kvpilot_kv_offload_blocks"
 OP_LABEL = "op"
 KV_HOST_CACHE_USAGE_PERC = "kvpilot_kv_host_cache_usage_perc"
+# a prefill/decode engine's KV transport (--kv-transport): 1 on the configured one that loaded,
+# and its completed pulls by the transport that moved their blocks (nixl falls back to tcp)
+KV_TRANSPORT_INFO = "kvpilot_kv_transport_info"
+KV_PULLS = "kvpilot_kv_pulls"
+TRANSPORT_LABEL = "transport"
 
 MODEL_NAME_LABEL = "model_name"
 FINISHED_REASON_LABEL = "finished_reason"

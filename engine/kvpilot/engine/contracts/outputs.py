@@ -103,3 +103,7 @@ class EngineStats:
     kv_offload_evicted_blocks: int = 0  # host-tier entries dropped for room (LRU)
     kv_host_cache_usage: float = 0.0  # fraction of host-tier rows in use, 0..1
     kv_host_blocks: int = 0  # host-tier capacity in blocks (0: no host tier)
+    # a prefill/decode engine's KV agent: the transport it pulls by ("tcp" or "nixl"; "" for
+    # role both) and its completed pulls by how their blocks moved (NIXL falls back to TCP)
+    kv_transport: str = ""
+    kv_pulls: dict[str, int] = field(default_factory=dict)

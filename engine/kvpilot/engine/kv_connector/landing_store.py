@@ -68,6 +68,9 @@ class LandingStore:
     def read(self, handle: list[int], hashes: Sequence[int]) -> PendingRead:
         raise ProtocolError("a decode engine serves no leases: pull from the prefill engine")
 
+    def slots(self, handle: list[int], hashes: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        raise ProtocolError("a decode engine serves no leases: pull from the prefill engine")
+
     def owned_blocks(self) -> int:
         return self.pool.num_blocks - self.pool.num_free_blocks
 
@@ -94,6 +97,25 @@ class LandingStore:
         """Keeps the frames' checksums with the blocks: the load checks them on the device."""
         raw = torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.int32)
         staged.sums = raw.view(-1, 2).to(torch.int64) & 0xFFFFFFFF
+
+    def reserve(self, hashes: Sequence[int]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Gives the host pool's rows (uint8 [num_rows, block_bytes]) and (hash, row) for each
+        hash it does not hold, as far as room goes: a NIXL READ writes them in place, then
+        `land` or `abandon` them (no receive buffer, no copy)."""
+        return self.host.data, self.host.allocate(hashes)
+
+    def land(self, entries: list[tuple[int, int]], digests: Sequence[bytes]) -> None:
+        """Makes reserved rows, now written, findable with their checksums (checked on the
+        device when a step loads them)."""
+        if entries:
+            raw = torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.int32)
+            rows = torch.tensor([row for _, row in entries])
+            self.host.sums[rows] = raw.view(-1, 2).to(torch.int64) & 0xFFFFFFFF
+            self.host.commit(entries)
+
+    def abandon(self, entries: list[tuple[int, int]]) -> None:
+        """Gives reserved rows back unwritten (or half-written: never findable)."""
+        self.host.abandon([row for _, row in entries])
 
     def import_blocks(self, staged: Landed, prefix_hashes: Sequence[int] = ()) -> int:
         """Copies the blocks the host pool takes into its rows; gives how many went in."""

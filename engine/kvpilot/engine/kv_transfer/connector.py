@@ -8,7 +8,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 
 class PendingRead(Protocol):
@@ -31,6 +34,7 @@ class ReceiveBuffer(Protocol):
     """A pooled host buffer for up to `capacity` blocks of a pull, filled as they arrive."""
 
     capacity: int
+    tensor: torch.Tensor  # uint8 [capacity, block_bytes] host memory (NIXL reads into it)
 
     def block(self, index: int) -> memoryview:
         """Gives block `index`'s bytes (`block_bytes` long), writable."""
@@ -89,6 +93,11 @@ class BlockStore(Protocol[HandleT, BufferT, StagedT]):
         (no lock; `handle` stays pinned until the call returns)."""
         ...
 
+    def slots(self, handle: HandleT, hashes: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """Gives the pinned blocks' ids in the caches and their checksum fields, for a peer
+        that reads them by NIXL (no lock; `handle` stays pinned until the call returns)."""
+        ...
+
     def num_cached_prefix(self, hashes: Sequence[int]) -> int:
         """Gives how many leading hashes this engine's prefix cache already holds."""
         ...
@@ -128,6 +137,8 @@ class KVTransport(ABC):
     """
 
     transfers_running = 0  # conversations moving blocks now (the slow-iteration log names it)
+    transport = "tcp"  # how pulls move blocks when the peer agrees: "tcp" or "nixl"
+    pulls: dict[str, int]  # completed pulls by the transport that moved their blocks
 
     @abstractmethod
     def start(self) -> None:

@@ -44,6 +44,8 @@ from kvpilot.engine.kv_transfer.connector import (
     StagedT,
 )
 from kvpilot.engine.kv_transfer.leases import Lease, LeaseTable
+from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent, NixlError
+from kvpilot.engine.kv_transfer.nixl_pull import NixlPath, receive_by_nixl, slots_frame
 
 log = logging.getLogger("kvpilot.kv_transfer")
 FETCH_IO_TIMEOUT = 30.0  # a decode peer silent this long mid-transfer is gone (the lease expires)
@@ -55,12 +57,16 @@ R = TypeVar("R")
 class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
     """Serves FETCH/WANT/RELEASE (prefill) and PULL (decode) on host:port to peers that prove
     they hold `kv_key` (the fleet secret's; `kv_auth`), and proves it to the agents it pulls
-    from."""
+    from. With a `nixl` agent the blocks move by NIXL READs where the peer offers them
+    (`nixl_pull`), and by BLOCK frames where it does not or a READ failed."""
 
     def __init__(self, store: BlockStore[HandleT, BufferT, StagedT], host: str, port: int,
                  lease_seconds: float = 30.0, pull_attempts: int = 2,
-                 kv_key: bytes = NO_SECRET_KEY) -> None:
+                 kv_key: bytes = NO_SECRET_KEY, nixl: NixlAgent | None = None) -> None:
         self.store = store
+        self.nixl = NixlPath(nixl) if nixl is not None else None
+        self.transport = "nixl" if nixl is not None else "tcp"
+        self.pulls = {"nixl": 0, "tcp": 0}  # pulls completed, by how their blocks moved
         self._kv_key = kv_key
         self.host, self.port = host, port
         self.leases: LeaseTable[HandleT] = LeaseTable(lease_seconds)
@@ -107,6 +113,8 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
         with self.store.lock, self._lease_lock:
             for lease in self.leases.expire(float("inf")):
                 self.store.unpin(lease.pinned)
+        if self.nixl is not None:
+            self.nixl.agent.close()
 
     # ---- prefill side -----------------------------------------------------------------
 
@@ -147,13 +155,20 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
             sock.sendall(encode(Frame.ERROR, {"message": f"lease {lease_id!r} is unknown or "
                                                         "expired"}))
             return
+        offer = self.nixl.offer(message) if self.nixl is not None else {}
         sock.sendall(encode(Frame.LEASE, {"hashes": lease.hashes,
-                                          "block_bytes": self.store.block_bytes}))
+                                          "block_bytes": self.store.block_bytes, **offer}))
         _, want = expect_sync(sock, Frame.WANT)
         wanted = [int(h) for h in want.get("hashes") or []]
         unknown = set(wanted) - set(lease.hashes)
         if unknown:
             raise ProtocolError(f"WANT names {len(unknown)} hashes outside lease {lease_id}")
+        if want.get("nixl") and offer:
+            # the decode side READs the blocks; they stay pinned until its RELEASE
+            sock.sendall(slots_frame(*self._slots(lease, wanted)))
+            expect_sync(sock, Frame.RELEASE)
+            self._release(lease_id)
+            return
         size = self.store.read_chunk_blocks
         chunks = [wanted[i:i + size] for i in range(0, len(wanted), size)]
         pending: list[PendingRead] = []
@@ -187,6 +202,13 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
                 raise ProtocolError(f"lease {lease.lease_id!r} expired mid-transfer")
             return self.store.read(lease.pinned, hashes)
 
+    def _slots(self, lease: Lease[HandleT], hashes: list[int]) -> tuple[list[int], list[bytes]]:
+        """Gives a live lease's blocks' ids and checksums (as `_read`, under the lease lock)."""
+        with self._lease_lock:
+            if self.leases.get(lease.lease_id, time.monotonic()) is not lease:
+                raise ProtocolError(f"lease {lease.lease_id!r} expired mid-transfer")
+            return self.store.slots(lease.pinned, hashes)
+
     def _release(self, lease_id: str) -> None:
         with self.store.lock, self._lease_lock:
             lease = self.leases.release(lease_id)
@@ -207,6 +229,8 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
                 return await self._in_worker(self._pull, host, int(port), lease_id, deadline)
             except (OSError, ProtocolError, TimeoutError) as exc:
                 error = exc
+                if isinstance(exc, NixlError) and self.nixl is not None:
+                    self.nixl.fail(str(message["remote"]))  # the retry moves by TCP
                 log.warning("pull of lease %s from %s, attempt %d: %r", lease_id,
                             message["remote"], attempt + 1, exc)
                 if isinstance(exc, ProtocolError) and "unknown or expired" in str(exc):
@@ -232,7 +256,10 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
             sock.settimeout(None)
             set_kernel_timeouts(sock, remaining())
             prove_to_agent_sync(sock, self._kv_key)
-            sock.sendall(encode(Frame.FETCH, {"lease_id": lease_id}))
+            remote = f"{host}:{port}"
+            nixl = self.nixl if self.nixl is not None and self.nixl.ask(remote) else None
+            sock.sendall(encode(Frame.FETCH, {"lease_id": lease_id,
+                                              **({"nixl": True} if nixl else {})}))
             _, lease = expect_sync(sock, Frame.LEASE)
             hashes = [int(h) for h in lease["hashes"]]
             with self.store.lock:
@@ -242,13 +269,22 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
             if wanted and lease["block_bytes"] != size:
                 raise ProtocolError(f"the peer's blocks are {lease['block_bytes']} bytes, this "
                                     f"engine's {size}: a different model, dtype or block size")
-            sock.sendall(encode(Frame.WANT, {"hashes": wanted}))
-            imported = self._receive(sock, hashes[:have], wanted, remaining) if wanted else 0
-            set_kernel_timeouts(sock, remaining())
-            expect_sync(sock, Frame.END)
+            peer = nixl.peer(lease, remote) if nixl is not None and wanted else None
+            sock.sendall(encode(Frame.WANT, {"hashes": wanted,
+                                             **({"nixl": True} if peer else {})}))
+            if peer is not None and nixl is not None:
+                imported = receive_by_nixl(sock, nixl.agent, *peer, self.store, hashes[:have],
+                                           wanted, remaining, import_group)
+            else:
+                imported = self._receive(sock, hashes[:have], wanted, remaining) if wanted else 0
+                set_kernel_timeouts(sock, remaining())
+                expect_sync(sock, Frame.END)
             remaining()
             sock.sendall(encode(Frame.RELEASE, {"lease_id": lease_id}))
-            return {"imported": imported, "skipped": have, "blocks": len(hashes)}
+            transport = "nixl" if peer is not None else "tcp"
+            self.pulls[transport] += 1
+            return {"imported": imported, "skipped": have, "blocks": len(hashes),
+                    "transport": transport}
 
     def _receive(self, sock: socket.socket, prefix: list[int], wanted: list[int],
                  remaining: Callable[[], float]) -> int:

@@ -104,12 +104,29 @@ class _StatsCollector(Collector):
                            ("evicted", stats.kv_offload_evicted_blocks)):
             offload.add_metric([*value, op], float(number))
         yield offload
+        yield from _transport_families(stats, label, value)
         if stats.block_size:
             info = GaugeMetricFamily(names.CACHE_CONFIG_INFO, "KV-cache layout, in its labels",
                                      labels=[*label, names.BLOCK_SIZE_LABEL,
                                              names.NUM_GPU_BLOCKS_LABEL])
             info.add_metric([*value, str(stats.block_size), str(stats.num_total_blocks)], 1.0)
             yield info
+
+
+def _transport_families(stats: EngineStats, label: list[str], value: list[str]
+                        ) -> Iterator[Metric]:
+    """Yields a role engine's KV transport and its pulls by transport (nothing for `both`)."""
+    if not stats.kv_transport:
+        return
+    info = GaugeMetricFamily(names.KV_TRANSPORT_INFO, "the KV transport this engine's agent "
+                             "uses, in its label", labels=[*label, names.TRANSPORT_LABEL])
+    info.add_metric([*value, stats.kv_transport], 1.0)
+    yield info
+    pulls = CounterMetricFamily(names.KV_PULLS, "KV pulls completed, by the transport that "
+                                "moved their blocks", labels=[*label, names.TRANSPORT_LABEL])
+    for transport, number in sorted(stats.kv_pulls.items()):
+        pulls.add_metric([*value, transport], float(number))
+    yield pulls
 
 
 def _spec_decode_families(stats: EngineStats, label: list[str], value: list[str]
