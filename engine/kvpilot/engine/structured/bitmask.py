@@ -1,4 +1,5 @@
-"""The batch's token bitmask: a reused host buffer, its device copy, and applying it to logits.
+"""The batch's token bitmask: a reused host buffer, its device copy, and applying it to logits
+(on CUDA by `kvpilot.kernels.token_bitmask`).
 
 The grammar library writes one int32 row per sampled sequence (bit k of word w
 allows token 32 * w + k) into a host buffer allocated once (pinned on CUDA, so
@@ -56,12 +57,18 @@ _BIT_OF_BYTE: dict[torch.device, torch.Tensor] = {}  # device -> uint8 [8]: 1 <<
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Gives `logits` [N, vocab] with every token whose bit is 0 in `bitmask` [N, words] (int32,
-    on the logits' device) set to -inf: one bool [N, 32 * words] temporary, one select."""
+    on the logits' device) set to -inf: one Triton pass on CUDA; elsewhere one bool
+    [N, 32 * words] temporary and one select."""
+    if logits.is_cuda:
+        from kvpilot.kernels.token_bitmask import apply_token_bitmask as kernel
+
+        return kernel(logits, bitmask)
     n, vocab = logits.shape
     dev = logits.device
     bits = _BIT_OF_BYTE.get(dev)
     if bits is None:
         bits = _BIT_OF_BYTE[dev] = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8,
                                                 device=dev)
-    allowed = (bitmask.contiguous().view(torch.uint8).view(n, -1, 1) & bits) != 0
-    return torch.where(allowed.view(n, -1)[:, :vocab], logits, float("-inf"))
+    words = bitmask.shape[1]
+    allowed = (bitmask.contiguous().view(torch.uint8).view(n, 4 * words, 1) & bits) != 0
+    return torch.where(allowed.view(n, 32 * words)[:, :vocab], logits, float("-inf"))
