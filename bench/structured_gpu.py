@@ -15,6 +15,14 @@ once) for a fixed number of steps, in three modes, each its own engine:
 
 Reported per mode: the median ms of pure decode steps with 64 running, and the
 output tokens/s over the timed steps. `slowdown` = json_schema / unconstrained.
+Per mode also: the median ms of the grammar's mask fill per decode step (the
+engine's "grammar" phase), and how many timed steps left a batch in flight
+(async scheduling kept on). Mixed prefill+decode steps run eagerly (CUDA graphs
+hold pure decode batches): constrained requests end with their JSON object
+(~100-150 tokens here) and are replaced, so they prefill more often than the
+unconstrained ones (256 tokens), hence more eager steps and lower tok/s; the
+median decode step compares like with like. A last child times the mask fill
+alone (`structured_mask_fill.py`): serially vs llguidance's parallel executor.
 
     python bench/structured_gpu.py OUT_DIR            # CUDA
     python bench/structured_gpu.py OUT_DIR --smoke    # CPU, tiny-qwen3, a few steps
@@ -70,19 +78,36 @@ def _byte_alphabet() -> dict[int, str]:
 
 def synthetic_tokenizer(vocab_size: int, seed: int = 0) -> dict:
     """Gives a tokenizer.json: byte-level BPE with `vocab_size - 3` tokens from random merges
-    and three special tokens at the top (<|endoftext|>, <|im_start|>, <|im_end|>)."""
+    and three special tokens at the top (<|endoftext|>, <|im_start|>, <|im_end|>).
+
+    As in real vocabularies, tokens are mostly whole UTF-8 text (about 3% end in a partial
+    multi-byte character): merging random bytes instead gave 85% invalid UTF-8, which no JSON
+    string admits and which llguidance's precomputed string slices skip, so every mask inside
+    a string walked the whole token trie (ms per row, not tens of us).
+    """
     rng = random.Random(seed)
     alphabet = _byte_alphabet()
     vocab: dict[str, int] = {alphabet[b]: b for b in range(256)}
-    pieces = [alphabet[b] for b in range(256)]
+    merges: list[list[str]] = []
+    text = [alphabet[b] for b in range(32, 127)]  # pieces that are whole UTF-8 text
+    for char in "éèêëàâäçñöøüßåæœíóúãõ€£¥°±×÷中文日本語한국어привеΑΒΓλμπ":  # as byte merges
+        left, *rest = [alphabet[b] for b in char.encode()]
+        for right in rest:
+            if left + right not in vocab:
+                vocab[left + right] = len(vocab)
+                merges.append([left, right])
+            left += right
+        text.append(left)
+    partial = [alphabet[b] for b in range(0xC3, 0xF0)]  # lead bytes of multi-byte characters
     # mostly ASCII letters, a leading space, digits and JSON punctuation: as in real vocabularies
     seeds = [alphabet[b] for b in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"]
     space = alphabet[ord(" ")]
-    merges: list[list[str]] = []
     target = vocab_size - 3
     while len(vocab) < target:
-        left = rng.choice(pieces if rng.random() < 0.3 else seeds)
-        right = rng.choice(seeds if rng.random() < 0.8 else pieces)
+        left = rng.choice(text if rng.random() < 0.3 else seeds)
+        whole = rng.random() >= 0.03
+        right = rng.choice(seeds if rng.random() < 0.8 else text) if whole else \
+            rng.choice(partial)
         if rng.random() < 0.25 and not left.startswith(space):
             left = space + left if space + left in vocab else left
         token = left + right
@@ -90,9 +115,10 @@ def synthetic_tokenizer(vocab_size: int, seed: int = 0) -> dict:
             continue
         vocab[token] = len(vocab)
         merges.append([left, right])
-        pieces.append(token)
-        if len(token) <= 6:
-            seeds.append(token)
+        if whole:
+            text.append(token)
+            if len(token) <= 6:
+                seeds.append(token)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     added = [{"id": target + i, "content": s, "single_word": False, "lstrip": False,
               "rstrip": False, "normalized": False, "special": True}
@@ -158,6 +184,8 @@ def run_mode(model: str, mode: str, smoke: bool) -> dict:
             torch.cuda.synchronize()
 
     step_ms: list[float] = []
+    grammar_ms: list[float] = []
+    in_flight = 0
     tokens = 0
     start = 0.0
     for step in range(warm_steps + timed_steps):
@@ -173,6 +201,8 @@ def run_mode(model: str, mode: str, smoke: bool) -> dict:
                 all(n == 1 for _, n in plan.scheduled):
             sync()
             step_ms.append((time.perf_counter() - began) * 1e3)
+            grammar_ms.append(engine._phases.get("grammar", 0.0) * 1e3)
+        in_flight += step >= warm_steps and engine._inflight is not None
     sync()
     elapsed = time.perf_counter() - start
     stats = engine.get_stats()
@@ -180,6 +210,8 @@ def run_mode(model: str, mode: str, smoke: bool) -> dict:
     return {"mode": mode, "device": device, "batch": batch, "timed_steps": timed_steps,
             "decode_step_ms_median": statistics.median(step_ms) if step_ms else None,
             "pure_decode_steps": len(step_ms), "output_tok_per_s": tokens / elapsed,
+            "grammar_fill_ms_median": statistics.median(grammar_ms) if grammar_ms else None,
+            "steps_left_in_flight": in_flight,
             "graph_steps": stats.graph_steps, "eager_steps": stats.eager_steps}
 
 
@@ -206,6 +238,24 @@ def validate_outputs(model: str, smoke: bool) -> int:
     return good
 
 
+def mask_fill(model: str, smoke: bool) -> dict:
+    """Gives the mask fill's cost alone at the bench's batch (structured_mask_fill.py)."""
+    from structured_mask_fill import mask_fill_costs
+
+    from kvpilot.engine.contracts.builtin_models import BUILTIN_CONFIGS, is_builtin
+    from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
+    from kvpilot.engine.contracts.tokenizer import load_tokenizer
+    from kvpilot.engine.structured.grammar import grammar_of
+
+    config = BUILTIN_CONFIGS[model] if is_builtin(model) else json.loads(
+        (Path(model) / "config.json").read_text())
+    eos = config["eos_token_id"]
+    return mask_fill_costs(load_tokenizer(model).to_json(), config["vocab_size"],
+                           eos if isinstance(eos, list) else [eos],
+                           grammar_of(StructuredOutputsParams(json=json.dumps(SCHEMA))),
+                           batch=4 if smoke else 64, steps=6 if smoke else 90)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Issue 24: structured outputs at batch 64")
     parser.add_argument("out", type=Path)
@@ -216,6 +266,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.child:  # each engine in its own process: the last one's KV cache is freed
         value = (validate_outputs(args.model, args.smoke) if args.child == "validate"
+                 else mask_fill(args.model, args.smoke) if args.child == "mask_fill"
                  else run_mode(args.model, args.child, args.smoke))
         print(RESULT_PREFIX + json.dumps(value), flush=True)
         return 0
@@ -239,7 +290,7 @@ def main() -> int:
     result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "host": platform.node(), "gpu": torch.cuda.get_device_name()
               if torch.cuda.is_available() else None, "smoke": args.smoke, "rows": rows,
-              "valid_outputs_of_8": child("validate")}
+              "valid_outputs_of_8": child("validate"), "mask_fill": child("mask_fill")}
     base, constrained = by_mode.get("unconstrained"), by_mode.get("json_schema")
     if base and constrained and base["decode_step_ms_median"] and \
             constrained["decode_step_ms_median"]:
@@ -247,9 +298,11 @@ def main() -> int:
                                           / base["decode_step_ms_median"])
         result["slowdown_tok_per_s"] = base["output_tok_per_s"] / constrained["output_tok_per_s"]
     (args.out / "results.json").write_text(json.dumps(result, indent=2))
-    lines = ["| mode | decode step ms (median) | output tok/s |", "|---|---|---|"]
-    lines += [f"| {r['mode']} | {r['decode_step_ms_median']} | {r['output_tok_per_s']:.0f} |"
-              for r in rows]
+    lines = ["| mode | decode step ms (median) | output tok/s | mask fill ms (median) | "
+             "eager steps |", "|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['decode_step_ms_median']} | {r['output_tok_per_s']:.0f} | "
+              f"{r['grammar_fill_ms_median']} | {r['eager_steps']} |" for r in rows]
+    lines.append(f"\nmask fill alone, ms per step: {json.dumps(result['mask_fill'])}")
     lines.append(f"\nslowdown (json_schema / unconstrained, decode step): "
                  f"{result.get('slowdown_decode_step')}; valid outputs: "
                  f"{result['valid_outputs_of_8']}/8 (goal: <= 1.10, 8/8)")

@@ -15,6 +15,7 @@ from core_helpers import Outputs, run_engine
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
 from kvpilot.engine.llm_engine import PLACEHOLDER, LLMEngine, needs_host_sampling
 
 NUM_BLOCKS = 24
@@ -153,6 +154,7 @@ def test_host_sampling_requests_drain_the_flight():
     (SamplingParams(stop=["x"]), False), (SamplingParams(logprobs=0), True),
     (SamplingParams(n=2), True), (SamplingParams(repetition_penalty=1.1), True),
     (SamplingParams(min_tokens=2), True), (SamplingParams(prompt_logprobs=1), True),
+    (SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)), False),
 ])
 def test_needs_host_sampling(params, expected):
     assert needs_host_sampling(params) is expected

@@ -1,5 +1,5 @@
-"""bench/structured_gpu.py end to end on CPU (its smoke mode): the three modes, the slowdown
-and the constrained outputs' validation are written to results.json."""
+"""bench/structured_gpu.py end to end on CPU (its smoke mode): the three modes, the slowdown,
+the mask fill's cost and the constrained outputs' validation are written to results.json."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def test_structured_bench_smoke(tmp_path: Path) -> None:
     assert all(r["pure_decode_steps"] > 0 and r["output_tok_per_s"] > 0 for r in result["rows"])
     assert result["valid_outputs_of_8"] == 8
     assert result["slowdown_decode_step"] > 0
+    by_mode = {r["mode"]: r for r in result["rows"]}
+    assert by_mode["json_schema"]["grammar_fill_ms_median"] > 0
+    assert by_mode["unconstrained"]["grammar_fill_ms_median"] == 0
+    fill = result["mask_fill"]
+    assert fill["steps"] == 6 and all(fill[f"{name}_ms_median"] > 0 for name in (
+        "serial", "parallel_default", "parallel_4"))
 
 
 def test_synthetic_tokenizer_is_a_loadable_byte_level_bpe(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import torch
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
 from kvpilot.engine.llm import LLM
-from kvpilot.engine.structured.matchers import apply_token_bitmask
+from kvpilot.engine.structured.bitmask import apply_token_bitmask
 
 # strings are bounded (maxLength, pattern, enum) and objects closed (additionalProperties):
 # a random model picks `"` about once in a thousand tokens, so an unbounded string would

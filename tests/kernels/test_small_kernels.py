@@ -1,4 +1,5 @@
-"""KV-cache write, fused residual RMSNorm, rotary and SiLU-and-mul against their references."""
+"""KV-cache write, fused residual RMSNorm, rotary, SiLU-and-mul and the token bitmask against
+their references."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kvpilot.kernels.activation import silu_and_mul, silu_and_mul_ref
 from kvpilot.kernels.kv_cache_write import kv_cache_write, kv_cache_write_ref
 from kvpilot.kernels.rmsnorm import rms_norm, rms_norm_ref
 from kvpilot.kernels.rotary import rotary_cos_sin_cache, rotary_embedding, rotary_embedding_ref
+from kvpilot.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 
 
 def rand(gen, *shape, dtype=torch.float32):
@@ -140,3 +142,17 @@ def test_block_checksums_match_the_wire_checksum(rows, size):
     sums = block_checksums_triton(data.to(DEVICE), CHECKSUM_MODULUS).cpu().tolist()
     assert [pack_checksum(a, b) for a, b in sums] == [checksum(row.numpy().tobytes())
                                                        for row in data]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 31), (3, 1000), (5, 2051), (0, 64)])
+def test_token_bitmask_matches_reference(rows, vocab, dtype):
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = rand(gen, rows, vocab, dtype=dtype)
+    words = torch.randint(-2**31, 2**31 - 1, (rows, -(-vocab // 32)), generator=gen,
+                          dtype=torch.int32).to(DEVICE)
+    words[:, 0] = -1  # sign bit set, every token of the word allowed
+    out = apply_token_bitmask(logits, words)
+    assert torch.equal(out, apply_token_bitmask_ref(logits, words))
+    assert torch.equal(out.isinf(), apply_token_bitmask_ref(torch.zeros_like(logits),
+                                                            words).isinf())

@@ -55,11 +55,12 @@ def needs_host_sampling(params: SamplingParams) -> bool:
     """Gives whether a request's sampling needs the previous token on the host.
 
     Penalties count output tokens, min_tokens bans stop ids by output length,
-    logprobs, n > 1 and beam search fork or read back per-step values, and a
-    grammar's mask depends on the previous token: their steps run synchronously
-    even under async scheduling.
+    logprobs, n > 1 and beam search fork or read back per-step values: their
+    steps run synchronously even under async scheduling. A grammar's mask needs
+    the previous token too, but the engine reads it back while the GPU runs the
+    next forward (`_step_async`), so structured outputs keep async scheduling.
     """
-    return bool(params.structured_outputs is not None or params.n > 1
+    return bool(params.n > 1
                 or params.beam_width > 1 or params.logprobs is not None
                 or params.prompt_logprobs is not None or params.min_tokens
                 or params.presence_penalty or params.frequency_penalty
@@ -222,8 +223,8 @@ class LLMEngine:
         self.requests[request_id] = request
         if needs_host_sampling(params):
             self._host_sampling.add(request_id)
-        else:
-            request.speculate = self.spec is not None
+        else:  # drafts are verified without the grammar's mask
+            request.speculate = self.spec is not None and params.structured_outputs is None
         self.scheduler.add(seq)
 
     def grammars(self) -> GrammarMatchers:
@@ -235,7 +236,8 @@ class LLMEngine:
                 raise ValueError("structured_outputs needs the model's tokenizer.json: load a "
                                  "model with one, or drop structured_outputs")
             self._grammars = GrammarMatchers(to_json(), self.model_config.vocab_size,
-                                             list(self.model_config.eos_token_ids))
+                                             list(self.model_config.eos_token_ids),
+                                             self.runner.device)
         return self._grammars
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
@@ -303,18 +305,35 @@ class LLMEngine:
                                      flight.tokens if flight is not None else None)
         phases["forward"], start = clock() - start, clock()
         if self.async_scheduling and not self._host_sampling:
-            launched = self._launch(plan, entries, logits)
-            phases["sample"], start = clock() - start, clock()
-            if flight is not None:
-                self._resolve(flight, results)
-            phases["resolve"], start = clock() - start, clock()
-            self._advance(plan, launched.seqs)
-            phases["advance"] = clock() - start
-            self._inflight = launched
+            self._step_async(plan, entries, logits, flight, results)
             return results
         self._book(plan, entries, logits, results, drafts)
         phases["sample"] = clock() - start
         return results
+
+    def _step_async(self, plan: SchedulerOutput, entries: list[BatchEntry], logits: torch.Tensor,
+                    flight: _InFlight | None, results: list[EngineCoreOutput]) -> None:
+        """Launches the sampling of a step whose forward is queued, reads the previous step's
+        tokens back and books both. A batch with grammar rows reads back first: the matchers
+        take the previous tokens, then their mask is computed while the GPU runs the forward."""
+        phases, clock = self._phases, time.perf_counter
+        start = clock()
+        grammars = self._grammars
+        if flight is not None and grammars is not None and any(
+                s.request.grammar is not None for s, _ in plan.scheduled):
+            self._resolve(flight, results)
+            phases["resolve"], start, flight = clock() - start, clock(), None
+        launched = self._launch(plan, entries, logits)
+        phases["sample"], start = clock() - start, clock()
+        if grammars is not None:
+            phases["grammar"] = grammars.fill_seconds
+        if flight is not None:
+            self._resolve(flight, results)
+        phases["resolve"] = phases.get("resolve", 0.0) + clock() - start
+        start = clock()
+        self._advance(plan, launched.seqs)
+        phases["advance"] = clock() - start
+        self._inflight = launched
 
     def _step_pipelined(self, queue: BatchQueue, results: list[EngineCoreOutput]) -> None:
         """Submits a new batch while the pipeline has room and one can be scheduled; else
@@ -445,7 +464,9 @@ class LLMEngine:
                                         seq.request.num_prompt_tokens, seq.generator))
         if len(seqs) != logits.shape[0]:  # rows that finish a prompt chunk only, not sampled
             raise AssertionError("async steps sample every logits row")
-        tokens = self.sampler.sample_ids(logits, rows) if seqs else logits.new_empty(
+        grammars = self._grammars
+        bitmask = grammars.bitmask(seqs) if grammars is not None else None
+        tokens = self.sampler.sample_ids(logits, rows, bitmask) if seqs else logits.new_empty(
             0, dtype=torch.long)
         if tokens.device.type != "cuda":
             return _InFlight(seqs, tokens, tokens, None)
@@ -479,11 +500,14 @@ class LLMEngine:
         token_ids = flight.host.tolist()
         now = time.monotonic()
         touched: dict[str, Request] = {}
+        grammars = self._grammars
         for seq, token in zip(flight.seqs, token_ids, strict=True):
             if seq.inflight_row < 0:
                 continue  # finished or aborted since the launch
             seq.inflight_row = -1
             seq.token_ids.pop()
+            if grammars is not None:
+                grammars.accept(seq, token)
             self._append(seq, token, None, None, now)
             touched[seq.request.request_id] = seq.request
         self._collect(touched.values(), results)
@@ -544,6 +568,8 @@ class LLMEngine:
             logits = logits.index_select(0, to_device(row_ids, logits.device, torch.long))
         grammars = self._grammars
         bitmask = grammars.bitmask([seq for seq, _ in to_sample]) if grammars else None
+        if grammars is not None:
+            self._phases["grammar"] = grammars.fill_seconds
         out = self.sampler(logits, rows, bitmask)
         now = time.monotonic()
         touched: dict[str, Request] = {}

@@ -18,7 +18,7 @@ import torch
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.device import to_device
-from kvpilot.engine.structured.matchers import apply_token_bitmask
+from kvpilot.engine.structured.bitmask import apply_token_bitmask
 
 
 @dataclass
@@ -122,7 +122,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """Gives the sampled tokens (and logprobs where any row asks) for `rows`; `bitmask`
-        (host int32 [N, ceil(vocab / 32)], structured outputs) leaves only its set bits."""
+        (int32 [N, ceil(vocab / 32)], structured outputs) leaves only its set bits."""
         token_ids = self.sample_ids(logits, rows, bitmask)
         # one device-to-host copy per step: the only point where the host waits for the GPU
         out = SamplerOutput(token_ids=token_ids.tolist())

@@ -4,17 +4,21 @@ A request with `structured_outputs` gets an llguidance matcher: compiled in a
 background thread when the request is added (cached by grammar, so a repeated
 schema costs one deep copy), waited for only when its first token is sampled.
 Each step `bitmask` fills one int32 row per sampled sequence (every bit set for
-rows without a constraint) with llguidance's parallel executor; the sampler
-applies the whole batch's mask in one masked fill. `accept` advances a matcher
-by the sampled token. A grammar that fails in the core (the API server checked
-it, so this is a library fault) sets the request's error and allows only EOS,
-so the request ends at once and its reader gets the error. Matcher state follows the output tokens, which survive
+rows without a constraint) with llguidance's parallel executor into a reused
+host buffer (`structured.bitmask`), copied to the device without waiting; the
+engine calls it while the GPU runs the step's forward, once the previous
+step's tokens were accepted, and the sampler applies the whole batch's mask in
+one select. `accept` advances a matcher by the sampled token. A grammar that
+fails in the core (the API server checked it, so this is a library fault) sets
+the request's error and allows only EOS, so the request ends at once and its
+reader gets the error. Matcher state follows the output tokens, which survive
 preemption (recompute keeps them), so nothing is rolled back there.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -24,6 +28,7 @@ import llguidance.torch
 import numpy as np
 import torch
 
+from kvpilot.engine.structured.bitmask import BitmaskBuffer
 from kvpilot.engine.structured.grammar import grammar_of
 
 if TYPE_CHECKING:
@@ -36,7 +41,8 @@ _CACHED_GRAMMARS = 64
 class GrammarMatchers:
     """Compiles, caches and advances the grammar matchers of constrained requests."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
+                 device: torch.device) -> None:
         self._tokenizer_json = tokenizer_json
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
@@ -44,7 +50,10 @@ class GrammarMatchers:
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar")
         self._executor: llguidance.LLExecutor | None = None
-        words = np.zeros(llguidance.torch.get_bitmask_shape(1, vocab_size)[1], dtype=np.uint32)
+        num_words = llguidance.torch.get_bitmask_shape(1, vocab_size)[1]
+        self._buffer = BitmaskBuffer(num_words, device)
+        self.fill_seconds = 0.0  # of the last `bitmask` (the slow-iteration log's "grammar")
+        words = np.zeros(num_words, dtype=np.uint32)
         for eos in self._eos:
             words[eos // 32] |= np.uint32(1 << (eos % 32))
         self._eos_only = torch.from_numpy(words.view(np.int32))  # a failed grammar's row
@@ -87,13 +96,16 @@ class GrammarMatchers:
         return grammar if isinstance(grammar, llguidance.LLMatcher) else None
 
     def bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """Gives the [len(seqs), ceil(vocab / 32)] int32 host mask of allowed tokens, or None
-        when no sequence is constrained; a failed grammar's row allows only EOS."""
-        rows = [(s.request, row) for row, s in enumerate(seqs) if s.request.grammar is not None]
+        """Gives the [len(seqs), ceil(vocab / 32)] int32 mask of allowed tokens on the device
+        (copied without waiting), or None when no sequence is constrained; a failed grammar's
+        row allows only EOS, a finished sequence's row (its token is discarded) allows all."""
+        self.fill_seconds = 0.0
+        rows = [(s.request, row) for row, s in enumerate(seqs)
+                if s.request.grammar is not None and not s.finished]
         if not rows:
             return None
-        mask = torch.full(llguidance.torch.get_bitmask_shape(len(seqs), self._vocab_size), -1,
-                          dtype=torch.int32)
+        started = time.perf_counter()
+        mask = self._buffer.rows(len(seqs))
         constrained = []
         for request, row in rows:
             matcher = self._resolved(request)
@@ -105,7 +117,8 @@ class GrammarMatchers:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             llguidance.torch.fill_next_token_bitmask_par(self._executor, constrained, mask)
-        return mask
+        self.fill_seconds = time.perf_counter() - started
+        return self._buffer.to_device(mask)
 
     def accept(self, seq: Sequence, token: int) -> None:
         """Advances `seq`'s matcher by its sampled `token` (nothing for unconstrained ones)."""
@@ -129,11 +142,3 @@ def _fail(request: Request, why: str) -> str:
     request.error = f"structured_outputs grammar {why}"
     return request.error
 
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Gives `logits` [N, vocab] with every token whose bit is 0 in `bitmask` [N, words] (int32,
-    on the logits' device) set to -inf: one masked fill over the batch."""
-    n, vocab = logits.shape
-    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).view(n, -1)[:, :vocab]
-    return logits.masked_fill(allowed == 0, float("-inf"))
