@@ -103,3 +103,7 @@ class EngineStats:
     kv_offload_evicted_blocks: int = 0  # host-tier entries dropped for room (LRU)
     kv_host_cache_usage: float = 0.0  # fraction of host-tier rows in use, 0..1
     kv_host_blocks: int = 0  # host-tier capacity in blocks (0: no host tier)
+    # LoRA (--enable-lora; max_lora 0: off): adapters of running and of waiting requests
+    max_lora: int = 0
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
