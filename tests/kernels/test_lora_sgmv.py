@@ -29,7 +29,7 @@ def _case(tokens: int, slots: list[int], num_slots: int, rank: int, k: int, n: i
 ])
 def test_lora_sgmv_matches_reference(slots, num_slots, rank, k, n, dtype):
     x, a, b, base, idx = _case(len(slots), slots, num_slots, rank, k, n, dtype, len(slots) + k)
-    out = lora_sgmv_(base.clone(), x, a, b, idx)
+    out = lora_sgmv_(base.clone(), x, a, b, group_by_slot(idx, num_slots))
     ref = base.float() + lora_ref(x.float(), a.float(), b.float(), idx)
     assert rel_err(out, ref) < tolerance(dtype)
     for t, slot in enumerate(slots):  # a base token's row is left exactly as it was
@@ -57,6 +57,6 @@ def test_lora_ref_adds_only_to_adapter_tokens():
 def test_lora_sgmv_large_bf16_batch_on_gpu():
     slots = [(t % 9) - 1 for t in range(512)]  # 8 adapters and the base, interleaved
     x, a, b, base, idx = _case(512, slots, 8, 16, 2048, 2048, torch.bfloat16, 7)
-    out = lora_sgmv_(base.clone(), x, a, b, idx)
+    out = lora_sgmv_(base.clone(), x, a, b, group_by_slot(idx, 8))
     ref = base.float() + lora_ref(x.float(), a.float(), b.float(), idx)
     assert rel_err(out, ref) < tolerance(torch.bfloat16)

@@ -253,6 +253,12 @@ class LLMEngine:
             raise ValueError(f"lora_name={lora_name!r}: {unknown_adapter_fix(None)}")
         self.lora.add(lora_name, lora_path)
 
+    def lora_adapters(self) -> dict[str, str]:
+        """Gives the LoRA adapters served, name -> path (none without --enable-lora)."""
+        if self.lora is None:
+            return {}
+        return {name: adapter.path for name, adapter in self.lora.adapters.items()}
+
     def unload_lora_adapter(self, lora_name: str) -> None:
         """Stops serving `lora_name`; raises KeyError when it is not loaded and ValueError
         while requests still use it (nothing is dropped: retry once they finish)."""

@@ -2,8 +2,8 @@
 out[t] += (x[t] @ A[s]^T) @ B[s]^T with s = slots[t] (-1: the base model, nothing added).
 
 A: [S, R, K] (S adapter slots, R the stacked rank), B: [S, N, R] with the adapter's scale
-already folded in. Tokens are grouped by slot on the device (`group_by_slot`: a stable
-argsort and per-slot counts, no host sync), so a program multiplies BLOCK_M tokens of one
+already folded in. Tokens are grouped by slot on the device once per step (`group_by_slot`:
+a stable argsort and per-slot counts, no host sync), so a program multiplies BLOCK_M tokens of one
 adapter with `tl.dot`. The grid is (token blocks, column blocks, S) whatever the mix; a
 program past its slot's token count exits at once. Fixed grid and no host reads make the
 pair safe inside a CUDA graph. Shrink writes float32 [T, R]; expand adds into `out` in
@@ -103,15 +103,16 @@ def lora_sgmv_(out: torch.Tensor,  # [T, N], rows dense: the base layer's output
                x: torch.Tensor,  # [T, K], rows dense
                a: torch.Tensor,  # [S, R, K]
                b: torch.Tensor,  # [S, N, R]
-               slots: torch.Tensor,  # [T] int, -1: base
+               grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # group_by_slot's
                block_m: int = 16, block_n: int = 32, block_k: int = 32) -> torch.Tensor:
-    """Adds the LoRA delta of every token's slot to `out` in place; gives `out`."""
+    """Adds the LoRA delta of every token's slot to `out` in place; gives `out`. `grouped`
+    is `group_by_slot(slots, S)`, computed once per step for every layer."""
     tokens, k = x.shape
     num_slots, rank, _ = a.shape
     n = b.shape[1]
     assert x.stride(1) == 1 and out.stride(1) == 1, "x and out rows must be dense"
-    a, b = a.contiguous(), b.contiguous()
-    order, counts, starts = group_by_slot(slots, num_slots)
+    assert a.is_contiguous() and b.is_contiguous(), "the slot stacks must be contiguous"
+    order, counts, starts = grouped
     tmp = torch.empty(tokens, rank, dtype=torch.float32, device=x.device)
     block_r = max(16, triton.next_power_of_2(min(rank, 64)))
     grid_m = triton.cdiv(tokens, block_m)

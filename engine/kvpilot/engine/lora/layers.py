@@ -9,9 +9,10 @@ an adapter does not target stays zero. S = --max-loras slots, R = --max-lora-ran
 
 `LoRAMapping` says which slot each token of the step uses (-1: the base model). It lives in
 a persistent buffer the runner fills before the forward, so a CUDA graph captured with the
-hooks replays with each step's mapping: on CUDA the hooks always launch the Triton kernel
-(`kvpilot.kernels.lora_sgmv`), which groups tokens by slot on the device; elsewhere they run
-the torch reference over the slots present.
+hooks replays with each step's mapping: on CUDA a pre-hook on the model groups the tokens by
+slot on the device once per forward and every projection's hook launches the Triton kernel
+(`kvpilot.kernels.lora_sgmv`); elsewhere the hooks run the torch reference over the slots
+present.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class LoRAMapping:
     def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.use_kernel = device.type == "cuda"
+        # the kernel path's tokens grouped by slot, made once per forward (`group`)
+        self.grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # the torch path's (slot, token rows) of the step, read on the host
         self.groups: list[tuple[int, torch.Tensor]] = []
 
@@ -55,6 +58,14 @@ class LoRAMapping:
         self.groups = [(int(slot), torch.from_numpy(np.flatnonzero(slots == slot)))
                        for slot in np.unique(slots) if slot >= 0]
 
+    def group(self, num_tokens: int, num_slots: int) -> None:
+        """Groups the forward's `num_tokens` tokens by slot on the device, for every layer
+        (inside a CUDA graph when one is captured)."""
+        if self.use_kernel:
+            from kvpilot.kernels.lora_sgmv import group_by_slot
+
+            self.grouped = group_by_slot(self.token_slots[:num_tokens], num_slots)
+
 
 @dataclass
 class _Seam:
@@ -67,10 +78,10 @@ class _Seam:
     b: torch.Tensor  # [S, out, P*R]
 
     def delta_into(self, out: torch.Tensor, x: torch.Tensor, mapping: LoRAMapping) -> None:
-        if mapping.use_kernel:
+        if mapping.grouped is not None:
             from kvpilot.kernels.lora_sgmv import lora_sgmv_
 
-            lora_sgmv_(out, x, self.a, self.b, mapping.token_slots[:x.shape[0]])
+            lora_sgmv_(out, x, self.a, self.b, mapping.grouped)
             return
         for slot, rows in mapping.groups:
             out.index_add_(0, rows, (x[rows] @ self.a[slot].T) @ self.b[slot].T)
@@ -96,6 +107,12 @@ class LoRAModel:
                 if not isinstance(linear, nn.Linear):  # an MoE block has no dense MLP
                     continue
                 self._add_seam(index, linear, projections, max_loras, max_rank, device, dtype)
+        mapping = self.mapping
+
+        def group_tokens(_module: nn.Module, args: tuple) -> None:
+            mapping.group(args[0].shape[0], max_loras)  # args[0]: the step's input ids
+
+        model.register_forward_pre_hook(group_tokens)
 
     def _add_seam(self, layer: int, linear: nn.Linear, projections: tuple[str, ...],
                   slots: int, rank: int, device: torch.device, dtype: torch.dtype) -> None:

@@ -58,9 +58,10 @@ def chat_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, k: int
 
 
 async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
-                                 ctx: ServingContext
+                                 ctx: ServingContext, lora_name: str | None = None
                                  ) -> ChatCompletionResponse | GenerationStream:
-    """Gives the assistant's reply (n choices), or a stream of chunks when `stream` is set."""
+    """Gives the assistant's reply (n choices; with LoRA adapter `lora_name`), or a stream
+    of chunks when `stream` is set."""
     arrival = time.monotonic()
     # rendering and tokenising in a worker thread keeps the loop serving (a long chat)
     prompt = await ctx.off_loop(chat_prompt, request, ctx.tokenizer, ctx.limits)
@@ -68,7 +69,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
     # off the loop too: a JSON schema's grammar is compiled to be checked
     params = await ctx.off_loop(sampling_params, request, len(prompt), ctx.limits)
     request_id, streams = await admit_requests(ctx, "chatcmpl", [prompt], [params], arrival,
-                                               request.priority, request.stream)
+                                               request.priority, request.stream, lora_name)
     if request.stream:
         return GenerationStream(_stream(request, ctx, request_id, streams, len(prompt), tools),
                                 ctx.gate, streams)

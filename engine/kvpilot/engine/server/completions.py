@@ -52,9 +52,11 @@ def completion_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, 
     return out
 
 
-async def create_completion(request: CompletionRequest, raw: Request,
-                            ctx: ServingContext) -> CompletionResponse | GenerationStream:
-    """Gives the completion of every prompt, or a stream of chunks when `stream` is set."""
+async def create_completion(request: CompletionRequest, raw: Request, ctx: ServingContext,
+                            lora_name: str | None = None
+                            ) -> CompletionResponse | GenerationStream:
+    """Gives the completion of every prompt (with LoRA adapter `lora_name`), or a stream of
+    chunks when `stream` is set."""
     arrival = time.monotonic()
     # tokenising (a 1 MB prompt: ~2 s of CPU) in a worker thread keeps the loop serving
     prompts = await ctx.off_loop(completion_prompts, request, ctx.tokenizer, ctx.limits)
@@ -62,7 +64,7 @@ async def create_completion(request: CompletionRequest, raw: Request,
     params = await ctx.off_loop(lambda: [sampling_params(request, len(ids), ctx.limits)
                                          for ids in prompts])
     request_id, streams = await admit_requests(ctx, "cmpl", prompts, params, arrival,
-                                               request.priority, request.stream)
+                                               request.priority, request.stream, lora_name)
     if request.stream:
         return GenerationStream(_stream(request, ctx, request_id, streams, prompts),
                                 ctx.gate, streams)
