@@ -95,3 +95,31 @@ def test_slots_lru_never_evicts_an_adapter_in_use():
     assert slots.resident == ["a", "c"]
     slots.release("a")
     assert slots.slot_of("a") is None and slots.acquire("d", {"c"}) == 0
+
+
+def _start(model: str, modules: list[str]):
+    from kvpilot.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(model=model, device="cpu", enable_lora=True,
+                                                 lora_modules=modules))
+
+
+def test_start_up_refuses_a_missing_adapter_dir(base_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"LoRA adapter 'x' at '.*gone': no adapter_config"):
+        _start(str(base_dir), [f"x={tmp_path / 'gone'}"])
+
+
+def test_start_up_refuses_an_adapter_of_another_base(adapters, tmp_path):
+    from helpers.checkpoints import write_checkpoint
+
+    other = write_checkpoint(tmp_path, "qwen3")  # head_dim 32: q_proj is 128 rows, not 64
+    with pytest.raises(ValueError, match=r"LoRA adapter 'attn': layer 0 \w_proj has A \(8, 64\) "
+                                         r"and B \(\d+, 8\), this model needs \(8, 64\) and "
+                                         r"\(\d+, 8\): use an adapter of this base model"):
+        _start(str(other), [f"attn={adapters['attn']}"])
+
+
+def test_start_up_refuses_mlp_adapters_on_experts(adapters):
+    with pytest.raises(ValueError, match=r"adapts layer 0 \w+_proj, which this model has not "
+                                         "as a dense projection"):
+        _start("tiny-mixtral", [f"mlp={adapters['mlp']}"])
