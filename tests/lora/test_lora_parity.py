@@ -108,3 +108,15 @@ def test_prefix_cache_does_not_mix_base_and_adapter(base_dir, adapters):
             break
         engine.step()
     assert engine.kv.prefix_cache_hits > hits  # the adapter's own blocks are reused
+
+
+def test_stats_name_running_and_waiting_adapters(base_dir, adapters):
+    engine = _engine(base_dir, adapters, ["attn", "qv"], max_loras=1)
+    engine.add_request("a", _prompt(1, 9), GREEDY, lora_name="attn")
+    engine.add_request("q", _prompt(2, 9), GREEDY, lora_name="qv")
+    engine.add_request("b", _prompt(3, 9), GREEDY)
+    engine.step()  # one slot: attn runs, qv waits for it
+    stats = engine.get_stats()
+    assert (stats.max_lora, stats.running_lora_adapters, stats.waiting_lora_adapters) == (
+        1, ["attn"], ["qv"])
+    assert stats.num_running == 2  # the base request runs beside the adapter
