@@ -4,6 +4,7 @@ no request, and /metrics carries vLLM's lora_requests_info gauge."""
 
 from __future__ import annotations
 
+import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -53,6 +54,7 @@ def test_model_field_selects_the_adapter(served, base_dir, adapters):
     for model, adapter in ((str(base_dir), None), ("attn", adapters["attn"])):
         answer = _complete(served.base_url, model, prompt)
         assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == model  # the adapter's name, as vLLM answers
         assert answer.json()["choices"][0]["text"] == tokenizer.decode(
             hf_greedy(base_dir, adapter, prompt, 8))
 
@@ -126,3 +128,15 @@ def test_lora_info_gauge_labels():
     assert samples[0].value > 1.7e9  # a Unix time, as vLLM sets it
     metrics.set_stats(EngineStats())  # LoRA off: no gauge
     assert b"lora_requests_info" not in metrics.render()
+
+
+def test_streamed_chat_with_an_adapter(served):
+    body = {"model": "attn", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{served.base_url}/v1/chat/completions", headers=AUTH,
+                      json=body, timeout=120) as answer:
+        assert answer.status_code == 200
+        lines = [ln for ln in answer.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
+    assert chunks and all(c["model"] == "attn" for c in chunks)

@@ -90,7 +90,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
             index=c.index, message=message,
             logprobs=chat_logprobs(ctx.tokenizer, c, k) if request.logprobs else None,
             finish_reason=reason, stop_reason=c.stop_reason))
-    return ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
+    return ChatCompletionResponse(id=request_id, model=request.model, choices=choices,
                                   usage=usage_of([final], [len(prompt)]))
 
 
@@ -129,7 +129,7 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
     k = request.top_logprobs or 0
 
     def chunk(choices: list[ChatStreamChoice]) -> str:
-        return sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=request.model,
                                        choices=choices))
 
     # OpenAI opens every choice with an empty assistant delta. It leaves with the first
@@ -153,7 +153,7 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
         if opening:  # no choice produced a chunk
             yield opening
         if include_usage:
-            yield sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
+            yield sse(ChatCompletionChunk(id=request_id, created=created, model=request.model,
                                           choices=[], usage=sent.usage()))
         yield sse("[DONE]")
     except Exception as exc:

@@ -95,7 +95,7 @@ def _response(request: CompletionRequest, ctx: ServingContext, request_id: str,
             choices.append(CompletionChoice(index=i * request.n + c.index, text=c.text,
                                             logprobs=logprobs, finish_reason=c.finish_reason,
                                             stop_reason=c.stop_reason))
-    return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
+    return CompletionResponse(id=request_id, model=request.model, choices=choices,
                               usage=usage_of(finals, [len(p) for p in prompts]))
 
 
@@ -120,9 +120,9 @@ async def _stream(request: CompletionRequest, ctx: ServingContext, request_id: s
                                                 stop_reason=c.stop_reason))
             if choices:
                 yield sse(CompletionResponse(id=request_id, created=created,
-                                             model=ctx.model_name, choices=choices))
+                                             model=request.model, choices=choices))
         if include_usage:
-            yield sse(CompletionResponse(id=request_id, created=created, model=ctx.model_name,
+            yield sse(CompletionResponse(id=request_id, created=created, model=request.model,
                                          choices=[], usage=sent.usage()))
         yield sse("[DONE]")
     except Exception as exc:
