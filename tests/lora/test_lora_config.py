@@ -123,3 +123,9 @@ def test_start_up_refuses_mlp_adapters_on_experts(adapters):
     with pytest.raises(ValueError, match=r"adapts layer 0 \w+_proj, which this model has not "
                                          "as a dense projection"):
         _start("tiny-mixtral", [f"mlp={adapters['mlp']}"])
+
+
+def test_an_adapter_may_not_take_the_base_models_name(base_dir, adapters):
+    with pytest.raises(ValueError, match=r"lora_name='.*' is the base model's name: give the "
+                                         "adapter another name"):
+        _start(str(base_dir), [f"{base_dir}={adapters['attn']}"])

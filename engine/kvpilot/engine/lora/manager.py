@@ -22,6 +22,7 @@ class LoRAManager:
 
     def __init__(self, args: EngineArgs, model: LoRAModel) -> None:
         self.max_rank = args.max_lora_rank
+        self.base_name = args.name  # what `model` names for the base model
         self.model = model
         self.slots = LoRASlots(args.max_loras)
         self.adapters: dict[str, PeftAdapter] = {}
@@ -35,6 +36,9 @@ class LoRAManager:
         if name in self.adapters:
             raise ValueError(f"lora_name={name!r} is already loaded: unload it first, or "
                              "choose another name")
+        if name == self.base_name:
+            raise ValueError(f"lora_name={name!r} is the base model's name: give the adapter "
+                             "another name")
         adapter = load_peft_adapter(name, path, self.max_rank)
         self.model.check(adapter)
         self.adapters[name] = adapter
