@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.lora import lora_root_hash, parse_lora_modules
@@ -129,3 +131,24 @@ def test_an_adapter_may_not_take_the_base_models_name(base_dir, adapters):
     with pytest.raises(ValueError, match=r"lora_name='.*' is the base model's name: give the "
                                          "adapter another name"):
         _start(str(base_dir), [f"{base_dir}={adapters['attn']}"])
+
+
+@given(st.integers(1, 4), st.lists(st.tuples(st.sampled_from("abcdef"),
+                                             st.frozensets(st.sampled_from("abcdef"))),
+                                   max_size=40))
+def test_slots_invariants(max_loras, asks):
+    """Whatever the asks: at most max_loras resident, each in its own slot, a granted adapter
+    resident, and no adapter in use ever evicted."""
+    slots = LoRASlots(max_loras)
+    for name, in_use in asks:
+        before = {n: slots.slot_of(n) for n in slots.resident}
+        slot = slots.acquire(name, in_use)
+        after = {n: slots.slot_of(n) for n in slots.resident}
+        assert len(after) <= max_loras and len(set(after.values())) == len(after)
+        assert all(0 <= s < max_loras for s in after.values() if s is not None)
+        for kept in in_use & before.keys():
+            assert after.get(kept) == before[kept]  # in use: never evicted nor moved
+        if slot is None:
+            assert after == before and len(before) == max_loras
+        else:
+            assert after[name] == slot
