@@ -83,7 +83,11 @@ class FakeEngine:
         self.prompt_tokens = 0
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_name: str | None = None) -> None:
+        if lora_name is not None:
+            raise ValueError(f"model={lora_name!r} is not a loaded LoRA adapter: the fake "
+                             "engine serves none")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if len(ids) + (params.max_tokens or 0) > self.model_config.max_model_len:
             raise ValueError(f"max_tokens={params.max_tokens} is invalid: too long")

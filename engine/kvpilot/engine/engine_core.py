@@ -9,7 +9,7 @@ serves a `ServedEngine` to the API server processes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.outputs import EngineStats
@@ -23,8 +23,10 @@ class EngineCore(Protocol):
     """Add and abort requests, step, report: one thread drives it (not thread-safe)."""
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queues a request; raises ValueError naming the field when it is invalid."""
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_name: str | None = None) -> None:
+        """Queues a request (with LoRA adapter `lora_name`); raises ValueError naming the
+        field when it is invalid."""
         ...
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
@@ -45,6 +47,23 @@ class EngineCore(Protocol):
 
     def step_timing(self) -> str:
         """Says where the last step's time went (for the slow-iteration log)."""
+        ...
+
+
+@runtime_checkable
+class LoRAServing(Protocol):
+    """An engine that loads and unloads LoRA adapters at run time (`LLMEngine`)."""
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Serves the adapter at `lora_path` as `lora_name`; ValueError names the fix."""
+        ...
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stops serving `lora_name`; KeyError when unknown, ValueError while in use."""
+        ...
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Gives the adapters served, name -> path."""
         ...
 
 

@@ -36,6 +36,7 @@ from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerO
 from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
 from kvpilot.engine.executor import ModelExecutor, make_executor
 from kvpilot.engine.kv_connector.host_tier import make_host_tier
+from kvpilot.engine.lora.manager import make_lora_manager, unknown_adapter_fix
 from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kvpilot.engine.spec_decode.proposers import Drafts
@@ -98,6 +99,7 @@ class LLMEngine:
         self.connector = make_host_tier(engine_args, runner, self.kv)
         if self.connector is not None:
             self.kv.pool.on_evict = self.connector.on_evicted
+        self.lora = make_lora_manager(engine_args, runner)  # adapters (--enable-lora)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=engine_args.max_num_seqs,
             max_num_batched_tokens=engine_args.max_num_batched_tokens,
@@ -105,7 +107,7 @@ class LLMEngine:
             policy=engine_args.scheduling_policy,
             max_model_len=model_config.max_model_len,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0), self.kv,
-            self.connector)
+            self.connector, self.lora.slots if self.lora is not None else None)
         self.spec = make_spec_decoder(engine_args, self.kv, runner.num_blocks, runner.device,
                                       draft)
         self.sampler = Sampler()
@@ -188,10 +190,15 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queues a request; raises ValueError naming the field when it is invalid."""
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_name: str | None = None) -> None:
+        """Queues a request (with LoRA adapter `lora_name`, None: the base model); raises
+        ValueError naming the field when it is invalid."""
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already running: use a unique id")
+        if lora_name is not None and (self.lora is None or lora_name not in self.lora.adapters):
+            raise ValueError(f"model={lora_name!r} is not a loaded LoRA adapter: "
+                             f"{unknown_adapter_fix(self.lora)}")
         if isinstance(prompt, str):
             text, token_ids = prompt, list(self.tokenizer.encode(prompt))
         else:
@@ -203,7 +210,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab}): got "
                              f"{[t for t in token_ids if not 0 <= t < vocab][:5]}")
         request = Request(request_id, text, token_ids, params,
-                          time.monotonic() if arrival_time is None else arrival_time, priority)
+                          time.monotonic() if arrival_time is None else arrival_time, priority,
+                          lora_name=lora_name)
         reason = self.scheduler.exceeds_model_len(request)
         if reason is not None:
             raise ValueError(reason)
@@ -239,6 +247,30 @@ class LLMEngine:
                                              list(self.model_config.eos_token_ids),
                                              self.runner.device)
         return self._grammars
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Serves the PEFT adapter at `lora_path` as `lora_name` from the next request on;
+        raises ValueError naming the field and the fix when it cannot."""
+        if self.lora is None:
+            raise ValueError(f"lora_name={lora_name!r}: {unknown_adapter_fix(None)}")
+        self.lora.add(lora_name, lora_path)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Gives the LoRA adapters served, name -> path (none without --enable-lora)."""
+        if self.lora is None:
+            return {}
+        return {name: adapter.path for name, adapter in self.lora.adapters.items()}
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stops serving `lora_name`; raises KeyError when it is not loaded and ValueError
+        while requests still use it (nothing is dropped: retry once they finish)."""
+        if self.lora is None or lora_name not in self.lora.adapters:
+            raise KeyError(lora_name)
+        in_use = self.lora.in_use(lora_name, self.requests.values())
+        if in_use:
+            raise ValueError(f"lora_name={lora_name!r} is in use by {in_use} request(s): "
+                             "retry the unload once they finish")
+        self.lora.remove(lora_name)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Stops requests, frees their blocks; each gets a final output with reason "abort"."""
@@ -445,6 +477,8 @@ class LLMEngine:
             else:
                 mode = "last" if end == len(seq.token_ids) else "none"
             entry = BatchEntry(seq.token_ids[start:end], start, block_id_array(seq), mode)
+            if request.lora_name is not None and self.lora is not None:
+                entry.lora_slot = self.lora.device_slot(request.lora_name)
             if seq.inflight_row >= 0 and end == len(seq.token_ids):
                 entry.patch_row = seq.inflight_row  # its last token is still being sampled
             entries.append(entry)
@@ -683,4 +717,6 @@ class LLMEngine:
             stats.spec_decode_num_accepted_tokens_per_pos = list(c.num_accepted_tokens_per_pos)
         if self.connector is not None:
             self.connector.stats().add_to(stats)
+        if self.lora is not None:
+            self.lora.add_to(stats, [s.request for s in self.scheduler.running], waiting)
         return stats

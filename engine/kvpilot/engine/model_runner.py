@@ -22,6 +22,7 @@ from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.contracts.args import EngineArgs, parse_size
 from kvpilot.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from kvpilot.engine.device import StagingBuffer
+from kvpilot.engine.lora.layers import LoRAModel
 from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
 from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
 from kvpilot.engine.startup_log import LoadReport
@@ -46,6 +47,7 @@ class BatchEntry:
     # >= 0: the last token is still being sampled by the step in flight (async scheduling);
     # its id is row `patch_row` of that step's sampled tokens, read on the device
     patch_row: int = -1
+    lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model)
 
 
 def select_attention_backend(args: EngineArgs, device: torch.device) -> AttentionBackend:
@@ -106,6 +108,10 @@ class ModelRunner:
             quantization=args.quantization)
         self.load_seconds = time.perf_counter() - started
         self.model.attn_backend = select_attention_backend(args, device)
+        # LoRA slots before the KV cache is sized, so the GPU profile counts them
+        self.lora = LoRAModel(self.model, args.max_loras, args.max_lora_rank,
+                              args.max_num_batched_tokens, device, model_config.dtype) \
+            if args.enable_lora else None
         kv_heads = tp.kv_heads(model_config.num_kv_heads)
         self.num_kv_heads = kv_heads.stop - kv_heads.start  # this rank's
         self.decode_graphs: DecodeGraphs | None = None  # set once the KV cache exists
@@ -252,6 +258,9 @@ class ModelRunner:
         `patch_row` take their last input token from it on the device.
         """
         packed, buf = self.pack(entries, copies, prev_tokens)
+        if self.lora is not None:
+            self.lora.mapping.set(np.repeat([e.lora_slot for e in entries],
+                                            [len(e.token_ids) for e in entries]))
         return self.run(unpack_step(packed.header, buf, packed.host), prev_tokens)
 
     def on_failure(self, callback: Callable[[str], None]) -> None:

@@ -73,9 +73,11 @@ class RoleEngine:
         return self.engine.kv_events
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_name: str | None = None) -> None:
         with self.lock:
-            self.engine.add_request(request_id, prompt, params, arrival_time, priority)
+            self.engine.add_request(request_id, prompt, params, arrival_time, priority,
+                                    lora_name)
         if self.role == "prefill":
             self._prompts[request_id] = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
                                          else prompt)

@@ -147,6 +147,20 @@ class EngineArgs:
     custom_all_reduce_max_bytes: int = field(default=0, metadata={
         "help": "size of the symmetric all-reduce buffer, the largest message it takes "
                 "(0: max_num_seqs x hidden_size x dtype bytes, one decode step, at most 8 MiB)"})
+    # multi-LoRA serving (issue 24): vLLM's flags
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve LoRA adapters (PEFT format) on q/k/v/o/gate/up/down beside the base "
+                "model; a request's `model` names the adapter. One rank, unquantised, "
+                "aggregated role, no speculative decoding or host KV tier"})
+    lora_modules: list[str] | None = field(default=None, metadata={"nargs": "+",
+        "help": "adapters loaded at start-up: name=path [name=path ...] (a PEFT dir with "
+                "adapter_config.json and adapter_model.safetensors); more at run time with "
+                "POST /v1/load_lora_adapter"})
+    max_loras: int = field(default=1, metadata={
+        "help": "adapters resident on the device at once (their slots); a request whose "
+                "adapter has no slot waits until one frees"})
+    max_lora_rank: int = field(default=16, metadata={
+        "help": "largest adapter rank r accepted (sizes the slots)"})
 
     def __post_init__(self) -> None:
         for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
@@ -175,6 +189,34 @@ class EngineArgs:
             raise ValueError(f"kv_offload_gb={self.kv_offload_gb!r} is invalid: must be >= 0 "
                              "(0 turns the host tier off)")
         self._check_speculative()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        from kvpilot.engine.contracts.lora import parse_lora_modules
+
+        parse_lora_modules(self.lora_modules)
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be at least 1")
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError(f"lora_modules={self.lora_modules!r} needs enable_lora: add "
+                                 "--enable-lora")
+            return
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        refused = (("tensor_parallel_size x pipeline_parallel_size", ranks, ranks > 1,
+                    "run on one GPU"),
+                   ("speculative_config", self.speculative_config,
+                    self.speculative_config is not None, "drop --speculative-config"),
+                   ("quantization", self.quantization, self.quantization != "none",
+                    "use --quantization none"),
+                   ("role", self.role, self.role != "both", "use --role both"),
+                   ("kv_offload_gb", self.kv_offload_gb, self.kv_offload_gb > 0,
+                    "use --kv-offload-gb 0"))
+        for name, value, bad, fix in refused:
+            if bad:
+                raise ValueError(f"enable_lora does not work with {name}={value!r} yet: {fix}, "
+                                 "or drop --enable-lora")
 
     def _check_speculative(self) -> None:
         from kvpilot.engine.contracts.speculative import parse_speculative_config
@@ -272,6 +314,8 @@ def _to_cli(obj: Any) -> list[str]:
             continue
         if isinstance(value, bool):
             out.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, list):
+            out += [_flag(f.name), *map(str, value)]
         elif value is not None:
             out += [_flag(f.name), str(value)]
     return out
@@ -294,6 +338,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
             kwargs["type"] = float
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
+        if "nargs" in meta:
+            kwargs["nargs"] = meta["nargs"]
         parser.add_argument(_flag(f.name), **kwargs)
 
 

@@ -56,6 +56,13 @@ TRANSPORT_LABEL = "transport"
 MODEL_NAME_LABEL = "model_name"
 FINISHED_REASON_LABEL = "finished_reason"
 
+# LoRA (vLLM's info gauge, whose value is the time it was set): the router reads which
+# adapters an engine runs and waits on from its labels
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+RUNNING_LORA_ADAPTERS_LABEL = "running_lora_adapters"  # comma-separated adapter names
+WAITING_LORA_ADAPTERS_LABEL = "waiting_lora_adapters"
+MAX_LORA_LABEL = "max_lora"  # str(--max-loras)
+
 # The router's own metrics (`kvpilot route`); the autoscaler reads the pending
 # gauge to scale a pool up from zero replicas.
 ROUTER_REQUESTS = "kvpilot_router_requests"

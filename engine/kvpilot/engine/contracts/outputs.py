@@ -107,3 +107,7 @@ class EngineStats:
     # role both) and its completed pulls by how their blocks moved (NIXL falls back to TCP)
     kv_transport: str = ""
     kv_pulls: dict[str, int] = field(default_factory=dict)
+    # LoRA (--enable-lora; max_lora 0: off): adapters of running and of waiting requests
+    max_lora: int = 0
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvpilot.engine.contracts.block_hash import UNSALTED, hash_block_tokens, hash_prompt_tail
+from kvpilot.engine.contracts.lora import lora_root_hash
 from kvpilot.engine.core.block_pool import BlockPool, KVCacheBlock
 from kvpilot.engine.core.request import Sequence
 
@@ -65,7 +66,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else lora_root_hash(seq.request.lora_name)
             hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs:(i + 1) * bs],
                                             self.hash_salt))
         return hashes
@@ -91,8 +92,9 @@ class KVCacheManager:
             hits.append(block)
         tail = seq.token_ids[max_blocks * bs:]
         if len(tail) > 1:
-            block = self.pool.lookup(hash_block_tokens(hashes[max_blocks - 1] if max_blocks
-                                                       else None, tail, self.hash_salt))
+            parent = hashes[max_blocks - 1] if max_blocks else lora_root_hash(
+                seq.request.lora_name)
+            block = self.pool.lookup(hash_block_tokens(parent, tail, self.hash_salt))
             if block is not None:
                 return [*hits, block], seq.num_tokens - 1
         return hits, max_blocks * bs

@@ -117,6 +117,7 @@ class Request:
     forked: bool = False  # whether the n / beam branches exist yet
     first_output_sent: bool = False  # whether an EngineCoreOutput of this request went out
     speculate: bool = False  # whether its decodes verify drafts (speculative decoding)
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     # the structured-output matcher (structured/matchers.py): a Future while it compiles,
     # the error message once it failed
     grammar: Future[llguidance.LLMatcher] | llguidance.LLMatcher | str | None = None

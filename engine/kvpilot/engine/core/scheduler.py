@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
+from kvpilot.engine.lora.slots import LoRASlots
 
 if TYPE_CHECKING:
     from kvpilot.engine.kv_connector.base import KVConnector
@@ -55,8 +56,11 @@ class Scheduler:
     """Keeps the waiting and running sequences and plans each step."""
 
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 connector: KVConnector | None = None) -> None:
+                 connector: KVConnector | None = None,
+                 lora_slots: LoRASlots | None = None) -> None:
         self.config = config
+        # the LoRA adapters' device slots: a request waits until its adapter has one
+        self.lora_slots = lora_slots
         self.kv = kv_manager
         # finds a waiting sequence's blocks outside the GPU cache (host tier, pulled KV)
         self.connector = connector
@@ -196,14 +200,24 @@ class Scheduler:
         return max((s for s in self.running if s.seq_id not in busy), key=self._key,
                    default=None)
 
+    def _has_lora_slot(self, seq: Sequence, in_use: set[str]) -> bool:
+        """Gives whether `seq`'s adapter (if any) holds or could take a device slot now."""
+        name = seq.request.lora_name
+        return (name is None or self.lora_slots is None
+                or self.lora_slots.acquire(name, in_use) is not None)
+
     def _admit_waiting(self, budget: int, planned: dict, out: SchedulerOutput,
                        max_seqs: int | None) -> None:
         cfg = self.config
+        in_use = {name for s in self.running if (name := s.request.lora_name) is not None} \
+            if self.lora_slots is not None else set()
         while self.waiting and budget > 0 and (max_seqs is None or len(planned) < max_seqs):
             if len(self.running) >= cfg.max_num_seqs and not self._preempt_idle(out):
                 break
-            # a preempted beam that already has its candidates waits for selection, not compute
-            seq = next((s for s in self.waiting if s.beam_candidates is None), None)
+            # a preempted beam that already has its candidates waits for selection, not
+            # compute; a request whose adapter has no slot waits for one
+            seq = next((s for s in self.waiting if s.beam_candidates is None
+                        and self._has_lora_slot(s, in_use)), None)
             if seq is None:
                 break
             hits, hit_tokens = self.kv.get_computed_blocks(seq)
@@ -227,6 +241,8 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if seq.request.lora_name is not None:
+                in_use.add(seq.request.lora_name)
             planned[seq.seq_id] = (seq, num_new, copies)
             budget -= num_new
 

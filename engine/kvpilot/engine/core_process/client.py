@@ -37,6 +37,8 @@ from kvpilot.engine.core_process.messages import (
     Hello,
     KVEvents,
     KVEventsQuery,
+    LoRAAdapterAnswer,
+    LoRAAdapterQuery,
     StepOutputs,
     ToCore,
     from_core_decoder,
@@ -104,6 +106,7 @@ class CoreClient:
         self.metrics = metrics
         self._requests: dict[str, _Live] = {}
         self._queries: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._lora_answers: dict[int, asyncio.Future[LoRAAdapterAnswer]] = {}
         self._query_ids = itertools.count()
         self._error: str | None = None
         self._stats = EngineStats()
@@ -159,7 +162,8 @@ class CoreClient:
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams, arrival_time: float | None = None,
-                          priority: int = 0, *, stream: bool) -> OutputStream:
+                          priority: int = 0, *, stream: bool,
+                          lora_name: str | None = None) -> OutputStream:
         """Gives the request's outputs once the core took it: deltas when `stream`, else its
         final output. Raises the engine's ValueError (naming the field) when refused."""
         if self._error is not None:
@@ -169,7 +173,8 @@ class CoreClient:
         state = RequestState(request_id, None, prompt_token_ids, params, self.tokenizer,
                              stream=stream)
         live = self._requests[request_id] = _Live(state, arrival, accepted=accepted)
-        self._send(AddRequest(request_id, prompt_token_ids, params, arrival, priority))
+        self._send(AddRequest(request_id, prompt_token_ids, params, arrival, priority,
+                              lora_name))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -228,6 +233,19 @@ class CoreClient:
         finally:
             self._queries.pop(query_id, None)
 
+    async def lora_adapter(self, op: str, lora_name: str = "", lora_path: str = ""
+                           ) -> LoRAAdapterAnswer:
+        """Gives the core's answer to a LoRA adapter load, unload or list (`lora.runtime`)."""
+        if self._error is not None:
+            raise EngineDeadError(self._error)
+        query_id = next(self._query_ids)
+        answer = self._lora_answers[query_id] = asyncio.get_running_loop().create_future()
+        self._send(LoRAAdapterQuery(query_id, op, lora_name, lora_path))
+        try:
+            return await answer
+        finally:
+            self._lora_answers.pop(query_id, None)
+
     # ---- the core's messages ----------------------------------------------------------
 
     def _send(self, message: ToCore) -> None:
@@ -244,6 +262,9 @@ class CoreClient:
                     self._on_step(message)
                 elif isinstance(message, AddResults):
                     self._on_add_results(message)
+                elif isinstance(message, LoRAAdapterAnswer):
+                    if (lora := self._lora_answers.get(message.query_id)) and not lora.done():
+                        lora.set_result(message)
                 elif isinstance(message, KVEvents):
                     if (answer := self._queries.get(message.query_id)) and not answer.done():
                         answer.set_result(message.answer)
@@ -303,7 +324,7 @@ class CoreClient:
         lives, self._requests = self._requests, {}
         for live in lives.values():
             self._fail(live, EngineDeadError(reason))
-        for answer in self._queries.values():
+        for answer in [*self._queries.values(), *self._lora_answers.values()]:
             if not answer.done():
                 answer.set_exception(EngineDeadError(reason))
 

@@ -58,6 +58,7 @@ class CoreReady:
     model: str  # what the API servers report as the model's root
     max_model_len: int
     vocab_size: int
+    enable_lora: bool = False  # whether a request's `model` may name a LoRA adapter
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def run_engine_core(config: CoreConfig, pipe: Connection) -> None:
     try:
         socket.bind(config.address)
         pipe.send(CoreReady(config.engine_args.model, engine.model_config.max_model_len,
-                            engine.model_config.vocab_size))
+                            engine.model_config.vocab_size, config.engine_args.enable_lora))
         parent = multiprocessing.parent_process()
         EngineCoreProc(engine, socket, parent.sentinel if parent else None).run()
     finally:

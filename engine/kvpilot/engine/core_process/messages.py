@@ -32,6 +32,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     params: SamplingParams
     arrival_time: float  # time.monotonic(), the same clock in every process of the host
     priority: int = 0
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -45,6 +46,16 @@ class KVEventsQuery(msgspec.Struct, tag=True, array_like=True):
 
     query_id: int
     since: int
+
+
+class LoRAAdapterQuery(msgspec.Struct, tag=True, array_like=True):
+    """POST /v1/load_lora_adapter ("load"), /v1/unload_lora_adapter ("unload") or
+    GET /v1/models ("list"), applied between steps (answered by `LoRAAdapterAnswer`)."""
+
+    query_id: int
+    op: str
+    lora_name: str = ""
+    lora_path: str = ""
 
 
 # ---- core -> API server ------------------------------------------------------------------
@@ -71,14 +82,24 @@ class KVEvents(msgspec.Struct, tag=True, array_like=True):
     answer: dict[str, Any]
 
 
+class LoRAAdapterAnswer(msgspec.Struct, tag=True, array_like=True):
+    """The answer to a `LoRAAdapterQuery`: an HTTP status, the error text (empty on 200)
+    and the adapters served after it, name -> path."""
+
+    query_id: int
+    status: int
+    message: str
+    adapters: dict[str, str]
+
+
 class CoreFailed(msgspec.Struct, tag=True, array_like=True):
     """The engine raised; the core process exits after sending this."""
 
     message: str
 
 
-ToCore = Hello | AddRequest | AbortRequests | KVEventsQuery
-FromCore = AddResults | StepOutputs | KVEvents | CoreFailed
+ToCore = Hello | AddRequest | AbortRequests | KVEventsQuery | LoRAAdapterQuery
+FromCore = AddResults | StepOutputs | KVEvents | LoRAAdapterAnswer | CoreFailed
 
 
 def to_core_decoder() -> msgspec.msgpack.Decoder[ToCore]:

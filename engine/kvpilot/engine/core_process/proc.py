@@ -35,10 +35,12 @@ from kvpilot.engine.core_process.messages import (
     Hello,
     KVEvents,
     KVEventsQuery,
+    LoRAAdapterQuery,
     StepOutputs,
     to_core_decoder,
 )
 from kvpilot.engine.engine_core import ServedEngine
+from kvpilot.engine.lora.runtime import lora_adapter_answer
 
 logger = logging.getLogger(__name__)
 # Log each core iteration longer than this many milliseconds, with where its time went
@@ -163,7 +165,7 @@ class EngineCoreProc:
                 try:
                     self.engine.add_request(message.request_id, message.prompt_token_ids,
                                             message.params, message.arrival_time,
-                                            message.priority)
+                                            message.priority, message.lora_name)
                 except ValueError as exc:
                     answer.rejected.append((message.request_id, str(exc)))
                     continue
@@ -171,6 +173,8 @@ class EngineCoreProc:
                 self._owners[message.request_id] = client
             elif isinstance(message, AbortRequests):
                 self.engine.abort_request(message.request_ids)
+            elif isinstance(message, LoRAAdapterQuery):
+                self._send(client, lora_adapter_answer(self.engine, message))
             elif isinstance(message, KVEventsQuery):
                 self._send(client, KVEvents(message.query_id,
                                             self.engine.kv_events.read(message.since)))

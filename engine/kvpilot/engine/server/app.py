@@ -24,6 +24,7 @@ from kvpilot.engine.server.chat import create_chat_completion
 from kvpilot.engine.server.completions import create_completion
 from kvpilot.engine.server.drain import Gate
 from kvpilot.engine.server.errors import OpenAIError, install_error_handlers
+from kvpilot.engine.server.lora_routes import adapter_cards, add_lora_routes
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.params import Limits
 from kvpilot.engine.server.protocol import (
@@ -77,10 +78,15 @@ def build_app(core: CoreHandle, tokenizer: TokenizerLike, model_name: str,
     app.state.metrics = metrics
     install_error_handlers(app)
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise OpenAIError(404, f"model={name!r} does not exist: this server serves "
-                                   f"{model_name!r}", param="model", code="model_not_found")
+    def lora_of(name: str) -> str | None:
+        """Gives the LoRA adapter `model` names (None: the base model); the core refuses
+        an adapter it does not serve (400 naming `model`)."""
+        if name == model_name:
+            return None
+        if core.ready.enable_lora:
+            return name
+        raise OpenAIError(404, f"model={name!r} does not exist: this server serves "
+                               f"{model_name!r}", param="model", code="model_not_found")
 
     @app.get("/health")
     async def health() -> Response:
@@ -113,19 +119,19 @@ def build_app(core: CoreHandle, tokenizer: TokenizerLike, model_name: str,
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=core.ready.model,
-                                         max_model_len=limits.max_model_len)])
+        base = ModelCard(id=model_name, root=core.ready.model, max_model_len=limits.max_model_len)
+        adapters = await adapter_cards(client, model_name) if core.ready.enable_lora else []
+        return ModelList(data=[base, *adapters])
 
     @app.post("/v1/completions", response_model=None,
               responses={200: {"model": CompletionResponse}, **ERRORS})
     async def completions(body: CompletionRequest, raw: Request) -> Any:
-        check_model(body.model)
-        return await create_completion(body, raw, ctx)
+        return await create_completion(body, raw, ctx, lora_of(body.model))
 
     @app.post("/v1/chat/completions", response_model=None,
               responses={200: {"model": ChatCompletionResponse}, **ERRORS})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
-        check_model(body.model)
-        return await create_chat_completion(body, raw, ctx)
+        return await create_chat_completion(body, raw, ctx, lora_of(body.model))
 
+    add_lora_routes(app, client)
     return app

@@ -59,9 +59,10 @@ def chat_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, k: int
 
 
 async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
-                                 ctx: ServingContext
+                                 ctx: ServingContext, lora_name: str | None = None
                                  ) -> ChatCompletionResponse | GenerationStream:
-    """Gives the assistant's reply (n choices), or a stream of chunks when `stream` is set."""
+    """Gives the assistant's reply (n choices; with LoRA adapter `lora_name`), or a stream
+    of chunks when `stream` is set."""
     arrival = time.monotonic()
     # rendering and tokenising in a worker thread keeps the loop serving (a long chat)
     prompt = await ctx.off_loop(chat_prompt, request, ctx.tokenizer, ctx.limits)
@@ -69,7 +70,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
     # off the loop too: a JSON schema's grammar is compiled to be checked
     params = await ctx.off_loop(sampling_params, request, len(prompt), ctx.limits)
     request_id, streams = await admit_requests(ctx, "chatcmpl", [prompt], [params], arrival,
-                                               request.priority, request.stream)
+                                               request.priority, request.stream, lora_name)
     if request.stream:
         return GenerationStream(_stream(request, ctx, request_id, streams, len(prompt), tools),
                                 ctx.gate, streams)
@@ -90,7 +91,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
             index=c.index, message=message,
             logprobs=chat_logprobs(ctx.tokenizer, c, k) if request.logprobs else None,
             finish_reason=reason, stop_reason=c.stop_reason))
-    return ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
+    return ChatCompletionResponse(id=request_id, model=request.model, choices=choices,
                                   usage=usage_of([final], [len(prompt)]))
 
 
@@ -129,7 +130,7 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
     k = request.top_logprobs or 0
 
     def chunk(choices: list[ChatStreamChoice]) -> str:
-        return sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=request.model,
                                        choices=choices))
 
     # OpenAI opens every choice with an empty assistant delta. It leaves with the first
@@ -161,7 +162,7 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
         if opening:  # no choice produced a chunk
             yield opening
         if include_usage:
-            yield sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
+            yield sse(ChatCompletionChunk(id=request_id, created=created, model=request.model,
                                           choices=[], usage=sent.usage()))
         yield sse("[DONE]")
     except Exception as exc:

@@ -53,9 +53,11 @@ def completion_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, 
     return out
 
 
-async def create_completion(request: CompletionRequest, raw: Request,
-                            ctx: ServingContext) -> CompletionResponse | GenerationStream:
-    """Gives the completion of every prompt, or a stream of chunks when `stream` is set."""
+async def create_completion(request: CompletionRequest, raw: Request, ctx: ServingContext,
+                            lora_name: str | None = None
+                            ) -> CompletionResponse | GenerationStream:
+    """Gives the completion of every prompt (with LoRA adapter `lora_name`), or a stream of
+    chunks when `stream` is set."""
     arrival = time.monotonic()
     # tokenising (a 1 MB prompt: ~2 s of CPU) in a worker thread keeps the loop serving
     prompts = await ctx.off_loop(completion_prompts, request, ctx.tokenizer, ctx.limits)
@@ -63,7 +65,7 @@ async def create_completion(request: CompletionRequest, raw: Request,
     params = await ctx.off_loop(lambda: [sampling_params(request, len(ids), ctx.limits)
                                          for ids in prompts])
     request_id, streams = await admit_requests(ctx, "cmpl", prompts, params, arrival,
-                                               request.priority, request.stream)
+                                               request.priority, request.stream, lora_name)
     if request.stream:
         return GenerationStream(_stream(request, ctx, request_id, streams, prompts),
                                 ctx.gate, streams)
@@ -94,7 +96,7 @@ def _response(request: CompletionRequest, ctx: ServingContext, request_id: str,
             choices.append(CompletionChoice(index=i * request.n + c.index, text=c.text,
                                             logprobs=logprobs, finish_reason=c.finish_reason,
                                             stop_reason=c.stop_reason))
-    return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
+    return CompletionResponse(id=request_id, model=request.model, choices=choices,
                               usage=usage_of(finals, [len(p) for p in prompts]))
 
 
@@ -126,9 +128,9 @@ async def _stream(request: CompletionRequest, ctx: ServingContext, request_id: s
                                                 stop_reason=c.stop_reason))
             if choices:
                 yield sse(CompletionResponse(id=request_id, created=created,
-                                             model=ctx.model_name, choices=choices))
+                                             model=request.model, choices=choices))
         if include_usage:
-            yield sse(CompletionResponse(id=request_id, created=created, model=ctx.model_name,
+            yield sse(CompletionResponse(id=request_id, created=created, model=request.model,
                                          choices=[], usage=sent.usage()))
         yield sse("[DONE]")
     except Exception as exc:

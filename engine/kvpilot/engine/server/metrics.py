@@ -111,6 +111,18 @@ class _StatsCollector(Collector):
                                              names.NUM_GPU_BLOCKS_LABEL])
             info.add_metric([*value, str(stats.block_size), str(stats.num_total_blocks)], 1.0)
             yield info
+        if stats.max_lora:
+            yield _lora_info(stats)
+
+
+def _lora_info(stats: EngineStats) -> Metric:
+    """Gives vLLM's LoRA info gauge: the adapters in its labels, the time as its value."""
+    family = GaugeMetricFamily(names.LORA_REQUESTS_INFO, "running and waiting LoRA adapters",
+                               labels=[names.RUNNING_LORA_ADAPTERS_LABEL,
+                                       names.WAITING_LORA_ADAPTERS_LABEL, names.MAX_LORA_LABEL])
+    family.add_metric([",".join(stats.running_lora_adapters),
+                       ",".join(stats.waiting_lora_adapters), str(stats.max_lora)], time.time())
+    return family
 
 
 def _transport_families(stats: EngineStats, label: list[str], value: list[str]

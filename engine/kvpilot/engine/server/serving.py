@@ -73,14 +73,15 @@ def new_request_id(prefix: str) -> str:
 
 async def start_requests(ctx: ServingContext, request_id: str, prompts: list[list[int]],
                          params: list[SamplingParams], arrival_time: float, priority: int,
-                         stream: bool) -> list[OutputStream]:
+                         stream: bool, lora_name: str | None = None) -> list[OutputStream]:
     """Gives one output stream per prompt; on a refusal aborts the ones started and raises 400."""
     streams: list[OutputStream] = []
     try:
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             streams.append(await ctx.engine.add_request(rid, ids, p, arrival_time=arrival_time,
-                                                        priority=priority, stream=stream))
+                                                        priority=priority, stream=stream,
+                                                        lora_name=lora_name))
     except ValueError as exc:
         await close_all(streams)
         raise from_value_error(exc) from exc
@@ -95,7 +96,8 @@ async def start_requests(ctx: ServingContext, request_id: str, prompts: list[lis
 
 async def admit_requests(ctx: ServingContext, prefix: str, prompts: list[list[int]],
                          params: list[SamplingParams], arrival_time: float, priority: int,
-                         stream: bool) -> tuple[str, list[OutputStream]]:
+                         stream: bool, lora_name: str | None = None
+                         ) -> tuple[str, list[OutputStream]]:
     """Gives (request id, one output stream per prompt) once the drain gate admits the request.
 
     From here the gate slot is the caller's to give back (GenerationStream or a `finally`);
@@ -105,7 +107,7 @@ async def admit_requests(ctx: ServingContext, prefix: str, prompts: list[list[in
     try:
         request_id = new_request_id(prefix)
         return request_id, await start_requests(ctx, request_id, prompts, params, arrival_time,
-                                                priority, stream)
+                                                priority, stream, lora_name)
     except BaseException:
         ctx.gate.release()
         raise

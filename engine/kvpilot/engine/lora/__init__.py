@@ -1,0 +1,1 @@
+"""Multi-LoRA serving: PEFT adapters, their device slots and the batched apply."""
