@@ -140,5 +140,5 @@ def test_adapters_are_refused_locally(monkeypatch):
 
     monkeypatch.setattr(adapters_render, "engine_serves_lora", lambda: True)  # lora-engine's flags
     with_adapters = manifest(adapters=[{"name": "sql", "source": "hf://org/sql"}])
-    with pytest.raises(ValueError, match="spec.adapters: kvpilot up runs no init containers"):
+    with pytest.raises(ValueError, match=r"spec\.adapters: kvpilot up runs no init containers"):
         plan_local(with_adapters, lambda: 9000, 8080)
