@@ -51,6 +51,13 @@ KV_HOST_CACHE_USAGE_PERC = "kvpilot_kv_host_cache_usage_perc"
 MODEL_NAME_LABEL = "model_name"
 FINISHED_REASON_LABEL = "finished_reason"
 
+# LoRA (vLLM's info gauge, whose value is the time it was set): the router reads which
+# adapters an engine runs and waits on from its labels
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+RUNNING_LORA_ADAPTERS_LABEL = "running_lora_adapters"  # comma-separated adapter names
+WAITING_LORA_ADAPTERS_LABEL = "waiting_lora_adapters"
+MAX_LORA_LABEL = "max_lora"  # str(--max-loras)
+
 # The router's own metrics (`kvpilot route`); the autoscaler reads the pending
 # gauge to scale a pool up from zero replicas.
 ROUTER_REQUESTS = "kvpilot_router_requests"
@@ -58,6 +65,7 @@ ROUTER_RETRIES = "kvpilot_router_retries"
 ROUTER_EJECTIONS = "kvpilot_router_ejections"
 ROUTER_PREFIX_HIT_BLOCKS = "kvpilot_router_prefix_hit_blocks"
 ROUTER_PROMPT_BLOCKS = "kvpilot_router_prompt_blocks"
+ROUTER_LORA_REQUESTS = "kvpilot_router_lora_requests"  # by outcome: affinity, overloaded, no_holder
 ROUTER_TRANSFERRED_BLOCKS = "kvpilot_router_transferred_blocks"
 ROUTER_IN_FLIGHT = "kvpilot_router_in_flight_requests"
 ROUTER_PENDING_REQUESTS = "kvpilot_router_pending_requests"
