@@ -24,6 +24,7 @@ from kvpilot.engine.router.stall import find_stalled
 log = logging.getLogger("kvpilot.router")
 
 KV_EVENTS_TIMEOUT = 2.0  # seconds; a poll never holds a refresh longer than this
+MODELS_TIMEOUT = 2.0  # seconds; the same for a LoRA engine's /v1/models
 # A refresh waits this long for its health checks; a slower one (a stalled instance) runs on
 # in the background and holds up no other instance's.
 PROBE_WAIT = 1.0
@@ -212,7 +213,7 @@ class Fleet:
     async def _poll_adapters(self, client: httpx.AsyncClient, instance: Instance) -> None:
         """Reads the adapters a LoRA engine serves from its /v1/models; failures only log."""
         try:
-            response = await client.get(f"{instance.url}/v1/models", timeout=KV_EVENTS_TIMEOUT)
+            response = await client.get(f"{instance.url}/v1/models", timeout=MODELS_TIMEOUT)
             response.raise_for_status()
             instance.adapters = served_adapters(response.json())
         except (httpx.HTTPError, ValueError) as exc:
