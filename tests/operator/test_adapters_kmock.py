@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from helpers.lora_engine import fake_lora_engine
 from kube_api import ApiServer
 from operator_harness import IMS, NAMESPACE, eventually
 from test_reconcile_kmock import IM_PATH, MERGE, tiny
 
-import kvpilot.operator.render.adapters as adapters_render
 from kvpilot.operator.render.adapters import engine_serves_lora
 
 DEPLOYMENTS = "apps/v1/deployments"
@@ -32,7 +32,7 @@ def lora_flags(pod: dict[str, Any]) -> list[str]:
 
 async def test_adapters_reach_the_engine_pods_and_an_edit_rolls_them(
         api, operator, client, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(adapters_render, "engine_serves_lora", lambda: True)
+    fake_lora_engine(monkeypatch)
     assert (await client.post(IM_PATH, json=tiny("chat", adapters=[SQL]))).status_code == 200
     pod = await eventually(lambda: engine_pod(api, "chat-decode"), what="decode Deployment")
     assert lora_flags(pod) == ["--enable-lora", "--lora-modules", "sql=/adapters/sql",

@@ -12,8 +12,8 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from helpers.lora_engine import fake_lora_engine
 
-import kvpilot.operator.render.adapters as adapters_render
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import DecodePoolSpec
 from kvpilot.operator.planning.pool import resolve_pool
@@ -33,8 +33,7 @@ ADAPTERS = [{"name": "sql", "source": "hf://org/sql-lora", "revision": "v2"},
 
 @pytest.fixture
 def lora_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fakes an engine that takes the LoRA flags (the lora-engine contract)."""
-    monkeypatch.setattr(adapters_render, "engine_serves_lora", lambda: True)
+    fake_lora_engine(monkeypatch)
 
 
 def spec(adapters: list[dict[str, Any]] | None = ADAPTERS, **extra: Any) -> InferenceModelSpec:
@@ -143,3 +142,12 @@ def test_rendered_line_parses_with_the_engines_parser():
     args = pod(spec())["containers"][0]["args"]
     parsed = from_namespace(EngineArgs, _serve_parser().parse_args(args))
     assert parsed.enable_lora and parsed.max_loras == 4  # type: ignore[attr-defined]
+
+
+def test_the_engines_lora_limits_refuse_at_render():
+    """Once the engine has LoRA, its own refusals (lora-engine: one GPU per replica) name
+    spec.adapters when the operator renders."""
+    if not engine_serves_lora():
+        pytest.skip("this checkout's engine has no --enable-lora yet (branch lora-engine)")
+    with pytest.raises(ValueError, match=r"spec\.adapters: kvpilot serve refuses LoRA"):
+        pod(spec(ADAPTERS[:1], topology={"tensorParallel": 2}))

@@ -108,5 +108,19 @@ def serve_args(pool: ResolvedPool, drain_timeout: int) -> list[str]:
     )
     server = ServerArgs(host="0.0.0.0", port=ENGINE_PORT, drain_timeout=float(drain_timeout))
     check_extra_args(engine.extra_args)
-    return [*args.to_cli(), *server.to_cli(), *lora_args(pool.adapters, engine),
+    line = [*args.to_cli(), *server.to_cli(), *lora_args(pool.adapters, engine),
             *engine.extra_args]
+    if pool.adapters:
+        check_lora_line(line)
+    return line
+
+
+def check_lora_line(line: list[str]) -> None:
+    """Raises ValueError naming spec.adapters when the engine refuses a serve line with
+    adapters (its LoRA limits, e.g. one GPU per replica), so the model fails at admission
+    rather than its pods at start."""
+    try:
+        from_namespace(EngineArgs, _serve_parser().parse_args(line))
+    except ValueError as exc:
+        raise ValueError(f"spec.adapters: kvpilot serve refuses LoRA with these settings "
+                         f"({exc}): change the field it names, or remove spec.adapters") from exc
