@@ -109,7 +109,8 @@ async def lora_fleet() -> AsyncIterator[tuple[Router, str, dict[str, str], list[
 
 
 async def send(client: httpx.AsyncClient, model: str, urls: dict[str, str]) -> str:
-    response = await client.post("/v1/completions", json={**COMPLETION, "model": model})
+    body = {**COMPLETION, "model": model, "prompt": "the same long prompt " * 20}
+    response = await client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     return served_by(response, urls)
 
@@ -121,6 +122,8 @@ async def test_adapter_requests_follow_their_holders_and_spill_when_they_queue(l
     async with httpx.AsyncClient(base_url=router_url, timeout=30) as client:
         # affinity: every sql request to the replica running sql, though the others idle too
         assert [await send(client, "sql", urls) for _ in range(6)] == ["holder"] * 6
+        # scored by load only: the router's base-model hashes are not the engines' adapter ones
+        assert len(router.index) == 0
         # base-model requests are unchanged: least-load rotates over the tied replicas
         assert {await send(client, "tiny", urls) for _ in range(6)} == {"holder", "free", "full"}
         # the holder queues beyond the margin: the other replica with a free slot takes it

@@ -75,9 +75,9 @@ class Router:
         return "both" not in roles and {"prefill", "decode"} <= roles
 
     async def pick(self, roles: tuple[str, ...], hashes: list[int], exclude: set[str],
-                   pinned: str | None = None, model: str | None = None) -> Instance:
-        """Gives the instance the policy picks, waiting up to hold_timeout for one; a `model`
-        naming an adapter narrows the choice first (`router.lora`)."""
+                   pinned: str | None = None, adapter: str | None = None) -> Instance:
+        """Gives the instance the policy picks, waiting up to hold_timeout for one; an
+        `adapter` request's choice is narrowed first (`router.lora`)."""
         deadline = time.monotonic() + self.args.hold_timeout
         gauge = self.metrics.pending.labels(roles[0])
         gauge.inc()
@@ -102,9 +102,9 @@ class Router:
         tiers = {i.url: self.index.match_tiers(i.url, hashes) for i in candidates}
         hits = {url: hit_blocks(gpu, host, self.weights) for url, (gpu, host) in tiers.items()}
         views = [i.view(self.index.size(i.url)) for i in candidates]
-        if model is not None and model in self.fleet.served_adapters():
-            views, outcome = lora_candidates(views, {i.url: i.lora for i in candidates}, model,
-                                             self.args.lora_affinity_margin)
+        if adapter is not None:
+            views, outcome = lora_candidates(views, {i.url: i.lora for i in candidates},
+                                             adapter, self.args.lora_affinity_margin)
             self.metrics.lora_requests.labels(outcome).inc()
         view = choose(self.args.policy, views,
                       counter=next(self.counter), hits=hits, num_blocks=len(hashes),
@@ -125,13 +125,17 @@ class Router:
     async def handle(self, path: str, body: dict[str, Any], headers: dict[str, str],
                      pinned: str | None) -> Response:
         """Gives the response to one OpenAI request (aggregated or disaggregated)."""
-        hashes = await asyncio.to_thread(self.hasher.hashes, body)  # CPU: off the loop
-        model = body.get("model") if isinstance(body.get("model"), str) else None
+        model = body.get("model")
+        adapter = model if isinstance(model, str) and model in self.fleet.served_adapters() \
+            else None
+        # Engines root an adapter's block hashes at the adapter (a prefix cache never mixes
+        # adapters); the router's are the base model's, which would only mislead the index.
+        hashes = [] if adapter else await asyncio.to_thread(self.hasher.hashes, body)  # CPU
         if not self.disaggregated or not disaggregatable(body):
             roles = ("decode",) if self.disaggregated else ("both",)
 
             async def pick_both(tried: set[str]) -> Instance:
-                return await self.pick(roles, hashes, tried, pinned, model)
+                return await self.pick(roles, hashes, tried, pinned, adapter)
             return await self.forwarder.send(pick_both, path, body, headers)
 
         async def pick_prefill(tried: set[str]) -> Instance:

@@ -6,7 +6,8 @@ value (vLLM adds a label set per change, so the newest sample is the current one
 llm-d's LoRA-affinity scorer made a filter before the load score:
 
 - a request whose `model` names an adapter goes to the replicas that hold it (running or
-  waiting), the policy picking among them by load as for any request;
+  waiting), the policy picking among them by load (no prefix hits: the router hashes prompts
+  as the base model, while engines root an adapter's block hashes at the adapter);
 - unless the least-loaded holder's load (waiting + in flight) exceeds the least-loaded
   other replica's by more than `margin` (`--lora-affinity-margin`): then, as when no replica
   holds it, it goes to a replica without it that has a free adapter slot (fewer adapters
