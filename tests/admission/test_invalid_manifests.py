@@ -23,6 +23,7 @@ OPERATOR_ONLY = {
     "kv-cache-memory/below-one-block", "kv-cache-memory/below-one-sequence",
     "model-shape-and-fit/tp-not-dividing-heads", "model-shape-and-fit/pp-beyond-layers",
     "model-shape-and-fit/weights-do-not-fit", "gpu-budget/pool-over-operator-limit",
+    "adapters/pool-max-lora-rank",
 }
 
 
@@ -89,6 +90,10 @@ def test_model_shape_and_fit():
 
 def test_gpu_budget():
     check("gpu-budget")
+
+
+def test_adapters():
+    check("adapters")
 
 
 @pytest.mark.parametrize("manifest", [

@@ -133,3 +133,12 @@ def test_the_fleet_secret_file_is_private_and_loads(tmp_path):
         other.unlink()
     finally:
         path.unlink()
+
+
+def test_adapters_are_refused_locally(monkeypatch):
+    from helpers.lora_engine import fake_lora_engine
+
+    fake_lora_engine(monkeypatch)
+    with_adapters = manifest(adapters=[{"name": "sql", "source": "hf://org/sql"}])
+    with pytest.raises(ValueError, match=r"spec\.adapters: kvpilot up runs no init containers"):
+        plan_local(with_adapters, lambda: 9000, 8080)

@@ -65,8 +65,29 @@ def schema_errors(schema: dict[str, Any], obj: Any) -> list[str]:
     from jsonschema import Draft4Validator
 
     validator = Draft4Validator(schema)
-    return sorted(f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
-                  for e in validator.iter_errors(obj))
+    return sorted([f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
+                   for e in validator.iter_errors(obj)] + list_map_errors(schema, obj))
+
+
+def list_map_errors(schema: dict[str, Any], obj: Any, path: tuple[str, ...] = ()) -> list[str]:
+    """Gives 'path.i: Duplicate value' for each item of an `x-kubernetes-list-type: map` list
+    whose keys repeat an earlier item's (the API server refuses those before CEL runs)."""
+    errors: list[str] = []
+    if isinstance(obj, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name in obj:
+                errors += list_map_errors(sub, obj[name], (*path, name))
+    elif isinstance(obj, list) and "items" in schema:
+        keys = schema.get("x-kubernetes-list-map-keys")
+        seen: list[Any] = []
+        for i, item in enumerate(obj):
+            if keys and schema.get("x-kubernetes-list-type") == "map" and isinstance(item, dict):
+                key = {k: item.get(k) for k in keys}
+                if key in seen:
+                    errors.append(f"{'.'.join((*path, str(i)))}: Duplicate value: {key}")
+                seen.append(key)
+            errors += list_map_errors(schema["items"], item, (*path, str(i)))
+    return errors
 
 
 def cel_sites(schema: dict[str, Any], path: tuple[str, ...] = ()) \

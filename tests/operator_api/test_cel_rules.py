@@ -179,6 +179,16 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("spec-lookup-order", im(engine={"speculative": {
         "method": "ngram", "numSpeculativeTokens": 3, "promptLookupMin": 5,
         "promptLookupMax": 2}}), "promptLookupMin must not exceed promptLookupMax"),
+    ("adapters", im(adapters=[{"name": "sql", "source": "hf://org/sql"},
+                              {"name": "law", "source": "pvc://loras/law"}],
+                    engine={"maxLoras": 2, "maxLoraRank": 64}), None),
+    ("adapter-named-as-model", im(adapters=[{"name": "llama", "source": "hf://org/a"}]),
+     "an adapter may not take spec.model.name"),
+    ("adapters-disaggregated", im(servingMode="disaggregated", prefill={"replicas": 1},
+                                  adapters=[{"name": "sql", "source": "hf://org/a"}]),
+     "adapters need servingMode aggregated"),
+    ("max-loras-without-adapters", im(engine={"maxLoraRank": 8}),
+     "engine.maxLoras/maxLoraRank need an InferenceModel's spec.adapters"),
 ]
 
 
@@ -215,6 +225,9 @@ def test_pydantic_agrees_with_cel(obj: dict[str, Any], expected: str | None):
     (im(model={**MODEL, "cache": {"size": "lots"}}), "spec.model.cache.size: 'lots' does"),
     (im(progressDeadlineSeconds=5), "spec.progressDeadlineSeconds: 5 is less than"),
     (im(engine={"gpuMemoryUtilization": 0}), "spec.engine.gpuMemoryUtilization: 0 is less than"),
+    (im(adapters=[{"name": "sql", "source": "hf://o/a"}, {"name": "sql", "source": "hf://o/b"}]),
+     "spec.adapters.1: Duplicate value: {'name': 'sql'}"),
+    (im(adapters=[]), "spec.adapters: [] should be non-empty"),
 ])
 def test_schema_rejects_field_values(crds: dict[str, Any], obj: dict[str, Any], expected: str):
     errors = api_server_errors(crds[obj["kind"]], obj)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,11 @@ class FakeEngine:
     authorization: list[str] = field(default_factory=list)  # of each generation request
     kv_events: KVEventLog = field(default_factory=lambda: KVEventLog(1024))  # GET /kv_events
     require: HttpAuth = field(default_factory=HttpAuth)  # what GET /kv_events checks
+    # LoRA (max_lora 0: off): vllm:lora_requests_info's labels, and the adapters /v1/models lists
+    max_lora: int = 0
+    running_loras: list[str] = field(default_factory=list)
+    waiting_loras: list[str] = field(default_factory=list)
+    adapters: list[str] = field(default_factory=list)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -63,7 +69,8 @@ class FakeEngine:
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+            cards = [{"id": name, "object": "model", "parent": "tiny"} for name in self.adapters]
+            return {"object": "list", "data": [{"id": "tiny", "object": "model"}, *cards]}
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -72,6 +79,11 @@ class FakeEngine:
             text = (f'vllm:num_requests_waiting{{model_name="tiny"}} {self.waiting}\n'
                     f'vllm:kv_cache_usage_perc{{model_name="tiny"}} {self.kv_usage}\n'
                     f'vllm:num_requests_running{{model_name="tiny"}} 0.0\n')
+            if self.max_lora:
+                text += (f'vllm:lora_requests_info{{running_lora_adapters='
+                         f'"{",".join(self.running_loras)}",waiting_lora_adapters='
+                         f'"{",".join(self.waiting_loras)}",max_lora="{self.max_lora}"}} '
+                         f'{time.time()}\n')
             return Response(text, media_type="text/plain")
 
         @app.get("/kv_events")

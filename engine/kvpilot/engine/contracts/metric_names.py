@@ -70,6 +70,7 @@ ROUTER_RETRIES = "kvpilot_router_retries"
 ROUTER_EJECTIONS = "kvpilot_router_ejections"
 ROUTER_PREFIX_HIT_BLOCKS = "kvpilot_router_prefix_hit_blocks"
 ROUTER_PROMPT_BLOCKS = "kvpilot_router_prompt_blocks"
+ROUTER_LORA_REQUESTS = "kvpilot_router_lora_requests"  # by outcome: affinity, overloaded, no_holder
 ROUTER_TRANSFERRED_BLOCKS = "kvpilot_router_transferred_blocks"
 ROUTER_IN_FLIGHT = "kvpilot_router_in_flight_requests"
 ROUTER_PENDING_REQUESTS = "kvpilot_router_pending_requests"

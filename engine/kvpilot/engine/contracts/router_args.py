@@ -66,6 +66,11 @@ class RouterArgs:
     cache_weight: float = field(default=0.05, metadata={
         "help": "prefix-aware: how much the blocks an instance already caches cost (sends "
                 "new prefixes to the instance that caches the least)"})
+    lora_affinity_margin: float = field(default=8.0, metadata={
+        "help": "LoRA: a request for an adapter goes to the replicas holding it (vLLM's "
+                "lora_requests_info) unless the least-loaded holder has more than this many "
+                "requests (waiting + in flight) beyond the least-loaded other replica; then to "
+                "a replica with a free adapter slot"})
     request_timeout: float = field(default=600.0, metadata={
         "help": "seconds a whole request may take"})
     connect_timeout: float = field(default=2.0, metadata={
@@ -117,6 +122,9 @@ class RouterArgs:
         for name in ("block_size", "prefix_index_max_entries", "eject_after_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be at least 1")
+        if self.lora_affinity_margin < 0:
+            raise ValueError(f"lora_affinity_margin={self.lora_affinity_margin!r} is invalid: "
+                             "must be >= 0 (0: leave a holder once it is busier at all)")
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries!r} is invalid: must be >= 0")
         if self.instances:

@@ -28,6 +28,7 @@ from kvpilot.engine.router.disagg import disaggregatable, run_prefill
 from kvpilot.engine.router.discovery import Discovery, make_discovery
 from kvpilot.engine.router.fleet import Fleet, Instance
 from kvpilot.engine.router.kv_events import MAX_BODY_BYTES, parse_event
+from kvpilot.engine.router.lora import lora_candidates
 from kvpilot.engine.router.metrics import RouterMetrics
 from kvpilot.engine.router.policy import Weights, choose, hit_blocks
 from kvpilot.engine.router.prefix_index import PrefixIndex
@@ -74,8 +75,9 @@ class Router:
         return "both" not in roles and {"prefill", "decode"} <= roles
 
     async def pick(self, roles: tuple[str, ...], hashes: list[int], exclude: set[str],
-                   pinned: str | None = None) -> Instance:
-        """Gives the instance the policy picks, waiting up to hold_timeout for one."""
+                   pinned: str | None = None, adapter: str | None = None) -> Instance:
+        """Gives the instance the policy picks, waiting up to hold_timeout for one; an
+        `adapter` request's choice is narrowed first (`router.lora`)."""
         deadline = time.monotonic() + self.args.hold_timeout
         gauge = self.metrics.pending.labels(roles[0])
         gauge.inc()
@@ -99,7 +101,12 @@ class Router:
             gauge.dec()
         tiers = {i.url: self.index.match_tiers(i.url, hashes) for i in candidates}
         hits = {url: hit_blocks(gpu, host, self.weights) for url, (gpu, host) in tiers.items()}
-        view = choose(self.args.policy, [i.view(self.index.size(i.url)) for i in candidates],
+        views = [i.view(self.index.size(i.url)) for i in candidates]
+        if adapter is not None:
+            views, outcome = lora_candidates(views, {i.url: i.lora for i in candidates},
+                                             adapter, self.args.lora_affinity_margin)
+            self.metrics.lora_requests.labels(outcome).inc()
+        view = choose(self.args.policy, views,
                       counter=next(self.counter), hits=hits, num_blocks=len(hashes),
                       weights=self.weights)
         chosen = self.fleet.instances[view.url]
@@ -118,12 +125,17 @@ class Router:
     async def handle(self, path: str, body: dict[str, Any], headers: dict[str, str],
                      pinned: str | None) -> Response:
         """Gives the response to one OpenAI request (aggregated or disaggregated)."""
-        hashes = await asyncio.to_thread(self.hasher.hashes, body)  # CPU: off the loop
+        model = body.get("model")
+        adapter = model if isinstance(model, str) and model in self.fleet.served_adapters() \
+            else None
+        # Engines root an adapter's block hashes at the adapter (a prefix cache never mixes
+        # adapters); the router's are the base model's, which would only mislead the index.
+        hashes = [] if adapter else await asyncio.to_thread(self.hasher.hashes, body)  # CPU
         if not self.disaggregated or not disaggregatable(body):
             roles = ("decode",) if self.disaggregated else ("both",)
 
             async def pick_both(tried: set[str]) -> Instance:
-                return await self.pick(roles, hashes, tried, pinned)
+                return await self.pick(roles, hashes, tried, pinned, adapter)
             return await self.forwarder.send(pick_both, path, body, headers)
 
         async def pick_prefill(tried: set[str]) -> Instance:

@@ -16,6 +16,7 @@ from kvpilot.engine.contracts.metrics_text import read_metrics
 from kvpilot.engine.router.discovery import Discovery
 from kvpilot.engine.router.health import Health
 from kvpilot.engine.router.kv_events import parse_event
+from kvpilot.engine.router.lora import LoraState, parse_lora, served_adapters
 from kvpilot.engine.router.policy import InstanceView
 from kvpilot.engine.router.prefix_index import PrefixIndex
 from kvpilot.engine.router.stall import find_stalled
@@ -23,6 +24,7 @@ from kvpilot.engine.router.stall import find_stalled
 log = logging.getLogger("kvpilot.router")
 
 KV_EVENTS_TIMEOUT = 2.0  # seconds; a poll never holds a refresh longer than this
+MODELS_TIMEOUT = 2.0  # seconds; the same for a LoRA engine's /v1/models
 # A refresh waits this long for its health checks; a slower one (a stalled instance) runs on
 # in the background and holds up no other instance's.
 PROBE_WAIT = 1.0
@@ -47,6 +49,8 @@ class Instance:
     waiting_since: float = 0.0  # when the router last began waiting for it from idle
     probe: asyncio.Task[None] | None = None  # the health check (/metrics scrape) running
     stall: asyncio.Event = field(default_factory=asyncio.Event)  # set once found stalled
+    lora: LoraState | None = None  # its adapters per vllm:lora_requests_info; None: LoRA off
+    adapters: frozenset[str] = frozenset()  # the adapters its /v1/models lists
 
     def view(self, cached_blocks: int = 0) -> InstanceView:
         return InstanceView(self.url, self.waiting, self.in_flight, self.kv_usage, cached_blocks)
@@ -184,6 +188,7 @@ class Fleet:
             self.heard(instance)
             response.raise_for_status()
             instance.waiting, instance.running, instance.kv_usage = parse_load(response.text)
+            instance.lora = parse_lora(response.text)
         except (httpx.HTTPError, ValueError) as exc:
             # Only failures while in rotation count: an ejected instance keeps its backoff,
             # and one that never answered yet is still starting.
@@ -195,8 +200,24 @@ class Fleet:
             self.changed.set()
         if not was_available and instance.health.available(time.monotonic()):
             self.changed.set()
+        if instance.lora is not None:
+            await self._poll_adapters(client, instance)
         if self.poll_kv_events:
             await self._poll_kv_events(client, instance)
+
+    def served_adapters(self) -> frozenset[str]:
+        """Gives the adapter names any instance serves (lists, or runs or queues requests of)."""
+        return frozenset().union(*(i.adapters | (i.lora.held if i.lora else frozenset())
+                                   for i in self.instances.values()))
+
+    async def _poll_adapters(self, client: httpx.AsyncClient, instance: Instance) -> None:
+        """Reads the adapters a LoRA engine serves from its /v1/models; failures only log."""
+        try:
+            response = await client.get(f"{instance.url}/v1/models", timeout=MODELS_TIMEOUT)
+            response.raise_for_status()
+            instance.adapters = served_adapters(response.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("GET %s/v1/models failed: %r", instance.url, exc)
 
     async def _poll_kv_events(self, client: httpx.AsyncClient, instance: Instance) -> None:
         """Applies the instance's new KV events to the prefix index; failures only log.

@@ -26,6 +26,10 @@ class RouterMetrics:
                                      registry=r)
         self.transferred_blocks = Counter(names.ROUTER_TRANSFERRED_BLOCKS, "KV blocks decode "
                                           "instances pulled from prefill instances", registry=r)
+        self.lora_requests = Counter(names.ROUTER_LORA_REQUESTS, "adapter requests by how the "
+                                     "replica was chosen: affinity (a holder), overloaded (the "
+                                     "holders were too busy) or no_holder", ["outcome"],
+                                     registry=r)
         self.in_flight = Gauge(names.ROUTER_IN_FLIGHT, "requests open on each instance",
                                ["instance"], registry=r)
         self.pending = Gauge(names.ROUTER_PENDING_REQUESTS, "requests held waiting for a ready "

@@ -78,6 +78,7 @@ KINDS: list[Kind] = [
             Column("WEIGHTS", ".status.weights.state", "string",
                    "where hf:// weights are: Downloading n%, Cached, Downloaded, Failed"),
             _KV, _QUEUE, _AGE,
+            Column("ADAPTERS", ".spec.adapters[*].name", priority=1),
         ],
     ),
     Kind(kind="PrefillPool", plural="prefillpools", spec=PrefillPoolSpec, status=PoolStatus,

@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from kvpilot.engine.contracts.builtin_models import BUILTIN_CONFIGS
 from kvpilot.operator.api.accelerator import AcceleratorSpec
+from kvpilot.operator.api.adapters import MAX_ADAPTERS
 from kvpilot.operator.api.base import ApiModel
 from kvpilot.operator.api.formats import QUANTITY, DnsSubdomain, EnvMap, SecretKey
 from kvpilot.operator.api.rules import CelRule, JsonDict, validations
@@ -152,6 +153,11 @@ class EngineSpec(ApiModel):
     # speculative decoding (issue 23)
     speculative: SpeculativeSpec | None = None
     """Speculative decoding (n-gram or a draft model); one GPU per replica, aggregated only."""
+    # LoRA adapters (issue 24): vLLM's --max-loras and --max-lora-rank; need spec.adapters
+    max_loras: int | None = Field(default=None, ge=1, le=MAX_ADAPTERS)
+    """--max-loras (unset: min(adapters, 4))."""
+    max_lora_rank: int | None = Field(default=None, ge=1, le=512)
+    """--max-lora-rank (unset: 16)."""
     extra_args: list[str] = Field(default_factory=list, max_length=64)
     """Further `kvpilot serve` flags, e.g. ["--seed", "1"]; the operator parses them with the
     engine's own parser and refuses unknown flags and flags it sets itself."""

@@ -8,6 +8,13 @@ from pydantic import ConfigDict, Field, model_validator
 
 from kvpilot.operator.api.accelerator import AcceleratorSpec
 from kvpilot.operator.api.access import AuthSpec, NetworkPeer
+from kvpilot.operator.api.adapters import (
+    ADAPTER_RULES,
+    ADAPTERS_LIST,
+    MAX_ADAPTERS,
+    AdapterSpec,
+    check_adapters,
+)
 from kvpilot.operator.api.autoscaling import AutoscalingSpec
 from kvpilot.operator.api.base import ApiModel
 from kvpilot.operator.api.common import (
@@ -126,6 +133,7 @@ INFERENCE_MODEL_RULES = [
             "(!has(self.decode.topology) || self.decode.topology.expertParallel == 1) && "
             "(!has(self.prefill) || !has(self.prefill.topology) || "
             "self.prefill.topology.expertParallel == 1))", EXPERTS, ".model.numExperts"),
+    *ADAPTER_RULES,
 ]
 
 
@@ -166,6 +174,9 @@ class InferenceModelSpec(ApiModel):
     its pool reports ProgressDeadlineExceeded (default 3600)."""
     inference_pool: InferencePoolSpec | None = None
     """Also render a Gateway API InferencePool selecting the engines (aggregated mode only)."""
+    adapters: list[AdapterSpec] | None = Field(
+        default=None, min_length=1, max_length=MAX_ADAPTERS, json_schema_extra=ADAPTERS_LIST)
+    """LoRA adapters served beside the model (aggregated only)."""
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceModelSpec:
@@ -195,6 +206,8 @@ class InferenceModelSpec(ApiModel):
             if need > self.gpu_budget:
                 raise ValueError(f"{need} GPUs at the pools' floor > gpuBudget={self.gpu_budget}: "
                                  f"{rules[7]}")
+        check_adapters(self.adapters or [], self.model.name, self.serving_mode,
+                       self.engine.max_loras is not None or self.engine.max_lora_rank is not None)
         pools = [t for t in (self.decode, self.prefill) if t is not None]
         check_sections(self.model, [self.topology, *(t.topology for t in pools)],
                        self.accelerator, self.communication,

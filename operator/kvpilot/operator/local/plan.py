@@ -117,6 +117,10 @@ def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_po
     config = config or RenderConfig()
     pools, children = manifest_objects(manifest, config)
     resolved = {pool.name: pool.resolved for pool in pools}
+    if any(pool.resolved.adapters for pool in pools):
+        raise ValueError("spec.adapters: kvpilot up runs no init containers, so adapters "
+                         "(downloaded or mounted into pods under /adapters*) are not there: "
+                         "remove spec.adapters to run the fleet locally")
     engines: list[LocalProcess] = []
     for pool in (o for o in children if o["kind"] in SPEC_BY_KIND):
         # The API server would give the pool a uid; its children's owner references need one.

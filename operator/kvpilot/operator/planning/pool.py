@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 
 from kvpilot.operator.api.accelerator import AcceleratorSpec
 from kvpilot.operator.api.access import AuthSpec, NetworkPeer
+from kvpilot.operator.api.adapters import AdapterSpec, check_adapters
 from kvpilot.operator.api.autoscaling import AutoscalingSpec
 from kvpilot.operator.api.common import CommunicationSpec, EngineSpec, ModelSource, TopologySpec
 from kvpilot.operator.api.consistency import check_sections
@@ -56,6 +57,8 @@ class ResolvedPool:
     """The InferenceModel the sections came from (None: an inline model)."""
     progress_deadline_seconds: int = PROGRESS_DEADLINE_SECONDS
     """Seconds a replica may stay not ready before the pool reports ProgressDeadlineExceeded."""
+    adapters: tuple[AdapterSpec, ...] = ()
+    """LoRA adapters served beside the model (the InferenceModel's spec.adapters)."""
 
     def to_json(self) -> dict[str, Any]:
         """Gives the camelCase pool spec this resolves to (the pods' spec hash digests it)."""
@@ -74,6 +77,8 @@ class ResolvedPool:
             out["autoscaling"] = self.autoscaling.to_json()
         if self.progress_deadline_seconds != PROGRESS_DEADLINE_SECONDS:
             out["progressDeadlineSeconds"] = self.progress_deadline_seconds
+        if self.adapters:  # absent: the hash of older specs holds
+            out["adapters"] = [a.to_json() for a in self.adapters]
         return out
 
 
@@ -103,6 +108,9 @@ def resolve_pool(spec: AnyPoolSpec, owner: InferenceModelSpec | None) -> Resolve
     overrides = _pick(spec.overrides, owner.overrides if owner else None, Overrides())
     check_sections(model, [topology], accelerator, communication,
                    [communication.env, overrides.env])
+    adapters = tuple(owner.adapters or ()) if owner else ()
+    check_adapters(adapters, model.name, "aggregated" if spec.role == "both" else "disaggregated",
+                   engine.max_loras is not None or engine.max_lora_rank is not None)
     check_kv_cache(model, engine, accelerator.vendor)
     check_quantization(engine, accelerator.vendor)
     check_speculative_pool(engine.speculative,
@@ -122,4 +130,5 @@ def resolve_pool(spec: AnyPoolSpec, owner: InferenceModelSpec | None) -> Resolve
         allow_from=tuple(spec.allow_from or ()),
         progress_deadline_seconds=_pick(
             spec.progress_deadline_seconds, owner.progress_deadline_seconds if owner else None,
-            PROGRESS_DEADLINE_SECONDS))
+            PROGRESS_DEADLINE_SECONDS),
+        adapters=adapters)

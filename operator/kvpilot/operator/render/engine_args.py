@@ -13,6 +13,7 @@ from kvpilot.engine.contracts.args import (
 )
 from kvpilot.engine.contracts.fleet_secret import FLEET_SECRET_PATH
 from kvpilot.operator.planning.pool import ResolvedPool
+from kvpilot.operator.render.adapters import lora_args
 from kvpilot.operator.render.meta import ENGINE_PORT
 from kvpilot.operator.render.weights import model_location
 
@@ -35,6 +36,8 @@ OWNED_FLAGS = {
     "fleet_secret_file": "the fleet Secret the operator mounts",
     "quantization": "spec.engine.quantization", "kv_cache_dtype": "spec.engine.kvCacheDtype",
     "speculative_config": "spec.engine.speculative",
+    "enable_lora": "spec.adapters", "lora_modules": "spec.adapters",
+    "max_loras": "spec.engine.maxLoras", "max_lora_rank": "spec.engine.maxLoraRank",
 }
 
 
@@ -105,4 +108,19 @@ def serve_args(pool: ResolvedPool, drain_timeout: int) -> list[str]:
     )
     server = ServerArgs(host="0.0.0.0", port=ENGINE_PORT, drain_timeout=float(drain_timeout))
     check_extra_args(engine.extra_args)
-    return [*args.to_cli(), *server.to_cli(), *engine.extra_args]
+    line = [*args.to_cli(), *server.to_cli(), *lora_args(pool.adapters, engine),
+            *engine.extra_args]
+    if pool.adapters:
+        check_lora_line(line)
+    return line
+
+
+def check_lora_line(line: list[str]) -> None:
+    """Raises ValueError naming spec.adapters when the engine refuses a serve line with
+    adapters (its LoRA limits, e.g. one GPU per replica), so the model fails at admission
+    rather than its pods at start."""
+    try:
+        from_namespace(EngineArgs, _serve_parser().parse_args(line))
+    except ValueError as exc:
+        raise ValueError(f"spec.adapters: kvpilot serve refuses LoRA with these settings "
+                         f"({exc}): change the field it names, or remove spec.adapters") from exc

@@ -15,6 +15,7 @@ from kvpilot.engine.contracts.args import KV_PORT_OFFSET
 from kvpilot.operator.api.speculative import DRAFT_DIR
 from kvpilot.operator.planning.placement import PodPlacement
 from kvpilot.operator.planning.pool import ResolvedPool
+from kvpilot.operator.render.adapters import adapter_init_containers, adapter_volumes
 from kvpilot.operator.render.engine_args import serve_args
 from kvpilot.operator.render.fleet import FLEET_MOUNT, api_key_env, fleet_volume
 from kvpilot.operator.render.meta import ENGINE_PORT, MODEL_LABEL, RENDEZVOUS_PORT, RenderConfig
@@ -71,6 +72,8 @@ def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfi
     }
     init = weight_init_containers(location, pool.model, container["image"], overrides.env,
                                   _container_security(False), FETCH_RESOURCES)
+    init += adapter_init_containers(pool.adapters, pool.model, container["image"], overrides.env,
+                                    _container_security(False), FETCH_RESOURCES)
     if init:
         pod["initContainers"] = init
     if overrides.node_selector:
@@ -159,6 +162,9 @@ def _volumes(pool: ResolvedPool,
         # The engine only reads the weights, whoever writes them (an init container, a Job).
         volumes.append(volume)
         mounts.append({"name": "model", "mountPath": location.mount_path, "readOnly": True})
+    adapter_vols, adapter_mounts = adapter_volumes(pool.adapters)
+    volumes += adapter_vols
+    mounts += adapter_mounts
     speculative = pool.engine.speculative
     draft = speculative.draft_claim() if speculative else None
     if draft is not None:  # a draft model on a claim: mounted beside the target's weights
