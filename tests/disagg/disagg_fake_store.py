@@ -9,6 +9,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.contracts.kv_protocol import ProtocolError, checksum
 
@@ -69,6 +71,9 @@ class FakeStore:
         assert set(hashes) <= set(handle), "read of an unpinned block"
         return FakeRead([self.blocks[h] for h in hashes])
 
+    def slots(self, handle: list[int], hashes: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        raise AssertionError("the fake store registers nothing with NIXL: its pulls go by TCP")
+
     def num_cached_prefix(self, hashes: Sequence[int]) -> int:
         count = 0
         for h in hashes:
@@ -112,11 +117,13 @@ class FakeRead:
 
 
 class FakeBuffer:
-    """A bytearray of `capacity` blocks."""
+    """A bytearray of `capacity` blocks (`tensor` views the same bytes, as NIXL would read)."""
 
     def __init__(self, capacity: int, block_bytes: int) -> None:
         self.capacity = capacity
         self.data, self.size = bytearray(capacity * block_bytes), block_bytes
+        self.tensor = torch.frombuffer(self.data, dtype=torch.uint8).view(capacity, block_bytes) \
+            if capacity else torch.empty(0, block_bytes, dtype=torch.uint8)
 
     def block(self, index: int) -> memoryview:
         return memoryview(self.data)[index * self.size:(index + 1) * self.size]
