@@ -57,7 +57,10 @@ class PacedEngine:
         self._generated = 0
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_name: str | None = None) -> None:
+        if lora_name is not None:
+            raise ValueError("the paced engine serves no LoRA adapters")
         if isinstance(prompt, str):
             raise ValueError("prompt must be token ids: the API server tokenises")
         self._prompt_tokens += len(prompt)

@@ -138,7 +138,7 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
     opening = chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                      for i in range(request.n)])
     # plain content (no tools, no logprobs) is written as bytes directly (`sse_chunks`)
-    plain = ChatChunks(request_id, created, ctx.model_name) \
+    plain = ChatChunks(request_id, created, request.model) \
         if tools is None and not request.logprobs else None
     try:
         sent = StreamUsage([prompt_len])

@@ -107,7 +107,7 @@ async def _stream(request: CompletionRequest, ctx: ServingContext, request_id: s
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     sent = StreamUsage([len(p) for p in prompts])
     # without logprobs, the chunks are written as bytes directly (`sse_chunks`: same JSON)
-    plain = CompletionChunks(request_id, created, ctx.model_name) \
+    plain = CompletionChunks(request_id, created, request.model) \
         if request.logprobs is None else None
     try:
         async for i, output in merge(streams):
