@@ -12,6 +12,7 @@ import pytest
 from router_fake_engine import FakeEngine, serving
 from test_router_app import COMPLETION, served_by
 
+from kvpilot.engine.contracts.lora import lora_root_hash
 from kvpilot.engine.contracts.router_args import RouterArgs
 from kvpilot.engine.router.app import Router, build_app
 from kvpilot.engine.router.lora import LoraState, lora_candidates, parse_lora, served_adapters
@@ -122,8 +123,15 @@ async def test_adapter_requests_follow_their_holders_and_spill_when_they_queue(l
     async with httpx.AsyncClient(base_url=router_url, timeout=30) as client:
         # affinity: every sql request to the replica running sql, though the others idle too
         assert [await send(client, "sql", urls) for _ in range(6)] == ["holder"] * 6
-        # scored by load only: the router's base-model hashes are not the engines' adapter ones
-        assert len(router.index) == 0
+        # the router chains an adapter request's hashes at the adapter's root, as engines do:
+        # the holder is indexed with sql's blocks, and the same prompt for the base model (or
+        # another adapter) matches none of them
+        body = {**COMPLETION, "model": "sql", "prompt": "the same long prompt " * 20}
+        sql_hashes = router.hasher.hashes(body, lora_root_hash("sql"))
+        assert sql_hashes and router.index.match(urls["holder"], sql_hashes) == len(sql_hashes)
+        assert router.index.match(urls["holder"], router.hasher.hashes(body)) == 0
+        assert router.index.match(urls["holder"],
+                                  router.hasher.hashes(body, lora_root_hash("law"))) == 0
         # base-model requests are unchanged: least-load rotates over the tied replicas
         assert {await send(client, "tiny", urls) for _ in range(6)} == {"holder", "free", "full"}
         # the holder queues beyond the margin: the other replica with a free slot takes it

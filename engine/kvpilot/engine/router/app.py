@@ -21,6 +21,7 @@ from kvpilot.engine.contracts.fleet_secret import FleetSecret
 from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.contracts.kv_protocol import ProtocolError, kv_address
+from kvpilot.engine.contracts.lora import lora_root_hash
 from kvpilot.engine.contracts.router_args import INSTANCE_HEADER, PASSED_HEADERS, RouterArgs
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.router.auth import authorizer
@@ -129,8 +130,8 @@ class Router:
         adapter = model if isinstance(model, str) and model in self.fleet.served_adapters() \
             else None
         # Engines root an adapter's block hashes at the adapter (a prefix cache never mixes
-        # adapters); the router's are the base model's, which would only mislead the index.
-        hashes = [] if adapter else await asyncio.to_thread(self.hasher.hashes, body)  # CPU
+        # adapters): the router chains its hashes the same way, so they match the engines'.
+        hashes = await asyncio.to_thread(self.hasher.hashes, body, lora_root_hash(adapter))
         if not self.disaggregated or not disaggregatable(body):
             roles = ("decode",) if self.disaggregated else ("both",)
 

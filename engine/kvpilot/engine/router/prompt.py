@@ -65,8 +65,9 @@ class PromptHasher:
         self._encode: Callable[[dict[str, Any]], list[int]] = (
             self._encode_tokens if tokenizer is not None else self._encode_bytes)
 
-    def hashes(self, body: dict[str, Any]) -> list[int]:
-        """Gives the chained hashes of the full blocks of the body's prompt; none for a prompt
+    def hashes(self, body: dict[str, Any], parent_hash: int | None = None) -> list[int]:
+        """Gives the chained hashes of the full blocks of the body's prompt, the first chained
+        to `parent_hash` (a LoRA adapter's root, as the engines chain it); none for a prompt
         it cannot read (a lone surrogate, a malformed body): the engine answers that request
         with a 400 naming the field, and no prefix affinity is lost that it could have had.
 
@@ -74,7 +75,7 @@ class PromptHasher:
         """
         size = self.block_size if self.tokenizer is not None else self.block_size * BYTES_PER_TOKEN
         try:
-            return hash_prompt_blocks(self._encode(body), size, salt=self.salt)
+            return hash_prompt_blocks(self._encode(body), size, parent_hash, salt=self.salt)
         except (TypeError, ValueError, TemplateError, struct.error) as exc:  # ids beyond int32
             log.debug("prompt not hashed: %r", exc)
             return []
