@@ -35,3 +35,21 @@ def host_pool(engine: LLMEngine) -> HostKVPool:
     """Gives the engine's host-tier pool (it must have one)."""
     assert engine.connector is not None, "the engine has no host tier"
     return engine.connector.pool
+
+
+def prefill_then_pull(prefill: LLMEngine, decode: LLMEngine, prompt: list[int],
+                      timeout: float) -> dict:
+    """Prefills `prompt` on the prefill engine (request "pre", one token), then has the decode
+    engine pull its blocks; gives the pull's DONE reply."""
+    import asyncio
+
+    from kvpilot.engine.contracts.kv_client import request_pull
+    from kvpilot.engine.contracts.sampling_params import SamplingParams
+
+    prefill.add_request("pre", prompt, SamplingParams(temperature=0, max_tokens=1))
+    for _ in range(50):
+        if not prefill.has_unfinished_requests():
+            break
+        prefill.step()
+    return asyncio.run(request_pull(("127.0.0.1", decode.connector.port),
+                                    ("127.0.0.1", prefill.connector.port), "pre", timeout))

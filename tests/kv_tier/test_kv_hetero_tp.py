@@ -4,15 +4,11 @@ the aggregated engine does, computing only the prompt's last token."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from helpers.engine_run import run
-from kv_tier_helpers import BLOCK, make_engine
+from kv_tier_helpers import BLOCK, make_engine, prefill_then_pull
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.contracts.kv_client import request_pull
-from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.parallel.config import ParallelConfigError
 from kvpilot.engine.roles import attach_role
@@ -32,13 +28,7 @@ def test_prefill_tp1_to_decode_tp2_equals_aggregated():
     expected = run(make_engine(), "agg", PROMPT)[0]
     prefill, decode = role_engine("prefill"), role_engine("decode", tp=2)
     try:
-        prefill.add_request("pre", PROMPT, SamplingParams(temperature=0, max_tokens=1))
-        for _ in range(50):
-            if not prefill.has_unfinished_requests():
-                break
-            prefill.step()
-        done = asyncio.run(request_pull(("127.0.0.1", decode.connector.port),
-                                        ("127.0.0.1", prefill.connector.port), "pre", 20))
+        done = prefill_then_pull(prefill, decode, PROMPT, 20)
         assert (done["imported"], done["skipped"]) == (6, 0)  # 5 full blocks and the tail
         before = decode.get_stats()
         tokens, final = run(decode, "dec", PROMPT)

@@ -3,15 +3,11 @@ engine's stream, saves committed after their event): the same tokens as without 
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from helpers.engine_run import run
-from kv_tier_helpers import BLOCK, PROMPT, evict, make_engine
+from kv_tier_helpers import BLOCK, PROMPT, evict, make_engine, prefill_then_pull
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.contracts.kv_client import request_pull
-from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.roles import attach_role
 from kvpilot.operator.local.supervisor import free_port
@@ -41,13 +37,7 @@ def test_gpu_decode_engine_loads_pulled_kv_before_its_step():
     expected = run(make_engine(device="cuda"), "agg", PROMPT)[0]
     prefill, decode = role("prefill"), role("decode")
     try:
-        prefill.add_request("pre", PROMPT, SamplingParams(temperature=0, max_tokens=1))
-        for _ in range(50):
-            if not prefill.has_unfinished_requests():
-                break
-            prefill.step()
-        done = asyncio.run(request_pull(("127.0.0.1", decode.connector.port),
-                                        ("127.0.0.1", prefill.connector.port), "pre", 10))
+        done = prefill_then_pull(prefill, decode, PROMPT, 10)
         assert done["imported"] == 7  # 6 full blocks and the tail
         tokens, final = run(decode, "dec", PROMPT)
         assert tokens == expected and final.num_cached_tokens == len(PROMPT) - 1
