@@ -16,8 +16,8 @@ from server_harness import MODEL, engine_core, serve_in_thread, start_server
 
 from kvpilot.engine.server.app import build_app
 
-PROMPT = "lorem ipsum dolor sit amet, consectetur " * 25_000  # 1 MB of text
-NUM_PROMPTS = 4
+PROMPT = "lorem ipsum dolor sit amet, consectetur " * 12_500  # 0.5 MB of text
+NUM_PROMPTS = 2
 
 
 def health_seconds(port: int) -> float:

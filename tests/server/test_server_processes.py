@@ -6,12 +6,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import psutil
-from server_harness import MODEL, start_server
+from server_harness import MODEL, TINY_ENGINE, start_server
 
 NUM_REQUESTS = 8
 
@@ -43,8 +44,32 @@ def test_two_api_servers_share_the_port_metrics_and_drain(tmp_path: Path) -> Non
         # whichever API server a scrape reaches, it counts every server's requests
         assert [success_count(base) for _ in range(6)] == [NUM_REQUESTS] * 6
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
         _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_sigterm_while_the_api_servers_start_drains_them(tmp_path: Path) -> None:
+    # The launcher says it listens, then spawns its API servers, which take seconds to
+    # import their app: a SIGTERM at once reaches them before they serve.
+    log = tmp_path / "serve.log"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_ENGINE.items() if k != "model"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvpilot.cli", "serve", MODEL, *flags,
+                                 "--port", "0", "--api-server-count", "2"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "listening on" not in log.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        children = spawned_children(proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()
+        _, alive = psutil.wait_procs(children, timeout=20)
         assert not alive
     finally:
         if proc.poll() is None:

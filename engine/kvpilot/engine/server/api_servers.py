@@ -10,7 +10,9 @@ after its graceful timeout; an API server takes SIGTERM/SIGINT itself: the
 first one starts a drain (`/ready` 503, new requests refused, in-flight ones
 finish within `--drain-timeout`), then uvicorn is asked to exit and the process
 returns 0. A second SIGINT (Ctrl+C) exits at once; a repeated SIGTERM is
-ignored. The launcher of N processes forwards SIGTERM/SIGINT to each.
+ignored. The launcher of N processes forwards SIGTERM/SIGINT to each. From the
+"listening on" line on, a signal that comes before a process serves (it may still be
+importing its app) is held, and the drain starts as soon as it serves.
 """
 
 from __future__ import annotations
@@ -40,6 +42,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvpilot.serve")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_early_signals: list[int] = []  # got by `hold_signals` before the server could drain
+
+
+def hold_signals() -> None:
+    """Has SIGTERM/SIGINT recorded from now on instead of ending the process: once serving
+    (or, for the launcher of N servers, once they are started) it drains at once."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, _: _early_signals.append(signum))
 
 
 @dataclass(frozen=True)
@@ -69,12 +80,14 @@ def make_server(app: FastAPI, server_args: ServerArgs) -> uvicorn.Server:
                 yield  # signals reach only the main thread; in-process tests drain by hand
                 return
             loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 loop.add_signal_handler(sig, self.on_signal, sig)
+            for sig in _early_signals:  # drains at once: nothing was served yet
+                self.on_signal(sig)
             try:
                 yield
             finally:
-                for sig in (signal.SIGTERM, signal.SIGINT):
+                for sig in STOP_SIGNALS:
                     loop.remove_signal_handler(sig)
 
         def on_signal(self, sig: int) -> None:
@@ -131,6 +144,10 @@ def serve_api(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) ->
 
 
 def _api_server_process(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) -> None:
+    # Started with the stop signals blocked (see run_api_servers): one the launcher forwarded
+    # while this process was importing its app (seconds on a busy node) waits for the drain.
+    hold_signals()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     logging.basicConfig(level=config.server_args.log_level.upper(), stream=sys.stderr,
                         format=LOG_FORMAT)
     launcher = multiprocessing.parent_process()
@@ -166,10 +183,17 @@ def run_api_servers(core: CoreHandle, config: ApiServerConfig, sock: socket.sock
             if server.is_alive() and server.pid is not None:
                 os.kill(server.pid, signal.SIGTERM)  # each drains its own streams
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
-        for server in servers:
-            server.start()
+        # each server starts with the stop signals blocked: pending until it holds them
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            for server in servers:
+                server.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        for sig in _early_signals:  # got after the listening line, before `stop` was set
+            stop(sig, None)
         while running := [s for s in servers if s.exitcode is None]:
             multiprocessing.connection.wait([s.sentinel for s in running])
             if not stopping and any(s.exitcode not in (None, 0) for s in servers):

@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.engine.server.api_servers import (
         LOG_FORMAT,
         ApiServerConfig,
+        hold_signals,
         run_api_servers,
         serve_api,
     )
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
             # a refused topology or a model that does not load: 2; a crash: 1
             print(f"kvpilot serve: {exc}", file=sys.stderr)
             return 2 if exc.refused else 1
+        hold_signals()  # a SIGTERM from now on drains (at once) instead of killing
         print(READY_LINE.format(host=host, port=port), file=sys.stderr, flush=True)
         if server_args.api_server_count > 1:
             return run_api_servers(handle, config, sock)
