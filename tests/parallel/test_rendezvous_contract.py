@@ -129,6 +129,12 @@ def start_pod(env: dict[str, str], log: Path, pattern: str,
         time.sleep(0.1)
 
 
+def pod_logs(tmp_path: Path) -> str:
+    """Gives both pods' logs (for a failure's message)."""
+    return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')}"
+                     for log in sorted(tmp_path.glob("pod*.log")))
+
+
 def test_two_pods_of_a_group_answer(tmp_path: Path):
     from kvpilot.engine.contracts.sampling_params import SamplingParams
     from kvpilot.engine.llm import LLM
@@ -156,8 +162,8 @@ def test_two_pods_of_a_group_answer(tmp_path: Path):
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == want.rstrip("\ufffd")
         leader.terminate()  # drains, then stops its workers: the worker pod exits 0
-        assert leader.wait(180) == 0
-        assert worker.wait(180) == 0
+        assert leader.wait(180) == 0, pod_logs(tmp_path)
+        assert worker.wait(180) == 0, pod_logs(tmp_path)
     finally:
         for pod in pods:
             pod.kill()
@@ -209,8 +215,8 @@ def test_rendered_pp2_group_answers(tmp_path: Path):
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == want.rstrip("\ufffd")
         leader.terminate()  # drains, then stops the last stage: the worker pod exits 0
-        assert leader.wait(180) == 0
-        assert worker.wait(180) == 0
+        assert leader.wait(180) == 0, pod_logs(tmp_path)
+        assert worker.wait(180) == 0, pod_logs(tmp_path)
     finally:
         for pod in pods:
             pod.kill()

@@ -24,7 +24,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -50,7 +49,7 @@ class GrammarMatchers:
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar")
         self._executor: llguidance.LLExecutor | None = None
-        num_words = llguidance.torch.get_bitmask_shape(1, vocab_size)[1]
+        num_words = (vocab_size + 31) // 32  # one bit per token
         self._buffer = BitmaskBuffer(num_words, device)
         self.fill_seconds = 0.0  # of the last `bitmask` (the slow-iteration log's "grammar")
         words = np.zeros(num_words, dtype=np.uint32)
@@ -116,7 +115,11 @@ class GrammarMatchers:
         if constrained:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, constrained, mask)
+            # llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a
+            # function at import (seconds of every engine start for a helper we do not use)
+            assert mask.dtype == torch.int32 and mask.is_contiguous() and mask.device.type == "cpu"
+            self._executor.unsafe_compute_mask_ptr(constrained, mask.data_ptr(),
+                                                   mask.shape[1] * 4, mask.shape[0])
         self.fill_seconds = time.perf_counter() - started
         return self._buffer.to_device(mask)
 
