@@ -8,6 +8,7 @@ functools.partial, so the spawned process can import and call it).
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -166,6 +167,26 @@ def fake_engine_with_a_worker(engine_args: EngineArgs, host: str, http_port: int
     worker.join(60)
     if worker.exitcode != 0:
         raise RuntimeError(f"the worker process exited with {worker.exitcode}")
+    return FakeEngine()
+
+
+def fake_engine_signalled_off_the_main_thread(engine_args: EngineArgs, host: str,
+                                              http_port: int) -> FakeEngine:
+    """Gives a FakeEngine whose process gets a SIGTERM on another thread 2 s later: Linux
+    may hand a process's signal to any thread (a gloo or torch thread of a parallel core)."""
+    def signal_this_thread() -> None:
+        time.sleep(2.0)  # the core is idle in its poll by then (if not, it exits all the same)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+    threading.Thread(target=signal_this_thread, name="fake-gloo", daemon=True).start()
+    return FakeEngine()
+
+
+def fake_engine_deaf_to_sigterm(engine_args: EngineArgs, host: str, http_port: int
+                                ) -> FakeEngine:
+    """Gives a FakeEngine whose process never takes SIGTERM (blocked), as a core stuck where
+    its handler cannot run."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
     return FakeEngine()
 
 

@@ -16,7 +16,13 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from server_fake_engine import ByteTokenizer, fake_engine, fake_engine_with_a_worker
+from server_fake_engine import (
+    ByteTokenizer,
+    fake_engine,
+    fake_engine_deaf_to_sigterm,
+    fake_engine_signalled_off_the_main_thread,
+    fake_engine_with_a_worker,
+)
 from server_harness import MODEL, RunningCore, engine_core, serve_in_thread, tiny_app, wait_for
 
 from kvpilot.engine.core_process.proc import SLOW_ITERATION_ENV
@@ -38,6 +44,23 @@ def test_idle_core_does_not_spin() -> None:
         after = process.cpu_times()
         # sleeping in poll, not stepping: a spinning loop would burn most of the second
         assert (after.user + after.system) - (before.user + before.system) < 0.1
+
+
+def test_a_sigterm_taken_by_another_thread_stops_the_idle_core() -> None:
+    # the core's SIGTERM handler runs in its main thread, asleep in poll: the signal's
+    # wake-up pipe must wake it (before the fix it slept on until its launcher's SIGKILL)
+    with engine_core(fake_engine_signalled_off_the_main_thread) as core:
+        core.process.process.join(60)
+        assert core.process.process.exitcode == 0
+
+
+def test_a_core_that_does_not_stop_logs_its_stacks_before_the_sigkill(capfd) -> None:
+    with engine_core(fake_engine_deaf_to_sigterm) as core:
+        core.process.stop(timeout=2.0)
+        assert core.process.process.exitcode == -signal.SIGKILL
+    err = capfd.readouterr().err
+    assert "did not stop within 2 s of SIGTERM" in err
+    assert "Current thread" in err and "proc.py" in err  # the main thread, in its loop
 
 
 def test_the_core_may_start_processes_of_its_own() -> None:

@@ -10,6 +10,7 @@ process goes away.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -25,6 +26,8 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.engine_core import ServedEngine
 
 logger = logging.getLogger(__name__)
+SHUTDOWN_TRACEBACK_S = 8.0  # under launch.CoreProcess.stop's 10 s before SIGKILL
+STACKS_SIGNAL = signal.SIGUSR1  # logs every thread's stack (a core that ignored SIGTERM)
 
 # (engine args, HTTP host, HTTP port) -> the engine to serve; picklable (a module-level function)
 EngineBuilder = Callable[[EngineArgs, str, int], ServedEngine]
@@ -80,6 +83,7 @@ def run_engine_core(config: CoreConfig, pipe: Connection) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # see launch.CoreProcess.stop
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -103,7 +107,10 @@ def run_engine_core(config: CoreConfig, pipe: Connection) -> None:
         parent = multiprocessing.parent_process()
         EngineCoreProc(engine, socket, parent.sentinel if parent else None).run()
     finally:
-        engine.shutdown()  # a role engine's KV agent
+        # a shutdown or exit that hangs (a peer rank gone silent) logs every thread's stack
+        # before the launcher's SIGKILL (armed until the process ends)
+        faulthandler.dump_traceback_later(SHUTDOWN_TRACEBACK_S)
+        engine.shutdown()  # a role engine's KV agent, a parallel engine's workers
         socket.close()
         context.term()
         if config.address.startswith("ipc://"):  # its launcher may be gone (killed)

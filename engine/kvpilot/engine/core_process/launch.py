@@ -10,7 +10,9 @@ That is how an API server learns at once that the core died, whatever killed it.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -18,6 +20,7 @@ from multiprocessing.process import BaseProcess
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.core_process.entry import (
+    STACKS_SIGNAL,
     CoreConfig,
     CoreReady,
     CoreStartFailed,
@@ -91,10 +94,16 @@ class CoreProcess:
         return self.process.pid
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stops the core (SIGTERM: it shuts its engine down; SIGKILL after `timeout` s)."""
+        """Stops the core (SIGTERM: it shuts its engine down; SIGKILL after `timeout` s, once
+        it has logged every thread's stack: where it hung)."""
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(timeout)
+        if self.process.is_alive() and self.process.pid is not None:
+            print(f"kvpilot: the engine core did not stop within {timeout:.0f} s of SIGTERM; "
+                  "its threads' stacks follow, then SIGKILL", file=sys.stderr, flush=True)
+            os.kill(self.process.pid, STACKS_SIGNAL)
+            self.process.join(1.0)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout)

@@ -15,11 +15,14 @@ way: every API server gets `CoreFailed` with the reason, and the process exits.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
+import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import msgspec
 import zmq
@@ -66,6 +69,27 @@ class _GcClock:
         gc.callbacks.remove(self._on_gc)
 
 
+@contextlib.contextmanager
+def _signal_wakeup() -> Iterator[int | None]:
+    """Gives a pipe's read end that turns readable when a signal arrives (None off the main
+    thread, where Python runs no handler). Linux may deliver a SIGTERM to any thread: a gloo
+    or torch thread takes it and the main thread would sleep on in `poll` without running
+    the handler (seen: a tensor-parallel core SIGKILLed 10 s after its SIGTERM)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    try:
+        yield read
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(read)
+        os.close(write)
+
+
 class EngineBrokenError(RuntimeError):
     """The engine reported a failure between steps; the message is its reason."""
 
@@ -101,17 +125,25 @@ class EngineCoreProc:
     def run(self) -> None:
         """Serves until the parent process exits; on an engine error, tells every API server
         (`CoreFailed`) and raises it."""
-        slow_ms = float(os.environ.get(SLOW_ITERATION_ENV) or 0)
-        gc_clock = _GcClock() if slow_ms > 0 else None
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
         if self.parent_sentinel is not None:
             poller.register(self.parent_sentinel, zmq.POLLIN)
+        with _signal_wakeup() as signalled:
+            if signalled is not None:
+                poller.register(signalled, zmq.POLLIN)
+            self._loop(poller, signalled)
+
+    def _loop(self, poller: zmq.Poller, signalled: int | None) -> None:
+        slow_ms = float(os.environ.get(SLOW_ITERATION_ENV) or 0)
+        gc_clock = _GcClock() if slow_ms > 0 else None
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()
                 ready = dict(poller.poll(0 if busy else None))
+                if signalled is not None and signalled in ready:
+                    os.read(signalled, 64)  # the handler ran on waking (SIGTERM: it raised)
                 if self.parent_sentinel is not None and self.parent_sentinel in ready:
                     logger.warning("the parent process is gone: the engine core stops")
                     return

@@ -25,6 +25,7 @@ from kvpilot.engine.parallel.processes import WorkerProcesses
 
 logger = logging.getLogger("kvpilot.serve")
 READY_LINE = "kvpilot serve: worker pod (node rank {node}) answering probes on http://{host}:{port}"
+SIGNAL_CHECK_S = 0.5
 
 
 class _Probes(BaseHTTPRequestHandler):
@@ -75,7 +76,10 @@ def serve_worker_pod(args: EngineArgs, server_args: ServerArgs, rendezvous: Rend
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    done.wait()
+    # Linux may hand the signal to another thread (the probes' server): the main thread runs
+    # its handler only once it wakes, so it never sleeps for long
+    while not done.wait(SIGNAL_CHECK_S):
+        pass
     httpd.shutdown()
     workers.stop(grace=0.0)
     if signalled.is_set():
