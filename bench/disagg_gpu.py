@@ -20,7 +20,8 @@ The defaults are the workload issue 6's result is stated for (8B shape, 2 long p
 
 Results: bench/results/disagg_gpu-<shape>.{json,md} (`--out` to change the folder), naming
 the GPUs and the flags. `--device cpu --shape tiny` is a smoke test of the script itself
-(two CPU engine processes per config, short long prompts), not a measurement.
+(two CPU engine processes per config, short long prompts and decodes), not a
+measurement.
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ def engine(name: str, role: str, gpu: int, model: Path, args: argparse.Namespace
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--role", role,
         *(["--kv-transport", args.kv_transport] if role != "both" else []),
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-        {"CUDA_VISIBLE_DEVICES": str(gpu)} if cuda else {}, port)
+        # CPU smoke: tiny steps, where a second torch thread costs more than it gives and
+        # the processes of a config share a few cores
+        {"CUDA_VISIBLE_DEVICES": str(gpu)} if cuda else {"OMP_NUM_THREADS": "1"}, port)
 
 
 def router(engines: list[LocalProcess], policy: str) -> LocalProcess:
@@ -114,7 +117,7 @@ def workloads(args: argparse.Namespace) -> tuple[list[SampleRequest], list[Sampl
     n_decode = max(1, int(args.decode_rate * args.seconds))
     # ~2 tokens per word with the tiny tokenizer: 2-4k words is 4-8k tokens
     long = random_word_dataset(n_long, args.long_words, 16, 1 / 3, args.seed)
-    decode = random_word_dataset(n_decode, 64, 256, 0.0, args.seed + 1)
+    decode = random_word_dataset(n_decode, 64, args.decode_tokens, 0.0, args.seed + 1)
     return long, decode
 
 
@@ -223,15 +226,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the results")
     parser.add_argument("--logs", type=Path, default=None,
                         help="keep the processes' logs here (default: a temporary folder)")
-    # smoke test of the script: --device cpu --shape tiny (shorter long prompts)
+    # smoke test of the script: --device cpu --shape tiny (shorter long prompts and decodes)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help=argparse.SUPPRESS)
     parser.add_argument("--long-words", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--decode-tokens", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat} is invalid: runs of both setups, at least 1")
     if args.long_words is None:
         args.long_words = 3000 if args.device == "cuda" else 200
+    if args.decode_tokens is None:
+        args.decode_tokens = 256 if args.device == "cuda" else 32
     return args
 
 
@@ -257,7 +263,8 @@ def flags(args: argparse.Namespace) -> str:
     if args.repeat > 1:
         out += f" --repeat {args.repeat}"
     if args.device != "cuda":
-        out += f" --device {args.device} --long-words {args.long_words}"
+        out += (f" --device {args.device} --long-words {args.long_words} "
+                f"--decode-tokens {args.decode_tokens}")
     return out
 
 

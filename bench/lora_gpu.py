@@ -22,20 +22,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from fresh_process import call_in_fresh_process
 
 MODES = ("base", "lora_base", "lora8")
 NUM_ADAPTERS = 8
 RANK = 16
-RESULT_PREFIX = "RESULT "
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -138,16 +138,12 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny-llama, a few steps")
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # one MODE, in its own process
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--modules", nargs="*", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:  # each engine in its own process: the last one's memory is freed
-        value = run_mode(args.model, args.child, args.modules, args.smoke)
-        print(RESULT_PREFIX + json.dumps(value), flush=True)
-        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
+        # tiny CPU steps: a second torch thread costs more than it gives, and the engine
+        # processes share a few cores (they inherit it)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
         from kvpilot.engine.contracts.builtin_models import BUILTIN_CONFIGS
 
         model, config = "tiny-llama", BUILTIN_CONFIGS["tiny-llama"]
@@ -156,20 +152,10 @@ def main() -> int:
 
         model, config = str(model_dir(args.out / "model")), QWEN3_0_6B
     modules = write_adapters(config, args.out / "adapters", NUM_ADAPTERS, RANK)
-
-    def child(mode: str) -> dict:
-        done = subprocess.run([sys.executable, __file__, str(args.out), "--child", mode,
-                               "--model", model, *(["--smoke"] if args.smoke else []),
-                               "--modules", *modules],
-                              capture_output=True, text=True, check=False)
-        lines = [ln for ln in done.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-        if done.returncode != 0 or not lines:
-            raise RuntimeError(f"{mode} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        return json.loads(lines[-1].removeprefix(RESULT_PREFIX))
-
     rows = []
-    for mode in args.modes.split(","):
-        rows.append(child(mode))
+    for mode in args.modes.split(","):  # each engine in its own process: the last one's freed
+        rows.append(call_in_fresh_process(run_mode, model, mode, modules, args.smoke,
+                                          reuse_imports=args.smoke))
         print(json.dumps(rows[-1]), flush=True)
     by_mode = {r["mode"]: r for r in rows}
     result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

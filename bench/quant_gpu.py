@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from e2e_gpu import QWEN3_0_6B, model_dir, recipe
+from fresh_process import ChildFailed, call_in_fresh_process
 from parallel_gpu import LLAMA3_8B, TINY
 
-RESULT_PREFIX = "RESULT "
 SEQ_TOKENS, SEQ_PROMPT = 4096, 4000
 # part -> [(label, quantization, kv_cache_dtype)]
 CONFIGS = {
@@ -130,14 +130,13 @@ def run_config(part: str, quantization: str, kv: str, smoke: bool) -> dict:
 
 
 def in_fresh_process(part: str, label: str, quantization: str, kv: str, smoke: bool) -> dict:
-    argv = [sys.executable, __file__, "--run-config", f"{part}:{quantization}:{kv}"] + (
-        ["--smoke"] if smoke else [])
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if done.returncode != 0 or not lines:
-        return {"part": part, "label": label, "error": done.stderr[-3000:]}
+    try:
+        numbers = call_in_fresh_process(run_config, part, quantization, kv, smoke,
+                                        reuse_imports=smoke, timeout=600)
+    except ChildFailed as exc:
+        return {"part": part, "label": label, "error": str(exc)[-3000:]}
     return {"part": part, "label": label, "quantization": quantization, "kv_cache_dtype": kv,
-            **json.loads(lines[-1].removeprefix(RESULT_PREFIX))}
+            **numbers}
 
 
 def markdown(report: dict) -> str:
@@ -166,18 +165,14 @@ def markdown(report: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path, nargs="?")
+    parser.add_argument("out_dir", type=Path)
     parser.add_argument("--parts", default="a,b,c")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
-    parser.add_argument("--run-config", help=argparse.SUPPRESS)  # PART:QUANT:KV, in a child
     args = parser.parse_args()
-    if args.run_config:
-        part, quantization, kv = args.run_config.split(":")
-        print(RESULT_PREFIX + json.dumps(run_config(part, quantization, kv, args.smoke)),
-              flush=True)
-        return 0
-    if args.out_dir is None:
-        parser.error("out_dir is required")
+    if args.smoke:
+        # tiny CPU steps: a second torch thread costs more than it gives, and the engine
+        # processes share a few cores (they inherit it)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     report = {"machine": "CPU smoke run" if args.smoke else torch.cuda.get_device_name(0),
               "date": datetime.date.today().isoformat(), "host": platform.node(),
               "torch": torch.__version__,

@@ -33,15 +33,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from fresh_process import call_in_fresh_process
 
 QWEN3_0_6B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
@@ -66,7 +67,6 @@ SCHEMA = {
     },
 }
 MODES = ("unconstrained", "unconstrained_sync", "json_schema")
-RESULT_PREFIX = "RESULT "
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -261,36 +261,26 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny-qwen3, a few steps")
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # MODE or "validate", one process
-    parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:  # each engine in its own process: the last one's KV cache is freed
-        value = (validate_outputs(args.model, args.smoke) if args.child == "validate"
-                 else mask_fill(args.model, args.smoke) if args.child == "mask_fill"
-                 else run_mode(args.model, args.child, args.smoke))
-        print(RESULT_PREFIX + json.dumps(value), flush=True)
-        return 0
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        # tiny CPU steps: a second torch thread costs more than it gives, and the engine
+        # processes share a few cores (they inherit it)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     model = "tiny-qwen3" if args.smoke else str(model_dir(args.out / "model"))
-
-    def child(name: str):
-        done = subprocess.run([sys.executable, __file__, str(args.out), "--child", name,
-                               "--model", model, *(["--smoke"] if args.smoke else [])],
-                              capture_output=True, text=True, check=False)
-        lines = [ln for ln in done.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-        if done.returncode != 0 or not lines:
-            raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        return json.loads(lines[-1].removeprefix(RESULT_PREFIX))
-
     rows = []
-    for mode in args.modes.split(","):
-        rows.append(child(mode))
+    for mode in args.modes.split(","):  # each engine in its own process: its KV cache is freed
+        rows.append(call_in_fresh_process(run_mode, model, mode, args.smoke,
+                                          reuse_imports=args.smoke))
         print(json.dumps(rows[-1]), flush=True)
     by_mode = {r["mode"]: r for r in rows}
     result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "host": platform.node(), "gpu": torch.cuda.get_device_name()
               if torch.cuda.is_available() else None, "smoke": args.smoke, "rows": rows,
-              "valid_outputs_of_8": child("validate"), "mask_fill": child("mask_fill")}
+              "valid_outputs_of_8": call_in_fresh_process(validate_outputs, model, args.smoke,
+                                                          reuse_imports=args.smoke),
+              "mask_fill": call_in_fresh_process(mask_fill, model, args.smoke,
+                                                 reuse_imports=args.smoke)}
     base, constrained = by_mode.get("unconstrained"), by_mode.get("json_schema")
     if base and constrained and base["decode_step_ms_median"] and \
             constrained["decode_step_ms_median"]:

@@ -14,7 +14,7 @@ BENCH = Path(__file__).parents[2] / "bench" / "disagg_gpu.py"
 def test_disagg_bench_runs_both_setups_and_reports_each_run(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--device", "cpu", "--shape", "tiny", "--seconds", "2",
+        [sys.executable, str(BENCH), "--device", "cpu", "--shape", "tiny", "--seconds", "1",
          "--long-rate", "1", "--decode-rate", "2", "--repeat", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
