@@ -10,7 +10,7 @@ what it does to tensor-parallel decode.
    TP=1; per-GPU batch-64 throughput >= 80% of TP=1's.
 
     python3 bench/allreduce_gpu.py OUT_DIR            # 2 GPUs (bench/allreduce_gpu_run.sh)
-    .venv/bin/python bench/allreduce_gpu.py OUT_DIR --smoke   # CPU, gloo, tiny shapes
+    .venv/bin/python bench/allreduce_gpu.py OUT_DIR --smoke   # CPU, gloo, tiny shapes, one process
 
 Writes results.json and results.md into OUT_DIR after every part; prints the tables.
 """
@@ -34,7 +34,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from parallel_gpu import measure, model_dir, sync  # bench/ is this script's sys.path[0]
+from cpu_smoke import one_thread_per_process  # bench/ is this script's sys.path[0]
+from parallel_gpu import measure, model_dir, sync
 
 KIB = 1024
 SIZES = [8 * KIB << i for i in range(10)]  # 8 KiB .. 4 MiB
@@ -43,6 +44,8 @@ SMOKE_SIZES = [8 * KIB, 64 * KIB]
 CONFIGS = {"tp1": (1, False), "tp2-nccl": (2, True), "tp2-symm-mem": (2, False)}
 CONFIG_TIMEOUT_S = 170  # one engine run; a hung one is recorded and the next runs
 RESULT_PREFIX = "RESULT "
+LOG_FORMAT = "%(name)s: %(message)s"
+SAID = "all-reduce: "  # the engine's start-up line that names the all-reduce it chose
 
 
 def eager_us(fn: Callable[[torch.Tensor], object], x: torch.Tensor) -> float:
@@ -168,16 +171,49 @@ def run_config(label: str, smoke: bool) -> dict:
             "per_gpu_tok_per_s": tok_s / tp, "graph_steps": stats.graph_steps}
 
 
-def in_fresh_process(label: str, smoke: bool) -> dict:
-    """Gives run_config's numbers from a fresh interpreter (GPUs 0..tp-1)."""
-    argv = [sys.executable, __file__, "--run-config", label] + (["--smoke"] if smoke else [])
+def in_fresh_process(label: str) -> dict:
+    """Gives run_config's GPU numbers and all-reduce lines from a fresh interpreter
+    (GPUs 0..tp-1)."""
+    argv = [sys.executable, __file__, "--run-config", label]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=CONFIG_TIMEOUT_S)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{label} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    said = [line for line in done.stderr.splitlines() if "all-reduce: " in line]
-    print("\n".join(f"{label}: {line}" for line in said), flush=True)
+    said = [line for line in done.stderr.splitlines() if SAID in line]
     return {**json.loads(lines[-1].removeprefix(RESULT_PREFIX)), "all_reduce_log": said}
+
+
+class SaidLines(logging.Handler):
+    """Keeps this process's log lines that name the all-reduce the engine chose."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter(LOG_FORMAT))
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if SAID in (line := self.format(record)):
+            self.lines.append(line)
+
+
+def in_this_process(label: str) -> dict:
+    """Gives run_config's smoke numbers and all-reduce lines from this process."""
+    said = SaidLines()
+    root = logging.getLogger()
+    root.addHandler(said)
+    try:
+        return {**run_config(label, smoke=True), "all_reduce_log": said.lines}
+    finally:
+        root.removeHandler(said)
+
+
+def config_numbers(label: str, smoke: bool) -> dict:
+    """Gives one configuration's numbers: on GPUs from a fresh interpreter, which hands all
+    its GPU memory back on exit; in a smoke run from this process, as a fresh interpreter's
+    start-up is most of a tiny CPU configuration's time."""
+    numbers = in_this_process(label) if smoke else in_fresh_process(label)
+    print("\n".join(f"{label}: {line}" for line in numbers["all_reduce_log"]), flush=True)
+    return numbers
 
 
 def markdown(report: dict) -> str:
@@ -225,8 +261,11 @@ def main() -> int:
                         help=f"engine runs, of {', '.join(CONFIGS)}")
     parser.add_argument("--run-config", help=argparse.SUPPRESS)  # LABEL, in a child
     args = parser.parse_args()
-    if args.run_config:  # the engine's start-up lines go to stderr, read by the parent
-        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.smoke:
+        one_thread_per_process()
+    if args.run_config or args.smoke:  # where the engines run: their start-up lines show
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    if args.run_config:  # on stderr, read by the parent
         print(RESULT_PREFIX + json.dumps(run_config(args.run_config, args.smoke)), flush=True)
         return 0
     if args.out_dir is None:
@@ -262,7 +301,7 @@ def main() -> int:
         print(write(), flush=True)
     for label in labels:
         try:
-            report["configs"].append(in_fresh_process(label, args.smoke))
+            report["configs"].append(config_numbers(label, args.smoke))
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             report["errors"].append(f"{label}: {str(exc)[-2000:]}")
             failed = True

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from disagg_gpu import SHAPES, write_model  # a sibling script
+from cpu_smoke import one_thread_per_process  # sibling scripts
+from disagg_gpu import SHAPES, write_model
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
@@ -110,6 +111,7 @@ def main() -> None:
                         help="CPU, tiny shape, short prompt: a check of the script, no numbers")
     args = parser.parse_args()
     if args.smoke:
+        one_thread_per_process()
         args.shape, args.device, args.dtype = "tiny", "cpu", "float32"
         args.tokens, args.repeat, args.gpu_blocks, args.offload_gb = 128, 1, 32, 0.01
     report: dict = {"date": datetime.date.today().isoformat(), "shape": args.shape,

@@ -10,7 +10,7 @@ Goals (issue 16): TP=2 batch-1 >= 1.6x faster than TP=1; per-GPU batch-64 throug
 >= 80% of TP=1's; 70B TP=4 batch-1 >= 70% of its roofline.
 
     .venv/bin/python bench/parallel_gpu.py bench/results/parallel_gpu-4xH100 [--tp 1,2,4]
-    .venv/bin/python bench/parallel_gpu.py /tmp/out --smoke   # CPU, tiny shapes, gloo
+    .venv/bin/python bench/parallel_gpu.py /tmp/out --smoke   # CPU, tiny shapes, gloo, one process
 
 Writes results.json and results.md into the directory; prints the table.
 """
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from cpu_smoke import one_thread_per_process  # bench/ is this script's sys.path[0]
 
 if TYPE_CHECKING:
     from kvpilot.engine.llm_engine import LLMEngine
@@ -137,7 +138,7 @@ def run_config(shape: str, tp: int, smoke: bool) -> dict:
 
     device = "cpu" if smoke else "cuda"
     batch, prompt_len, new_tokens = (4, 16, 8) if smoke else (64, 128, 256)
-    gbps = copy_bandwidth(device, (64 << 20) if smoke else (2 << 30))
+    gbps = copy_bandwidth(device, (1 << 20) if smoke else (2 << 30))
     with tempfile.TemporaryDirectory() as root:
         engine = LLMEngine.from_engine_args(EngineArgs(
             model=str(model_dir(Path(root), shape)), load_format="dummy", device=device,
@@ -169,15 +170,17 @@ def allreduce_rank(rank: int, world: int, port: int, device_type: str, out: str)
                            device_type, num_layers=1)
     dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
     rows = {}
+    # a smoke run (CPU) only checks that the table fills: a tenth of the calls
+    calls, warm_up = (220, 20) if device_type == "cuda" else (22, 2)
     for tokens, hidden in ((1, 4096), (1, 8192), (64, 4096), (64, 8192)):
         x = torch.ones(tokens, hidden, dtype=dtype, device=ctx.device)
         times = []
-        for i in range(220):
+        for i in range(calls):
             sync()
             start = time.perf_counter()
             ctx.tp.all_reduce(x)
             sync()
-            if i >= 20:
+            if i >= warm_up:
                 times.append(time.perf_counter() - start)
         row = {"tokens": tokens, "hidden": hidden, "bytes": x.numel() * x.element_size(),
                "eager_us": statistics.median(times) * 1e6}
@@ -227,10 +230,9 @@ def measure_allreduce(world: int, device_type: str) -> dict:
         return json.loads(Path(out).read_text())
 
 
-def in_fresh_process(shape: str, tp: int, smoke: bool) -> dict:
-    """Gives run_config's numbers from a fresh interpreter (GPUs 0..tp-1)."""
-    argv = [sys.executable, __file__, "--run-config", f"{shape}:{tp}"] + (
-        ["--smoke"] if smoke else [])
+def in_fresh_process(shape: str, tp: int) -> dict:
+    """Gives run_config's GPU numbers from a fresh interpreter (GPUs 0..tp-1)."""
+    argv = [sys.executable, __file__, "--run-config", f"{shape}:{tp}"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if done.returncode != 0 or not lines:
@@ -262,6 +264,13 @@ def markdown(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def config_numbers(shape: str, tp: int, smoke: bool) -> dict:
+    """Gives one configuration's numbers: on GPUs from a fresh interpreter, which hands all
+    its GPU memory back on exit; in a smoke run from this process, as a fresh interpreter's
+    start-up is most of a tiny CPU configuration's time."""
+    return run_config(shape, tp, smoke) if smoke else in_fresh_process(shape, tp)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, nargs="?", help="where results.json/.md go")
@@ -270,6 +279,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, gloo")
     parser.add_argument("--run-config", help=argparse.SUPPRESS)  # SHAPE:TP, in a child
     args = parser.parse_args()
+    if args.smoke:
+        one_thread_per_process()
     if args.run_config:
         shape, tp = args.run_config.split(":")
         print(RESULT_PREFIX + json.dumps(run_config(shape, int(tp), args.smoke)), flush=True)
@@ -299,11 +310,11 @@ def main() -> int:
         report["allreduce"].append(measure_allreduce(world, device_type))
         write()
     for tp in tps:
-        report["configs"].append({"label": "8b", **in_fresh_process(shape, tp, args.smoke)})
+        report["configs"].append({"label": "8b", **config_numbers(shape, tp, args.smoke)})
         write()
         print(f"done: {shape} TP={tp}", flush=True)
     if not args.no_70b:  # the smoke run stands in a tiny model at TP=2
-        report["configs"].append({"label": "70b", **in_fresh_process(
+        report["configs"].append({"label": "70b", **config_numbers(
             "tiny" if args.smoke else "70b", 2 if args.smoke else 4, args.smoke)})
     print(write())
     return 0

@@ -8,7 +8,7 @@ batch-1 ms/token, batch-64 output tokens/s, per-GPU throughput against TP=1 eage
 the most batches the engine had in the pipeline at once (overlap needs >= 2).
 
     .venv/bin/python bench/pipeline_gpu.py bench/results/pipeline_gpu-4xH100 [--configs ...]
-    .venv/bin/python bench/pipeline_gpu.py /tmp/out --smoke   # CPU, tiny shapes, gloo
+    .venv/bin/python bench/pipeline_gpu.py /tmp/out --smoke   # CPU, tiny shapes, gloo, one process
 
 Writes results.json and results.md into the directory; prints the table.
 """
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # bench/ is no package: import its sibling
+from cpu_smoke import one_thread_per_process
 from parallel_gpu import measure, model_dir
 
 RESULT_PREFIX = "RESULT "
@@ -65,14 +66,21 @@ def run_config(label: str, smoke: bool) -> dict:
             "graph_steps": stats.graph_steps, "kv_blocks_per_rank": stats.num_total_blocks}
 
 
-def in_fresh_process(label: str, smoke: bool) -> dict:
-    """Gives run_config's numbers from a fresh interpreter."""
-    argv = [sys.executable, __file__, "--run-config", label] + (["--smoke"] if smoke else [])
+def in_fresh_process(label: str) -> dict:
+    """Gives run_config's GPU numbers from a fresh interpreter."""
+    argv = [sys.executable, __file__, "--run-config", label]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{label} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(lines[-1].removeprefix(RESULT_PREFIX))
+
+
+def config_numbers(label: str, smoke: bool) -> dict:
+    """Gives one configuration's numbers: on GPUs from a fresh interpreter, which hands all
+    its GPU memory back on exit; in a smoke run from this process, as a fresh interpreter's
+    start-up is most of a tiny CPU configuration's time."""
+    return run_config(label, smoke) if smoke else in_fresh_process(label)
 
 
 def markdown(report: dict) -> str:
@@ -97,6 +105,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, gloo")
     parser.add_argument("--run-config", help=argparse.SUPPRESS)  # a label, in a child
     args = parser.parse_args()
+    if args.smoke:
+        one_thread_per_process()
     if args.run_config:
         print(RESULT_PREFIX + json.dumps(run_config(args.run_config, args.smoke)), flush=True)
         return 0
@@ -120,7 +130,7 @@ def main() -> int:
         if not args.smoke and tp * pp > gpus:
             report["skipped"].append(f"{label}: needs {tp * pp} GPUs, {gpus} visible")
             continue
-        report["configs"].append(in_fresh_process(label, args.smoke))
+        report["configs"].append(config_numbers(label, args.smoke))
         # after every run, so a run cut short keeps what finished
         (args.out_dir / "results.json").write_text(json.dumps(report, indent=2))
         (args.out_dir / "results.md").write_text(markdown(report))

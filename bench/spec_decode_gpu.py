@@ -1,7 +1,8 @@
 """Issue 23: speculative decoding on a GPU: speed-up at batch 1 and batch 32, acceptance beside it.
 
 Llama-3-8B-shaped dummy model (bf16), greedy, on two prompt kinds: random tokens
-and a repetitive prompt (a 16-token motif repeated). Scenarios, each in a fresh process:
+and a repetitive prompt (a 16-token motif repeated). Scenarios, each in a fresh process
+(in --smoke, each in this one):
   base          no speculation (the reference for every speed-up)
   draft=target  the target's own weights as the draft: acceptance's upper bound (1.0 under
                 greedy), at the cost of a full-size draft
@@ -13,7 +14,7 @@ costs as much per proposed token as the target per verified one, so only the n-g
 (or a real small draft) can reach the goal; the draft rows measure the mechanism.
 
     python bench/spec_decode_gpu.py OUT [--k 4] [--noise 0.02,0.1] [--new-tokens 128]
-    python bench/spec_decode_gpu.py OUT --smoke      # CPU, tiny shape (tests run this)
+    python bench/spec_decode_gpu.py OUT --smoke      # CPU, tiny shape, one process (tests run this)
 
 Writes OUT/results.json and OUT/results.md; prints the table.
 """
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from cpu_smoke import one_thread_per_process  # bench/ is this script's sys.path[0]
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
@@ -143,7 +145,27 @@ def run_scenario(args: argparse.Namespace) -> dict:
                          "tok_per_s": tokens / seconds, "draft_tokens": drafts,
                          "acceptance": accepted / drafts if drafts else None,
                          "outputs": [outs[k] for k in sorted(outs)]})
+    engine.shutdown()
     return {"rows": rows}
+
+
+def scenario_rows(args: argparse.Namespace, scenario: str, path: Path) -> list[dict]:
+    """Gives one scenario's rows: on a GPU from a fresh interpreter, which hands all its GPU
+    memory back on exit; in a smoke run from this process, as a fresh interpreter's start-up
+    is most of a tiny CPU scenario's time."""
+    if args.smoke:
+        return run_scenario(argparse.Namespace(**{**vars(args), "scenario": scenario,
+                                                  "model_dir": str(path)}))["rows"]
+    cmd = [sys.executable, __file__, str(args.out), "--scenario", scenario, "--model-dir",
+           str(path), "--k", str(args.k), "--new-tokens", str(args.new_tokens),
+           "--batches", ",".join(map(str, args.batches)), "--dtype", args.dtype]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((x for x in done.stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
+    if done.returncode != 0 or line is None:
+        print(f"{scenario} failed (rc {done.returncode}):\n{done.stderr[-3000:]}",
+              file=sys.stderr)
+        sys.exit(1)
+    return json.loads(line.removeprefix(RESULT_PREFIX))["rows"]
 
 
 def table(rows: list[dict], k: int) -> str:
@@ -180,6 +202,7 @@ def main() -> None:
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.smoke:
+        one_thread_per_process()
         args.new_tokens, args.batches = min(args.new_tokens, 12), [1, 3]
     if args.scenario:
         print(RESULT_PREFIX + json.dumps(run_scenario(args)), flush=True)
@@ -194,17 +217,8 @@ def main() -> None:
               "shape": "tiny" if args.smoke else "llama3-8b", "k": args.k,
               "new_tokens": args.new_tokens, "rows": []}
     for scenario in scenarios:
-        cmd = [sys.executable, __file__, str(args.out), "--scenario", scenario, "--model-dir",
-               str(path), "--k", str(args.k), "--new-tokens", str(args.new_tokens),
-               "--batches", ",".join(map(str, args.batches)), "--dtype", args.dtype] + (["--smoke"] if args.smoke else [])
         started = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        line = next((x for x in done.stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
-        if done.returncode != 0 or line is None:
-            print(f"{scenario} failed (rc {done.returncode}):\n{done.stderr[-3000:]}",
-                  file=sys.stderr)
-            sys.exit(1)
-        report["rows"] += json.loads(line.removeprefix(RESULT_PREFIX))["rows"]
+        report["rows"] += scenario_rows(args, scenario, path)
         print(f"{scenario}: {time.perf_counter() - started:.0f} s", flush=True)
         write(args.out, report)  # after every scenario: a run cut short keeps what it measured
     print(table(report["rows"], args.k))

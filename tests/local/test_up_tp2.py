@@ -4,6 +4,7 @@ router with the single-rank engine's tokens."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import httpx
@@ -22,16 +23,21 @@ MANIFESTS = {"tiny-cpu-tp2.yaml": "--tensor-parallel-size",
 PROMPT = "tensor parallel on a laptop"
 
 
-@pytest.mark.parametrize("example", list(MANIFESTS))
-def test_up_serves_the_parallel_manifest(tmp_path: Path, example: str):
+@functools.cache
+def single_rank_text(dtype: str, max_model_len: int, kv_cache_memory: str) -> str:
+    """Gives the single-rank engine's greedy 8 tokens of PROMPT (the manifests share it)."""
     from kvpilot.engine.contracts.sampling_params import SamplingParams
     from kvpilot.engine.llm import LLM
 
+    return LLM("tiny-llama", dtype=dtype, max_model_len=max_model_len,
+               kv_cache_memory=kv_cache_memory).generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+
+
+@pytest.mark.parametrize("example", list(MANIFESTS))
+def test_up_serves_the_parallel_manifest(tmp_path: Path, example: str):
     manifest = yaml.safe_load((ROOT / "examples" / example).read_text())
     engine = manifest["spec"]["engine"]
-    want = LLM("tiny-llama", dtype=engine["dtype"], max_model_len=engine["maxModelLen"],
-               kv_cache_memory=engine["kvCacheMemory"]).generate(
-        PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
     engines, router = plan_local(manifest, free_port, free_port())
     assert len(engines) == 1
     flag = MANIFESTS[example]
@@ -40,6 +46,8 @@ def test_up_serves_the_parallel_manifest(tmp_path: Path, example: str):
     try:
         for process in [*engines, router]:
             supervisor.start(process)
+        # while the fleet starts
+        want = single_rank_text(engine["dtype"], engine["maxModelLen"], engine["kvCacheMemory"])
         supervisor.wait_ready(180, {"router": "/ready"})
         pid = next(popen.pid for process, popen in supervisor.running
                    if process.role != "router")
