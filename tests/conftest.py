@@ -20,6 +20,14 @@ def _cuda_available() -> bool:
 # happen before any test module imports kvpilot.kernels, whichever folder it is in.
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One torch thread in this process and every process a test starts: tiny CPU models gain
+    # nothing from a second thread, and on a loaded 2-core box OpenMP threads spin waiting
+    # for each other's preempted core (one small SDPA call: 90 ms with 2 threads, 0.6 ms
+    # with 1, measured here).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
