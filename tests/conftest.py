@@ -7,6 +7,12 @@ import functools
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# No per-example deadline and no too-slow health check: a loaded 2-core CI box runs an
+# example past Hypothesis's default 200 ms (a KV control-frame round trip did).
+settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("suite")
 
 
 @functools.cache
