@@ -38,6 +38,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from cpu_smoke import one_thread_per_process  # bench/ is this script's sys.path[0]
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine.contracts.builtin_models import (
@@ -98,9 +99,7 @@ def engine(name: str, role: str, gpu: int, model: Path, args: argparse.Namespace
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--role", role,
         *(["--kv-transport", args.kv_transport] if role != "both" else []),
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-        # CPU smoke: tiny steps, where a second torch thread costs more than it gives and
-        # the processes of a config share a few cores
-        {"CUDA_VISIBLE_DEVICES": str(gpu)} if cuda else {"OMP_NUM_THREADS": "1"}, port)
+        {"CUDA_VISIBLE_DEVICES": str(gpu)} if cuda else {}, port)
 
 
 def router(engines: list[LocalProcess], policy: str) -> LocalProcess:
@@ -297,6 +296,8 @@ def row(name: str, c: dict) -> str:
 
 def main() -> None:
     args = parse_args()
+    if args.device == "cpu":  # the smoke run: its engine processes inherit one thread
+        one_thread_per_process()
     random.seed(args.seed)
     gpu = device_names(args)
     report: dict = {"date": datetime.date.today().isoformat(), "gpu": gpu,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import random
 import statistics
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from cpu_smoke import one_thread_per_process
 from fresh_process import call_in_fresh_process
 
 MODES = ("base", "lora_base", "lora8")
@@ -141,9 +141,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        # tiny CPU steps: a second torch thread costs more than it gives, and the engine
-        # processes share a few cores (they inherit it)
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        one_thread_per_process()
         from kvpilot.engine.contracts.builtin_models import BUILTIN_CONFIGS
 
         model, config = "tiny-llama", BUILTIN_CONFIGS["tiny-llama"]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import random
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cpu_smoke import one_thread_per_process
 from e2e_gpu import QWEN3_0_6B, model_dir, recipe
 from fresh_process import ChildFailed, call_in_fresh_process
 from parallel_gpu import LLAMA3_8B, TINY
@@ -170,9 +170,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
     args = parser.parse_args()
     if args.smoke:
-        # tiny CPU steps: a second torch thread costs more than it gives, and the engine
-        # processes share a few cores (they inherit it)
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        one_thread_per_process()
     report = {"machine": "CPU smoke run" if args.smoke else torch.cuda.get_device_name(0),
               "date": datetime.date.today().isoformat(), "host": platform.node(),
               "torch": torch.__version__,

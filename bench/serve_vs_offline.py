@@ -35,7 +35,6 @@ import gc
 import json
 import math
 import multiprocessing
-import os
 import platform
 import random
 import re
@@ -50,6 +49,7 @@ from typing import Any
 
 import httpx
 import psutil
+from cpu_smoke import one_thread_per_process
 from fresh_process import call_in_fresh_process
 
 from kvpilot.engine.contracts.args import EngineArgs
@@ -362,9 +362,7 @@ def main() -> None:
     counts = [int(c) for c in args.api_server_counts.split(",")]
     spec = SMOKE if args.smoke else full_spec()
     if args.smoke:
-        # tiny CPU steps: a second torch thread costs more than it gives, and the engine
-        # processes share a few cores (they inherit it)
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        one_thread_per_process()
     if args.max_num_batched_tokens is not None:
         spec = {**spec, "engine": {**spec["engine"],
                                    "max_num_batched_tokens": args.max_num_batched_tokens}}

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import random
 import statistics
@@ -42,6 +41,7 @@ import time
 from pathlib import Path
 
 import torch
+from cpu_smoke import one_thread_per_process
 from fresh_process import call_in_fresh_process
 
 QWEN3_0_6B = {
@@ -264,9 +264,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        # tiny CPU steps: a second torch thread costs more than it gives, and the engine
-        # processes share a few cores (they inherit it)
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        one_thread_per_process()
     model = "tiny-qwen3" if args.smoke else str(model_dir(args.out / "model"))
     rows = []
     for mode in args.modes.split(","):  # each engine in its own process: its KV cache is freed
