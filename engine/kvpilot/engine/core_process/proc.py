@@ -22,7 +22,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import msgspec
 import zmq
@@ -69,27 +68,6 @@ class _GcClock:
         gc.callbacks.remove(self._on_gc)
 
 
-@contextlib.contextmanager
-def _signal_wakeup() -> Iterator[int | None]:
-    """Gives a pipe's read end that turns readable when a signal arrives (None off the main
-    thread, where Python runs no handler). Linux may deliver a SIGTERM to any thread: a gloo
-    or torch thread takes it and the main thread would sleep on in `poll` without running
-    the handler (seen: a tensor-parallel core SIGKILLed 10 s after its SIGTERM)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield None
-        return
-    read, write = os.pipe()
-    os.set_blocking(read, False)
-    os.set_blocking(write, False)
-    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    try:
-        yield read
-    finally:
-        signal.set_wakeup_fd(previous)
-        os.close(read)
-        os.close(write)
-
-
 class EngineBrokenError(RuntimeError):
     """The engine reported a failure between steps; the message is its reason."""
 
@@ -107,10 +85,13 @@ class EngineCoreProc:
         self._clients: list[bytes] = []  # API servers' socket identities, in Hello order
         self._owners: dict[str, bytes] = {}  # live request id -> the API server that sent it
         self._sent_stats: EngineStats | None = None
-        # the engine's failure between steps, set from its thread; the pipe wakes `poll`
+        # the engine's failure between steps, set from its thread; the pipe wakes `poll`, as
+        # does any signal (see `run`)
         self._failure: str | None = None
         self._failure_lock = threading.Lock()
         self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)  # as signal.set_wakeup_fd needs
         engine.on_failure(self.fail)
 
     def fail(self, reason: str) -> None:
@@ -120,7 +101,8 @@ class EngineCoreProc:
             if self._failure is not None or self._wake_write < 0:
                 return
             self._failure = reason
-            os.write(self._wake_write, b"!")
+            with contextlib.suppress(BlockingIOError):  # full: poll wakes all the same
+                os.write(self._wake_write, b"!")
 
     def run(self) -> None:
         """Serves until the parent process exits; on an engine error, tells every API server
@@ -130,20 +112,32 @@ class EngineCoreProc:
         poller.register(self._wake_read, zmq.POLLIN)
         if self.parent_sentinel is not None:
             poller.register(self.parent_sentinel, zmq.POLLIN)
-        with _signal_wakeup() as signalled:
-            if signalled is not None:
-                poller.register(signalled, zmq.POLLIN)
-            self._loop(poller, signalled)
+        # Linux may deliver a SIGTERM to any thread (gloo's, torch's): the main thread, asleep
+        # in `poll`, runs the handler only once the signal's byte in the wake pipe wakes it
+        # (seen: a tensor-parallel core SIGKILLed 10 s after its SIGTERM)
+        on_main = threading.current_thread() is threading.main_thread()
+        previous = signal.set_wakeup_fd(self._wake_write, warn_on_full_buffer=False) \
+            if on_main else -1
+        try:
+            self._loop(poller)
+        finally:
+            if on_main:
+                signal.set_wakeup_fd(previous)
+            with self._failure_lock:
+                os.close(self._wake_read)
+                os.close(self._wake_write)
+                self._wake_write = -1
 
-    def _loop(self, poller: zmq.Poller, signalled: int | None) -> None:
+    def _loop(self, poller: zmq.Poller) -> None:
         slow_ms = float(os.environ.get(SLOW_ITERATION_ENV) or 0)
         gc_clock = _GcClock() if slow_ms > 0 else None
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()
                 ready = dict(poller.poll(0 if busy else None))
-                if signalled is not None and signalled in ready:
-                    os.read(signalled, 64)  # the handler ran on waking (SIGTERM: it raised)
+                if self._wake_read in ready:  # a failure's or a signal's byte (its handler ran)
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_read, 4096)
                 if self.parent_sentinel is not None and self.parent_sentinel in ready:
                     logger.warning("the parent process is gone: the engine core stops")
                     return
@@ -175,10 +169,6 @@ class EngineCoreProc:
         finally:
             if gc_clock:
                 gc_clock.close()
-            with self._failure_lock:
-                os.close(self._wake_read)
-                os.close(self._wake_write)
-                self._wake_write = -1
 
     def _send(self, client: bytes, message: FromCore) -> None:
         self.socket.send_multipart([client, self._encode(message)])
