@@ -1,0 +1,141 @@
+"""Where a batch-1 decode step's time goes, at TP=1 and TP=2 (issues 16 and 21).
+
+The Llama-3-8B-shaped dummy engine of bench/parallel_gpu.py, one fresh process per TP
+size; after a warm-up, torch.profiler records `--steps` engine steps of one request's
+decode (CUDA graphs replayed as the engine runs them). Reported per step on rank 0: wall
+ms, kernels launched, the GPU's busy ms (union of kernel intervals) and its idle ms, and
+the kernels taking the most time; a gzipped Chrome trace per TP size goes to OUT.
+
+    python bench/step_profile_gpu.py OUT [--tp 1,2] [--steps 32] [--batch 1] [--quantization int8]
+    python bench/step_profile_gpu.py /tmp/out --smoke --steps 4   # CPU, tiny: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+RESULT_PREFIX = "RESULT "
+
+
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """Gives the length of the union of (start, end) µs intervals, in ms."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total / 1e3
+
+
+def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
+            quantization: str | None) -> dict:
+    from parallel_gpu import SHAPES, model_dir, prompts, sync
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from kvpilot.engine.contracts.args import EngineArgs
+    from kvpilot.engine.contracts.sampling_params import SamplingParams
+    from kvpilot.engine.llm_engine import LLMEngine
+
+    shape = "tiny" if smoke else "8b"
+    vocab = SHAPES[shape]["vocab_size"]
+    with tempfile.TemporaryDirectory() as root:
+        engine = LLMEngine.from_engine_args(EngineArgs(
+            model=str(model_dir(Path(root), shape)), load_format="dummy",
+            device="cpu" if smoke else "cuda", dtype="float32" if smoke else "bfloat16",
+            tensor_parallel_size=tp, max_model_len=1024, max_num_seqs=max(batch, 8),
+            gpu_memory_utilization=0.85, kv_cache_memory="64MiB" if smoke else None,
+            quantization=quantization or "none"))
+        try:
+            greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=4 * steps + 64)
+            for i, prompt in enumerate(prompts(batch, 128, vocab, 3)):
+                engine.add_request(f"p{i}", prompt, greedy)
+            for _ in range(2 * steps):  # prefill, then warm decode steps
+                engine.step()
+            sync()
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                started = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                sync()
+                wall = time.perf_counter() - started
+        finally:
+            engine.shutdown()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for event in kernels:
+        by_name[event.name].append(event.time_range.end - event.time_range.start)
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    gpu_busy = busy_ms(spans) / steps
+    trace = out / f"trace-tp{tp}-b{batch}-{quantization or 'bf16'}.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
+    return {"tp": tp, "batch": batch, "quantization": quantization, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
+            "kernels_per_step": len(kernels) / steps,
+            "kernel_ms_per_step": sum(e.time_range.end - e.time_range.start
+                                      for e in kernels) / steps / 1e3,
+            "gpu_busy_ms_per_step": gpu_busy,
+            "gpu_idle_ms_per_step": wall / steps * 1e3 - gpu_busy,
+            "top": [{"name": name[:90], "count_per_step": len(d) / steps,
+                     "us_mean": sum(d) / len(d), "ms_per_step": sum(d) / steps / 1e3}
+                    for name, d in top]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--tp", default="1,2")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--quantization", choices=["int8", "fp8"])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape: checks the script")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # TP size, in a child
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        print(RESULT_PREFIX + json.dumps(profile(args.one, args.steps, args.batch, args.out,
+                                                   args.smoke, args.quantization)),
+              flush=True)
+        return 0
+    results = []
+    for tp in (int(t) for t in args.tp.split(",")):
+        done = subprocess.run([sys.executable, __file__, str(args.out), "--one", str(tp),
+                               "--steps", str(args.steps), "--batch", str(args.batch),
+                               *(["--smoke"] if args.smoke else []),
+                               *(["--quantization", args.quantization] if args.quantization
+                                 else [])],
+                              capture_output=True, text=True, timeout=400)
+        lines = [x for x in done.stdout.splitlines() if x.startswith(RESULT_PREFIX)]
+        if not lines:
+            print(f"TP={tp} failed ({done.returncode}):\n{done.stderr[-3000:]}", flush=True)
+            continue
+        row = json.loads(lines[-1].removeprefix(RESULT_PREFIX))
+        results.append(row)
+        print(f"TP={tp} b={args.batch} {args.quantization or 'bf16'}: {row['wall_ms_per_step']:.3f} ms/step wall, "
+              f"{row['kernels_per_step']:.0f} kernels, GPU busy {row['gpu_busy_ms_per_step']:.3f}"
+              f" ms, idle {row['gpu_idle_ms_per_step']:.3f} ms, kernel sum "
+              f"{row['kernel_ms_per_step']:.3f} ms", flush=True)
+        for k in row["top"]:
+            print(f"   {k['ms_per_step']:7.3f} ms {k['count_per_step']:6.1f}x "
+                  f"{k['us_mean']:8.2f} us  {k['name']}", flush=True)
+    (args.out / f"step_profile-b{args.batch}-{args.quantization or 'bf16'}.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
