@@ -9,9 +9,14 @@ store's paged caches on cuda:0; each rate moves all of them to cuda:1:
   READ of cuda:0's registered caches straight into the host tier's rows (what a decode
   engine runs; the step that needs the blocks then loads them onto its GPU, not timed
   here, nor for `tcp`);
-- `nixl-vram`: one NIXL READ of the same blocks (descriptor lists of block slices)
-  from cuda:0's caches straight into a paged-KV-shaped tensor on cuda:1: the
-  GPU-to-GPU path the issue's >= 20x goal is about.
+- `nixl-vram`: one NIXL READ of the same blocks (descriptor lists of block slices:
+  one per block, layer and K/V) from cuda:0's caches straight into rows on cuda:1;
+- `nixl-region-vram`: the blocks packed into the prefill agent's send region (as a pull
+  packs them: `EngineBlockStore.slots` into `nixl_region` rows, its time reported apart
+  as `pack_ms`), then one READ of those rows (one descriptor per run) into rows on
+  cuda:1: the GPU-to-GPU path the issue's >= 20x goal is about.
+
+`nixl-pull` packs and reads the send region too (its READ lands in host memory).
 
 All agents share this process (and its GIL), like bench/kv_transfer_rate.py; the host
 tier is pinned memory of the process, as a decode engine on cuda:1 would have it. Writes
@@ -98,6 +103,33 @@ def vram_reads(reader: NixlAgent, offer: dict, src: EngineBlockStore, ids: list[
     return times[1:]
 
 
+def region_reads(reader: NixlAgent, writer: NixlAgent, src: EngineBlockStore, prompts: Prompts,
+                 device: str, repeat: int) -> tuple[list[float], list[float]]:
+    """Gives (READ seconds, pack seconds) of `repeat` fresh prompts' blocks packed into
+    `writer`'s send region and read from it into rows on `device`, after a checked first."""
+    peer, layout = reader.connect(writer.offer())
+    region = writer.region
+    assert region is not None
+    reads, packs = [], []
+    for index in range(repeat + 1):
+        tokens = prompts.next()[0]
+        hashes, handle = src.pin(tokens)
+        rows = torch.empty((len(hashes), src.block_bytes), dtype=torch.uint8, device=device)
+        started = time.perf_counter()
+        src.slots(handle, hashes, out=region.rows[:len(hashes)])
+        packed = time.perf_counter()
+        reader.read_rows(peer, layout, list(range(len(hashes))), rows, timeout=120)
+        done = time.perf_counter()
+        src.unpin(handle)
+        if index == 0:
+            if not torch.equal(rows.cpu(), region.rows[:len(hashes)].cpu()):
+                raise SystemExit("the NIXL READ's rows are not the packed send region's")
+            continue
+        reads.append(done - packed)
+        packs.append(packed - started)
+    return reads, packs
+
+
 class Prompts:
     """Fresh prompts of `num_blocks` blocks, cached in the source store as if computed."""
 
@@ -124,7 +156,7 @@ def measure(args: argparse.Namespace) -> dict:
     """Gives each transport's rates (GB/s per run), or the error that stopped it."""
     devices = ("cpu", "cpu") if args.device == "cpu" else ("cuda:0", "cuda:1")
     num_blocks = args.tokens // BLOCK
-    src = make_store(num_blocks * (2 * args.repeat + 4) + 1, args.shape, devices[0])
+    src = make_store(num_blocks * (3 * args.repeat + 5) + 1, args.shape, devices[0])
     pinned = args.device == "cuda"
     dst = LandingStore(HostKVPool(num_blocks + 1, src.block_bytes, pin_memory=pinned),
                        BlockPool(1), pin_memory=pinned)
@@ -134,6 +166,8 @@ def measure(args: argparse.Namespace) -> dict:
     prompts = Prompts(src, num_blocks)
     prefill_nixl, decode_nixl = NixlAgent("bench-prefill"), NixlAgent("bench-decode")
     prefill_nixl.register_caches(src.caches)
+    prefill_nixl.register_region(torch.empty((num_blocks, src.block_bytes), dtype=torch.uint8,
+                                             device=devices[0]))
     agents = {"tcp": (TcpConnector(src, "127.0.0.1", 0), TcpConnector(dst, "127.0.0.1", 0)),
               "nixl-pull": (TcpConnector(src, "127.0.0.1", 0, nixl=prefill_nixl),
                             TcpConnector(dst, "127.0.0.1", 0, nixl=decode_nixl))}
@@ -153,6 +187,11 @@ def measure(args: argparse.Namespace) -> dict:
                                             prompts.next()[1], devices[1], args.repeat)
         except (Exception, SystemExit) as exc:
             errors["nixl-vram"] = repr(exc)
+        try:
+            times["nixl-region-vram"], pack_s = region_reads(decode_nixl, prefill_nixl, src,
+                                                             prompts, devices[1], args.repeat)
+        except (Exception, SystemExit) as exc:
+            errors["nixl-region-vram"], pack_s = repr(exc), []
     finally:
         for prefill, decode in agents.values():
             prefill.stop()
@@ -164,6 +203,7 @@ def measure(args: argparse.Namespace) -> dict:
     tcp = medians.get("tcp")
     return {"rates_gb_s": medians, "runs_gb_s": rates, "errors": errors,
             "bytes_per_transfer": bytes_moved, "blocks": num_blocks,
+            "pack_ms": statistics.median(pack_s) * 1e3 if pack_s else None,
             "over_tcp": {name: rate / tcp for name, rate in medians.items()} if tcp else {}}
 
 
@@ -188,6 +228,9 @@ def write_report(report: dict, out: Path, shape: str) -> None:
     lines += [f"| {name} | {rate:.2f} | {report['over_tcp'].get(name, float('nan')):.1f} |"
               for name, rate in report["rates_gb_s"].items()]
     lines += [f"| {name} | failed: {error} | |" for name, error in report["errors"].items()]
+    if report.get("pack_ms") is not None:
+        lines += ["", f"Packing the blocks into the send region (before `nixl-region-vram`'s "
+                      f"READ, on the prefill GPU): {report['pack_ms']:.2f} ms."]
     (out / f"kv_nixl_gpu-{shape}.md").write_text("\n".join(lines) + "\n")
 
 

@@ -12,6 +12,7 @@ moves per descriptor), each after a warm-up and checked byte for byte.
 pods of one node have them.
 
     python bench/nixl_probe_gpu.py [--mib 256] [--visible both|split] [--repeat 3]
+    python bench/nixl_probe_gpu.py --local pinned   # the initiator's side in pinned host memory
     python bench/nixl_probe_gpu.py --device cpu --mib 8     # DRAM, checks the script
 
 Prints one line per (op, descriptor size): GB/s (median) and whether the bytes matched.
@@ -47,8 +48,11 @@ def make_agent(name: str):
 
 
 def buffer(device: str, nbytes: int, fill: int):
+    """Gives a filled uint8 buffer on `device` ("pinned": page-locked host memory)."""
     import torch
 
+    if device == "pinned":
+        return torch.full((nbytes,), fill, dtype=torch.uint8).pin_memory()
     return torch.full((nbytes,), fill, dtype=torch.uint8, device=device)
 
 
@@ -87,12 +91,12 @@ def target(conn: Connection, device: str, nbytes: int) -> None:
 def initiator(conn: Connection, device: str, nbytes: int, repeat: int) -> list[dict]:
     import torch
 
-    if device != "cpu":
+    if device.startswith("cuda"):
         torch.cuda.set_device(device)
     metadata, remote_base, remote_dev, remote_mem = conn.recv()
     buf = buffer(device, nbytes, 1)
-    mem = "DRAM" if device == "cpu" else "VRAM"
-    dev = 0 if device == "cpu" else torch.device(device).index
+    mem = "VRAM" if device.startswith("cuda") else "DRAM"
+    dev = torch.device(device).index or 0 if device.startswith("cuda") else 0
     agent = make_agent("initiator")
     agent.register_memory([(buf.data_ptr(), nbytes, dev, "")], mem)
     name = agent.add_remote_agent(metadata)
@@ -112,7 +116,7 @@ def initiator(conn: Connection, device: str, nbytes: int, repeat: int) -> list[d
                     conn.send(("fill", mark))
                     buf.fill_(0)
                 conn.recv()
-                if device != "cpu":
+                if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 started = time.perf_counter()
                 try:
@@ -136,9 +140,9 @@ def initiator(conn: Connection, device: str, nbytes: int, repeat: int) -> list[d
                 if index:
                     times.append(elapsed)
             rate = nbytes / statistics.median(times) / 1e9 if times else 0.0
-            rows.append({"op": op, "piece_bytes": piece, "descriptors": nbytes // piece,
+            rows.append({"op": op, "local": mem, "piece_bytes": piece, "descriptors": nbytes // piece,
                          "gb_s": rate, "bytes_match": ok, "error": error})
-            print(f"{op:5s} {nbytes // piece:6d} x {piece:>10d} B: {rate:8.2f} GB/s "
+            print(f"{mem} {op:5s} {nbytes // piece:6d} x {piece:>10d} B: {rate:8.2f} GB/s "
                   f"match={ok} {error}", flush=True)
     conn.send(None)
     return rows
@@ -156,12 +160,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--visible", choices=["both", "split"], default="both")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--local", choices=["vram", "pinned"], default="vram",
+                        help="the initiator's buffer: on its GPU, or pinned host memory")
     args = parser.parse_args()
     nbytes = args.mib << 20
     if args.device == "cpu":
         devices, visible = ("cpu", "cpu"), (None, None)
     elif args.visible == "both":
-        devices, visible = ("cuda:0", "cuda:1"), (None, None)
+        devices, visible = ("cuda:0", "cuda:1" if args.local == "vram" else "pinned"), \
+            (None, None)
     else:
         devices, visible = ("cuda:0", "cuda:0"), ("0", "1")
     ctx = mp.get_context("spawn")
@@ -176,7 +183,7 @@ def main() -> None:
         child.join(30)
         if child.is_alive():
             child.kill()
-    print("RESULT " + json.dumps({"visible": args.visible, "device": args.device,
+    print("RESULT " + json.dumps({"visible": args.visible, "local": args.local, "device": args.device,
                                   "bytes": nbytes, "rows": rows}), flush=True)
 
 

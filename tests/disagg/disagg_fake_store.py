@@ -71,7 +71,8 @@ class FakeStore:
         assert set(hashes) <= set(handle), "read of an unpinned block"
         return FakeRead([self.blocks[h] for h in hashes])
 
-    def slots(self, handle: list[int], hashes: Sequence[int]) -> tuple[list[int], list[bytes]]:
+    def slots(self, handle: list[int], hashes: Sequence[int],
+              out: object = None) -> tuple[list[int], list[bytes]]:
         raise AssertionError("the fake store registers nothing with NIXL: its pulls go by TCP")
 
     def num_cached_prefix(self, hashes: Sequence[int]) -> int:

@@ -13,7 +13,7 @@ from helpers.engine_run import run
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.kv_transfer import nixl_agent
+from kvpilot.engine.kv_transfer import nixl_agent, nixl_region
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.roles import attach_role
 from kvpilot.engine.server.metrics import ServerMetrics
@@ -86,6 +86,48 @@ def test_nixl_pull_equals_aggregated(engines):
     assert len(prefill.connector.leases) == 0  # RELEASE came after the READs
 
 
+def _recording(monkeypatch, agent, name: str) -> list[int]:
+    """Wraps `agent.<name>` (read or read_rows) to count its calls; gives the counter."""
+    calls, method = [], getattr(agent, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(1)
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(agent, name, recorded)
+    return calls
+
+
+@needs_nixl
+def test_a_pull_reads_the_packed_send_region_not_the_cache_pieces(engines, monkeypatch):
+    both, prefill, decode = engines
+    region = prefill.connector.nixl.agent.region
+    assert region is not None and region.num_rows == NUM_BLOCKS
+    rows = _recording(monkeypatch, decode.connector.nixl.agent, "read_rows")
+    pieces = _recording(monkeypatch, decode.connector.nixl.agent, "read")
+    done = handoff(both, prefill, decode, "region", [*range(300, 300 + 4 * BLOCK), 7])
+    assert (done["transport"], done["imported"]) == ("nixl", 5)
+    assert (len(rows), len(pieces)) == (1, 0)
+    assert region.free_rows == NUM_BLOCKS  # given back at RELEASE
+
+
+@needs_nixl
+def test_a_full_send_region_reads_the_cache_pieces_instead(engines, monkeypatch):
+    both, prefill, decode = engines
+    region = prefill.connector.nixl.agent.region
+    monkeypatch.setattr(nixl_region, "ROOM_WAIT_S", 0.05)
+    first = region.take(region.num_rows)  # another pull holds every row
+    assert first == 0
+    try:
+        rows = _recording(monkeypatch, decode.connector.nixl.agent, "read_rows")
+        pieces = _recording(monkeypatch, decode.connector.nixl.agent, "read")
+        done = handoff(both, prefill, decode, "full", [*range(400, 400 + 3 * BLOCK), 8])
+        assert (done["transport"], done["imported"]) == ("nixl", 4)
+        assert (len(rows), len(pieces)) == (0, 1)
+    finally:
+        region.give(0, region.num_rows)
+
+
 @needs_nixl
 def test_metrics_name_the_transport(engines):
     _, _, decode = engines
@@ -103,7 +145,7 @@ def test_failed_read_falls_back_to_tcp(engines, monkeypatch):
     def broken_read(*args, **kwargs):
         raise nixl_agent.NixlError("injected: the agents cannot reach each other")
 
-    monkeypatch.setattr(decode.connector.nixl.agent, "read", broken_read)
+    monkeypatch.setattr(decode.connector.nixl.agent, "_read", broken_read)
     monkeypatch.setattr(decode.connector.nixl, "failed", {})
     done = handoff(both, prefill, decode, "broken", [*range(700, 700 + 3 * BLOCK), 5])
     assert done["transport"] == "tcp"  # the second attempt moved the blocks by BLOCK frames
@@ -145,13 +187,13 @@ def test_nixl_import_failure_falls_back_to_tcp(monkeypatch):
 @needs_nixl
 def test_block_corrupted_in_flight_is_recomputed_not_read(engines, monkeypatch):
     both, prefill, decode = engines
-    read = decode.connector.nixl.agent.read
+    read = decode.connector.nixl.agent.read_rows
 
-    def corrupting_read(peer, layout, block_ids, rows, timeout, at=None):
-        read(peer, layout, block_ids, rows, timeout, at)
+    def corrupting_read(peer, layout, region_rows, rows, timeout, at=None):
+        read(peer, layout, region_rows, rows, timeout, at)
         rows[at[1], :64] ^= 0x5A  # the second block's host-tier row, as if overwritten mid-READ
 
-    monkeypatch.setattr(decode.connector.nixl.agent, "read", corrupting_read)
+    monkeypatch.setattr(decode.connector.nixl.agent, "read_rows", corrupting_read)
     failed_before = decode.get_stats().kv_offload_failed_blocks
     prompt = [*range(600, 600 + 3 * BLOCK), 6]
     # block 1 fails its checksum at load: the sequence goes back to its GPU hit (none) and

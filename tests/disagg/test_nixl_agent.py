@@ -25,8 +25,13 @@ from kvpilot.engine.kv_transfer.nixl_agent import (
     NixlUnavailable,
     nixl_api,
 )
-from kvpilot.engine.kv_transfer.nixl_layout import CacheLayout, read_descriptors
-from kvpilot.engine.kv_transfer.nixl_pull import land_in_place, parse_slots, slots_frame
+from kvpilot.engine.kv_transfer.nixl_layout import (
+    CacheLayout,
+    read_descriptors,
+    region_descriptors,
+)
+from kvpilot.engine.kv_transfer.nixl_pull import Source, land_in_place, parse_slots, slots_frame
+from kvpilot.engine.kv_transfer.nixl_region import SendRegion
 
 LAYOUT = CacheLayout("VRAM", 1, (1000, 5000), num_blocks=10, piece_bytes=8)
 
@@ -65,12 +70,40 @@ def test_layout_message_refuses_bad_fields(change, names):
         CacheLayout.from_message({**LAYOUT.to_message(), **change})
 
 
+REGION = CacheLayout("VRAM", 1, (1000, 5000), num_blocks=10, piece_bytes=8,
+                     region_ptr=9000, region_rows=6)
+
+
+def test_region_descriptors_merge_runs_of_consecutive_rows():
+    # remote rows 0,1,2 -> local 5,6,9: one run (0-1 -> 5-6), then 2 -> 9 alone
+    local, remote = region_descriptors(REGION, [0, 1, 2], 100, [5, 6, 9], local_device=0)
+    assert local.tolist() == [[100 + 5 * 32, 64, 0], [100 + 9 * 32, 32, 0]]
+    assert remote.tolist() == [[9000, 64, 1], [9000 + 2 * 32, 32, 1]]
+    with pytest.raises(ProtocolError, match="outside its 6-row send region"):
+        region_descriptors(REGION, [6], 100, [0])
+    assert CacheLayout.from_message(REGION.to_message()) == REGION
+
+
+def test_send_region_takes_first_fit_runs_and_merges_what_comes_back():
+    region = SendRegion(torch.zeros((8, 4), dtype=torch.uint8))
+    assert [region.take(3), region.take(3)] == [0, 3]
+    assert region.take(3, wait_s=0.01) is None  # 2 rows left
+    assert region.take(9) is None  # more rows than the region has: no wait
+    region.give(0, 3)
+    assert region.take(2) == 0
+    region.give(3, 3)
+    region.give(0, 2)
+    assert region.free_rows == 8 and region.take(8) == 0
+
+
 def test_slots_round_trip_and_refuse_a_wrong_count():
     payload = slots_frame([4, 9], [b"\x01" * 8, b"\x02" * 8])
     message = json.loads(payload[HEADER.size:])
-    assert parse_slots(message, 2) == ([4, 9], [b"\x01" * 8, b"\x02" * 8])
+    assert parse_slots(message, 2) == ([4, 9], [b"\x01" * 8, b"\x02" * 8], None)
     with pytest.raises(ProtocolError, match="for 3 wanted blocks"):
         parse_slots(message, 3)
+    packed = json.loads(slots_frame([4, 9], [b"\x01" * 8] * 2, region_row=3)[HEADER.size:])
+    assert parse_slots(packed, 2)[2] == 3
 
 
 class _StuckAgent:
@@ -157,6 +190,22 @@ def test_read_from_another_process_gives_wire_layout_rows(peer):
 
 
 @needs_nixl
+def test_read_rows_from_another_process_gives_its_send_region_rows(peer):
+    _, offer, _ = peer
+    agent = NixlAgent("region-reader")
+    try:
+        name, layout = agent.connect(offer)
+        assert layout.region_rows == 4
+        rows = torch.zeros((4, layout.block_bytes), dtype=torch.uint8)
+        agent.read_rows(name, layout, [2, 3, 0], rows, timeout=20, at=[0, 1, 3])
+        # region row r holds r + 1 in every byte; local row 2 is not written
+        assert [int(rows[i, 0]) for i in range(4)] == [3, 4, 0, 1]
+        assert bool((rows[1] == 4).all())
+    finally:
+        agent.close()
+
+
+@needs_nixl
 def test_read_from_a_killed_peer_is_a_clear_error_not_a_hang(peer):
     process, offer, _ = peer
     agent = NixlAgent("reader-of-dead")
@@ -196,7 +245,12 @@ class _ReadAgent:
         self.error, self.calls = error, []
 
     def read(self, peer, layout, block_ids, rows, timeout, at=None):
-        self.calls.append((block_ids, at))
+        self.calls.append(("cache", block_ids, at))
+        if self.error is not None:
+            raise self.error
+
+    def read_rows(self, peer, layout, region_rows, rows, timeout, at=None):
+        self.calls.append(("region", region_rows, at))
         if self.error is not None:
             raise self.error
 
@@ -206,21 +260,24 @@ class _ReadAgent:
     (NixlError("peer gone"), False, True),  # rows back to the pool
     (NixlTimeout("still running"), False, False),  # rows kept reserved: the peer may write
 ])
-def test_land_in_place_reads_only_missing_blocks_once(error, landed, abandoned):
+@pytest.mark.parametrize("region_row", [None, 4])
+def test_land_in_place_reads_only_missing_blocks_once(error, landed, abandoned, region_row):
     store, agent = _FakeLanding(held={2}), _ReadAgent(error)
     digests = [bytes([i]) * 8 for i in range(3)]
+    source = Source(agent, "peer", LAYOUT, [7, 8, 9], region_row)  # type: ignore[arg-type]
 
     def call() -> int:
-        return land_in_place(agent, "peer", LAYOUT, store, [1, 2, 3], [7, 8, 9], digests,
-                             lambda: 5.0)
+        return land_in_place(source, store, [1, 2, 3], digests, lambda: 5.0)
 
     if error is None:
         assert call() == 2
     else:
         with pytest.raises(type(error)):
             call()
-    # one READ: remote blocks 7 and 9 (hash 2 is held) into host rows 10 and 11
-    assert agent.calls == [([7, 9], [10, 11])]
+    # one READ: remote blocks 7 and 9, or region rows 4 and 6 (hash 2 is held), into host
+    # rows 10 and 11
+    assert agent.calls == ([("cache", [7, 9], [10, 11])] if region_row is None else
+                           [("region", [4, 6], [10, 11])])
     assert bool(store.landed) is landed and bool(store.abandoned) is abandoned
     if landed:
         assert store.landed == [([(1, 10), (3, 11)], [digests[0], digests[2]])]

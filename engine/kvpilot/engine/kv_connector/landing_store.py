@@ -68,7 +68,8 @@ class LandingStore:
     def read(self, handle: list[int], hashes: Sequence[int]) -> PendingRead:
         raise ProtocolError("a decode engine serves no leases: pull from the prefill engine")
 
-    def slots(self, handle: list[int], hashes: Sequence[int]) -> tuple[list[int], list[bytes]]:
+    def slots(self, handle: list[int], hashes: Sequence[int],
+              out: torch.Tensor | None = None) -> tuple[list[int], list[bytes]]:
         raise ProtocolError("a decode engine serves no leases: pull from the prefill engine")
 
     def owned_blocks(self) -> int:

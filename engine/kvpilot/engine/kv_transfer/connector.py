@@ -93,9 +93,11 @@ class BlockStore(Protocol[HandleT, BufferT, StagedT]):
         (no lock; `handle` stays pinned until the call returns)."""
         ...
 
-    def slots(self, handle: HandleT, hashes: Sequence[int]) -> tuple[list[int], list[bytes]]:
+    def slots(self, handle: HandleT, hashes: Sequence[int],
+              out: torch.Tensor | None = None) -> tuple[list[int], list[bytes]]:
         """Gives the pinned blocks' ids in the caches and their checksum fields, for a peer
-        that reads them by NIXL (no lock; `handle` stays pinned until the call returns)."""
+        that reads them by NIXL (no lock; `handle` stays pinned until the call returns),
+        with the blocks packed into `out`'s rows (a NIXL send region's) when given."""
         ...
 
     def num_cached_prefix(self, hashes: Sequence[int]) -> int:

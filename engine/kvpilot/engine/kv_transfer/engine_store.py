@@ -290,26 +290,32 @@ class EngineBlockStore:
         self.cuda.last_read = event
         return PendingRead(self, buffer, len(ids), event, sums)
 
-    def slots(self, handle: list[KVCacheBlock], hashes: Sequence[int]
-              ) -> tuple[list[int], list[bytes]]:
+    def slots(self, handle: list[KVCacheBlock], hashes: Sequence[int],
+              out: torch.Tensor | None = None) -> tuple[list[int], list[bytes]]:
         """Gives the pinned blocks' ids and their checksum fields, for a NIXL reader.
 
         The sums come from a gather on the device (the side stream on CUDA, a chunk at a
-        time), like `read`'s, without the copy to the host: the peer reads the cache.
+        time), like `read`'s, without the copy to the host; the gather lands in `out`
+        (uint8 [len(hashes), block_bytes], a NIXL send region's rows, complete when this
+        returns) when given, so the peer reads those rows, else in scratch memory, and the
+        peer reads the cache.
         """
         by_hash = {b.block_hash: b for b in handle}
         ids = [by_hash[h].block_id for h in hashes]
         sums: list[list[int]] = []
         for first in range(0, len(ids), self.read_chunk_blocks):
             chunk = ids[first:first + self.read_chunk_blocks]
-            staging = torch.empty((len(chunk), *self._shape), dtype=self._dtype,
-                                  device=self.device)
+            staging = (torch.empty((len(chunk), *self._shape), dtype=self._dtype,
+                                   device=self.device) if out is None else
+                       out[first:first + len(chunk)].view(self._dtype)
+                       .view(len(chunk), *self._shape))
             if self.cuda is None:
                 self._gather(torch.tensor(chunk), staging)
                 sums += block_checksums(staging.view(torch.uint8).view(len(chunk), -1)).tolist()
                 continue
             with torch.cuda.device(self.device), torch.cuda.stream(self.cuda.side):
                 self._gather(to_device(chunk, self.device, torch.long), staging)
+                # .tolist() waits for the side stream: the rows are written when it returns
                 sums += block_checksums(staging.view(torch.uint8).view(len(chunk), -1)).tolist()
         return ids, [pack_checksum(a, b) for a, b in sums]
 

@@ -13,6 +13,7 @@ nothing is read from a peer that did not prove the fleet's secret.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import importlib
 import logging
 import threading
@@ -21,7 +22,12 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from kvpilot.engine.contracts.kv_protocol import ProtocolError
-from kvpilot.engine.kv_transfer.nixl_layout import CacheLayout, read_descriptors
+from kvpilot.engine.kv_transfer.nixl_layout import (
+    CacheLayout,
+    read_descriptors,
+    region_descriptors,
+)
+from kvpilot.engine.kv_transfer.nixl_region import SEND_REGION_BYTES, SendRegion
 
 if TYPE_CHECKING:
     import torch  # only tensors' own methods are called: the agent imports without torch
@@ -70,6 +76,7 @@ class NixlAgent:
             raise NixlUnavailable(f"nixl has no {BACKEND} backend here (plugins: "
                                   f"{self._agent.get_plugin_list()})")
         self.layout: CacheLayout | None = None  # set by register_caches (prefill side)
+        self.region: SendRegion | None = None  # set by register_region (prefill side)
         self._registered: dict[int, Any] = {}  # base address -> registration
         self._peers: dict[str, bytes] = {}  # remote agent name -> its metadata
 
@@ -87,6 +94,21 @@ class NixlAgent:
         self.layout = CacheLayout(mem, device, tuple(c.data_ptr() for c in caches),
                                   first.shape[1], first[0, 0].numel() * first.element_size())
         return self.layout
+
+    def register_region(self, rows: torch.Tensor) -> SendRegion:
+        """Registers `rows` (uint8 [n, block_bytes], beside the caches) as the send region a
+        pull's blocks are packed into; gives the region."""
+        if self.layout is None:
+            raise RuntimeError("NixlAgent.register_region before register_caches")
+        if rows.dim() != 2 or rows.shape[1] != self.layout.block_bytes:
+            raise ValueError(f"send region rows {tuple(rows.shape)} are not "
+                             f"[n, {self.layout.block_bytes}]")
+        mem, device = _memory_of(rows)
+        self._register(rows, mem, device)
+        self.region = SendRegion(rows)
+        self.layout = dataclasses.replace(self.layout, region_ptr=rows.data_ptr(),
+                                          region_rows=rows.shape[0])
+        return self.region
 
     def offer(self) -> dict[str, Any]:
         """Gives what a LEASE frame carries for a decode side to read this engine's caches."""
@@ -124,13 +146,32 @@ class NixlAgent:
 
     def read(self, peer: str, layout: CacheLayout, block_ids: list[int], rows: torch.Tensor,
              timeout: float, at: list[int] | None = None) -> None:
-        """READs the peer's blocks `block_ids` into rows `at` (default 0, 1, ...) of `rows`
-        (uint8 [capacity, block_bytes] in host or GPU memory: a receive buffer, the host
-        tier's rows) as one transfer, waiting at most `timeout` seconds.
+        """READs the peer's cache blocks `block_ids` into rows `at` (default 0, 1, ...) of
+        `rows` (uint8 [capacity, block_bytes] in host or GPU memory: a receive buffer, the
+        host tier's rows) as one transfer, waiting at most `timeout` seconds.
 
         Raises NixlError when the transfer fails, NixlTimeout when it is still running at
         the deadline (then `rows` must not be reused: the peer may still write them).
         """
+        mem, device = self._local(layout, rows)
+        indices = range(len(block_ids)) if at is None else at
+        row_ptrs = [rows.data_ptr() + i * rows.shape[1] for i in indices]
+        local, remote = read_descriptors(layout, block_ids, row_ptrs, device)
+        self._read(peer, layout, local, mem, remote, timeout, len(block_ids))
+
+    def read_rows(self, peer: str, layout: CacheLayout, region_rows: list[int],
+                  rows: torch.Tensor, timeout: float, at: list[int] | None = None) -> None:
+        """READs rows `region_rows` of the peer's send region (blocks it packed for this
+        pull) into rows `at` (default 0, 1, ...) of `rows`, one descriptor per run of
+        consecutive rows; raises as `read` does."""
+        mem, device = self._local(layout, rows)
+        indices = list(range(len(region_rows))) if at is None else at
+        local, remote = region_descriptors(layout, region_rows, rows.data_ptr(), indices,
+                                           device)
+        self._read(peer, layout, local, mem, remote, timeout, len(region_rows))
+
+    def _local(self, layout: CacheLayout, rows: torch.Tensor) -> tuple[str, int]:
+        """Registers the storage of `rows` (once); gives its NIXL memory type and device."""
         if rows.shape[1] != layout.block_bytes:
             raise ProtocolError(f"the peer's blocks are {layout.block_bytes} bytes, this "
                                 f"engine's {rows.shape[1]}: a different model, dtype or "
@@ -138,9 +179,11 @@ class NixlAgent:
         mem, device = _memory_of(rows)
         base = rows.untyped_storage()
         self._register_storage(base.data_ptr(), base.nbytes(), mem, device)
-        indices = range(len(block_ids)) if at is None else at
-        row_ptrs = [rows.data_ptr() + i * rows.shape[1] for i in indices]
-        local, remote = read_descriptors(layout, block_ids, row_ptrs, device)
+        return mem, device
+
+    def _read(self, peer: str, layout: CacheLayout, local: Any, mem: str, remote: Any,
+              timeout: float, blocks: int) -> None:
+        """Runs one READ of descriptor arrays `local` <- `remote`, waiting until `timeout`."""
         deadline = time.monotonic() + timeout
         with self._lock:
             handle = None
@@ -163,10 +206,10 @@ class NixlAgent:
             if state != "PROC":
                 self._agent.release_xfer_handle(handle)
         if state == "PROC":
-            raise NixlTimeout(f"NIXL READ of {len(block_ids)} blocks from {peer!r} ran past "
+            raise NixlTimeout(f"NIXL READ of {blocks} blocks from {peer!r} ran past "
                               f"its {timeout:.1f} s")
         if state != "DONE":
-            raise NixlError(f"NIXL READ of {len(block_ids)} blocks from {peer!r} failed "
+            raise NixlError(f"NIXL READ of {blocks} blocks from {peer!r} failed "
                             f"(state {state})")
 
     # ---- registrations ------------------------------------------------------------------
@@ -209,10 +252,21 @@ def make_agent(name: str, caches: list[torch.Tensor] | None = None) -> NixlAgent
         return None
     if caches is not None:
         try:
-            agent.register_caches(caches)
+            layout = agent.register_caches(caches)
+            rows = min(layout.num_blocks, max(1, SEND_REGION_BYTES // layout.block_bytes))
+            agent.register_region(torch_empty_rows(caches[0], rows, layout.block_bytes))
         except Exception as exc:  # nixl's own errors, e.g. a UCX without CUDA support
             log.warning("--kv-transport nixl: cannot register the KV caches with NIXL (%r); "
                         "KV moves over TCP", exc)
             agent.close()
             return None
+        log.info("NIXL send region: %d rows of %d bytes (%.2f GiB) on %s", rows,
+                 layout.block_bytes, rows * layout.block_bytes / 2**30, caches[0].device)
     return agent
+
+
+def torch_empty_rows(like: torch.Tensor, rows: int, row_bytes: int) -> torch.Tensor:
+    """Gives uint8 [rows, row_bytes] on `like`'s device (a prefill engine's send region)."""
+    import torch
+
+    return torch.empty((rows, row_bytes), dtype=torch.uint8, device=like.device)

@@ -2,8 +2,10 @@
 
 The TCP agent keeps the conversation (handshake, FETCH, LEASE, WANT, RELEASE) and the
 lease; only the bytes move differently. The prefill side answers a `"nixl": true`
-WANT with SLOTS: the wanted blocks' ids in its caches and their checksums, computed
-on its device from the blocks it pins. The decode side READs them, a receive
+WANT with SLOTS: the wanted blocks packed into rows of its send region
+(`nixl_region`, so a few large descriptors move them), or, when the region has no
+room, their ids in its caches; and their checksums, computed on its device from the
+blocks it pins. The decode side READs them, a receive
 buffer-full per transfer, and imports each group exactly as a TCP pull does
 (`tcp.import_group`): the checksums are checked before anything is read (on the
 device at load, for a decode engine's host tier), so a block overwritten or cut
@@ -30,23 +32,50 @@ log = logging.getLogger("kvpilot.kv_transfer")
 NIXL_RETRY_S = 60.0  # after a failed NIXL READ from a peer, pulls from it use TCP this long
 
 
-def slots_frame(block_ids: Sequence[int], digests: Sequence[bytes]) -> bytes:
-    """Gives the SLOTS frame that tells a decode side where to READ the wanted blocks."""
+def slots_frame(block_ids: Sequence[int], digests: Sequence[bytes],
+                region_row: int | None = None) -> bytes:
+    """Gives the SLOTS frame that tells a decode side where to READ the wanted blocks: from
+    send-region rows `region_row`, `region_row + 1`, ... when packed there, else from the
+    caches' `block_ids`."""
     return encode(Frame.SLOTS, {"block_ids": list(block_ids),
-                                "checksums": [d.hex() for d in digests]})
+                                "checksums": [d.hex() for d in digests],
+                                **({} if region_row is None else {"region_row": region_row})})
 
 
-def parse_slots(message: dict[str, Any], count: int) -> tuple[list[int], list[bytes]]:
-    """Gives (block ids, checksum fields) of a SLOTS message for `count` wanted blocks."""
+def parse_slots(message: dict[str, Any], count: int
+                ) -> tuple[list[int], list[bytes], int | None]:
+    """Gives (block ids, checksum fields, first send-region row or None) of a SLOTS message
+    for `count` wanted blocks."""
     try:
         ids = [int(b) for b in message["block_ids"]]
         digests = [bytes.fromhex(d) for d in message["checksums"]]
+        region_row = None if message.get("region_row") is None else int(message["region_row"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed SLOTS frame: {exc!r}") from exc
     if len(ids) != count or len(digests) != count or any(len(d) != 8 for d in digests):
         raise ProtocolError(f"SLOTS names {len(ids)} blocks and {len(digests)} checksums "
                             f"for {count} wanted blocks")
-    return ids, digests
+    return ids, digests, region_row
+
+
+class Source:
+    """Where a pull's wanted blocks are read from: the peer's send-region rows
+    `region_row + i` when it packed them there, else its cache blocks `ids[i]`."""
+
+    def __init__(self, agent: NixlAgent, peer: str, layout: CacheLayout, ids: list[int],
+                 region_row: int | None) -> None:
+        self.agent, self.peer, self.layout = agent, peer, layout
+        self.ids, self.region_row = ids, region_row
+
+    def read(self, wanted: list[int], rows: torch.Tensor, timeout: float,
+             at: list[int] | None = None) -> None:
+        """READs wanted blocks (positions in the pull's WANT) into rows `at` of `rows`."""
+        if self.region_row is None:
+            self.agent.read(self.peer, self.layout, [self.ids[i] for i in wanted], rows,
+                            timeout, at)
+        else:
+            self.agent.read_rows(self.peer, self.layout, [self.region_row + i for i in wanted],
+                                 rows, timeout, at)
 
 
 @runtime_checkable
@@ -67,9 +96,8 @@ class DirectLanding(Protocol):
         ...
 
 
-def land_in_place(agent: NixlAgent, peer: str, layout: CacheLayout, store: DirectLanding,
-                  wanted: list[int], ids: list[int], digests: list[bytes],
-                  remaining: Callable[[], float]) -> int:
+def land_in_place(source: Source, store: DirectLanding, wanted: list[int],
+                  digests: list[bytes], remaining: Callable[[], float]) -> int:
     """READs the wanted blocks the store has room for straight into its rows, in one
     transfer; gives how many landed. A failed READ gives its rows back; one still running
     at the deadline keeps them reserved (the peer may still write them), never findable."""
@@ -79,8 +107,7 @@ def land_in_place(agent: NixlAgent, peer: str, layout: CacheLayout, store: Direc
     position = {block_hash: index for index, block_hash in enumerate(wanted)}
     picked = [position[block_hash] for block_hash, _ in entries]
     try:
-        agent.read(peer, layout, [ids[i] for i in picked], rows, remaining(),
-                   at=[row for _, row in entries])
+        source.read(picked, rows, remaining(), at=[row for _, row in entries])
     except NixlTimeout:
         log.warning("%d host-tier rows stay reserved after a NIXL READ timed out", len(entries))
         raise
@@ -104,9 +131,10 @@ def receive_by_nixl(sock: socket.socket, agent: NixlAgent, peer: str, layout: Ca
     retrying over TCP. Groups imported before a failure stay, as in a TCP pull.
     """
     _, message = expect_sync(sock, Frame.SLOTS)
-    ids, digests = parse_slots(message, len(wanted))
+    ids, digests, region_row = parse_slots(message, len(wanted))
+    source = Source(agent, peer, layout, ids, region_row)
     if isinstance(store, DirectLanding):
-        return land_in_place(agent, peer, layout, store, wanted, ids, digests, remaining)
+        return land_in_place(source, store, wanted, digests, remaining)
     buffer = store.receive_buffer(remaining())
     imported, previous, abandoned = 0, None, False
     try:
@@ -114,7 +142,7 @@ def receive_by_nixl(sock: socket.socket, agent: NixlAgent, peer: str, layout: Ca
             group = wanted[start:start + buffer.capacity]
             rows = buffer.tensor[:len(group)]
             try:
-                agent.read(peer, layout, ids[start:start + len(group)], rows, remaining())
+                source.read(list(range(start, start + len(group))), rows, remaining())
             except NixlTimeout:
                 abandoned = True
                 raise
@@ -133,7 +161,6 @@ def receive_by_nixl(sock: socket.socket, agent: NixlAgent, peer: str, layout: Ca
         if not abandoned:
             buffer.release()
     return imported
-
 
 
 class NixlPath:

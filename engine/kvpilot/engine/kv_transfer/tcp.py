@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from kvpilot.engine.contracts.kv_auth import AUTH_TIMEOUT, accept_peer, prove_to_agent_sync
 from kvpilot.engine.contracts.kv_client import NO_SECRET_KEY
@@ -46,6 +46,9 @@ from kvpilot.engine.kv_transfer.connector import (
 from kvpilot.engine.kv_transfer.leases import Lease, LeaseTable
 from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent, NixlError
 from kvpilot.engine.kv_transfer.nixl_pull import NixlPath, receive_by_nixl, slots_frame
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("kvpilot.kv_transfer")
 FETCH_IO_TIMEOUT = 30.0  # a decode peer silent this long mid-transfer is gone (the lease expires)
@@ -163,10 +166,19 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
         unknown = set(wanted) - set(lease.hashes)
         if unknown:
             raise ProtocolError(f"WANT names {len(unknown)} hashes outside lease {lease_id}")
-        if want.get("nixl") and offer:
-            # the decode side READs the blocks; they stay pinned until its RELEASE
-            sock.sendall(slots_frame(*self._slots(lease, wanted)))
-            expect_sync(sock, Frame.RELEASE)
+        if want.get("nixl") and offer and self.nixl is not None:
+            # the decode side READs the blocks (packed into send-region rows when there is
+            # room); they stay pinned, and the rows taken, until its RELEASE
+            region = self.nixl.agent.region
+            first = region.take(len(wanted)) if region is not None and wanted else None
+            try:
+                out = None if region is None or first is None else \
+                    region.rows[first:first + len(wanted)]
+                sock.sendall(slots_frame(*self._slots(lease, wanted, out), region_row=first))
+                expect_sync(sock, Frame.RELEASE)
+            finally:
+                if region is not None and first is not None:
+                    region.give(first, len(wanted))
             self._release(lease_id)
             return
         size = self.store.read_chunk_blocks
@@ -202,12 +214,14 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
                 raise ProtocolError(f"lease {lease.lease_id!r} expired mid-transfer")
             return self.store.read(lease.pinned, hashes)
 
-    def _slots(self, lease: Lease[HandleT], hashes: list[int]) -> tuple[list[int], list[bytes]]:
-        """Gives a live lease's blocks' ids and checksums (as `_read`, under the lease lock)."""
+    def _slots(self, lease: Lease[HandleT], hashes: list[int], out: torch.Tensor | None
+               ) -> tuple[list[int], list[bytes]]:
+        """Gives a live lease's blocks' ids and checksums, packed into `out` when given (as
+        `_read`, under the lease lock)."""
         with self._lease_lock:
             if self.leases.get(lease.lease_id, time.monotonic()) is not lease:
                 raise ProtocolError(f"lease {lease.lease_id!r} expired mid-transfer")
-            return self.store.slots(lease.pinned, hashes)
+            return self.store.slots(lease.pinned, hashes, out)
 
     def _release(self, lease_id: str) -> None:
         with self.store.lock, self._lease_lock:
