@@ -1,26 +1,22 @@
-"""NIXL vs TCP KV transfer rate for the same blocks between two GPUs (issue 22).
+"""NIXL vs TCP KV transfer rate for the same blocks between two engines' processes (issue 22).
 
 One long prompt's blocks (Llama-3-8B or Llama-3.2-1B shaped, bf16) sit in a prefill
-store's paged caches on cuda:0; each rate moves all of them to cuda:1:
+store's paged caches on cuda:0, in a child process (the prefill engine's side: its
+store, its TCP and NIXL KV agents, its NIXL send region); this process is the decode
+side on cuda:1. Each rate moves all of a fresh prompt's blocks:
 
-- `tcp`: a `TcpConnector` pull into a decode engine's landing store (BLOCK frames into
-  pinned receive buffers, copied into its pinned host tier): the transport before issue 22;
-- `nixl-pull`: the same pull with NIXL agents on both sides (`--kv-transport nixl`): one
-  READ of cuda:0's registered caches straight into the host tier's rows (what a decode
-  engine runs; the step that needs the blocks then loads them onto its GPU, not timed
-  here, nor for `tcp`);
-- `nixl-vram`: one NIXL READ of the same blocks (descriptor lists of block slices:
-  one per block, layer and K/V) from cuda:0's caches straight into rows on cuda:1;
-- `nixl-region-vram`: the blocks packed into the prefill agent's send region (as a pull
-  packs them: `EngineBlockStore.slots` into `nixl_region` rows, its time reported apart
-  as `pack_ms`), then one READ of those rows (one descriptor per run) into rows on
-  cuda:1: the GPU-to-GPU path the issue's >= 20x goal is about.
+- `tcp`: a `TcpConnector` pull (BLOCK frames into pinned receive buffers, copied into a
+  pinned host pool): what a `--kv-transport tcp` decode engine runs;
+- `nixl-pull`: the same pull with NIXL agents on both sides (`--kv-transport nixl`): the
+  prefill side packs the blocks into its send region, the decode side READs them into its
+  landing pool on cuda:1 (`host_tier.NIXL_LANDING_BYTES`): what a NIXL decode engine runs;
+- `nixl-vram`: one NIXL READ of the blocks straight from the prefill caches (one
+  descriptor per block, layer and K/V) into rows on cuda:1, for comparison;
+- `nixl-region-vram`: the blocks packed into the send region (its time reported apart as
+  `pack_ms`), then one READ of those rows into rows on cuda:1.
 
-`nixl-pull` packs and reads the send region too (its READ lands in host memory).
-
-All agents share this process (and its GIL), like bench/kv_transfer_rate.py; the host
-tier is pinned memory of the process, as a decode engine on cuda:1 would have it. Writes
-kv_nixl_gpu-<shape>.json and .md under --out.
+The step that later copies landed rows into the decode cache is not timed, for either
+transport. Writes kv_nixl_gpu-<shape>.json and .md under --out.
 
     python bench/kv_nixl_gpu.py [--shape 8b] [--tokens 8192] [--repeat 3] [--out DIR]
     python bench/kv_nixl_gpu.py --smoke --out DIR   # CPU, DRAM, tiny shape: checks the script
@@ -33,8 +29,10 @@ import argparse
 import asyncio
 import datetime
 import json
+import multiprocessing as mp
 import statistics
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -43,6 +41,7 @@ from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.core.block_pool import BlockPool
 from kvpilot.engine.kv_connector.host_pool import HostKVPool
+from kvpilot.engine.kv_connector.host_tier import NIXL_LANDING_BYTES
 from kvpilot.engine.kv_connector.landing_store import LandingStore
 from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
 from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent
@@ -70,132 +69,174 @@ def cache_prompt(store: EngineBlockStore, tokens: list[int]) -> list[int]:
     return [b.block_id for b in blocks]
 
 
-def pull(prefill: TcpConnector, decode: TcpConnector, tokens: list[int], lease: str) -> float:
-    """Offers the prompt on `prefill`, pulls it into `decode`; gives the seconds it took."""
-    with prefill.store.lock:
-        prefill.offer(lease, tokens)
-    started = time.perf_counter()
-    done = asyncio.run(request_pull(("127.0.0.1", decode.port), ("127.0.0.1", prefill.port),
-                                    lease, timeout=120))
-    elapsed = time.perf_counter() - started
-    if done["imported"] != len(tokens) // BLOCK or done["transport"] != decode.transport:
-        raise SystemExit(f"pull {lease} imported {done['imported']} of "
-                         f"{len(tokens) // BLOCK} blocks, expected by {decode.transport}: "
-                         f"{done}")
-    return elapsed
+def prefill_side(conn: Connection, shape: str, num_blocks: int, region_rows: int,
+                 device: str) -> None:
+    """The prefill engine's side, in its own process: caches prompts, offers leases to its
+    TCP and NIXL agents, packs blocks into its send region, answers byte checks."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    src = make_store(num_blocks, shape, device)
+    nixl = NixlAgent("bench-prefill")
+    nixl.register_caches(src.caches)
+    region = nixl.register_region(torch.empty((region_rows, src.block_bytes),
+                                              dtype=torch.uint8, device=device))
+    agents = {"tcp": TcpConnector(src, "127.0.0.1", 0),
+              "nixl": TcpConnector(src, "127.0.0.1", 0, nixl=nixl)}
+    for agent in agents.values():
+        agent.start()
+    conn.send(({name: agent.port for name, agent in agents.items()}, nixl.offer(),
+               src.block_bytes))
+    try:
+        while (command := conn.recv()) is not None:
+            verb, *rest = command
+            if verb == "cache":  # -> block ids
+                conn.send(cache_prompt(src, rest[0]))
+            elif verb == "offer":  # (agent, lease, tokens) -> True
+                with src.lock:
+                    agents[rest[0]].offer(rest[1], rest[2])
+                conn.send(True)
+            elif verb == "pack":  # tokens -> (rows, seconds)
+                hashes, handle = src.pin(rest[0])
+                started = time.perf_counter()
+                src.slots(handle, hashes, out=region.rows[:len(hashes)])
+                conn.send((len(hashes), time.perf_counter() - started))
+                src.unpin(handle)
+            elif verb == "block":  # block id -> its wire-layout bytes
+                data = torch.stack([c[:, rest[0]] for c in src.caches]).view(torch.uint8)
+                conn.send(data.reshape(-1).cpu().numpy().tobytes())
+            elif verb == "row":  # region row -> its bytes
+                conn.send(region.rows[rest[0]].cpu().numpy().tobytes())
+    finally:
+        for agent in agents.values():
+            agent.stop()
 
 
-def vram_reads(reader: NixlAgent, offer: dict, src: EngineBlockStore, ids: list[int],
-               device: str, repeat: int) -> list[float]:
-    """Gives the seconds of `repeat` single READs of blocks `ids` of the peer that made
-    `offer` into a tensor on `device`, after checking a first READ against the source."""
-    peer, layout = reader.connect(offer)
-    rows = torch.empty((len(ids), src.block_bytes), dtype=torch.uint8, device=device)
-    times = []
-    for index in range(repeat + 1):  # the first READ registers and checks: not timed
-        started = time.perf_counter()
-        reader.read(peer, layout, ids, rows, timeout=120)
-        times.append(time.perf_counter() - started)
-        if index == 0:
-            expected = torch.stack([c[:, ids[-1]] for c in src.caches]).view(torch.uint8)
-            if not torch.equal(rows[-1].cpu(), expected.reshape(-1).cpu()):
-                raise SystemExit("the NIXL READ's last row is not the source block")
-    return times[1:]
+class Prefill:
+    """The parent's handle on the prefill side's process."""
 
+    def __init__(self, args: argparse.Namespace, num_blocks: int, region_rows: int,
+                 device: str) -> None:
+        context = mp.get_context("spawn")
+        self.conn, theirs = context.Pipe()
+        self.process = context.Process(target=prefill_side, args=(
+            theirs, args.shape, num_blocks, region_rows, device), daemon=True)
+        self.process.start()
+        if not self.conn.poll(300):
+            raise SystemExit("the prefill side did not start in 300 s")
+        self.ports, self.offer, self.block_bytes = self.conn.recv()
+        self.count = 0
 
-def region_reads(reader: NixlAgent, writer: NixlAgent, src: EngineBlockStore, prompts: Prompts,
-                 device: str, repeat: int) -> tuple[list[float], list[float]]:
-    """Gives (READ seconds, pack seconds) of `repeat` fresh prompts' blocks packed into
-    `writer`'s send region and read from it into rows on `device`, after a checked first."""
-    peer, layout = reader.connect(writer.offer())
-    region = writer.region
-    assert region is not None
-    reads, packs = [], []
-    for index in range(repeat + 1):
-        tokens = prompts.next()[0]
-        hashes, handle = src.pin(tokens)
-        rows = torch.empty((len(hashes), src.block_bytes), dtype=torch.uint8, device=device)
-        started = time.perf_counter()
-        src.slots(handle, hashes, out=region.rows[:len(hashes)])
-        packed = time.perf_counter()
-        reader.read_rows(peer, layout, list(range(len(hashes))), rows, timeout=120)
-        done = time.perf_counter()
-        src.unpin(handle)
-        if index == 0:
-            if not torch.equal(rows.cpu(), region.rows[:len(hashes)].cpu()):
-                raise SystemExit("the NIXL READ's rows are not the packed send region's")
-            continue
-        reads.append(done - packed)
-        packs.append(packed - started)
-    return reads, packs
+    def ask(self, *command: object) -> object:
+        self.conn.send(command)
+        return self.conn.recv()
 
-
-class Prompts:
-    """Fresh prompts of `num_blocks` blocks, cached in the source store as if computed."""
-
-    def __init__(self, src: EngineBlockStore, num_blocks: int) -> None:
-        self.src, self.num_blocks, self.count = src, num_blocks, 0
-
-    def next(self) -> tuple[list[int], list[int]]:
-        """Gives (token ids, block ids) of the next prompt."""
+    def fresh_prompt(self, num_blocks: int) -> tuple[list[int], list[int]]:
+        """Gives (token ids, block ids) of a new prompt, cached on the prefill side."""
         first = self.count * 100_000
         self.count += 1
-        tokens = list(range(first, first + self.num_blocks * BLOCK))
-        return tokens, cache_prompt(self.src, tokens)
+        tokens = list(range(first, first + num_blocks * BLOCK))
+        block_ids = self.ask("cache", tokens)
+        assert isinstance(block_ids, list)
+        return tokens, block_ids
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
 
 
-def pull_times(prefill: TcpConnector, decode: TcpConnector, prompts: Prompts, name: str,
+def pull_times(prefill: Prefill, decode: TcpConnector, name: str, num_blocks: int,
                repeat: int) -> list[float]:
-    """Gives the seconds of `repeat` pulls of fresh prompts, after one warm-up pull."""
-    times = [pull(prefill, decode, prompts.next()[0], f"{name}-{index}")
-             for index in range(repeat + 1)]
+    """Gives the seconds of `repeat` pulls of fresh prompts by the prefill side's `name`
+    agent into `decode`, after one warm-up pull."""
+    times = []
+    for index in range(repeat + 1):
+        tokens, _ = prefill.fresh_prompt(num_blocks)
+        lease = f"{name}-{index}"
+        prefill.ask("offer", name, lease, tokens)
+        started = time.perf_counter()
+        done = asyncio.run(request_pull(("127.0.0.1", decode.port),
+                                        ("127.0.0.1", prefill.ports[name]), lease, timeout=120))
+        times.append(time.perf_counter() - started)
+        if done["imported"] != num_blocks or done["transport"] != decode.transport:
+            raise SystemExit(f"pull {lease} imported {done['imported']} of {num_blocks} "
+                             f"blocks, expected by {decode.transport}: {done}")
     return times[1:]
+
+
+def vram_reads(reader: NixlAgent, prefill: Prefill, num_blocks: int, device: str,
+               repeat: int, packed: bool) -> tuple[list[float], list[float]]:
+    """Gives (READ seconds, pack seconds) of `repeat` READs of a fresh prompt's blocks into
+    rows on `device`: from the prefill caches' pieces, or (`packed`) from its send region
+    after packing them there; the first READ is checked byte for byte, not timed."""
+    peer, layout = reader.connect(prefill.offer)
+    rows = torch.empty((num_blocks, layout.block_bytes), dtype=torch.uint8, device=device)
+    reads, packs = [], []
+    for index in range(repeat + 1):
+        tokens, ids = prefill.fresh_prompt(num_blocks)
+        if packed:
+            count, pack_s = prefill.ask("pack", tokens)  # type: ignore[misc]
+            assert count == num_blocks
+            packs.append(pack_s)
+        started = time.perf_counter()
+        if packed:
+            reader.read_rows(peer, layout, list(range(num_blocks)), rows, timeout=120)
+        else:
+            reader.read(peer, layout, ids, rows, timeout=120)
+        reads.append(time.perf_counter() - started)
+        if index == 0:
+            expected = prefill.ask("row", num_blocks - 1) if packed else \
+                prefill.ask("block", ids[-1])
+            if rows[-1].cpu().numpy().tobytes() != expected:
+                raise SystemExit("the NIXL READ's last row is not the source block")
+    return reads[1:], packs[1:]
 
 
 def measure(args: argparse.Namespace) -> dict:
     """Gives each transport's rates (GB/s per run), or the error that stopped it."""
     devices = ("cpu", "cpu") if args.device == "cpu" else ("cuda:0", "cuda:1")
+    if devices[1] != "cpu":
+        torch.cuda.set_device(devices[1])
     num_blocks = args.tokens // BLOCK
-    src = make_store(num_blocks * (3 * args.repeat + 5) + 1, args.shape, devices[0])
+    prefill = Prefill(args, num_blocks * (4 * args.repeat + 6) + 1, num_blocks, devices[0])
+    block_bytes = prefill.block_bytes
     pinned = args.device == "cuda"
-    dst = LandingStore(HostKVPool(num_blocks + 1, src.block_bytes, pin_memory=pinned),
+    # the pools decode engines land pulls in: pinned host memory for TCP, the GPU for NIXL
+    landing = min(num_blocks * (args.repeat + 2), max(1, NIXL_LANDING_BYTES // block_bytes))
+    host = LandingStore(HostKVPool(num_blocks * (args.repeat + 2), block_bytes, pinned),
+                        BlockPool(1), pin_memory=pinned)
+    gpu = LandingStore(HostKVPool(landing, block_bytes, pinned, device=devices[1]),
                        BlockPool(1), pin_memory=pinned)
     if pinned:
-        dst.receive_buffers.fill()  # as a decode engine does at start-up
-    bytes_moved = num_blocks * src.block_bytes
-    prompts = Prompts(src, num_blocks)
-    prefill_nixl, decode_nixl = NixlAgent("bench-prefill"), NixlAgent("bench-decode")
-    prefill_nixl.register_caches(src.caches)
-    prefill_nixl.register_region(torch.empty((num_blocks, src.block_bytes), dtype=torch.uint8,
-                                             device=devices[0]))
-    agents = {"tcp": (TcpConnector(src, "127.0.0.1", 0), TcpConnector(dst, "127.0.0.1", 0)),
-              "nixl-pull": (TcpConnector(src, "127.0.0.1", 0, nixl=prefill_nixl),
-                            TcpConnector(dst, "127.0.0.1", 0, nixl=decode_nixl))}
+        host.receive_buffers.fill()  # as a decode engine does at start-up
+    decode_nixl = NixlAgent("bench-decode")
+    decoders = {"tcp": TcpConnector(host, "127.0.0.1", 0),
+                "nixl": TcpConnector(gpu, "127.0.0.1", 0, nixl=decode_nixl)}
+    bytes_moved = num_blocks * block_bytes
     times: dict[str, list[float]] = {}
     errors: dict[str, str] = {}
+    pack_s: list[float] = []
     try:
-        for prefill, decode in agents.values():
-            prefill.start()
+        for decode in decoders.values():
             decode.start()
-        for name, (prefill, decode) in agents.items():
+        for name, decode in decoders.items():
+            label = "tcp" if name == "tcp" else "nixl-pull"
             try:
-                times[name] = pull_times(prefill, decode, prompts, name, args.repeat)
+                times[label] = pull_times(prefill, decode, name, num_blocks, args.repeat)
             except (Exception, SystemExit) as exc:  # a bench reports what failed and goes on
-                errors[name] = repr(exc)
-        try:
-            times["nixl-vram"] = vram_reads(decode_nixl, prefill_nixl.offer(), src,
-                                            prompts.next()[1], devices[1], args.repeat)
-        except (Exception, SystemExit) as exc:
-            errors["nixl-vram"] = repr(exc)
-        try:
-            times["nixl-region-vram"], pack_s = region_reads(decode_nixl, prefill_nixl, src,
-                                                             prompts, devices[1], args.repeat)
-        except (Exception, SystemExit) as exc:
-            errors["nixl-region-vram"], pack_s = repr(exc), []
+                errors[label] = repr(exc)
+        for label, packed in (("nixl-vram", False), ("nixl-region-vram", True)):
+            try:
+                times[label], packs = vram_reads(decode_nixl, prefill, num_blocks, devices[1],
+                                                 args.repeat, packed)
+                pack_s += packs
+            except (Exception, SystemExit) as exc:
+                errors[label] = repr(exc)
     finally:
-        for prefill, decode in agents.values():
-            prefill.stop()
+        for decode in decoders.values():
             decode.stop()
+        prefill.close()
     rates = {name: [bytes_moved / t / 1e9 for t in runs] for name, runs in times.items()}
     medians = {name: statistics.median(runs) for name, runs in rates.items()}
     for name, error in errors.items():

@@ -1,4 +1,4 @@
-"""bench/kv_nixl_gpu.py on CPU (its smoke mode, DRAM registrations): the three transfers run,
+"""bench/kv_nixl_gpu.py on CPU (its smoke mode, DRAM registrations): the four transfers run,
 the pulls move by the transport each names, and the report carries every rate. Not a
 measurement: it checks the script that issue 22's GPU numbers come from still runs."""
 
@@ -25,7 +25,8 @@ def test_nixl_bench_smoke_reports_each_transport(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "kv_nixl_gpu-tiny.json").read_text())
-    assert set(report["rates_gb_s"]) == {"tcp", "nixl-pull", "nixl-vram"}
+    assert set(report["rates_gb_s"]) == {"tcp", "nixl-pull", "nixl-vram", "nixl-region-vram"}
+    assert report["pack_ms"] > 0
     assert all(rate > 0 for rate in report["rates_gb_s"].values())
     assert report["over_tcp"]["tcp"] == 1.0
     assert "| nixl-vram |" in (tmp_path / "kv_nixl_gpu-tiny.md").read_text()

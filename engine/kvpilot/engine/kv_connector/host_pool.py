@@ -35,15 +35,19 @@ class HostPoolStats:
 class HostKVPool:
     """At most `num_blocks` KV blocks of `block_bytes` each in host memory, by hash."""
 
-    def __init__(self, num_blocks: int, block_bytes: int, pin_memory: bool) -> None:
+    def __init__(self, num_blocks: int, block_bytes: int, pin_memory: bool,
+                 device: torch.device | str = "cpu") -> None:
         if num_blocks < 1:
             raise ValueError(f"kv_offload_gb holds num_blocks={num_blocks} blocks of "
                              f"{block_bytes} bytes: raise --kv-offload-gb to hold at least one")
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
-        self.data = torch.empty((num_blocks, block_bytes), dtype=torch.uint8,
+        # rows on a GPU: a NIXL decode engine's landing pool (see host_tier.make_host_tier)
+        pin_memory = pin_memory and torch.device(device).type == "cpu"
+        self.data = torch.empty((num_blocks, block_bytes), dtype=torch.uint8, device=device,
                                 pin_memory=pin_memory)
         # [num_blocks, 2] (plain, weighted) sums, low 32 bits, of each row's data
-        self.sums = torch.zeros((num_blocks, 2), dtype=torch.int64, pin_memory=pin_memory)
+        self.sums = torch.zeros((num_blocks, 2), dtype=torch.int64, device=device,
+                                pin_memory=pin_memory)
         self.lock = threading.Lock()
         self._rows: OrderedDict[int, int] = OrderedDict()  # hash -> row, least recent first
         self._free = list(range(num_blocks - 1, -1, -1))

@@ -17,6 +17,7 @@ means the rows have been read when their pins drop.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -40,7 +41,10 @@ from kvpilot.engine.kv_transfer.block_checksums import block_checksums
 from kvpilot.kernels.kv_cache_dtype import as_bytes
 
 LOW_32_BITS = 0xFFFFFFFF
+log = logging.getLogger(__name__)
 GIB = 2**30
+# a NIXL decode engine's landing pool on its GPU: four 8k-token prompts of a Llama-3-8B shape
+NIXL_LANDING_BYTES = 4 * GIB
 
 
 class HostTierConnector(KVConnector):
@@ -241,10 +245,21 @@ def make_host_tier(args: EngineArgs, runner: ModelExecutor, kv: KVCacheManager
     else:
         raise ValueError(f"{what} needs a single-rank engine (the host tier copies one rank's "
                          "KV cache): use --tensor-parallel-size 1 --pipeline-parallel-size 1")
-    # a decode engine without a host tier lands at most a GPU cache's worth of pulled blocks
-    num_blocks = (int(args.kv_offload_gb * GIB) // block_bytes if args.kv_offload_gb > 0
-                  else runner.num_blocks)
-    pool = HostKVPool(num_blocks, block_bytes, pin_memory=runner.device.type == "cuda")
+    cuda = runner.device.type == "cuda"
+    if args.kv_offload_gb > 0:
+        num_blocks, where = int(args.kv_offload_gb * GIB) // block_bytes, "cpu"
+    elif cuda and args.kv_transport == "nixl":
+        # NIXL READs land GPU to GPU (UCX cuda_ipc); into host memory they crawl: a bounded
+        # pool on the device, whose rows a step copies into the cache like host rows
+        num_blocks = min(runner.num_blocks, max(1, NIXL_LANDING_BYTES // block_bytes))
+        where = runner.device
+    else:  # a decode engine without a host tier lands at most a GPU cache's worth
+        num_blocks, where = runner.num_blocks, "cpu"
+    pool = HostKVPool(num_blocks, block_bytes, pin_memory=cuda, device=where)
+    log.info("%s: %d blocks of %d bytes (%.2f GiB) in %s memory",
+             "host tier" if args.kv_offload_gb > 0 else "landing pool for pulled KV",
+             num_blocks, block_bytes, num_blocks * block_bytes / GIB,
+             "host" if where == "cpu" else f"{where} device")
     return HostTierConnector(pool, caches, args.block_size, kv.hash_salt, kv.pool.events,
                              offload=args.kv_offload_gb > 0, write=write)
 

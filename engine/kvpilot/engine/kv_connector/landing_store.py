@@ -1,4 +1,6 @@
-"""The block store a decode engine's KV agent pulls into: its host tier, not its GPU cache.
+"""The block store a decode engine's KV agent pulls into: its host tier, not its GPU cache
+(on a GPU with --kv-transport nixl and no host tier, a pool of the same kind in device
+memory: NIXL moves GPU to GPU at NVLink speed but to host memory at under 1 GB/s here).
 
 Pulled blocks land in the engine's `HostKVPool` under their hashes, from the agent's
 thread, without the engine lock; the request the router sends next finds them
@@ -111,7 +113,8 @@ class LandingStore:
         if entries:
             raw = torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.int32)
             rows = torch.tensor([row for _, row in entries])
-            self.host.sums[rows] = raw.view(-1, 2).to(torch.int64) & 0xFFFFFFFF
+            sums = raw.view(-1, 2).to(torch.int64) & 0xFFFFFFFF
+            self.host.sums[rows] = sums.to(self.host.sums.device)
             self.host.commit(entries)
 
     def abandon(self, entries: list[tuple[int, int]]) -> None:
@@ -127,7 +130,7 @@ class LandingStore:
             index = {h: i for i, h in enumerate(staged.hashes)}
             source = torch.tensor([index[h] for h, _ in entries])
             rows = torch.tensor([row for _, row in entries])
-            self.host.data[rows] = staged.data[source]
-            self.host.sums[rows] = staged.sums[source]
+            self.host.data[rows] = staged.data[source].to(self.host.data.device)
+            self.host.sums[rows] = staged.sums[source].to(self.host.sums.device)
             self.host.commit(entries)
         return len(entries)
