@@ -10,7 +10,8 @@ fill is timed one of two ways, in turn: one row after another on this thread
 (`parallel`, wall and CPU time). A second set of rows, deep copies of one
 compiled matcher (the engine's way before: copies share one locked lexer),
 advanced by the same tokens, is filled in parallel every step
-(`parallel_copies`). One fill per step and set: a matcher keeps its last mask,
+(`parallel_copies`). `serial_max_row` is a serial step's costliest row: the
+parallel fill's floor however many threads a host has. One fill per step and set: a matcher keeps its last mask,
 so a second fill of the same state costs nothing. Tells whether the parallel
 fill scales on this host, and how much of a step the mask needs (the means
 count the costly steps; `*_us_per_row` = mean / batch).
@@ -48,12 +49,16 @@ def mask_fill_costs(tokenizer_json: str, vocab_size: int, eos: list[int], gramma
     mask = np.full((batch, words), -1, dtype=np.int32)
     copies_mask = np.full((batch, words), -1, dtype=np.int32)
     rng = np.random.default_rng(seed)
-    times: dict[str, list[float]] = {"serial": [], "parallel": [], "parallel_cpu": [],
-                                     "parallel_copies": []}
+    times: dict[str, list[float]] = {"serial": [], "serial_max_row": [], "parallel": [],
+                                     "parallel_cpu": [], "parallel_copies": []}
 
-    def fill_serial(matchers: list[llguidance.LLMatcher], out: np.ndarray) -> None:
+    def fill_serial(matchers: list[llguidance.LLMatcher], out: np.ndarray) -> float:
+        costliest = 0.0
         for row, matcher in enumerate(matchers):
+            began = time.perf_counter()
             matcher.unsafe_compute_mask_ptr(out[row].ctypes.data, words * 4)
+            costliest = max(costliest, time.perf_counter() - began)
+        return costliest
 
     def fill_parallel(matchers: list[llguidance.LLMatcher], out: np.ndarray) -> None:
         executor.unsafe_compute_mask_ptr(list(zip(matchers, range(batch), strict=True)),
@@ -81,7 +86,7 @@ def mask_fill_costs(tokenizer_json: str, vocab_size: int, eos: list[int], gramma
     for step in range(steps):
         wall, cpu = time.perf_counter(), time.process_time()
         if step % 2 == 0:
-            fill_serial(rows, mask)
+            times["serial_max_row"].append(fill_serial(rows, mask))
             times["serial"].append(time.perf_counter() - wall)
         else:
             fill_parallel(rows, mask)
