@@ -76,20 +76,37 @@ def _byte_alphabet() -> dict[int, str]:
     return {b: chr(b if b in printable else next(extra)) for b in range(256)}
 
 
+# how many tokens of cl100k_base (a byte-level BPE vocabulary of 100k) have 2, 3, ... 16
+# bytes: most are 3-8 bytes long (mean 6.4), under 9% longer than 10, under 1% longer than 16
+_REAL_LENGTHS = {2: 3830, 3: 11939, 4: 15057, 5: 14792, 6: 13100, 7: 11504, 8: 9213,
+                 9: 7026, 10: 4918, 11: 3307, 12: 2063, 13: 1160, 14: 700, 15: 361, 16: 225}
+
+
 def synthetic_tokenizer(vocab_size: int, seed: int = 0) -> dict:
     """Gives a tokenizer.json: byte-level BPE with `vocab_size - 3` tokens from random merges
     and three special tokens at the top (<|endoftext|>, <|im_start|>, <|im_end|>).
 
     As in real vocabularies, tokens are mostly whole UTF-8 text (about 3% end in a partial
-    multi-byte character): merging random bytes instead gave 85% invalid UTF-8, which no JSON
-    string admits and which llguidance's precomputed string slices skip, so every mask inside
-    a string walked the whole token trie (ms per row, not tens of us).
+    multi-byte character), words of letters and digits, many with a leading space, and their
+    byte lengths follow a real vocabulary's (`_REAL_LENGTHS`): merging random bytes instead
+    gave 85% invalid UTF-8, which no JSON string admits and which llguidance's precomputed
+    string slices skip; merging random tokens gave a mean of 11 bytes (59% over 10), which
+    llguidance's 10-byte string slice misses and whose trie is deeper: ms per row where a
+    real vocabulary costs tens of us.
     """
     rng = random.Random(seed)
     alphabet = _byte_alphabet()
     vocab: dict[str, int] = {alphabet[b]: b for b in range(256)}
     merges: list[list[str]] = []
-    text = [alphabet[b] for b in range(32, 127)]  # pieces that are whole UTF-8 text
+    space = alphabet[ord(" ")]
+    # whole UTF-8 pieces by byte length: any text, words (letters, digits), words after a space
+    text: dict[int, list[str]] = {n: [] for n in range(1, 17)}
+    words: dict[int, list[str]] = {n: [] for n in range(1, 17)}
+    spaced: dict[int, list[str]] = {n: [] for n in range(1, 17)}
+    for b in range(32, 127):
+        text[1].append(alphabet[b])
+        if chr(b).isalnum():
+            words[1].append(alphabet[b])
     for char in "éèêëàâäçñöøüßåæœíóúãõ€£¥°±×÷中文日本語한국어привеΑΒΓλμπ":  # as byte merges
         left, *rest = [alphabet[b] for b in char.encode()]
         for right in rest:
@@ -97,28 +114,33 @@ def synthetic_tokenizer(vocab_size: int, seed: int = 0) -> dict:
                 vocab[left + right] = len(vocab)
                 merges.append([left, right])
             left += right
-        text.append(left)
+        text[len(left)].append(left)
     partial = [alphabet[b] for b in range(0xC3, 0xF0)]  # lead bytes of multi-byte characters
-    # mostly ASCII letters, a leading space, digits and JSON punctuation: as in real vocabularies
-    seeds = [alphabet[b] for b in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"]
-    space = alphabet[ord(" ")]
+    lengths, weights = list(_REAL_LENGTHS), list(_REAL_LENGTHS.values())
     target = vocab_size - 3
     while len(vocab) < target:
-        left = rng.choice(text if rng.random() < 0.3 else seeds)
-        whole = rng.random() >= 0.03
-        right = rng.choice(seeds if rng.random() < 0.8 else text) if whole else \
-            rng.choice(partial)
-        if rng.random() < 0.25 and not left.startswith(space):
-            left = space + left if space + left in vocab else left
+        n = rng.choices(lengths, weights)[0]
+        kind = rng.random()
+        if kind < 0.03:  # a piece and the lead byte of a character it does not finish
+            pool, left, right = None, rng.choice(text[n - 1] or text[1]), rng.choice(partial)
+        elif kind < 0.18:  # a word after a space
+            pool, left, right = spaced, space, rng.choice(words[n - 1] or words[1])
+        else:  # two words (the first maybe after a space), or any two pieces of text
+            pool = (spaced if rng.random() < 0.5 else words) if kind < 0.78 else text
+            split = rng.randrange(1, n)
+            lefts, rights = pool[split], (words if pool is spaced else pool)[n - split]
+            if not lefts or not rights:
+                continue
+            left, right = rng.choice(lefts), rng.choice(rights)
         token = left + right
-        if token in vocab or len(token) > 16 or left not in vocab or right not in vocab:
+        if token in vocab:
             continue
         vocab[token] = len(vocab)
         merges.append([left, right])
-        if whole:
-            text.append(token)
-            if len(token) <= 6:
-                seeds.append(token)
+        if pool is not None:
+            pool[len(token)].append(token)
+            if pool is not text:
+                text[len(token)].append(token)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     added = [{"id": target + i, "content": s, "single_word": False, "lstrip": False,
               "rstrip": False, "normalized": False, "special": True}

@@ -1,14 +1,18 @@
 """Per-request grammar matchers in the engine core, and the batch's token bitmask.
 
 A request with `structured_outputs` gets an llguidance matcher: compiled in a
-background thread when the request is added (cached by grammar, so a repeated
-schema costs one deep copy), waited for only when its first token is sampled.
-Each step `bitmask` fills one int32 row per sampled sequence (every bit set for
-rows without a constraint) with llguidance's parallel executor into a reused
-host buffer (`structured.bitmask`), copied to the device without waiting; the
-engine calls it while the GPU runs the step's forward, once the previous
-step's tokens were accepted, and the sampler applies the whole batch's mask in
-one select. `accept` advances a matcher by the sampled token. A grammar that
+background thread when the request is added (~1-2 ms for a JSON schema on a 152k
+vocabulary), waited for only when its first token is sampled. Each request
+compiles its own: llguidance's `deep_copy` of a compiled matcher shares its
+lexer behind one lock held for a whole mask, so copies of one schema filled
+their rows one after another on any number of threads. Each step `bitmask`
+fills one int32 row per sampled sequence (every bit set for rows without a
+constraint) with llguidance's parallel executor, one thread per CPU this
+process may use (llguidance's default, 80% of them, is one thread on two),
+into a reused host buffer (`structured.bitmask`), copied to the device without
+waiting; the engine calls it while the GPU runs the step's forward, once the
+previous step's tokens were accepted, and the sampler applies the whole batch's
+mask in one select. `accept` advances a matcher by the sampled token. A grammar that
 fails in the core (the API server checked it, so this is a library fault) sets
 the request's error and allows only EOS, so the request ends at once and its
 reader gets the error. Matcher state follows the output tokens, which survive
@@ -18,8 +22,8 @@ preemption (recompute keeps them), so nothing is rolled back there.
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -34,11 +38,27 @@ if TYPE_CHECKING:
     from kvpilot.engine.core.request import Request, Sequence
 
 log = logging.getLogger(__name__)
-_CACHED_GRAMMARS = 64
+_MAX_FILL_THREADS = 32  # llguidance's own cap
+
+
+def fill_threads() -> int:
+    """Gives the parallel mask fill's thread count: the CPUs this process may use (the core
+    waits on the fill, the forward runs on the GPU), at most 32."""
+    return max(1, min(len(os.sched_getaffinity(0)), _MAX_FILL_THREADS))
+
+
+def new_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    """Gives a freshly compiled matcher of `grammar` (never a `deep_copy`: copies share one
+    locked lexer, so their masks cannot be filled in parallel); raises ValueError when the
+    grammar does not compile."""
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(matcher.get_error())
+    return matcher
 
 
 class GrammarMatchers:
-    """Compiles, caches and advances the grammar matchers of constrained requests."""
+    """Compiles and advances the grammar matchers of constrained requests."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
                  device: torch.device) -> None:
@@ -46,7 +66,6 @@ class GrammarMatchers:
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar")
         self._executor: llguidance.LLExecutor | None = None
         num_words = (vocab_size + 31) // 32  # one bit per token
@@ -66,21 +85,11 @@ class GrammarMatchers:
         request.grammar = self._pool.submit(self._matcher, grammar_of(params))
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
-        """Gives a fresh matcher of `grammar` (a copy of the cached compiled one)."""
-        template = self._compiled.get(grammar)
-        if template is None:
-            if self._tokenizer is None:  # ~1 s for a 150k vocabulary: once, on first use
-                self._tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos)
-            template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
-            if template.is_error():
-                raise ValueError(template.get_error())
-            self._compiled[grammar] = template
-            if len(self._compiled) > _CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(grammar)
-        return template.deep_copy()
+        """Gives a matcher of `grammar`, compiled for this request."""
+        if self._tokenizer is None:  # ~1 s for a 150k vocabulary: once, on first use
+            self._tokenizer = llguidance.LLTokenizer(
+                self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos)
+        return new_matcher(self._tokenizer, grammar)
 
     @staticmethod
     def _resolved(request: Request) -> llguidance.LLMatcher | None:
@@ -114,7 +123,7 @@ class GrammarMatchers:
                 constrained.append((matcher, row))
         if constrained:
             if self._executor is None:
-                self._executor = llguidance.LLExecutor()
+                self._executor = llguidance.LLExecutor(fill_threads())
             # llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a
             # function at import (seconds of every engine start for a helper we do not use)
             assert mask.dtype == torch.int32 and mask.is_contiguous() and mask.device.type == "cpu"

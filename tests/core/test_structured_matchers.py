@@ -1,0 +1,46 @@
+"""What lets the grammar mask fill scale across cores: each constrained request compiles its
+own llguidance matcher (a deep copy shares the original's lexer behind one lock held for a
+whole mask), and the parallel fill gets one thread per CPU the process may use."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
+from kvpilot.engine.llm import LLM
+from kvpilot.engine.structured import matchers
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"],
+          "additionalProperties": False}
+
+
+def test_each_request_of_one_schema_compiles_its_own_matcher(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled: list[llguidance.LLMatcher] = []
+    real = matchers.new_matcher
+
+    def counting(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+        compiled.append(real(tokenizer, grammar))
+        return compiled[-1]
+
+    monkeypatch.setattr(matchers, "new_matcher", counting)
+    llm = LLM("tiny-qwen3", device="cpu")
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_outputs=
+                             StructuredOutputsParams(json=json.dumps(SCHEMA)))
+              for seed in range(3)]
+    outs = llm.generate([[5, 6, 7]] * len(params), params)
+    assert len(compiled) == 3 and len({id(m) for m in compiled}) == 3
+    for out in outs:
+        assert set(json.loads(out.outputs[0].text)) == {"id"}
+
+
+@pytest.mark.parametrize(("cpus", "threads"), [(1, 1), (2, 2), (16, 16), (64, 32)])
+def test_the_fill_uses_every_cpu_up_to_32(monkeypatch: pytest.MonkeyPatch, cpus: int,
+                                          threads: int) -> None:
+    # llguidance's own default, 80% of the CPUs, is a single thread on a 2-CPU host
+    monkeypatch.setattr(matchers.os, "sched_getaffinity", lambda _pid: set(range(cpus)))
+    assert matchers.fill_threads() == threads
