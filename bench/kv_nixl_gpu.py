@@ -82,6 +82,17 @@ def prefill_side(conn: Connection, shape: str, num_blocks: int, region_rows: int
                                               dtype=torch.uint8, device=device))
     agents = {"tcp": TcpConnector(src, "127.0.0.1", 0),
               "nixl": TcpConnector(src, "127.0.0.1", 0, nixl=nixl)}
+    packs: list[float] = []
+    slots = src.slots
+
+    def timed_slots(*args, **kwargs):  # the pack of a NIXL pull, timed for the report
+        started = time.perf_counter()
+        try:
+            return slots(*args, **kwargs)
+        finally:
+            packs.append(time.perf_counter() - started)
+
+    src.slots = timed_slots  # type: ignore[method-assign]
     for agent in agents.values():
         agent.start()
     conn.send(({name: agent.port for name, agent in agents.items()}, nixl.offer(),
@@ -106,6 +117,9 @@ def prefill_side(conn: Connection, shape: str, num_blocks: int, region_rows: int
                 conn.send(data.reshape(-1).cpu().numpy().tobytes())
             elif verb == "row":  # region row -> its bytes
                 conn.send(region.rows[rest[0]].cpu().numpy().tobytes())
+            elif verb == "packs":  # -> the pack seconds since the last ask
+                conn.send(list(packs))
+                packs.clear()
     finally:
         for agent in agents.values():
             agent.stop()
@@ -146,12 +160,45 @@ class Prefill:
             self.process.kill()
 
 
+class Phases:
+    """Seconds a NIXL pull spends in its parts: the prefill side's pack, the READ, the
+    landing pool's reserve and land; the rest is the conversation (TCP frames, threads)."""
+
+    def __init__(self, agent: NixlAgent, store: LandingStore) -> None:
+        self.seconds: dict[str, list[float]] = {"read": [], "reserve": [], "land": []}
+        for obj, name, key in ((agent, "_read", "read"), (store, "reserve", "reserve"),
+                               (store, "land", "land")):
+            self._wrap(obj, name, key)
+
+    def _wrap(self, obj: object, name: str, key: str) -> None:
+        method = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[key].append(time.perf_counter() - started)
+
+        setattr(obj, name, timed)
+
+    def take(self) -> dict[str, float]:
+        """Gives each part's seconds since the last take, and forgets them."""
+        out = {key: sum(values) for key, values in self.seconds.items()}
+        for values in self.seconds.values():
+            values.clear()
+        return out
+
+
 def pull_times(prefill: Prefill, decode: TcpConnector, name: str, num_blocks: int,
-               repeat: int) -> list[float]:
+               repeat: int, phases: Phases | None = None) -> tuple[list[float], list[dict]]:
     """Gives the seconds of `repeat` pulls of fresh prompts by the prefill side's `name`
-    agent into `decode`, after one warm-up pull."""
-    times = []
+    agent into `decode`, after one warm-up pull, and each timed pull's parts (`phases`)."""
+    times, parts = [], []
     for index in range(repeat + 1):
+        if phases is not None:
+            phases.take()
+            prefill.ask("packs")
         tokens, _ = prefill.fresh_prompt(num_blocks)
         lease = f"{name}-{index}"
         prefill.ask("offer", name, lease, tokens)
@@ -162,7 +209,11 @@ def pull_times(prefill: Prefill, decode: TcpConnector, name: str, num_blocks: in
         if done["imported"] != num_blocks or done["transport"] != decode.transport:
             raise SystemExit(f"pull {lease} imported {done['imported']} of {num_blocks} "
                              f"blocks, expected by {decode.transport}: {done}")
-    return times[1:]
+        if phases is not None and index:
+            part = {"pack": sum(prefill.ask("packs")), **phases.take()}  # type: ignore[arg-type]
+            part["other"] = times[-1] - sum(part.values())
+            parts.append({key: value * 1e3 for key, value in part.items()})
+    return times[1:], parts
 
 
 def vram_reads(reader: NixlAgent, prefill: Prefill, num_blocks: int, device: str,
@@ -213,7 +264,9 @@ def measure(args: argparse.Namespace) -> dict:
     decode_nixl = NixlAgent("bench-decode")
     decoders = {"tcp": TcpConnector(host, "127.0.0.1", 0),
                 "nixl": TcpConnector(gpu, "127.0.0.1", 0, nixl=decode_nixl)}
+    phases = Phases(decode_nixl, gpu)
     bytes_moved = num_blocks * block_bytes
+    parts: list[dict] = []
     times: dict[str, list[float]] = {}
     errors: dict[str, str] = {}
     pack_s: list[float] = []
@@ -223,7 +276,9 @@ def measure(args: argparse.Namespace) -> dict:
         for name, decode in decoders.items():
             label = "tcp" if name == "tcp" else "nixl-pull"
             try:
-                times[label] = pull_times(prefill, decode, name, num_blocks, args.repeat)
+                times[label], timed = pull_times(prefill, decode, name, num_blocks,
+                                                 args.repeat, phases if name == "nixl" else None)
+                parts += timed
             except (Exception, SystemExit) as exc:  # a bench reports what failed and goes on
                 errors[label] = repr(exc)
         for label, packed in (("nixl-vram", False), ("nixl-region-vram", True)):
@@ -245,6 +300,8 @@ def measure(args: argparse.Namespace) -> dict:
     return {"rates_gb_s": medians, "runs_gb_s": rates, "errors": errors,
             "bytes_per_transfer": bytes_moved, "blocks": num_blocks,
             "pack_ms": statistics.median(pack_s) * 1e3 if pack_s else None,
+            "nixl_pull_parts_ms": {key: statistics.median(p[key] for p in parts)
+                                   for key in parts[0]} if parts else {},
             "over_tcp": {name: rate / tcp for name, rate in medians.items()} if tcp else {}}
 
 
@@ -269,6 +326,10 @@ def write_report(report: dict, out: Path, shape: str) -> None:
     lines += [f"| {name} | {rate:.2f} | {report['over_tcp'].get(name, float('nan')):.1f} |"
               for name, rate in report["rates_gb_s"].items()]
     lines += [f"| {name} | failed: {error} | |" for name, error in report["errors"].items()]
+    if report.get("nixl_pull_parts_ms"):
+        lines += ["", "A `nixl-pull`'s parts (median ms): " + ", ".join(
+            f"{key} {value:.1f}" for key, value in report["nixl_pull_parts_ms"].items())
+            + " (other: the conversation's frames and threads)."]
     if report.get("pack_ms") is not None:
         lines += ["", f"Packing the blocks into the send region (before `nixl-region-vram`'s "
                       f"READ, on the prefill GPU): {report['pack_ms']:.2f} ms."]

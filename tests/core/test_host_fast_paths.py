@@ -149,3 +149,21 @@ def test_cached_block_ids_follow_copy_on_write_and_fork():
         assert kv.block_ids(seq) == want and kv.block_id_array(seq).tolist() == want
     kv.free(child)
     assert kv.block_id_array(child).tolist() == []
+
+
+@pytest.mark.parametrize(("device", "env", "threads"), [
+    ("cuda", None, [1]),  # a GPU engine: torch's CPU ops on one thread
+    ("cuda", "8", []),  # OMP_NUM_THREADS set: left as the user set it
+    ("cpu", None, []),  # a CPU engine computes with torch's threads
+])
+def test_a_gpu_engine_runs_torch_cpu_ops_on_one_thread(monkeypatch, device, env, threads):
+    from kvpilot.engine import device as device_module
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    device_module.limit_host_threads(torch.device(device))
+    assert calls == threads

@@ -63,6 +63,27 @@ async def test_pull_moves_the_missing_blocks(agents, decode_has, capacity, impor
     assert prefill_store.pinned == 0 and len(prefill.leases) == 0
 
 
+async def test_the_pull_socket_sends_small_frames_at_once(agents, monkeypatch):
+    """TCP_NODELAY on the decode side's socket: with Nagle's algorithm its FETCH, sent right
+    after the proof frame, waited for the peer's delayed ACK (~40 ms a pull on Linux)."""
+    nodelay: list[int] = []
+    set_timeouts = tcp.set_kernel_timeouts
+
+    def recording(sock: socket.socket, seconds: float) -> None:
+        nodelay.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        set_timeouts(sock, seconds)
+
+    monkeypatch.setattr(tcp, "set_kernel_timeouts", recording)
+    prefill_store = FakeStore()
+    prefill_store.compute(PROMPT)
+    prefill, decode = agents(prefill_store), agents(FakeStore(capacity=1000))
+    with prefill_store.lock:
+        prefill.offer("cmpl-nodelay", PROMPT)
+    done = await request_pull(addr(decode), addr(prefill), "cmpl-nodelay", timeout=5)
+    assert done["imported"] == 10
+    assert nodelay and all(nodelay)
+
+
 async def test_unknown_lease_is_an_error_not_a_hang(agents):
     prefill, decode = agents(FakeStore()), agents(FakeStore())
     start = time.monotonic()

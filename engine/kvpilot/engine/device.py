@@ -8,11 +8,21 @@ memory instead, so they are only queued, as vLLM's `async_tensor_h2d` does.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+
+def limit_host_threads(device: torch.device) -> None:
+    """On a GPU, runs torch's CPU ops on one thread unless OMP_NUM_THREADS is set, as vLLM's
+    workers do: the engine's own CPU tensors are small, and OpenMP threads spinning after
+    each CPU op on every core take the cores the threads working beside the GPU need
+    (llguidance's mask fill, one thread per usable CPU)."""
+    if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -21,7 +21,7 @@ from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.contracts.args import EngineArgs, parse_size
 from kvpilot.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs
-from kvpilot.engine.device import StagingBuffer
+from kvpilot.engine.device import StagingBuffer, limit_host_threads
 from kvpilot.engine.lora.layers import LoRAModel
 from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
 from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
@@ -92,6 +92,7 @@ class ModelRunner:
             resolve_quantization,
         )
 
+        limit_host_threads(device)
         self.args = args
         self.config = model_config
         self.device = device

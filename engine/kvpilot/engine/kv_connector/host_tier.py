@@ -165,7 +165,12 @@ class HostTierConnector(KVConnector):
             for start, row, count in consecutive_runs(rows):  # one copy per run of rows
                 data[start:start + count].copy_(self.pool.data[row:row + count],
                                                 non_blocking=True)
-            stored.copy_(self.pool.sums[torch.tensor(rows)])  # 16 bytes a block: one copy
+            if self.pool.sums.is_cuda:  # a landing pool on the device
+                stored = self.pool.sums[to_device(rows, self.device, torch.long)]
+            else:  # 16 bytes a block: gathered into pinned memory, one copy, no host wait
+                sums = torch.empty((len(rows), 2), dtype=torch.int64, pin_memory=True)
+                torch.index_select(self.pool.sums, 0, torch.tensor(rows), out=sums)
+                stored.copy_(sums, non_blocking=True)
         else:
             index = torch.tensor(rows)
             data, stored = self.pool.data[index], self.pool.sums[index]

@@ -303,8 +303,10 @@ class EngineBlockStore:
         by_hash = {b.block_hash: b for b in handle}
         ids = [by_hash[h].block_id for h in hashes]
         sums: list[list[int]] = []
-        for first in range(0, len(ids), self.read_chunk_blocks):
-            chunk = ids[first:first + self.read_chunk_blocks]
+        # packing into `out` needs no bounded scratch: one chunk, one wait
+        size = self.read_chunk_blocks if out is None else max(1, len(ids))
+        for first in range(0, len(ids), size):
+            chunk = ids[first:first + size]
             staging = (torch.empty((len(chunk), *self._shape), dtype=self._dtype,
                                    device=self.device) if out is None else
                        out[first:first + len(chunk)].view(self._dtype)
