@@ -245,10 +245,14 @@ def validate_outputs(model: str, smoke: bool) -> int:
     from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
     from kvpilot.engine.llm import LLM
 
-    llm = LLM(model, load_format="dummy", device="cpu" if smoke else "cuda", max_model_len=1024,
+    # room for long numbers: random weights may write hundreds of digits where the schema
+    # bounds none, and a reply cut at max_tokens cannot parse
+    llm = LLM(model, load_format="dummy", device="cpu" if smoke else "cuda",
+              max_model_len=1024 if smoke else 4096,
               dtype="float32" if smoke else "bfloat16", gpu_memory_utilization=0.85,
               kv_cache_memory="64MiB" if smoke else None)
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=900, structured_outputs=
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=900 if smoke else 4000,
+                             structured_outputs=
                              StructuredOutputsParams(json=json.dumps(SCHEMA))) for s in range(8)]
     good = 0
     for out in llm.generate([[5, 6, 7]] * len(params), params):
