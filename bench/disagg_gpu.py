@@ -10,7 +10,8 @@ Goal (issue 6): ITL p99 >= 2x lower with A at <= 10% throughput cost.
 The model is a Llama-3.2-1B-shaped (`--shape 1b`) or Llama-3-8B-shaped (`--shape 8b`)
 config with dummy weights (no downloads) and the bundled tiny tokenizer, so token counts
 are exact and nothing leaves the machine. Every engine of both configs runs with the same
-`--max-num-batched-tokens` (default 2048, vLLM's online default).
+`--max-num-batched-tokens` (default 2048, vLLM's online default), except that
+`--prefill-max-num-batched-tokens` gives the prefill engine, which runs no decodes, its own.
 
     PYTHONPATH=<dir with a kvpilot package> python bench/disagg_gpu.py [--seconds 60] \
         [--shape 8b] [--long-rate 2] [--decode-rate 4] [--max-num-batched-tokens 2048]
@@ -96,7 +97,9 @@ def engine(name: str, role: str, gpu: int, model: Path, args: argparse.Namespace
         *KVPILOT, "serve", "--model", str(model), "--served-model-name", "bench",
         "--load-format", "dummy", "--dtype", "bfloat16" if cuda else "float32",
         "--device", args.device, "--max-model-len", "12288",
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--role", role,
+        "--max-num-batched-tokens", str(args.prefill_max_num_batched_tokens
+                                        if role == "prefill" else args.max_num_batched_tokens),
+        "--role", role,
         *(["--kv-transport", args.kv_transport] if role != "both" else []),
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
         {"CUDA_VISIBLE_DEVICES": str(gpu)} if cuda else {}, port)
@@ -214,6 +217,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-rate", type=float, default=4.0, help="decodes per second")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="every engine of both configs (vLLM's online default)")
+    parser.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
+                        help="the disaggregated prefill engine's (default: the same); it "
+                             "runs no decodes whose ITL a long step would stall")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--repeat", type=int, default=1,
                         help="run both setups this many times, alternating; the ratios "
@@ -233,6 +239,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat} is invalid: runs of both setups, at least 1")
+    if args.prefill_max_num_batched_tokens is None:
+        args.prefill_max_num_batched_tokens = args.max_num_batched_tokens
     if args.long_words is None:
         args.long_words = 3000 if args.device == "cuda" else 200
     if args.decode_tokens is None:
@@ -259,6 +267,8 @@ def flags(args: argparse.Namespace) -> str:
            f"--max-num-batched-tokens {args.max_num_batched_tokens} --seed {args.seed}")
     if args.kv_transport != "tcp":
         out += f" --kv-transport {args.kv_transport}"
+    if args.prefill_max_num_batched_tokens != args.max_num_batched_tokens:
+        out += f" --prefill-max-num-batched-tokens {args.prefill_max_num_batched_tokens}"
     if args.repeat > 1:
         out += f" --repeat {args.repeat}"
     if args.device != "cuda":
