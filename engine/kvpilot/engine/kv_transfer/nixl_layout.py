@@ -91,13 +91,9 @@ def read_descriptors(layout: CacheLayout, block_ids: list[int], row_ptrs: list[i
               * np.uint64(piece))
     offsets = np.arange(len(layers) * 2, dtype=np.uint64).reshape(len(layers), 2)
     local = rows[:, None, None] + offsets[None] * np.uint64(piece)
-    count = remote.size
-    lengths = np.full(count, piece, dtype=np.uint64)
-    local_descs = np.stack([local.reshape(-1), lengths,
-                            np.full(count, local_device, np.uint64)], axis=1)
-    remote_descs = np.stack([remote.reshape(-1), lengths,
-                             np.full(count, layout.device, np.uint64)], axis=1)
-    return local_descs, remote_descs
+    lengths = np.full(remote.size, piece, dtype=np.uint64)
+    return (_descriptors(local.reshape(-1), lengths, local_device),
+            _descriptors(remote.reshape(-1), lengths, layout.device))
 
 
 def region_descriptors(layout: CacheLayout, remote_rows: list[int], local_base: int,
@@ -119,11 +115,12 @@ def region_descriptors(layout: CacheLayout, remote_rows: list[int], local_base: 
             runs[-1][2] += 1
         else:
             runs.append([remote, local, 1])
-    table = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
-    lengths = table[:, 2] * np.uint64(size)
-    count = len(runs)
-    local_descs = np.stack([np.uint64(local_base) + table[:, 1] * np.uint64(size), lengths,
-                            np.full(count, local_device, np.uint64)], axis=1)
-    remote_descs = np.stack([np.uint64(layout.region_ptr) + table[:, 0] * np.uint64(size),
-                             lengths, np.full(count, layout.device, np.uint64)], axis=1)
-    return local_descs, remote_descs
+    table = np.asarray(runs, dtype=np.uint64).reshape(-1, 3) * np.uint64(size)
+    return (_descriptors(np.uint64(local_base) + table[:, 1], table[:, 2], local_device),
+            _descriptors(np.uint64(layout.region_ptr) + table[:, 0], table[:, 2],
+                         layout.device))
+
+
+def _descriptors(addresses: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
+    """Gives the Nx3 uint64 (address, length, device) array NIXL takes."""
+    return np.stack([addresses, lengths, np.full(len(addresses), device, np.uint64)], axis=1)
