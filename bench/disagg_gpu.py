@@ -105,10 +105,13 @@ def engine(name: str, role: str, gpu: int, model: Path, args: argparse.Namespace
         {"CUDA_VISIBLE_DEVICES": str(gpu)} if cuda else {}, port)
 
 
-def router(engines: list[LocalProcess], policy: str) -> LocalProcess:
+def router(engines: list[LocalProcess], policy: str, min_prompt_tokens: int = 0
+           ) -> LocalProcess:
     port = free_port()
     return LocalProcess("router", "router", [
-        *KVPILOT, "route", "--policy", policy, "--instances",
+        *KVPILOT, "route", "--policy", policy,
+        *(["--disagg-min-prompt-tokens", str(min_prompt_tokens)] if min_prompt_tokens else []),
+        "--instances",
         ",".join(f"{e.role}={e.url}" for e in engines), "--refresh-interval", "0.5",
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], {}, port)
 
@@ -220,6 +223,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
                         help="the disaggregated prefill engine's (default: the same); it "
                              "runs no decodes whose ITL a long step would stall")
+    parser.add_argument("--disagg-min-prompt-tokens", type=int, default=0,
+                        help="the disaggregated router's: shorter prompts are prefilled by "
+                             "the decode engine (kvpilot route's flag)")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--repeat", type=int, default=1,
                         help="run both setups this many times, alternating; the ratios "
@@ -267,6 +273,8 @@ def flags(args: argparse.Namespace) -> str:
            f"--max-num-batched-tokens {args.max_num_batched_tokens} --seed {args.seed}")
     if args.kv_transport != "tcp":
         out += f" --kv-transport {args.kv_transport}"
+    if args.disagg_min_prompt_tokens:
+        out += f" --disagg-min-prompt-tokens {args.disagg_min_prompt_tokens}"
     if args.prefill_max_num_batched_tokens != args.max_num_batched_tokens:
         out += f" --prefill-max-num-batched-tokens {args.prefill_max_num_batched_tokens}"
     if args.repeat > 1:
@@ -326,7 +334,7 @@ def main() -> None:
             agg = [engine("agg-0", "both", 0, model, args),
                    engine("agg-1", "both", 1, model, args)]
             configs = {"disaggregated": run_config(
-                "disaggregated", [*pd, router(pd, "prefix-aware")], logs / f"pd{suffix}", args)}
+                "disaggregated", [*pd, router(pd, "prefix-aware", args.disagg_min_prompt_tokens)], logs / f"pd{suffix}", args)}
             report_failed("disaggregated", configs["disaggregated"])
             configs["aggregated"] = run_config(
                 "aggregated", [*agg, router(agg, "least-load")], logs / f"agg{suffix}", args)

@@ -13,7 +13,7 @@ from router_fake_engine import FakeEngine
 from kvpilot.engine.contracts import kv_protocol as protocol
 from kvpilot.engine.contracts.kv_auth import accept_peer
 from kvpilot.engine.contracts.kv_client import NO_SECRET_KEY
-from kvpilot.engine.contracts.router_args import INSTANCE_HEADER, SERVED_BY_HEADER
+from kvpilot.engine.contracts.router_args import INSTANCE_HEADER, SERVED_BY_HEADER, RouterArgs
 
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 
@@ -205,6 +205,28 @@ async def test_failed_prefill_falls_back_to_local_prefill_on_decode(fleet):
         metrics = (await client.get("/metrics")).text
     assert response.status_code == 200 and len(decode.bodies) == 1
     assert 'outcome="prefill_fallback"' in metrics
+
+
+@pytest.mark.parametrize(("prompt", "disaggregated"), [
+    ("hello", False),  # no full block: under the threshold, prefilled by the decode instance
+    ("x" * 2000, True),  # ~30 blocks of 64 bytes: over it, through the prefill instance
+])
+async def test_a_prompt_under_the_threshold_is_prefilled_by_the_decode_instance(
+        fleet, prompt, disaggregated):
+    prefill, decode = FakeEngine("p", role="prefill"), FakeEngine("d", role="decode")
+    router, _ = await fleet([prefill, decode], disagg_min_prompt_tokens=256,
+                            transfer_timeout=2.0)
+    async with httpx.AsyncClient(base_url=router) as client:
+        response = await client.post("/v1/completions", json={**COMPLETION, "prompt": prompt})
+        metrics = (await client.get("/metrics")).text
+    assert response.status_code == 200 and len(decode.bodies) == 1
+    assert len(prefill.bodies) == (1 if disaggregated else 0)
+    assert ('outcome="local_prefill"' in metrics) is not disaggregated
+
+
+def test_a_negative_threshold_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="disagg_min_prompt_tokens=-1 is invalid"):
+        RouterArgs(instances="http://127.0.0.1:1", disagg_min_prompt_tokens=-1)
 
 
 async def test_kv_events_refine_the_index(fleet):

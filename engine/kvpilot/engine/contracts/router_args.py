@@ -93,6 +93,11 @@ class RouterArgs:
     kv_port_offset: int = field(default=KV_PORT_OFFSET, metadata={
         "help": "disaggregated: an engine's KV agent listens on its HTTP port plus this "
                 "(the engines' --kv-transfer-port 0 default)"})
+    disagg_min_prompt_tokens: int = field(default=0, metadata={
+        "help": "disaggregated: a prompt shorter than this (counted in full KV blocks of "
+                "--block-size tokens) is prefilled by the decode instance itself, with no "
+                "prefill hop and no KV transfer, as llm-d's P/D threshold; 0: every single "
+                "prompt goes through a prefill instance"})
     transfer_timeout: float = field(default=10.0, metadata={
         "help": "disaggregated: seconds a KV pull may take before the decode side prefills "
                 "locally"})
@@ -125,6 +130,9 @@ class RouterArgs:
         if self.lora_affinity_margin < 0:
             raise ValueError(f"lora_affinity_margin={self.lora_affinity_margin!r} is invalid: "
                              "must be >= 0 (0: leave a holder once it is busier at all)")
+        if self.disagg_min_prompt_tokens < 0:
+            raise ValueError(f"disagg_min_prompt_tokens={self.disagg_min_prompt_tokens!r} is "
+                             "invalid: must be >= 0 (0: disaggregate every prompt)")
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries!r} is invalid: must be >= 0")
         if self.instances:

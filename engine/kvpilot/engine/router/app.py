@@ -132,8 +132,11 @@ class Router:
         # Engines root an adapter's block hashes at the adapter (a prefix cache never mixes
         # adapters): the router chains its hashes the same way, so they match the engines'.
         hashes = await asyncio.to_thread(self.hasher.hashes, body, lora_root_hash(adapter))
-        if not self.disaggregated or not disaggregatable(body):
+        short = len(hashes) * self.args.block_size < self.args.disagg_min_prompt_tokens
+        if not self.disaggregated or not disaggregatable(body) or short:
             roles = ("decode",) if self.disaggregated else ("both",)
+            if self.disaggregated and short:
+                self.metrics.requests.labels("", "local_prefill").inc()
 
             async def pick_both(tried: set[str]) -> Instance:
                 return await self.pick(roles, hashes, tried, pinned, adapter)
