@@ -4,8 +4,9 @@ metadata the authenticated TCP channel carries, and reads block groups with boun
 NIXL (`pip install 'kvpilot-engine[nixl]'`, or a `nixl_cu12`/`nixl_cu13` wheel) moves
 the bytes: a prefill engine registers its per-layer KV caches (VRAM on a GPU, DRAM on
 a CPU engine) and sends its agent metadata and cache layout in the LEASE frame; the
-decode engine's agent adds it as a remote agent and READs the wanted blocks into its
-registered receive buffers (`nixl_layout.read_descriptors`). No NIXL listener runs:
+decode engine's agent adds it as a remote agent and READs the wanted blocks, packed by the
+prefill side into its send region (`nixl_region`, `read_rows`) or else straight from its
+caches (`read`), into registered rows of its own. No NIXL listener runs:
 metadata only travels over the KV agent's connection, after its HMAC handshake, so
 nothing is read from a peer that did not prove the fleet's secret.
 """
@@ -254,7 +255,7 @@ def make_agent(name: str, caches: list[torch.Tensor] | None = None) -> NixlAgent
         try:
             layout = agent.register_caches(caches)
             rows = min(layout.num_blocks, max(1, SEND_REGION_BYTES // layout.block_bytes))
-            agent.register_region(torch_empty_rows(caches[0], rows, layout.block_bytes))
+            agent.register_region(_empty_rows(caches[0], rows, layout.block_bytes))
         except Exception as exc:  # nixl's own errors, e.g. a UCX without CUDA support
             log.warning("--kv-transport nixl: cannot register the KV caches with NIXL (%r); "
                         "KV moves over TCP", exc)
@@ -265,7 +266,7 @@ def make_agent(name: str, caches: list[torch.Tensor] | None = None) -> NixlAgent
     return agent
 
 
-def torch_empty_rows(like: torch.Tensor, rows: int, row_bytes: int) -> torch.Tensor:
+def _empty_rows(like: torch.Tensor, rows: int, row_bytes: int) -> torch.Tensor:
     """Gives uint8 [rows, row_bytes] on `like`'s device (a prefill engine's send region)."""
     import torch
 
