@@ -237,3 +237,18 @@ def test_caches_nixl_cannot_register_leave_the_prefill_engine_on_tcp(monkeypatch
         assert prefill.connector.transport == "tcp" and prefill.connector.nixl is None
     finally:
         prefill.shutdown()
+
+
+@needs_nixl
+def test_landing_rows_nixl_cannot_register_leave_the_decode_engine_on_tcp(monkeypatch):
+    """The decode engine registers its landing rows at start-up: a failure shows there (and
+    its pulls move by TCP), not as a failed first pull."""
+    def refuse(self, rows):
+        raise RuntimeError("injected: UCX has no transport for this memory")
+
+    monkeypatch.setattr(nixl_agent.NixlAgent, "register_rows", refuse)
+    decode = make_engine("decode")
+    try:
+        assert decode.connector.transport == "tcp" and decode.connector.nixl is None
+    finally:
+        decode.shutdown()

@@ -143,8 +143,9 @@ def attach_role(engine: LLMEngine, host: str, http_port: int) -> ServedEngine:
     lease_seconds = float(os.environ.get(LEASE_SECONDS_ENV, DEFAULT_LEASE_SECONDS))
     kv_key, port = engine.fleet_secret.kv_key, kv_port(engine.engine_args, http_port)
     if role == "decode":
-        decode = TcpConnector(_landing_store(engine), host, port, lease_seconds, kv_key=kv_key,
-                              nixl=_nixl_agent(engine, host, port))
+        store = _landing_store(engine)
+        decode = TcpConnector(store, host, port, lease_seconds, kv_key=kv_key,
+                              nixl=_nixl_agent(engine, host, port, landing=store.host.data))
         decode.start()
         transport, lock, port = decode, nullcontext(), decode.port
     else:
@@ -161,16 +162,18 @@ def attach_role(engine: LLMEngine, host: str, http_port: int) -> ServedEngine:
 
 
 def _nixl_agent(engine: LLMEngine, host: str, port: int,
-                caches: list[torch.Tensor] | None = None) -> NixlAgent | None:
-    """Gives a NIXL agent (with a prefill engine's `caches` registered) under --kv-transport
-    nixl when nixl works here, else None (TCP)."""
+                caches: list[torch.Tensor] | None = None,
+                landing: torch.Tensor | None = None) -> NixlAgent | None:
+    """Gives a NIXL agent (with a prefill engine's `caches`, or a decode engine's `landing`
+    rows, registered at start-up) under --kv-transport nixl when nixl works here, else None
+    (TCP)."""
     if engine.engine_args.kv_transport != "nixl":
         return None
     from kvpilot.engine.kv_transfer.nixl_agent import make_agent
 
     # unique per process: a restarted peer's metadata must not be taken for the old one's
     return make_agent(f"kvpilot-{engine.engine_args.role}-{host}:{port}-{os.getpid()}-"
-                      f"{time.monotonic_ns()}", caches)
+                      f"{time.monotonic_ns()}", caches, landing)
 
 
 def _landing_store(engine: LLMEngine) -> LandingStore:

@@ -171,16 +171,22 @@ class NixlAgent:
                                            device)
         self._read(peer, layout, local, mem, remote, timeout, len(region_rows))
 
-    def _local(self, layout: CacheLayout, rows: torch.Tensor) -> tuple[str, int]:
-        """Registers the storage of `rows` (once); gives its NIXL memory type and device."""
-        if rows.shape[1] != layout.block_bytes:
-            raise ProtocolError(f"the peer's blocks are {layout.block_bytes} bytes, this "
-                                f"engine's {rows.shape[1]}: a different model, dtype or "
-                                "block size")
+    def register_rows(self, rows: torch.Tensor) -> tuple[str, int]:
+        """Registers the storage of `rows` that READs land in (once; a decode engine's
+        landing rows at start-up, else at their first READ); gives its NIXL memory type
+        and device."""
         mem, device = _memory_of(rows)
         base = rows.untyped_storage()
         self._register_storage(base.data_ptr(), base.nbytes(), mem, device)
         return mem, device
+
+    def _local(self, layout: CacheLayout, rows: torch.Tensor) -> tuple[str, int]:
+        """Gives `rows`' NIXL memory type and device, registered, checking their size."""
+        if rows.shape[1] != layout.block_bytes:
+            raise ProtocolError(f"the peer's blocks are {layout.block_bytes} bytes, this "
+                                f"engine's {rows.shape[1]}: a different model, dtype or "
+                                "block size")
+        return self.register_rows(rows)
 
     def _read(self, peer: str, layout: CacheLayout, local: Any, mem: str, remote: Any,
               timeout: float, blocks: int) -> None:
@@ -243,14 +249,24 @@ def _memory_of(tensor: torch.Tensor) -> tuple[str, int]:
     return ("VRAM", tensor.device.index or 0) if tensor.is_cuda else ("DRAM", 0)
 
 
-def make_agent(name: str, caches: list[torch.Tensor] | None = None) -> NixlAgent | None:
-    """Gives a NIXL agent with `caches` registered (a prefill engine's), or None when nixl
-    does not load or cannot register them (logged: the KV agent then moves blocks by TCP)."""
+def make_agent(name: str, caches: list[torch.Tensor] | None = None,
+               landing: torch.Tensor | None = None) -> NixlAgent | None:
+    """Gives a NIXL agent with `caches` (a prefill engine's) and a send region, or a decode
+    engine's `landing` rows, registered; or None when nixl does not load or cannot register
+    them (logged: the KV agent then moves blocks by TCP)."""
     try:
         agent = NixlAgent(name)
     except NixlUnavailable as exc:
         log.warning("--kv-transport nixl: %s; KV moves over TCP", exc)
         return None
+    if landing is not None:
+        try:  # now, not at the first pull: a failure shows at start-up, not as a slow pull
+            agent.register_rows(landing)
+        except Exception as exc:  # nixl's own errors
+            log.warning("--kv-transport nixl: cannot register the landing rows with NIXL "
+                        "(%r); KV moves over TCP", exc)
+            agent.close()
+            return None
     if caches is not None:
         try:
             layout = agent.register_caches(caches)
