@@ -29,7 +29,7 @@ class FakeEngine:
     """What the fake engine answers, and what it was asked."""
 
     name: str
-    mode: str = "ok"  # ok | fail500 | busy429 | die_after_first | bad_request
+    mode: str = "ok"  # ok | fail500 | busy429 | die_after_first | die_mid_event | bad_request
     role: str = "both"
     waiting: float = 0.0
     kv_usage: float = 0.0
@@ -100,6 +100,9 @@ class FakeEngine:
             yield f"data: {json.dumps(chunk)}\n\n".encode()
             if self.mode == "die_after_first":
                 raise RuntimeError("engine died mid-stream")
+            if self.mode == "die_mid_event":  # half of the next event, then gone
+                yield f"data: {json.dumps(chunk)}"[:20].encode()
+                raise RuntimeError("engine died mid-event")
             await asyncio.sleep(self.stream_delay)
         yield b"data: [DONE]\n\n"
 

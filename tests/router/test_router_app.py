@@ -106,6 +106,16 @@ async def test_stream_cut_after_first_byte_ends_with_an_error_event(fleet):
     assert json.loads(events[-1])["error"]["code"] == 502
 
 
+async def test_stream_cut_mid_event_drops_the_torn_event_and_ends_with_a_whole_error(fleet):
+    router, _ = await fleet([FakeEngine("torn", mode="die_mid_event")])
+    async with httpx.AsyncClient(base_url=router) as client:
+        response = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+    # every event parses: the half event is not relayed, the error is an event of its own
+    assert [json.loads(e).get("error", {}).get("code") for e in events] == [None, 502]
+    assert json.loads(events[0])["choices"][0]["text"] == "torn:0"
+
+
 @pytest.mark.parametrize(("header", "status"), [
     (None, 401), ("Bearer wrong", 401), ("secret", 401), ("Bearer secret", 200)])
 async def test_api_key(fleet, header, status):

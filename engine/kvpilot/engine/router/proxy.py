@@ -57,6 +57,12 @@ def sse_error(message: str, code: int) -> bytes:
     return f"data: {json.dumps(error_body(message, code))}\n\n".encode()
 
 
+def whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """Gives (the SSE events of `data` up to its last blank line, the rest)."""
+    end = data.rfind(b"\n\n")
+    return (b"", data) if end < 0 else (data[:end + 2], data[end + 2:])
+
+
 class Forwarder:
     """Sends a body to one instance after another until one answers."""
 
@@ -156,19 +162,28 @@ class Forwarder:
                                  {SERVED_BY_HEADER: served}, media_type=content_type)
 
     async def _relay(self, attempt: Attempt, arrival: float, sse: bool) -> AsyncIterator[bytes]:
-        """Yields the upstream bytes; a failure after the first byte ends in an error event."""
+        """Yields the upstream bytes; a failure after the first byte ends in an error event.
+
+        An event stream goes out whole events at a time (up to its last blank line), so an
+        upstream that dies mid-event leaves no torn event before the error event."""
         outcome = "cancelled"  # unless it ends or breaks: the client went away
         deadline = arrival + self.request_timeout
+        held = b""  # an event stream's bytes after its last complete event
         try:
-            yield attempt.first
+            chunk = attempt.first
             while True:
+                if sse:
+                    chunk, held = whole_events(held + chunk)
+                if chunk:
+                    yield chunk
                 try:
                     chunk = await asyncio.wait_for(anext(attempt.chunks),
                                                    max(deadline - time.monotonic(), 0.0))
                 except StopAsyncIteration:
                     break
                 self.fleet.heard(attempt.instance)
-                yield chunk
+            if held:
+                yield held  # the stream ended without a last blank line: as it came
             outcome = "ok"
         except TimeoutError:
             # The request outlived request_timeout: the client's budget, not the instance's fault.
