@@ -69,6 +69,20 @@ def cache_prompt(store: EngineBlockStore, tokens: list[int]) -> list[int]:
     return [b.block_id for b in blocks]
 
 
+def time_calls(obj: object, name: str, seconds: list[float]) -> None:
+    """Wraps method `name` of `obj` so that each call's seconds are appended to `seconds`."""
+    method = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - started)
+
+    setattr(obj, name, timed)
+
+
 def prefill_side(conn: Connection, shape: str, num_blocks: int, region_rows: int,
                  device: str) -> None:
     """The prefill engine's side, in its own process: caches prompts, offers leases to its
@@ -83,16 +97,7 @@ def prefill_side(conn: Connection, shape: str, num_blocks: int, region_rows: int
     agents = {"tcp": TcpConnector(src, "127.0.0.1", 0),
               "nixl": TcpConnector(src, "127.0.0.1", 0, nixl=nixl)}
     packs: list[float] = []
-    slots = src.slots
-
-    def timed_slots(*args, **kwargs):  # the pack of a NIXL pull, timed for the report
-        started = time.perf_counter()
-        try:
-            return slots(*args, **kwargs)
-        finally:
-            packs.append(time.perf_counter() - started)
-
-    src.slots = timed_slots  # type: ignore[method-assign]
+    time_calls(src, "slots", packs)  # the pack of a NIXL pull, for the report
     for agent in agents.values():
         agent.start()
     conn.send(({name: agent.port for name, agent in agents.items()}, nixl.offer(),
@@ -168,19 +173,7 @@ class Phases:
         self.seconds: dict[str, list[float]] = {"read": [], "reserve": [], "land": []}
         for obj, name, key in ((agent, "_read", "read"), (store, "reserve", "reserve"),
                                (store, "land", "land")):
-            self._wrap(obj, name, key)
-
-    def _wrap(self, obj: object, name: str, key: str) -> None:
-        method = getattr(obj, name)
-
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.seconds[key].append(time.perf_counter() - started)
-
-        setattr(obj, name, timed)
+            time_calls(obj, name, self.seconds[key])
 
     def take(self) -> dict[str, float]:
         """Gives each part's seconds since the last take, and forgets them."""

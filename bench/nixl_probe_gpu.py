@@ -33,16 +33,10 @@ import numpy as np
 PIECE = 32 << 10  # one 8B-shaped block's K (or V) of one layer: 16 x 8 x 128 x 2 bytes
 
 
-def nixl_api():
-    for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
-        try:
-            return __import__(name, fromlist=["nixl_agent"])
-        except ImportError:
-            continue
-    raise SystemExit("nixl is not importable")
-
-
 def make_agent(name: str):
+    """Gives a raw nixl agent with the UCX backend and a progress thread, as the engine's."""
+    from kvpilot.engine.kv_transfer.nixl_agent import nixl_api
+
     api = nixl_api()
     return api.nixl_agent(name, api.nixl_agent_config(True, False, 0, backends=["UCX"]))
 

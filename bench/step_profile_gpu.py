@@ -16,16 +16,13 @@ import argparse
 import gzip
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-
-RESULT_PREFIX = "RESULT "
+from fresh_process import ChildFailed, call_in_fresh_process  # bench/ is sys.path[0]
 
 
 def busy_ms(intervals: list[tuple[float, float]]) -> float:
@@ -104,36 +101,28 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--quantization", choices=["int8", "fp8"])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape: checks the script")
-    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # TP size, in a child
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.one:
-        print(RESULT_PREFIX + json.dumps(profile(args.one, args.steps, args.batch, args.out,
-                                                   args.smoke, args.quantization)),
-              flush=True)
-        return 0
+    label = args.quantization or "bf16"
     results = []
     for tp in (int(t) for t in args.tp.split(",")):
-        done = subprocess.run([sys.executable, __file__, str(args.out), "--one", str(tp),
-                               "--steps", str(args.steps), "--batch", str(args.batch),
-                               *(["--smoke"] if args.smoke else []),
-                               *(["--quantization", args.quantization] if args.quantization
-                                 else [])],
-                              capture_output=True, text=True, timeout=400)
-        lines = [x for x in done.stdout.splitlines() if x.startswith(RESULT_PREFIX)]
-        if not lines:
-            print(f"TP={tp} failed ({done.returncode}):\n{done.stderr[-3000:]}", flush=True)
+        try:  # each TP size in its own process: its engine starts its own workers
+            row = call_in_fresh_process(profile, tp, args.steps, args.batch, args.out,
+                                        args.smoke, args.quantization,
+                                        reuse_imports=args.smoke, timeout=400)
+        except ChildFailed as exc:
+            print(f"TP={tp} failed: {exc}", flush=True)
             continue
-        row = json.loads(lines[-1].removeprefix(RESULT_PREFIX))
         results.append(row)
-        print(f"TP={tp} b={args.batch} {args.quantization or 'bf16'}: {row['wall_ms_per_step']:.3f} ms/step wall, "
+        print(f"TP={tp} b={args.batch} {label}: {row['wall_ms_per_step']:.3f} ms/step wall, "
               f"{row['kernels_per_step']:.0f} kernels, GPU busy {row['gpu_busy_ms_per_step']:.3f}"
               f" ms, idle {row['gpu_idle_ms_per_step']:.3f} ms, kernel sum "
               f"{row['kernel_ms_per_step']:.3f} ms", flush=True)
         for k in row["top"]:
             print(f"   {k['ms_per_step']:7.3f} ms {k['count_per_step']:6.1f}x "
                   f"{k['us_mean']:8.2f} us  {k['name']}", flush=True)
-    (args.out / f"step_profile-b{args.batch}-{args.quantization or 'bf16'}.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"step_profile-b{args.batch}-{label}.json").write_text(
+        json.dumps(results, indent=1))
     return 0
 
 

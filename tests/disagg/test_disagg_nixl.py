@@ -227,28 +227,17 @@ def test_gpu_nixl_pull_from_vram_equals_aggregated():
 
 
 @needs_nixl
-def test_caches_nixl_cannot_register_leave_the_prefill_engine_on_tcp(monkeypatch):
-    def refuse(self, caches):
+@pytest.mark.parametrize(("role", "registration"), [
+    ("prefill", "register_caches"),  # its caches and send region
+    ("decode", "register_rows"),  # its landing rows, at start-up: not as a failed first pull
+])
+def test_memory_nixl_cannot_register_leaves_the_engine_on_tcp(monkeypatch, role, registration):
+    def refuse(self, memory):
         raise RuntimeError("injected: UCX has no transport for this memory")
 
-    monkeypatch.setattr(nixl_agent.NixlAgent, "register_caches", refuse)
-    prefill = make_engine("prefill")
+    monkeypatch.setattr(nixl_agent.NixlAgent, registration, refuse)
+    engine = make_engine(role)
     try:
-        assert prefill.connector.transport == "tcp" and prefill.connector.nixl is None
+        assert engine.connector.transport == "tcp" and engine.connector.nixl is None
     finally:
-        prefill.shutdown()
-
-
-@needs_nixl
-def test_landing_rows_nixl_cannot_register_leave_the_decode_engine_on_tcp(monkeypatch):
-    """The decode engine registers its landing rows at start-up: a failure shows there (and
-    its pulls move by TCP), not as a failed first pull."""
-    def refuse(self, rows):
-        raise RuntimeError("injected: UCX has no transport for this memory")
-
-    monkeypatch.setattr(nixl_agent.NixlAgent, "register_rows", refuse)
-    decode = make_engine("decode")
-    try:
-        assert decode.connector.transport == "tcp" and decode.connector.nixl is None
-    finally:
-        decode.shutdown()
+        engine.shutdown()

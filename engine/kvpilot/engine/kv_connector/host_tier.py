@@ -161,7 +161,6 @@ class HostTierConnector(KVConnector):
         if self._cuda:
             data = torch.empty((len(rows), self.pool.block_bytes), dtype=torch.uint8,
                                device=self.device)
-            stored = torch.empty((len(rows), 2), dtype=torch.int64, device=self.device)
             for start, row, count in consecutive_runs(rows):  # one copy per run of rows
                 data[start:start + count].copy_(self.pool.data[row:row + count],
                                                 non_blocking=True)
@@ -170,7 +169,7 @@ class HostTierConnector(KVConnector):
             else:  # 16 bytes a block: gathered into pinned memory, one copy, no host wait
                 sums = torch.empty((len(rows), 2), dtype=torch.int64, pin_memory=True)
                 torch.index_select(self.pool.sums, 0, torch.tensor(rows), out=sums)
-                stored.copy_(sums, non_blocking=True)
+                stored = sums.to(self.device, non_blocking=True)
         else:
             index = torch.tensor(rows)
             data, stored = self.pool.data[index], self.pool.sums[index]

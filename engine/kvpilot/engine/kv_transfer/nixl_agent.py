@@ -259,26 +259,20 @@ def make_agent(name: str, caches: list[torch.Tensor] | None = None,
     except NixlUnavailable as exc:
         log.warning("--kv-transport nixl: %s; KV moves over TCP", exc)
         return None
-    if landing is not None:
-        try:  # now, not at the first pull: a failure shows at start-up, not as a slow pull
+    try:  # at start-up: a failure shows here, not as a failed first pull
+        if landing is not None:
             agent.register_rows(landing)
-        except Exception as exc:  # nixl's own errors
-            log.warning("--kv-transport nixl: cannot register the landing rows with NIXL "
-                        "(%r); KV moves over TCP", exc)
-            agent.close()
-            return None
-    if caches is not None:
-        try:
+        if caches is not None:
             layout = agent.register_caches(caches)
             rows = min(layout.num_blocks, max(1, SEND_REGION_BYTES // layout.block_bytes))
             agent.register_region(_empty_rows(caches[0], rows, layout.block_bytes))
-        except Exception as exc:  # nixl's own errors, e.g. a UCX without CUDA support
-            log.warning("--kv-transport nixl: cannot register the KV caches with NIXL (%r); "
-                        "KV moves over TCP", exc)
-            agent.close()
-            return None
-        log.info("NIXL send region: %d rows of %d bytes (%.2f GiB) on %s", rows,
-                 layout.block_bytes, rows * layout.block_bytes / 2**30, caches[0].device)
+            log.info("NIXL send region: %d rows of %d bytes (%.2f GiB) on %s", rows,
+                     layout.block_bytes, rows * layout.block_bytes / 2**30, caches[0].device)
+    except Exception as exc:  # nixl's own errors, e.g. a UCX without CUDA support
+        log.warning("--kv-transport nixl: cannot register the KV %s with NIXL (%r); KV "
+                    "moves over TCP", "caches" if caches is not None else "landing rows", exc)
+        agent.close()
+        return None
     return agent
 
 

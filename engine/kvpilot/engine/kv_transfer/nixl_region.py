@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -66,6 +68,17 @@ class SendRegion:
                     merged.append((start, size))
             self._free = merged
             self._room.notify_all()
+
+    @contextmanager
+    def rows_for(self, count: int) -> Iterator[tuple[int, torch.Tensor] | None]:
+        """Holds `count` consecutive rows while the block runs: gives (first row, the rows),
+        or None when `take` finds no room; gives them back after."""
+        first = self.take(count)
+        try:
+            yield None if first is None else (first, self.rows[first:first + count])
+        finally:
+            if first is not None:
+                self.give(first, count)
 
     @property
     def free_rows(self) -> int:

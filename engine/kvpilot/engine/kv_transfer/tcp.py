@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from kvpilot.engine.contracts.kv_auth import AUTH_TIMEOUT, accept_peer, prove_to_agent_sync
@@ -170,15 +171,10 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
             # the decode side READs the blocks (packed into send-region rows when there is
             # room); they stay pinned, and the rows taken, until its RELEASE
             region = self.nixl.agent.region
-            first = region.take(len(wanted)) if region is not None and wanted else None
-            try:
-                out = None if region is None or first is None else \
-                    region.rows[first:first + len(wanted)]
+            with region.rows_for(len(wanted)) if region is not None else nullcontext() as held:
+                first, out = held if held is not None else (None, None)
                 sock.sendall(slots_frame(*self._slots(lease, wanted, out), region_row=first))
                 expect_sync(sock, Frame.RELEASE)
-            finally:
-                if region is not None and first is not None:
-                    region.give(first, len(wanted))
             self._release(lease_id)
             return
         size = self.store.read_chunk_blocks
