@@ -25,6 +25,7 @@ import httpx
 import psutil
 import pytest
 import yaml
+from helpers import sse
 
 from kvpilot.engine.contracts.router_args import SERVED_BY_HEADER
 from kvpilot.operator.local.supervisor import free_port
@@ -70,7 +71,7 @@ def replica_pid(up: subprocess.Popen[str], url: str) -> int:
 
 def stream_error(text: str) -> bool:
     """Whether an SSE body carries an error event (generated text may say "error" too)."""
-    return any("error" in json.loads(line[6:]) for line in text.splitlines()
+    return any("error" in json.loads(line[6:]) for line in sse.lines(text)
                if line.startswith("data: {"))
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from helpers import sse
 
 from kvpilot.engine.contracts.kv_client import request_stats
 from kvpilot.engine.contracts.kv_protocol import kv_address
@@ -118,7 +119,7 @@ def test_killed_decode_mid_stream(disagg_fleet):
         with client.stream("POST", "/v1/completions", json=body) as stream:
             assert stream.status_code == 200
             victim_url = stream.headers["x-kvpilot-served-by"].split(",")[-1]
-            lines = stream.iter_lines()
+            lines = sse.iter_lines(stream)
             assert next(line for line in lines if line).startswith("data: {")
             victim = next(p for p, popen in supervisor.running if p.url == victim_url)
             popen = next(popen for p, popen in supervisor.running if p is victim)

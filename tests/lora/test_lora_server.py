@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from helpers import sse
 from helpers.lora_adapters import hf_greedy
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -136,7 +137,7 @@ def test_streamed_chat_with_an_adapter(served):
     with httpx.stream("POST", f"{served.base_url}/v1/chat/completions", headers=AUTH,
                       json=body, timeout=120) as answer:
         assert answer.status_code == 200
-        lines = [ln for ln in answer.iter_lines() if ln.startswith("data: ")]
+        lines = [ln for ln in sse.iter_lines(answer) if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
     assert chunks and all(c["model"] == "attn" for c in chunks)

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from helpers import sse
 
 from kvpilot.engine.parallel.processes import WORKER_MODULE
 
@@ -74,7 +75,7 @@ def test_worker_killed_mid_stream(tmp_path: Path, topology: list[str]):
         body = {"model": "tiny-llama", "prompt": "a long story", "max_tokens": 3000,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
-            lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+            lines = (line for line in sse.iter_lines(resp) if line.startswith("data: "))
             assert json.loads(next(lines)[6:])["choices"]
             os.kill(worker.pid, signal.SIGKILL)
             killed = time.monotonic()

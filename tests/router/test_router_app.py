@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from helpers import sse
 from router_fake_engine import FakeEngine
 
 from kvpilot.engine.contracts import kv_protocol as protocol
@@ -101,7 +102,7 @@ async def test_stream_cut_after_first_byte_ends_with_an_error_event(fleet):
     router, _ = await fleet([FakeEngine("dying", mode="die_after_first")])
     async with httpx.AsyncClient(base_url=router) as client:
         response = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
-    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+    events = [line.removeprefix("data: ") for line in sse.lines(response.text) if line]
     assert json.loads(events[0])["choices"][0]["text"] == "dying:0"
     assert json.loads(events[-1])["error"]["code"] == 502
 
@@ -110,7 +111,7 @@ async def test_stream_cut_mid_event_drops_the_torn_event_and_ends_with_a_whole_e
     router, _ = await fleet([FakeEngine("torn", mode="die_mid_event")])
     async with httpx.AsyncClient(base_url=router) as client:
         response = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
-    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+    events = [line.removeprefix("data: ") for line in sse.lines(response.text) if line]
     # every event parses: the half event is not relayed, the error is an event of its own
     assert [json.loads(e).get("error", {}).get("code") for e in events] == [None, 502]
     assert json.loads(events[0])["choices"][0]["text"] == "torn:0"
@@ -253,7 +254,7 @@ async def test_request_timeout_mid_stream_is_the_clients_budget_not_a_failure(fl
     router, urls = await fleet([slow], request_timeout=0.5, eject_after_failures=1)
     async with httpx.AsyncClient(base_url=router) as client:
         response = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
-        events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+        events = [line.removeprefix("data: ") for line in sse.lines(response.text) if line]
         metrics = (await client.get("/metrics")).text
         again = await client.post("/v1/completions", json=COMPLETION)
     assert 2 <= len(events) < 20

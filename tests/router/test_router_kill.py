@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+from helpers import sse
 from router_fake_engine import FakeEngine, serving
 
 from kvpilot.engine.contracts.router_args import INSTANCE_HEADER, SERVED_BY_HEADER, RouterArgs
@@ -48,7 +49,7 @@ async def test_killed_engine_mid_stream():
                 body = {"model": "tiny", "prompt": "hi", "max_tokens": 9999, "stream": True}
                 async with client.stream("POST", "/v1/completions", json=body,
                                          headers={INSTANCE_HEADER: victim_url}) as stream:
-                    lines = stream.aiter_lines()
+                    lines = sse.aiter_lines(stream)
                     first = await anext(lines)
                     assert json.loads(first.removeprefix("data: "))["choices"]
                     os.kill(victim.pid, signal.SIGKILL)

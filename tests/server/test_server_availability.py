@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+from helpers import sse
 from server_fake_engine import ByteTokenizer, fake_engine
 from server_harness import MODEL, engine_core, serve_in_thread, start_server
 
@@ -94,6 +95,6 @@ def test_a_chat_stream_sends_nothing_before_its_first_token():
             rest = early
             while chunk := sock.recv(65536):
                 rest += chunk
-        events = [line for line in rest.decode().splitlines() if line.startswith("data: {")]
+        events = [line for line in sse.lines(rest.decode()) if line.startswith("data: {")]
         assert '"role":"assistant"' in events[0].replace(" ", "")
         assert "[DONE]" in rest.decode()

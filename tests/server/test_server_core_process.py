@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from helpers import sse
 from server_fake_engine import (
     ByteTokenizer,
     fake_engine,
@@ -113,7 +114,7 @@ def test_a_failure_reported_between_steps_fails_streams_and_readiness() -> None:
         events = []
         with httpx.stream("POST", f"{running.base_url}/v1/completions", timeout=30,
                           json={**BODY, "max_tokens": 100, "stream": True}) as resp:
-            for line in resp.iter_lines():
+            for line in sse.iter_lines(resp):
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[6:]))
         assert events[0]["choices"][0]["text"] == "a"  # tokens first, then the failure
@@ -144,7 +145,7 @@ def stream_until_error(base: str, first: threading.Barrier, ended: dict[int, tup
             "stream": True}
     events = []
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
-        for line in resp.iter_lines():
+        for line in sse.iter_lines(resp):
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[6:]))
                 if len(events) == 1:

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import httpx
+from helpers import sse
 from server_harness import MODEL, start_server, wait_for
 
 NUM_STREAMS = 8
@@ -22,7 +23,7 @@ def stream_one(base: str, started: threading.Barrier, results: list[dict], i: in
     text, finish, usage, done = "", None, None, False
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as resp:
         first = True
-        for line in resp.iter_lines():
+        for line in sse.iter_lines(resp):
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":
@@ -80,7 +81,7 @@ def test_drain_timeout_cuts_long_streams_and_still_exits_zero(tmp_path: Path) ->
                 "stream": True}
         chunks, last = 0, ""
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
-            for line in resp.iter_lines():
+            for line in sse.iter_lines(resp):
                 if line.startswith("data: "):
                     chunks += 1
                     last = line if line != "data: [DONE]" else last

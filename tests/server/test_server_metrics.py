@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from helpers import sse
 from server_harness import MODEL, RunningServer, wait_for
 
 from kvpilot.engine.contracts import metric_names as names
@@ -22,7 +23,7 @@ def complete(server: RunningServer, prompt: str, stream: bool = False, **extra: 
     body["stream_options"] = {"include_usage": True}
     usage = None
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
+        for line in sse.iter_lines(r):
             if line.startswith("data: {") and '"usage":{' in line:
                 usage = httpx.Response(200, content=line[6:]).json()["usage"]
     assert usage is not None
@@ -83,7 +84,7 @@ def test_disconnected_stream_is_aborted_and_frees_its_blocks(server: RunningServ
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": 400, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
+        lines = sse.iter_lines(r)
         received = [line for _, line in zip(range(6), lines, strict=False)]
         assert any(line.startswith("data: {") for line in received)
         assert server.metric(names.NUM_REQUESTS_RUNNING) == 1

@@ -6,6 +6,7 @@ import json
 
 import httpx
 import pytest
+from helpers import sse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_harness import MODEL, RunningServer
@@ -24,7 +25,7 @@ def streamed(server: RunningServer, body: dict) -> tuple[dict[int, str], dict | 
                       json={**body, "stream": True,
                             "stream_options": {"include_usage": True}}) as resp:
         assert resp.status_code == 200
-        for line in resp.iter_lines():
+        for line in sse.iter_lines(resp):
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
                 for choice in chunk["choices"]:
