@@ -2,7 +2,8 @@
 
 A constrained request no longer forces synchronous steps: the engine reads the
 previous step's tokens back after launching the forward, advances the matchers,
-and fills the next mask then. These tests force async scheduling on (CUDA's
+and fills the next mask then, on a background thread, while it books the
+previous step and schedules the next. These tests force async scheduling on (CUDA's
 default) on CPU, where the same code runs, and compare with synchronous steps,
 where the mask is computed after the forward in place.
 """
@@ -10,8 +11,10 @@ where the mask is computed after the forward in place.
 from __future__ import annotations
 
 import json
+import threading
 
 import jsonschema
+import pytest
 import torch
 from core_helpers import Outputs
 
@@ -20,6 +23,7 @@ from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.structured.bitmask import BitmaskBuffer
+from kvpilot.engine.structured.matchers import GrammarMatchers
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "tags"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -82,3 +86,28 @@ def test_bitmask_buffer_rows_start_all_allowed_when_reused_and_grown() -> None:
     assert again.shape == (3, 5) and bool((again == -1).all())
     again[2] = 7
     assert bool((buffer.rows(4) == -1).all())
+
+
+def test_the_mask_fills_while_step_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    # each fill waits for a permit the test gives only once step() returned: a step that
+    # waited for its own step's fill would hold it until the permit timed out
+    permits, waited = threading.Semaphore(0), []
+    fill = GrammarMatchers._fill
+
+    def gated(self: GrammarMatchers, *args) -> None:
+        waited.append(permits.acquire(timeout=5))
+        fill(self, *args)
+
+    monkeypatch.setattr(GrammarMatchers, "_fill", gated)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model="tiny-llama", device="cpu", max_num_seqs=4, async_scheduling="on"))
+    engine.add_request("0", [5, 6, 7, 8], _params(0))
+    text = []
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        text += [t for delta in engine.step() for c in delta.completions for t in c.token_ids]
+        permits.release()
+    engine.shutdown()
+    assert len(waited) > 5 and all(waited)
+    jsonschema.validate(json.loads(engine.tokenizer.decode(text)), SCHEMA)

@@ -38,9 +38,9 @@ def test_each_request_of_one_schema_compiles_its_own_matcher(
         assert set(json.loads(out.outputs[0].text)) == {"id"}
 
 
-@pytest.mark.parametrize(("cpus", "threads"), [(1, 1), (2, 2), (16, 16), (64, 32)])
-def test_the_fill_uses_every_cpu_up_to_32(monkeypatch: pytest.MonkeyPatch, cpus: int,
-                                          threads: int) -> None:
-    # llguidance's own default, 80% of the CPUs, is a single thread on a 2-CPU host
+@pytest.mark.parametrize(("cpus", "threads"), [(1, 1), (2, 1), (16, 15), (64, 32)])
+def test_the_fill_uses_every_cpu_but_the_engines_up_to_32(monkeypatch: pytest.MonkeyPatch,
+                                                           cpus: int, threads: int) -> None:
+    # the engine's thread books and schedules while the fill runs; at least one fill thread
     monkeypatch.setattr(matchers.os, "sched_getaffinity", lambda _pid: set(range(cpus)))
     assert matchers.fill_threads() == threads

@@ -41,7 +41,7 @@ from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kvpilot.engine.spec_decode.proposers import Drafts
 from kvpilot.engine.spec_decode.spec_decoder import SpecDecoder, VerifyItem, make_spec_decoder
-from kvpilot.engine.structured.matchers import GrammarMatchers
+from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
@@ -70,12 +70,21 @@ def needs_host_sampling(params: SamplingParams) -> bool:
 
 @dataclass
 class _InFlight:
-    """A launched step whose sampled tokens the host has not read yet."""
+    """A launched step whose sampled tokens the host has not read yet.
+
+    A batch with grammar rows is sampled only once its mask is filled: until
+    `LLMEngine._sampled` queues the sampling, `tokens` is None and the logits,
+    rows and mask being filled wait here.
+    """
 
     seqs: list[Sequence]  # in sampled-row order
-    tokens: torch.Tensor  # [len(seqs)] long, on the model's device
-    host: torch.Tensor  # the tokens' host copy (pinned on CUDA), valid once `ready` passed
-    ready: torch.cuda.Event | None
+    tokens: torch.Tensor | None = None  # [len(seqs)] long, on the model's device
+    host: torch.Tensor | None = None  # the tokens' host copy (pinned on CUDA), once `ready`
+    ready: torch.cuda.Event | None = None
+    logits: torch.Tensor | None = None  # until sampled
+    rows: list[SamplingRow] | None = None
+    mask: MaskFill | None = None
+    accepted: bool = False  # the grammar matchers took these tokens already
 
 
 class LLMEngine:
@@ -317,7 +326,7 @@ class LLMEngine:
         flight = self._inflight
         if flight is not None and self._host_sampling:
             # a request that samples on the host needs its previous token first
-            self._resolve(flight, results)
+            self._resolve(self._sampled(flight), results)
             self._inflight = flight = None
         plan = self.scheduler.schedule()
         if self.connector is not None:
@@ -325,7 +334,7 @@ class LLMEngine:
         phases["schedule"], start = clock() - start, clock()
         if plan.is_empty:
             if flight is not None:
-                self._resolve(flight, results)
+                self._resolve(self._sampled(flight), results)
                 self._inflight = None
             return results
         drafts = self.spec.prepare(plan) if self.spec is not None else {}
@@ -333,6 +342,8 @@ class LLMEngine:
         if drafts:
             SpecDecoder.fill(plan, entries, drafts)
         self._last_plan = plan
+        if flight is not None:  # the forward takes its last tokens on the device
+            flight = self._sampled(flight)
         logits = self.runner.execute(entries, plan.block_copies,
                                      flight.tokens if flight is not None else None)
         phases["forward"], start = clock() - start, clock()
@@ -346,22 +357,23 @@ class LLMEngine:
     def _step_async(self, plan: SchedulerOutput, entries: list[BatchEntry], logits: torch.Tensor,
                     flight: _InFlight | None, results: list[EngineCoreOutput]) -> None:
         """Launches the sampling of a step whose forward is queued, reads the previous step's
-        tokens back and books both. A batch with grammar rows reads back first: the matchers
-        take the previous tokens, then their mask is computed while the GPU runs the forward."""
+        tokens back and books both. A batch with grammar rows reads the previous tokens first
+        and the matchers take them; their mask then fills on a background thread while this
+        thread books the previous step and schedules the next (the GPU runs the forward),
+        and the next step queues the sampling (`_sampled`) before its own forward."""
         phases, clock = self._phases, time.perf_counter
         start = clock()
         grammars = self._grammars
-        if flight is not None and grammars is not None and any(
-                s.request.grammar is not None for s, _ in plan.scheduled):
-            self._resolve(flight, results)
-            phases["resolve"], start, flight = clock() - start, clock(), None
-        launched = self._launch(plan, entries, logits)
+        constrained = grammars is not None and any(
+            s.request.grammar is not None for s, _ in plan.scheduled)
+        if flight is not None and constrained:
+            self._accept(flight)
+            phases["accept"], start = clock() - start, clock()
+        launched = self._launch(plan, entries, logits, fill_mask=constrained)
         phases["sample"], start = clock() - start, clock()
-        if grammars is not None:
-            phases["grammar"] = grammars.fill_seconds
         if flight is not None:
             self._resolve(flight, results)
-        phases["resolve"] = phases.get("resolve", 0.0) + clock() - start
+        phases["resolve"] = clock() - start
         start = clock()
         self._advance(plan, launched.seqs)
         phases["advance"] = clock() - start
@@ -486,9 +498,11 @@ class LLMEngine:
                 self.prompt_tokens += min(end, num_prompt) - start
         return entries
 
-    def _launch(self, plan: SchedulerOutput, entries: list[BatchEntry], logits: torch.Tensor
-                ) -> _InFlight:
-        """Queues sampling of a step's last rows and the copy of the tokens to the host."""
+    def _launch(self, plan: SchedulerOutput, entries: list[BatchEntry], logits: torch.Tensor,
+                fill_mask: bool = False) -> _InFlight:
+        """Queues sampling of a step's last rows and the copy of the tokens to the host; with
+        `fill_mask`, starts filling the grammar mask instead and leaves the sampling to
+        `_sampled` (the matchers must have taken the previous step's tokens)."""
         seqs: list[Sequence] = []
         rows: list[SamplingRow] = []
         for (seq, _), entry in zip(plan.scheduled, entries, strict=True):
@@ -499,13 +513,33 @@ class LLMEngine:
         if len(seqs) != logits.shape[0]:  # rows that finish a prompt chunk only, not sampled
             raise AssertionError("async steps sample every logits row")
         grammars = self._grammars
-        bitmask = grammars.bitmask(seqs) if grammars is not None else None
-        tokens = self.sampler.sample_ids(logits, rows, bitmask) if seqs else logits.new_empty(
-            0, dtype=torch.long)
+        mask = grammars.start_bitmask(seqs) if fill_mask and grammars is not None else None
+        flight = _InFlight(seqs, logits=logits, rows=rows, mask=mask)
+        return flight if mask is not None else self._sampled(flight)
+
+    def _sampled(self, flight: _InFlight) -> _InFlight:
+        """Gives `flight` with its sampling queued (waiting for its grammar mask first, if
+        any) and the copy of its tokens to the host started."""
+        if flight.tokens is not None:
+            return flight
+        assert flight.logits is not None and flight.rows is not None
+        bitmask = None
+        if flight.mask is not None:
+            waited = time.perf_counter()
+            bitmask = flight.mask.wait()
+            self._phases["mask_wait"] = time.perf_counter() - waited
+            if self._grammars is not None:
+                self._phases["grammar"] = self._grammars.fill_seconds
+        logits, rows = flight.logits, flight.rows
+        flight.logits = flight.rows = flight.mask = None
+        tokens = self.sampler.sample_ids(logits, rows, bitmask) if flight.seqs else \
+            logits.new_empty(0, dtype=torch.long)
+        flight.tokens = tokens
         if tokens.device.type != "cuda":
-            return _InFlight(seqs, tokens, tokens, None)
-        host, ready = self._readback.start(tokens)
-        return _InFlight(seqs, tokens, host, ready)
+            flight.host = tokens
+        else:
+            flight.host, flight.ready = self._readback.start(tokens)
+        return flight
 
     def _advance(self, plan: SchedulerOutput, sampled: list[Sequence]) -> None:
         """Books a launched step: computed counts, full blocks, a placeholder per sampled row."""
@@ -521,20 +555,37 @@ class LLMEngine:
                 seq.token_ids.append(PLACEHOLDER)
                 seq.inflight_row = row
 
+    def _wait(self, flight: _InFlight) -> list[int]:
+        """Gives a sampled step's tokens on the host, waiting for them."""
+        if flight.ready is not None:
+            waited = time.perf_counter()
+            flight.ready.synchronize()
+            flight.ready = None
+            self._gpu_wait_s += time.perf_counter() - waited
+        assert flight.host is not None
+        return flight.host.tolist()
+
+    def _accept(self, flight: _InFlight) -> None:
+        """Has the grammar matchers take a launched step's tokens (before `_resolve` books
+        them), so the next mask can be filled meanwhile."""
+        grammars = self._grammars
+        assert grammars is not None
+        for seq, token in zip(flight.seqs, self._wait(self._sampled(flight)), strict=True):
+            if seq.inflight_row >= 0:  # else finished or aborted since the launch
+                grammars.accept(seq, token)
+        flight.accepted = True
+
     def _resolve(self, flight: _InFlight, results: list[EngineCoreOutput]) -> None:
-        """Reads a launched step's tokens back and applies them (stop checks, outputs).
+        """Reads a launched (and sampled) step's tokens back and applies them (stop checks,
+        outputs).
 
         Every sampled sequence ends with the step's placeholder; one that
         finished or was aborted meanwhile has none and its token is dropped.
         """
-        if flight.ready is not None:
-            waited = time.perf_counter()
-            flight.ready.synchronize()
-            self._gpu_wait_s += time.perf_counter() - waited
-        token_ids = flight.host.tolist()
+        token_ids = self._wait(flight)
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        grammars = self._grammars
+        grammars = None if flight.accepted else self._grammars
         for seq, token in zip(flight.seqs, token_ids, strict=True):
             if seq.inflight_row < 0:
                 continue  # finished or aborted since the launch

@@ -5,18 +5,18 @@ background thread when the request is added (~1-2 ms for a JSON schema on a 152k
 vocabulary), waited for only when its first token is sampled. Each request
 compiles its own: llguidance's `deep_copy` of a compiled matcher shares its
 lexer behind one lock held for a whole mask, so copies of one schema filled
-their rows one after another on any number of threads. Each step `bitmask`
-fills one int32 row per sampled sequence (every bit set for rows without a
-constraint) with llguidance's parallel executor, one thread per CPU this
-process may use (llguidance's default, 80% of them, is one thread on two),
-into a reused host buffer (`structured.bitmask`), copied to the device without
-waiting; the engine calls it while the GPU runs the step's forward, once the
-previous step's tokens were accepted, and the sampler applies the whole batch's
-mask in one select. `accept` advances a matcher by the sampled token. A grammar that
-fails in the core (the API server checked it, so this is a library fault) sets
-the request's error and allows only EOS, so the request ends at once and its
-reader gets the error. Matcher state follows the output tokens, which survive
-preemption (recompute keeps them), so nothing is rolled back there.
+their rows one after another on any number of threads. Each step's mask has one
+int32 row per sampled sequence (every bit set for rows without a constraint),
+written into a reused host buffer (`structured.bitmask`) and copied to the
+device without waiting. `start_bitmask` hands the fill to a background thread,
+which runs llguidance's parallel executor on one thread per CPU this process may
+use but one (the engine's own thread goes on meanwhile; llguidance's default, 80%
+of them, is one thread on two) and holds no GIL: under async scheduling the
+engine starts it once the previous step's tokens were accepted, books that step
+and schedules the next while it runs (the GPU runs the forward), and waits for it
+only to queue the sampling (`MaskFill.wait`). `bitmask` fills and waits at once.
+The sampler applies the whole batch's mask in one select. `accept` advances a
+matcher by the sampled token. A grammar that
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ _MAX_FILL_THREADS = 32  # llguidance's own cap
 
 
 def fill_threads() -> int:
-    """Gives the parallel mask fill's thread count: the CPUs this process may use (the core
-    waits on the fill, the forward runs on the GPU), at most 32."""
-    return max(1, min(len(os.sched_getaffinity(0)), _MAX_FILL_THREADS))
+    """Gives the parallel mask fill's thread count: the CPUs this process may use but the one
+    the engine's own thread keeps working on meanwhile, at least 1, at most 32."""
+    return max(1, min(len(os.sched_getaffinity(0)) - 1, _MAX_FILL_THREADS))
 
 
 def new_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
@@ -67,10 +67,11 @@ class GrammarMatchers:
         self._eos = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar")
+        self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-mask")
         self._executor: llguidance.LLExecutor | None = None
         num_words = (vocab_size + 31) // 32  # one bit per token
         self._buffer = BitmaskBuffer(num_words, device)
-        self.fill_seconds = 0.0  # of the last `bitmask` (the slow-iteration log's "grammar")
+        self.fill_seconds = 0.0  # of the last fill (the slow-iteration log's "grammar")
         words = np.zeros(num_words, dtype=np.uint32)
         for eos in self._eos:
             words[eos // 32] |= np.uint32(1 << (eos % 32))
@@ -103,34 +104,45 @@ class GrammarMatchers:
                 grammar = request.grammar = _fail(request, f"does not compile: {exc}")
         return grammar if isinstance(grammar, llguidance.LLMatcher) else None
 
-    def bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """Gives the [len(seqs), ceil(vocab / 32)] int32 mask of allowed tokens on the device
-        (copied without waiting), or None when no sequence is constrained; a failed grammar's
-        row allows only EOS, a finished sequence's row (its token is discarded) allows all."""
+    def start_bitmask(self, seqs: list[Sequence]) -> MaskFill | None:
+        """Starts filling the [len(seqs), ceil(vocab / 32)] int32 mask of allowed tokens on a
+        background thread, or gives None when no sequence is constrained; a failed grammar's
+        row allows only EOS, a finished sequence's row (its token is discarded) allows all.
+        The matchers must not move until the fill was waited for."""
         self.fill_seconds = 0.0
         rows = [(s.request, row) for row, s in enumerate(seqs)
                 if s.request.grammar is not None and not s.finished]
         if not rows:
             return None
-        started = time.perf_counter()
         mask = self._buffer.rows(len(seqs))
         constrained = []
         for request, row in rows:
-            matcher = self._resolved(request)
+            matcher = self._resolved(request)  # waits here for a grammar still compiling
             if matcher is None:
                 mask[row] = self._eos_only
             else:
                 constrained.append((matcher, row))
-        if constrained:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor(fill_threads())
-            # llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a
-            # function at import (seconds of every engine start for a helper we do not use)
-            assert mask.dtype == torch.int32 and mask.is_contiguous() and mask.device.type == "cpu"
-            self._executor.unsafe_compute_mask_ptr(constrained, mask.data_ptr(),
-                                                   mask.shape[1] * 4, mask.shape[0])
+        if not constrained:
+            return MaskFill(self._buffer, mask, None)
+        return MaskFill(self._buffer, mask, self._fill_pool.submit(self._fill, constrained, mask))
+
+    def bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Gives the mask `start_bitmask` fills, on the device (copied without waiting)."""
+        fill = self.start_bitmask(seqs)
+        return fill.wait() if fill is not None else None
+
+    def _fill(self, constrained: list[tuple[llguidance.LLMatcher, int]], mask: torch.Tensor
+              ) -> None:
+        """Writes the constrained rows of `mask` (on the background thread, without the GIL)."""
+        started = time.perf_counter()
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(fill_threads())
+        # llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a
+        # function at import (seconds of every engine start for a helper we do not use)
+        assert mask.dtype == torch.int32 and mask.is_contiguous() and mask.device.type == "cpu"
+        self._executor.unsafe_compute_mask_ptr(constrained, mask.data_ptr(),
+                                               mask.shape[1] * 4, mask.shape[0])
         self.fill_seconds = time.perf_counter() - started
-        return self._buffer.to_device(mask)
 
     def accept(self, seq: Sequence, token: int) -> None:
         """Advances `seq`'s matcher by its sampled `token` (nothing for unconstrained ones)."""
@@ -145,8 +157,26 @@ class GrammarMatchers:
                                         f"{matcher.get_error()}")
 
     def shutdown(self) -> None:
-        """Stops the compiling thread."""
+        """Stops the compiling and filling threads."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class MaskFill:
+    """One step's mask, being filled on the background thread."""
+
+    def __init__(self, buffer: BitmaskBuffer, mask: torch.Tensor, filling: Future[None] | None
+                 ) -> None:
+        self._buffer = buffer
+        self._mask = mask
+        self._filling = filling
+
+    def wait(self) -> torch.Tensor:
+        """Gives the filled mask on the device (copied without waiting), once the fill is done
+        (re-raising what failed it)."""
+        if self._filling is not None:
+            self._filling.result()
+        return self._buffer.to_device(self._mask)
 
 
 def _fail(request: Request, why: str) -> str:
