@@ -25,11 +25,14 @@ def _case(tokens: int, slots: list[int], num_slots: int, rank: int, k: int, n: i
     ([0], 1, 16, 64, 48),  # one decode token, one adapter
     ([-1, 0, 1, -1, 2, 1, 0, 2, -1], 3, 8, 40, 72),  # a mix with base tokens, ragged sizes
     ([1] * 20 + [-1] * 5 + [0] * 17, 2, 48, 96, 32),  # more tokens of a slot than BLOCK_M
+    ([0, 1, 1, 0], 2, 16, 200, 24),  # K not a multiple of BLOCK_K * SPLIT_K
     ([-1] * 6, 2, 16, 32, 32),  # no adapter at all: out unchanged
 ])
-def test_lora_sgmv_matches_reference(slots, num_slots, rank, k, n, dtype):
+@pytest.mark.parametrize("split_k", [None, 1, 3])  # default (split on few tokens), none, 3
+def test_lora_sgmv_matches_reference(slots, num_slots, rank, k, n, dtype, split_k):
     x, a, b, base, idx = _case(len(slots), slots, num_slots, rank, k, n, dtype, len(slots) + k)
-    out = lora_sgmv_(base.clone(), x, a, b, group_by_slot(idx, num_slots))
+    out = lora_sgmv_(base.clone(), x, a, b, group_by_slot(idx, num_slots), block_k=16,
+                     split_k=split_k)
     ref = base.float() + lora_ref(x.float(), a.float(), b.float(), idx)
     assert rel_err(out, ref) < tolerance(dtype)
     for t, slot in enumerate(slots):  # a base token's row is left exactly as it was
@@ -54,9 +57,10 @@ def test_lora_ref_adds_only_to_adapter_tokens():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_lora_sgmv_large_bf16_batch_on_gpu():
-    slots = [(t % 9) - 1 for t in range(512)]  # 8 adapters and the base, interleaved
-    x, a, b, base, idx = _case(512, slots, 8, 16, 2048, 2048, torch.bfloat16, 7)
+@pytest.mark.parametrize(("tokens", "k"), [(512, 2048), (64, 3072)])  # prefill, decode (split K)
+def test_lora_sgmv_large_bf16_batch_on_gpu(tokens: int, k: int):
+    slots = [(t % 9) - 1 for t in range(tokens)]  # 8 adapters and the base, interleaved
+    x, a, b, base, idx = _case(tokens, slots, 8, 16, k, 2048, torch.bfloat16, 7)
     out = lora_sgmv_(base.clone(), x, a, b, group_by_slot(idx, 8))
     ref = base.float() + lora_ref(x.float(), a.float(), b.float(), idx)
     assert rel_err(out, ref) < tolerance(torch.bfloat16)

@@ -11,6 +11,7 @@ from helpers.lora_adapters import hf_greedy
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.lora.layers import LoRAMapping
 
 NEW = GREEDY.max_tokens or 0
 
@@ -120,3 +121,23 @@ def test_stats_name_running_and_waiting_adapters(base_dir, adapters):
     assert (stats.max_lora, stats.running_lora_adapters, stats.waiting_lora_adapters) == (
         1, ["attn"], ["qv"])
     assert stats.num_running == 2  # the base request runs beside the adapter
+
+
+def test_triton_kernel_path_matches_hf_peft(base_dir, adapters, monkeypatch):
+    # the CUDA path (tokens grouped on the device, one zeroed workspace per forward, shrink
+    # splitting K with atomic adds: down_proj's K of 96 is two 64-wide slices) run by
+    # Triton's interpreter on CPU, a base request beside the adapter's
+    init = LoRAMapping.__init__
+
+    def kernel_mapping(self: LoRAMapping, *args) -> None:
+        init(self, *args)
+        self.use_kernel = True
+
+    monkeypatch.setattr(LoRAMapping, "__init__", kernel_mapping)
+    engine = _engine(base_dir, adapters, ["all"])
+    requests = {"all": (_prompt(3, 13), "all"), "base": (_prompt(4, 9), None)}
+    tokens, mixes = _run_all(engine, requests)
+    assert engine.lora is not None and engine.lora.model.mapping.workspace is not None
+    assert max(mixes) == 2
+    for rid, (prompt, lora) in requests.items():
+        assert tokens[rid] == hf_greedy(base_dir, adapters[lora] if lora else None, prompt, NEW)

@@ -8,6 +8,16 @@ adapter with `tl.dot`. The grid is (token blocks, column blocks, S) whatever the
 program past its slot's token count exits at once. Fixed grid and no host reads make the
 pair safe inside a CUDA graph. Shrink writes float32 [T, R]; expand adds into `out` in
 place (each token belongs to one slot, so no two programs write one row).
+
+Shrink splits K over SPLIT_K programs when the batch has few token blocks (decode): with
+one program per slot and rank block, a decode step's shrink was one program per adapter
+walking all of K (3072 for a 0.6B model's down_proj) in 32-wide steps, ~10-30 us of
+latency on an almost idle GPU, per seam and layer. Split, each program reads a K slice
+and adds its partial product into the zeroed float32 [T, R] with atomics (as vLLM's
+lora_shrink does); the order of those adds varies, so the delta is not bitwise
+reproducible from run to run (float32 rounding in rank space). Over 32 token blocks
+(512 tokens): no split, plain stores. A caller running many seams per forward passes `tmp`, a slice of
+one workspace it zeroed once (one memset per forward instead of one per seam).
 """
 
 from __future__ import annotations
@@ -46,8 +56,10 @@ def group_by_slot(slots: torch.Tensor, num_slots: int
 @jit
 def _shrink_kernel(x_ptr, a_ptr, tmp_ptr, order_ptr, counts_ptr, starts_ptr, R, K,
                    stride_xt, stride_as, stride_ar, stride_tt,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr):
+    pid_mk, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_k = pid_mk // SPLIT_K, pid_mk % SPLIT_K
     count = tl.load(counts_ptr + slot + 1)
     m0 = pid_m * BLOCK_M
     if m0 >= count:
@@ -59,15 +71,18 @@ def _shrink_kernel(x_ptr, a_ptr, tmp_ptr, order_ptr, counts_ptr, starts_ptr, R, 
     n_ok = offs_n < R
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         k_ok = (k0 + offs_k) < K
         x = tl.load(x_ptr + rows[:, None] * stride_xt + (k0 + offs_k)[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_ptr + slot * stride_as + offs_n[:, None] * stride_ar + (k0 + offs_k)[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(a.to(x.dtype)))
-    tl.store(tmp_ptr + rows[:, None] * stride_tt + offs_n[None, :], acc,
-             mask=m_ok[:, None] & n_ok[None, :])
+    ptrs = tmp_ptr + rows[:, None] * stride_tt + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.atomic_add(ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
 @jit
@@ -99,27 +114,52 @@ def _expand_kernel(tmp_ptr, b_ptr, out_ptr, order_ptr, counts_ptr, starts_ptr, N
     tl.store(ptrs, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_SPLIT_PROGRAMS = 64  # shrink's programs per slot and rank block when it splits K
+BLOCK_M = 16  # tokens per program
+
+
+def shrink_splits(tokens: int) -> bool:
+    """Whether shrink splits K (by default) for a batch of `tokens`: at most 32 token blocks."""
+    return triton.cdiv(tokens, BLOCK_M) <= _SPLIT_PROGRAMS // 2
+
+
+def split_k_for(tokens: int, k: int, block_k: int = 64) -> int:
+    """Gives shrink's default SPLIT_K: enough for ~64 programs per slot and rank block, at
+    most one per BLOCK_K of K; 1 where it does not split (`shrink_splits`)."""
+    if not shrink_splits(tokens):
+        return 1
+    return max(1, min(triton.cdiv(k, block_k), _SPLIT_PROGRAMS // triton.cdiv(tokens, BLOCK_M)))
+
+
 def lora_sgmv_(out: torch.Tensor,  # [T, N], rows dense: the base layer's output, added to
                x: torch.Tensor,  # [T, K], rows dense
                a: torch.Tensor,  # [S, R, K]
                b: torch.Tensor,  # [S, N, R]
                grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # group_by_slot's
-               block_m: int = 16, block_n: int = 32, block_k: int = 32) -> torch.Tensor:
+               block_m: int = BLOCK_M, block_n: int = 32, block_k: int = 64,
+               split_k: int | None = None, tmp: torch.Tensor | None = None) -> torch.Tensor:
     """Adds the LoRA delta of every token's slot to `out` in place; gives `out`. `grouped`
-    is `group_by_slot(slots, S)`, computed once per step for every layer."""
+    is `group_by_slot(slots, S)`, computed once per step for every layer. `split_k`: the
+    programs that share one token block's K (default `split_k_for`). `tmp`: a zeroed float32
+    [T, R] (rows may be strided) for shrink's output, else one is made."""
     tokens, k = x.shape
     num_slots, rank, _ = a.shape
     n = b.shape[1]
     assert x.stride(1) == 1 and out.stride(1) == 1, "x and out rows must be dense"
     assert a.is_contiguous() and b.is_contiguous(), "the slot stacks must be contiguous"
     order, counts, starts = grouped
-    tmp = torch.empty(tokens, rank, dtype=torch.float32, device=x.device)
     block_r = max(16, triton.next_power_of_2(min(rank, 64)))
     grid_m = triton.cdiv(tokens, block_m)
-    _shrink_kernel[(grid_m, triton.cdiv(rank, block_r), num_slots)](
+    if split_k is None:
+        split_k = split_k_for(tokens, k, block_k)
+    if tmp is None:
+        tmp = (torch.zeros if split_k > 1 else torch.empty)(tokens, rank, dtype=torch.float32,
+                                                            device=x.device)
+    assert tmp.shape == (tokens, rank) and tmp.dtype == torch.float32 and tmp.stride(1) == 1
+    _shrink_kernel[(grid_m * split_k, triton.cdiv(rank, block_r), num_slots)](
         x, a, tmp, order, counts, starts, rank, k,
         x.stride(0), a.stride(0), a.stride(1), tmp.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_r, BLOCK_K=block_k)
+        BLOCK_M=block_m, BLOCK_N=block_r, BLOCK_K=block_k, SPLIT_K=split_k)
     _expand_kernel[(grid_m, triton.cdiv(n, block_n), num_slots)](
         tmp, b, out, order, counts, starts, n, rank,
         tmp.stride(0), b.stride(0), b.stride(1), out.stride(0),

@@ -10,9 +10,10 @@ an adapter does not target stays zero. S = --max-loras slots, R = --max-lora-ran
 `LoRAMapping` says which slot each token of the step uses (-1: the base model). It lives in
 a persistent buffer the runner fills before the forward, so a CUDA graph captured with the
 hooks replays with each step's mapping: on CUDA a pre-hook on the model groups the tokens by
-slot on the device once per forward and every projection's hook launches the Triton kernel
-(`kvpilot.kernels.lora_sgmv`); elsewhere the hooks run the torch reference over the slots
-present.
+slot on the device once per forward (and, for a decode-sized batch, whose shrink splits K
+and adds with atomics, zeroes one float32 workspace for every seam's rank-space product)
+and every projection's hook launches the Triton kernel (`kvpilot.kernels.lora_sgmv`);
+elsewhere the hooks run the torch reference over the slots present.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class LoRAMapping:
         self.use_kernel = device.type == "cuda"
         # the kernel path's tokens grouped by slot, made once per forward (`group`)
         self.grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # [seams, tokens, widest seam's rank] float32 zeros for a decode-sized forward's
+        # shrinks (`group`), else None and each shrink makes its own
+        self.workspace: torch.Tensor | None = None
+        self.seams = 0  # how many seams share the workspace
+        self.width = 0  # the widest seam's stacked rank
         # the torch path's (slot, token rows) of the step, read on the host
         self.groups: list[tuple[int, torch.Tensor]] = []
 
@@ -62,9 +68,13 @@ class LoRAMapping:
         """Groups the forward's `num_tokens` tokens by slot on the device, for every layer
         (inside a CUDA graph when one is captured)."""
         if self.use_kernel:
-            from kvpilot.kernels.lora_sgmv import group_by_slot
+            from kvpilot.kernels.lora_sgmv import group_by_slot, shrink_splits
 
             self.grouped = group_by_slot(self.token_slots[:num_tokens], num_slots)
+            self.workspace = None
+            if shrink_splits(num_tokens):
+                self.workspace = torch.zeros(self.seams, num_tokens, self.width,
+                                             dtype=torch.float32, device=self.token_slots.device)
 
 
 @dataclass
@@ -76,12 +86,15 @@ class _Seam:
     part_rows: list[slice]
     a: torch.Tensor  # [S, P*R, in]
     b: torch.Tensor  # [S, out, P*R]
+    index: int  # its rows in the mapping's workspace
 
     def delta_into(self, out: torch.Tensor, x: torch.Tensor, mapping: LoRAMapping) -> None:
         if mapping.grouped is not None:
             from kvpilot.kernels.lora_sgmv import lora_sgmv_
 
-            lora_sgmv_(out, x, self.a, self.b, mapping.grouped)
+            workspace = mapping.workspace
+            tmp = None if workspace is None else workspace[self.index, :, :self.a.shape[1]]
+            lora_sgmv_(out, x, self.a, self.b, mapping.grouped, tmp=tmp)
             return
         for slot, rows in mapping.groups:
             out.index_add_(0, rows, (x[rows] @ self.a[slot].T) @ self.b[slot].T)
@@ -121,12 +134,15 @@ class LoRAModel:
         else:
             part_rows = [slice(0, linear.out_features)]
         width = rank * len(projections)
+        mapping = self.mapping
         seam = _Seam(layer, projections, part_rows,
                      torch.zeros(slots, width, linear.in_features, dtype=dtype, device=device),
-                     torch.zeros(slots, linear.out_features, width, dtype=dtype, device=device))
+                     torch.zeros(slots, linear.out_features, width, dtype=dtype, device=device),
+                     mapping.seams)
+        mapping.seams += 1
+        mapping.width = max(mapping.width, width)
         for proj in projections:
             self.seams[(layer, proj)] = seam
-        mapping = self.mapping
 
         def add_lora(_module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
             seam.delta_into(out, args[0], mapping)
