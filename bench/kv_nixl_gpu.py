@@ -9,7 +9,7 @@ side on cuda:1. Each rate moves all of a fresh prompt's blocks:
   pinned host pool): what a `--kv-transport tcp` decode engine runs;
 - `nixl-pull`: the same pull with NIXL agents on both sides (`--kv-transport nixl`): the
   prefill side packs the blocks into its send region, the decode side READs them into its
-  landing pool on cuda:1 (`host_tier.NIXL_LANDING_BYTES`): what a NIXL decode engine runs;
+  landing pool on cuda:1 (`contracts.nixl_memory.LANDING_BYTES`): what a NIXL decode engine runs;
 - `nixl-vram`: one NIXL READ of the blocks straight from the prefill caches (one
   descriptor per block, layer and K/V) into rows on cuda:1, for comparison;
 - `nixl-region-vram`: the blocks packed into the send region (its time reported apart as
@@ -39,9 +39,9 @@ import torch
 
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.contracts.kv_client import request_pull
+from kvpilot.engine.contracts.nixl_memory import LANDING_BYTES
 from kvpilot.engine.core.block_pool import BlockPool
 from kvpilot.engine.kv_connector.host_pool import HostKVPool
-from kvpilot.engine.kv_connector.host_tier import NIXL_LANDING_BYTES
 from kvpilot.engine.kv_connector.landing_store import LandingStore
 from kvpilot.engine.kv_transfer.engine_store import EngineBlockStore
 from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent
@@ -247,7 +247,7 @@ def measure(args: argparse.Namespace) -> dict:
     block_bytes = prefill.block_bytes
     pinned = args.device == "cuda"
     # the pools decode engines land pulls in: pinned host memory for TCP, the GPU for NIXL
-    landing = min(num_blocks * (args.repeat + 2), max(1, NIXL_LANDING_BYTES // block_bytes))
+    landing = min(num_blocks * (args.repeat + 2), max(1, LANDING_BYTES // block_bytes))
     host = LandingStore(HostKVPool(num_blocks * (args.repeat + 2), block_bytes, pinned),
                         BlockPool(1), pin_memory=pinned)
     gpu = LandingStore(HostKVPool(landing, block_bytes, pinned, device=devices[1]),

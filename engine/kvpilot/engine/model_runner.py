@@ -20,6 +20,7 @@ import torch
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.contracts.args import EngineArgs, parse_size
+from kvpilot.engine.contracts.nixl_memory import nixl_device_bytes
 from kvpilot.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from kvpilot.engine.device import StagingBuffer, limit_host_threads
 from kvpilot.engine.lora.layers import LoRAModel
@@ -181,10 +182,12 @@ class ModelRunner:
         del scratch
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        free_bytes = int(total * self.args.gpu_memory_utilization) - peak
+        nixl = nixl_device_bytes(self.args)  # its send region or landing pool, made later
+        free_bytes = int(total * self.args.gpu_memory_utilization) - peak - nixl
         if free_bytes < self.bytes_per_block:
+            beside = f" and {nixl / 2**30:.0f} GiB of NIXL buffers" if nixl else ""
             raise ValueError(f"gpu_memory_utilization={self.args.gpu_memory_utilization} leaves no "
-                             "room for the KV cache after the model: raise it or lower "
+                             f"room for the KV cache after the model{beside}: raise it or lower "
                              "max_num_batched_tokens")
         return free_bytes // self.bytes_per_block
 

@@ -24,6 +24,7 @@ import torch
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.block_hash import hash_prompt_tail
+from kvpilot.engine.contracts.nixl_memory import LANDING_BYTES
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_events import KVEventLog
 from kvpilot.engine.core.request import Sequence
@@ -43,8 +44,6 @@ from kvpilot.kernels.kv_cache_dtype import as_bytes
 LOW_32_BITS = 0xFFFFFFFF
 log = logging.getLogger(__name__)
 GIB = 2**30
-# a NIXL decode engine's landing pool on its GPU: four 8k-token prompts of a Llama-3-8B shape
-NIXL_LANDING_BYTES = 4 * GIB
 
 
 class HostTierConnector(KVConnector):
@@ -255,7 +254,7 @@ def make_host_tier(args: EngineArgs, runner: ModelExecutor, kv: KVCacheManager
     elif cuda and args.kv_transport == "nixl":
         # NIXL READs land GPU to GPU (UCX cuda_ipc); into host memory they crawl: a bounded
         # pool on the device, whose rows a step copies into the cache like host rows
-        num_blocks = min(runner.num_blocks, max(1, NIXL_LANDING_BYTES // block_bytes))
+        num_blocks = min(runner.num_blocks, max(1, LANDING_BYTES // block_bytes))
         where = runner.device
     else:  # a decode engine without a host tier lands at most a GPU cache's worth
         num_blocks, where = runner.num_blocks, "cpu"

@@ -23,12 +23,13 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from kvpilot.engine.contracts.kv_protocol import ProtocolError
+from kvpilot.engine.contracts.nixl_memory import SEND_REGION_BYTES
 from kvpilot.engine.kv_transfer.nixl_layout import (
     CacheLayout,
     read_descriptors,
     region_descriptors,
 )
-from kvpilot.engine.kv_transfer.nixl_region import SEND_REGION_BYTES, SendRegion
+from kvpilot.engine.kv_transfer.nixl_region import SendRegion
 
 if TYPE_CHECKING:
     import torch  # only tensors' own methods are called: the agent imports without torch

@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-# the region's size on a GPU: two 8k-token prompts of a Llama-3-8B-shaped model (bf16)
-SEND_REGION_BYTES = 2 * 2**30
 ROOM_WAIT_S = 1.0  # how long a pull waits for rows that other pulls hold
 
 
