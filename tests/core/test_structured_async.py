@@ -111,3 +111,37 @@ def test_the_mask_fills_while_step_returns(monkeypatch: pytest.MonkeyPatch) -> N
     engine.shutdown()
     assert len(waited) > 5 and all(waited)
     jsonschema.validate(json.loads(engine.tokenizer.decode(text)), SCHEMA)
+
+
+def test_abort_while_the_mask_fills_leaves_the_others_valid(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    # a request aborted between steps, its row's mask still filling: the step in flight drops
+    # its token, the others keep sampling from their own rows
+    permits = threading.Semaphore(0)
+    fill = GrammarMatchers._fill
+
+    def gated(self: GrammarMatchers, *args) -> None:
+        assert permits.acquire(timeout=30)
+        fill(self, *args)
+
+    monkeypatch.setattr(GrammarMatchers, "_fill", gated)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model="tiny-llama", device="cpu", max_num_seqs=4, async_scheduling="on"))
+    for i in (0, 1, 3):  # constrained (see _params)
+        engine.add_request(str(i), [5 + i, 6, 7, 8], _params(i))
+    outputs, done = Outputs(), {}
+    for step in range(300):
+        if not engine.has_unfinished_requests():
+            break
+        for delta in engine.step():
+            out = outputs.add(delta)
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+        if step == 3:
+            assert engine._inflight is not None and engine._inflight.tokens is None  # filling
+            engine.abort_request(["1"])
+        permits.release()
+    engine.shutdown()
+    assert done["1"].finish_reason == "abort"
+    for rid in ("0", "3"):
+        jsonschema.validate(json.loads(engine.tokenizer.decode(done[rid].token_ids)), SCHEMA)
