@@ -11,7 +11,8 @@ at once) for a fixed number of steps, in three modes, each its own engine proces
 - `lora8`: --enable-lora --max-loras 8, requests spread round-robin over the 8 adapters.
 
 Reported per mode: output tokens/s over the timed steps and the median ms of pure decode
-steps with the whole batch running. `ratio` = lora8 / base tokens/s.
+steps with the whole batch running (`closed_loop.py`: the wall time of `step()`, no device
+sync between steps). `ratio` = lora8 / base tokens/s.
 
     python bench/lora_gpu.py OUT_DIR            # CUDA
     python bench/lora_gpu.py OUT_DIR --smoke    # CPU, tiny-llama, a few steps
@@ -26,10 +27,10 @@ import platform
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+from closed_loop import closed_loop
 from cpu_smoke import one_thread_per_process
 from fresh_process import call_in_fresh_process
 
@@ -95,40 +96,19 @@ def run_mode(model: str, mode: str, modules: list[str], smoke: bool) -> dict:
     names = [m.split("=", 1)[0] for m in modules] if mode == "lora8" else [None]
     ids = iter(range(10**9))
 
-    def top_up() -> None:
-        while len(engine.requests) < batch:
-            n = next(ids)
-            engine.add_request(f"r{n}", [rng.randrange(vocab - 3) for _ in range(32)], params,
-                               lora_name=names[n % len(names)])
+    def add_request() -> None:
+        n = next(ids)
+        engine.add_request(f"r{n}", [rng.randrange(vocab - 3) for _ in range(32)], params,
+                           lora_name=names[n % len(names)])
 
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    step_ms: list[float] = []
-    tokens = 0
-    start = 0.0
-    for step in range(warm_steps + timed_steps):
-        top_up()
-        if step == warm_steps:
-            sync()
-            start, tokens, step_ms = time.perf_counter(), 0, []
-        began = time.perf_counter()
-        for out in engine.step():
-            tokens += sum(len(c.token_ids) for c in out.completions)
-        plan = engine._last_plan  # pure decode steps with the whole batch running
-        if plan is not None and len(plan.scheduled) == batch and \
-                all(n == 1 for _, n in plan.scheduled):
-            sync()
-            step_ms.append((time.perf_counter() - began) * 1e3)
-    sync()
-    elapsed = time.perf_counter() - start
+    loop = closed_loop(engine, batch, warm_steps, timed_steps, add_request)
+    step_ms = loop.decode_step_ms
     stats = engine.get_stats()
     running = sorted({s.request.lora_name or "base" for s in engine.scheduler.running})
     engine.shutdown()
     return {"mode": mode, "device": device, "batch": batch, "timed_steps": timed_steps,
             "decode_step_ms_median": statistics.median(step_ms) if step_ms else None,
-            "pure_decode_steps": len(step_ms), "output_tok_per_s": tokens / elapsed,
+            "pure_decode_steps": len(step_ms), "output_tok_per_s": loop.tok_per_s,
             "graph_steps": stats.graph_steps, "eager_steps": stats.eager_steps,
             "adapters_running_at_end": running}
 

@@ -14,10 +14,8 @@ once) for a fixed number of steps, in three modes, each its own engine:
   bounded strings, arrays of numbers), compiled once and copied per request.
 
 Reported per mode: the median ms of pure decode steps with 64 running (the wall
-time of `step()`, with no device sync between steps: under async scheduling a
-step returns once its forward is queued and the previous step booked, so in a
-steady run it takes one GPU step or the host's work, whichever is longer, as in
-serving), and the output tokens/s over the timed steps. `slowdown` = json_schema / unconstrained.
+time of `step()` with no device sync between steps, `closed_loop.py`), and the
+output tokens/s over the timed steps. `slowdown` = json_schema / unconstrained.
 Per mode also: the median ms of the grammar's mask fill per decode step (the
 engine's "grammar" phase, on its background thread), of the engine thread's wait
 for it before sampling ("mask_wait": the part of the fill that the step's other
@@ -42,10 +40,10 @@ import platform
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+from closed_loop import closed_loop
 from cpu_smoke import one_thread_per_process
 from fresh_process import call_in_fresh_process
 
@@ -201,43 +199,28 @@ def run_mode(model: str, mode: str, smoke: bool) -> dict:
                             ignore_eos=structured is None)
     ids = iter(range(10**9))
 
-    def top_up() -> None:
-        while len(engine.requests) < batch:
-            engine.add_request(f"r{next(ids)}", [rng.randrange(vocab - 3) for _ in range(32)],
-                               params)
+    def add_request() -> None:
+        engine.add_request(f"r{next(ids)}", [rng.randrange(vocab - 3) for _ in range(32)],
+                           params)
 
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    step_ms: list[float] = []
     grammar_ms: list[float] = []
     wait_ms: list[float] = []
     in_flight = 0
-    tokens = 0
-    start = 0.0
-    for step in range(warm_steps + timed_steps):
-        top_up()
-        if step == warm_steps:
-            sync()
-            start, tokens, step_ms = time.perf_counter(), 0, []
-        began = time.perf_counter()
-        for out in engine.step():
-            tokens += sum(len(c.token_ids) for c in out.completions)
-        plan = engine._last_plan  # pure decode steps with the whole batch running
-        if plan is not None and len(plan.scheduled) == batch and \
-                all(n == 1 for _, n in plan.scheduled):
-            step_ms.append((time.perf_counter() - began) * 1e3)
+
+    def after_timed_step(decode: bool) -> None:
+        nonlocal in_flight
+        in_flight += engine._inflight is not None
+        if decode:
             grammar_ms.append(engine._phases.get("grammar", 0.0) * 1e3)
             wait_ms.append(engine._phases.get("mask_wait", 0.0) * 1e3)
-        in_flight += step >= warm_steps and engine._inflight is not None
-    sync()
-    elapsed = time.perf_counter() - start
+
+    loop = closed_loop(engine, batch, warm_steps, timed_steps, add_request, after_timed_step)
+    step_ms = loop.decode_step_ms
     stats = engine.get_stats()
     engine.shutdown()
     return {"mode": mode, "device": device, "batch": batch, "timed_steps": timed_steps,
             "decode_step_ms_median": statistics.median(step_ms) if step_ms else None,
-            "pure_decode_steps": len(step_ms), "output_tok_per_s": tokens / elapsed,
+            "pure_decode_steps": len(step_ms), "output_tok_per_s": loop.tok_per_s,
             "grammar_fill_ms_median": statistics.median(grammar_ms) if grammar_ms else None,
             "mask_wait_ms_median": statistics.median(wait_ms) if wait_ms else None,
             "steps_left_in_flight": in_flight,
