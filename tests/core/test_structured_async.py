@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable, Iterable
 
 import jsonschema
 import pytest
@@ -19,6 +20,7 @@ import torch
 from core_helpers import Outputs
 
 from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.outputs import CompletionOutput
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
 from kvpilot.engine.llm_engine import LLMEngine
@@ -39,27 +41,60 @@ def _params(i: int) -> SamplingParams:
             json=json.dumps(SCHEMA)) if constrained else None)
 
 
-def _run(mode: str) -> tuple[dict[str, list[int]], dict[str, str], int]:
-    """Gives each request's tokens and their text, and how many steps left a constrained row
-    in flight (launched, not yet read back) when they returned."""
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model="tiny-llama", device="cpu", max_num_seqs=8, async_scheduling=mode))
-    for i in range(9):
-        engine.add_request(str(i), [5 + i, 6, 7, 8], _params(i))
+def _drive(engine: LLMEngine, after_step: Callable[[int], None] = lambda _: None
+           ) -> dict[str, CompletionOutput]:
+    """Steps `engine` until its requests end (bounded), calling `after_step(step)` after each;
+    gives each request's finished output."""
     outputs, done = Outputs(), {}
-    constrained_in_flight = 0
-    for _ in range(500):
+    for step in range(500):
         if not engine.has_unfinished_requests():
             break
         for delta in engine.step():
             out = outputs.add(delta)
             if out.finished:
                 done[out.request_id] = out.outputs[0]
+        after_step(step)
+    assert not engine.has_unfinished_requests()
+    engine.shutdown()
+    return done
+
+
+def _engine(mode: str, max_num_seqs: int, request_ids: Iterable[int]) -> LLMEngine:
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model="tiny-llama", device="cpu", max_num_seqs=max_num_seqs, async_scheduling=mode))
+    for i in request_ids:
+        engine.add_request(str(i), [5 + i, 6, 7, 8], _params(i))
+    return engine
+
+
+def _gate_fills(monkeypatch: pytest.MonkeyPatch, timeout: float) -> tuple[threading.Semaphore,
+                                                                          list[bool]]:
+    """Makes each mask fill wait for a permit (up to `timeout` s); gives the permits and
+    whether each fill got one in time."""
+    permits, waited = threading.Semaphore(0), []
+    fill = GrammarMatchers._fill
+
+    def gated(self: GrammarMatchers, *args) -> None:
+        waited.append(permits.acquire(timeout=timeout))
+        fill(self, *args)
+
+    monkeypatch.setattr(GrammarMatchers, "_fill", gated)
+    return permits, waited
+
+
+def _run(mode: str) -> tuple[dict[str, list[int]], dict[str, str], int]:
+    """Gives each request's tokens and their text, and how many steps left a constrained row
+    in flight (launched, not yet read back) when they returned."""
+    engine = _engine(mode, 8, range(9))
+    constrained_in_flight = 0
+
+    def count(_step: int) -> None:
+        nonlocal constrained_in_flight
         flight = engine._inflight
         if flight is not None and any(s.request.grammar is not None for s in flight.seqs):
             constrained_in_flight += 1
-    assert not engine.has_unfinished_requests()
-    engine.shutdown()
+
+    done = _drive(engine, count)
     tokens = {k: list(v.token_ids) for k, v in done.items()}
     return tokens, {k: engine.tokenizer.decode(v) for k, v in tokens.items()}, \
         constrained_in_flight
@@ -91,57 +126,27 @@ def test_bitmask_buffer_rows_start_all_allowed_when_reused_and_grown() -> None:
 def test_the_mask_fills_while_step_returns(monkeypatch: pytest.MonkeyPatch) -> None:
     # each fill waits for a permit the test gives only once step() returned: a step that
     # waited for its own step's fill would hold it until the permit timed out
-    permits, waited = threading.Semaphore(0), []
-    fill = GrammarMatchers._fill
-
-    def gated(self: GrammarMatchers, *args) -> None:
-        waited.append(permits.acquire(timeout=5))
-        fill(self, *args)
-
-    monkeypatch.setattr(GrammarMatchers, "_fill", gated)
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model="tiny-llama", device="cpu", max_num_seqs=4, async_scheduling="on"))
-    engine.add_request("0", [5, 6, 7, 8], _params(0))
-    text = []
-    for _ in range(200):
-        if not engine.has_unfinished_requests():
-            break
-        text += [t for delta in engine.step() for c in delta.completions for t in c.token_ids]
-        permits.release()
-    engine.shutdown()
+    permits, waited = _gate_fills(monkeypatch, timeout=5)
+    engine = _engine("on", 4, [0])
+    done = _drive(engine, lambda _: permits.release())
     assert len(waited) > 5 and all(waited)
-    jsonschema.validate(json.loads(engine.tokenizer.decode(text)), SCHEMA)
+    jsonschema.validate(json.loads(engine.tokenizer.decode(done["0"].token_ids)), SCHEMA)
 
 
 def test_abort_while_the_mask_fills_leaves_the_others_valid(monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
     # a request aborted between steps, its row's mask still filling: the step in flight drops
     # its token, the others keep sampling from their own rows
-    permits = threading.Semaphore(0)
-    fill = GrammarMatchers._fill
+    permits, waited = _gate_fills(monkeypatch, timeout=30)
+    engine = _engine("on", 4, [0, 1, 3])  # constrained (see _params)
 
-    def gated(self: GrammarMatchers, *args) -> None:
-        assert permits.acquire(timeout=30)
-        fill(self, *args)
-
-    monkeypatch.setattr(GrammarMatchers, "_fill", gated)
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model="tiny-llama", device="cpu", max_num_seqs=4, async_scheduling="on"))
-    for i in (0, 1, 3):  # constrained (see _params)
-        engine.add_request(str(i), [5 + i, 6, 7, 8], _params(i))
-    outputs, done = Outputs(), {}
-    for step in range(300):
-        if not engine.has_unfinished_requests():
-            break
-        for delta in engine.step():
-            out = outputs.add(delta)
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
+    def abort_once_filling(step: int) -> None:
         if step == 3:
             assert engine._inflight is not None and engine._inflight.tokens is None  # filling
             engine.abort_request(["1"])
         permits.release()
-    engine.shutdown()
-    assert done["1"].finish_reason == "abort"
+
+    done = _drive(engine, abort_once_filling)
+    assert all(waited) and done["1"].finish_reason == "abort"
     for rid in ("0", "3"):
         jsonschema.validate(json.loads(engine.tokenizer.decode(done[rid].token_ids)), SCHEMA)
