@@ -27,10 +27,10 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpilot.engine.contracts.args import EngineArgs, ServerArgs
 from kvpilot.engine.contracts.http_auth import HttpAuth
@@ -120,7 +120,6 @@ def make_server(app: FastAPI, server_args: ServerArgs) -> uvicorn.Server:
 
 def serve_api(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) -> None:
     """Serves the OpenAI API for `core` on `sock` until a signal drained it."""
-    import asyncio
     import gc
 
     from kvpilot.engine.contracts.tokenizer import Tokenizer, load_tokenizer
@@ -140,7 +139,20 @@ def serve_api(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) ->
     # (vLLM's and SGLang's API servers do the same; measured in bench/delivery_path.py).
     gc.collect()
     gc.freeze()
-    asyncio.run(make_server(app, server_args).serve(sockets=[sock]))
+    run_event_loop(make_server(app, server_args).serve(sockets=[sock]))
+
+
+def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Runs `main` on uvloop where it is installed (a dependency on Linux; vLLM's and SGLang's
+    API servers use it too), else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        import asyncio
+
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 def _api_server_process(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) -> None:
