@@ -17,6 +17,7 @@ importing its app) is held, and the drain starts as soon as it serves.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -120,7 +121,6 @@ def make_server(app: FastAPI, server_args: ServerArgs) -> uvicorn.Server:
 
 def serve_api(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) -> None:
     """Serves the OpenAI API for `core` on `sock` until a signal drained it."""
-    import gc
 
     from kvpilot.engine.contracts.tokenizer import Tokenizer, load_tokenizer
     from kvpilot.engine.server.app import build_app
@@ -133,13 +133,30 @@ def serve_api(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) ->
     app = build_app(core, tokenizer, engine_args.name, max_queue_len=server_args.max_queue_len,
                     auth=config.auth, tool_call_parser=server_args.tool_call_parser
                     if server_args.enable_auto_tool_choice else None)
-    # Every streamed token allocates a few dozen objects, so the cyclic GC runs often; a full
-    # collection walks the whole heap (FastAPI, pydantic, the tokenizer: tens of ms on a busy
-    # core, every stream's ITL at once). The start-up heap, frozen, is never walked again
-    # (vLLM's and SGLang's API servers do the same; measured in bench/delivery_path.py).
+    settle_gc()
+    run_event_loop(make_server(app, server_args).serve(sockets=[sock]))
+
+
+# the cyclic GC's young generation in an API server, in tracked objects (CPython's default: 700)
+GC_YOUNG_OBJECTS = 20_000
+
+
+def settle_gc() -> None:
+    """Readies the cyclic GC for streaming, once the app is built.
+
+    Every streamed token allocates a few dozen objects, nearly all freed by their
+    reference counts. With CPython's default young generation (700) the GC ran
+    ~270 times in a few seconds of 256 streams and twice walked the whole heap,
+    ~20 ms each, every stream's ITL at once. The start-up heap (FastAPI, pydantic,
+    the tokenizer), frozen, is never walked again (vLLM's and SGLang's API servers
+    do the same); a young generation of `GC_YOUNG_OBJECTS` keeps the older ones'
+    ratios and leaves a few collections, no full one, in such a run: ITL p99/p50
+    1.80-1.83 against 2.71-5.08 (`bench/results/delivery_path-CPU-2026-11-27.md`).
+    """
     gc.collect()
     gc.freeze()
-    run_event_loop(make_server(app, server_args).serve(sockets=[sock]))
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_OBJECTS, older, oldest)
 
 
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
