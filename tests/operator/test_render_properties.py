@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvpilot.operator.api.inference_model import InferenceModelSpec
+from kvpilot.operator.api.names import MAX_NAME
 from kvpilot.operator.api.pools import SPEC_BY_KIND
 from kvpilot.operator.planning.pool import resolve_pool
 from kvpilot.operator.render.children import owned_pools, render_children
@@ -21,12 +22,16 @@ specs = st.fixed_dictionaries({
     "replicas": st.integers(0, 3),
     "mode": st.sampled_from(["aggregated", "disaggregated"]),
     "lws": st.booleans(),
-    "name": st.from_regex(r"[a-z][a-z0-9-]{0,60}[a-z0-9]", fullmatch=True),
+    # every name the InferenceModel's own rule admits (a longer one is refused at the API)
+    "name": st.from_regex(rf"[a-z][a-z0-9-]{{0,{MAX_NAME['InferenceModel'] - 2}}}[a-z0-9]",
+                          fullmatch=True),
 })
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs)
+@example({"tp": 8, "pp": 4, "vendor": "nvidia", "replicas": 3, "mode": "disaggregated",
+          "lws": False, "name": "a" * MAX_NAME["InferenceModel"]})  # the longest name allowed
 def test_rendering_invariants(case):
     spec = InferenceModelSpec.model_validate({
         "model": {"name": case["name"], "source": "dummy:tiny-llama"},
