@@ -29,9 +29,7 @@ reported too. Writes serve_vs_offline.json and .md to `--out`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
-import gc
 import json
 import math
 import multiprocessing
@@ -53,6 +51,7 @@ from cpu_smoke import one_thread_per_process
 from fresh_process import call_in_fresh_process
 
 from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.event_loop import run_event_loop, settle_gc
 from kvpilot.engine.loadgen.datasets import SampleRequest
 from kvpilot.engine.loadgen.report import RequestResult, summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
@@ -206,11 +205,10 @@ def _client(base: str, samples: list[SampleRequest], rate: float, seed: int, sta
     gives (results, seconds, CPU seconds it spent)."""
     cfg = BenchConfig(base_url=base, model="served", request_rate=rate, ignore_eos=True,
                       seed=seed)
-    gc.collect()
-    gc.freeze()  # as `kvpilot bench serve` does: no full collection pauses its loop
+    settle_gc()  # as `kvpilot bench serve` does: a GC pause would be timed as the server's
     start.wait()
     cpu = time.process_time()
-    results, duration = asyncio.run(run_benchmark(cfg, samples))
+    results, duration = run_event_loop(run_benchmark(cfg, samples))
     return results, duration, time.process_time() - cpu
 
 

@@ -12,16 +12,17 @@ import uvloop
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvpilot.engine.server.api_servers import GC_YOUNG_OBJECTS, run_event_loop, settle_gc
+from kvpilot.engine.event_loop import GC_YOUNG_OBJECTS, run_event_loop, settle_gc
 
 
 def test_api_servers_run_on_uvloop() -> None:
     loops = []
 
-    async def main() -> None:
+    async def main() -> int:
         loops.append(type(asyncio.get_running_loop()))
+        return 7
 
-    run_event_loop(main())
+    assert run_event_loop(main()) == 7
     assert loops == [uvloop.Loop]
 
 

@@ -118,9 +118,7 @@ def samples_for(args: argparse.Namespace, tokenizer: TokenizerLike) -> list[Samp
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-    import gc
-
+    from kvpilot.engine.event_loop import run_event_loop, settle_gc
     from kvpilot.engine.loadgen.report import RequestResult, format_table, parse_slos, summarize
     from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
 
@@ -143,12 +141,10 @@ def run(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.update(1)
 
-        # its start-up heap out of the cyclic GC's full collections: a pause of the event
-        # loop would be timed as the server's inter-token latency
-        gc.collect()
-        gc.freeze()
+        # a GC pause of the event loop would be timed as the server's inter-token latency
+        settle_gc()
         try:
-            results, duration = asyncio.run(run_benchmark(cfg, samples, done))
+            results, duration = run_event_loop(run_benchmark(cfg, samples, done))
         finally:
             if bar is not None:
                 bar.close()

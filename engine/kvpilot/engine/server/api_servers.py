@@ -17,7 +17,6 @@ importing its app) is held, and the drain starts as soon as it serves.
 
 from __future__ import annotations
 
-import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -28,14 +27,15 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.contracts.args import EngineArgs, ServerArgs
 from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.core_process.launch import CoreHandle
+from kvpilot.engine.event_loop import run_event_loop, settle_gc
 
 if TYPE_CHECKING:
     import uvicorn
@@ -135,41 +135,6 @@ def serve_api(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) ->
                     if server_args.enable_auto_tool_choice else None)
     settle_gc()
     run_event_loop(make_server(app, server_args).serve(sockets=[sock]))
-
-
-# the cyclic GC's young generation in an API server, in tracked objects (CPython's default: 700)
-GC_YOUNG_OBJECTS = 20_000
-
-
-def settle_gc() -> None:
-    """Readies the cyclic GC for streaming, once the app is built.
-
-    Every streamed token allocates a few dozen objects, nearly all freed by their
-    reference counts. With CPython's default young generation (700) the GC ran
-    ~270 times in a few seconds of 256 streams and twice walked the whole heap,
-    ~20 ms each, every stream's ITL at once. The start-up heap (FastAPI, pydantic,
-    the tokenizer), frozen, is never walked again (vLLM's and SGLang's API servers
-    do the same); a young generation of `GC_YOUNG_OBJECTS` keeps the older ones'
-    ratios and leaves a few collections, no full one, in such a run: ITL p99/p50
-    1.80-1.83 against 2.71-5.08 (`bench/results/delivery_path-CPU-2026-11-27.md`).
-    """
-    gc.collect()
-    gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_OBJECTS, older, oldest)
-
-
-def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
-    """Runs `main` on uvloop where it is installed (a dependency on Linux; vLLM's and SGLang's
-    API servers use it too), else on asyncio's own loop."""
-    try:
-        import uvloop
-    except ImportError:
-        import asyncio
-
-        asyncio.run(main)
-        return
-    uvloop.run(main)
 
 
 def _api_server_process(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) -> None:
