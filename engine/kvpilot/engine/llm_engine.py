@@ -85,6 +85,7 @@ class _InFlight:
     rows: list[SamplingRow] | None = None
     mask: MaskFill | None = None
     accepted: bool = False  # the grammar matchers took these tokens already
+    token_ids: list[int] | None = None  # the tokens on the host, once read
 
 
 class LLMEngine:
@@ -556,14 +557,15 @@ class LLMEngine:
                 seq.inflight_row = row
 
     def _wait(self, flight: _InFlight) -> list[int]:
-        """Gives a sampled step's tokens on the host, waiting for them."""
-        if flight.ready is not None:
-            waited = time.perf_counter()
-            flight.ready.synchronize()
-            flight.ready = None
-            self._gpu_wait_s += time.perf_counter() - waited
-        assert flight.host is not None
-        return flight.host.tolist()
+        """Gives a sampled step's tokens on the host, waiting for them (read once)."""
+        if flight.token_ids is None:
+            if flight.ready is not None:
+                waited = time.perf_counter()
+                flight.ready.synchronize()
+                self._gpu_wait_s += time.perf_counter() - waited
+            assert flight.host is not None
+            flight.token_ids = flight.host.tolist()
+        return flight.token_ids
 
     def _accept(self, flight: _InFlight) -> None:
         """Has the grammar matchers take a launched step's tokens (before `_resolve` books

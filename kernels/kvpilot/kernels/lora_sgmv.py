@@ -16,8 +16,8 @@ latency on an almost idle GPU, per seam and layer. Split, each program reads a K
 and adds its partial product into the zeroed float32 [T, R] with atomics (as vLLM's
 lora_shrink does); the order of those adds varies, so the delta is not bitwise
 reproducible from run to run (float32 rounding in rank space). Over 32 token blocks
-(512 tokens): no split, plain stores. A caller running many seams per forward passes `tmp`, a slice of
-one workspace it zeroed once (one memset per forward instead of one per seam).
+(512 tokens): no split, plain stores. A caller running many seams per forward passes
+`tmp`, a slice of one workspace it zeroed once (one memset per forward, not per seam).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def split_k_for(tokens: int, k: int, block_k: int = 64) -> int:
     most one per BLOCK_K of K; 1 where it does not split (`shrink_splits`)."""
     if not shrink_splits(tokens):
         return 1
-    return max(1, min(triton.cdiv(k, block_k), _SPLIT_PROGRAMS // triton.cdiv(tokens, BLOCK_M)))
+    return min(triton.cdiv(k, block_k), _SPLIT_PROGRAMS // triton.cdiv(tokens, BLOCK_M))
 
 
 def lora_sgmv_(out: torch.Tensor,  # [T, N], rows dense: the base layer's output, added to

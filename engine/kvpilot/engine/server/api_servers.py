@@ -121,7 +121,6 @@ def make_server(app: FastAPI, server_args: ServerArgs) -> uvicorn.Server:
 
 def serve_api(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) -> None:
     """Serves the OpenAI API for `core` on `sock` until a signal drained it."""
-
     from kvpilot.engine.contracts.tokenizer import Tokenizer, load_tokenizer
     from kvpilot.engine.server.app import build_app
 

@@ -16,7 +16,11 @@ engine starts it once the previous step's tokens were accepted, books that step
 and schedules the next while it runs (the GPU runs the forward), and waits for it
 only to queue the sampling (`MaskFill.wait`). `bitmask` fills and waits at once.
 The sampler applies the whole batch's mask in one select. `accept` advances a
-matcher by the sampled token. A grammar that
+matcher by the sampled token. A grammar that fails in the core (the API server
+checked it, so this is a library fault) sets the request's error and allows only
+EOS, so the request ends at once and its reader gets the error. Matcher state
+follows the output tokens, which survive preemption (recompute keeps them), so
+nothing is rolled back there.
 """
 
 from __future__ import annotations
