@@ -205,6 +205,7 @@ def run_mode(model: str, mode: str, smoke: bool) -> dict:
 
     grammar_ms: list[float] = []
     wait_ms: list[float] = []
+    phase_ms: dict[str, list[float]] = {}  # every host phase of the decode steps
     in_flight = 0
 
     def after_timed_step(decode: bool) -> None:
@@ -213,6 +214,8 @@ def run_mode(model: str, mode: str, smoke: bool) -> dict:
         if decode:
             grammar_ms.append(engine._phases.get("grammar", 0.0) * 1e3)
             wait_ms.append(engine._phases.get("mask_wait", 0.0) * 1e3)
+            for name, seconds in engine._phases.items():
+                phase_ms.setdefault(name, []).append(seconds * 1e3)
 
     loop = closed_loop(engine, batch, warm_steps, timed_steps, add_request, after_timed_step)
     step_ms = loop.decode_step_ms
@@ -224,6 +227,8 @@ def run_mode(model: str, mode: str, smoke: bool) -> dict:
             "grammar_fill_ms_median": statistics.median(grammar_ms) if grammar_ms else None,
             "mask_wait_ms_median": statistics.median(wait_ms) if wait_ms else None,
             "steps_left_in_flight": in_flight,
+            "phases_ms_median": {name: round(statistics.median(v), 3)
+                                 for name, v in phase_ms.items()},
             "graph_steps": stats.graph_steps, "eager_steps": stats.eager_steps}
 
 

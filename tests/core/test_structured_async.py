@@ -11,7 +11,9 @@ where the mask is computed after the forward in place.
 from __future__ import annotations
 
 import json
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import jsonschema
@@ -25,7 +27,7 @@ from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.structured.bitmask import BitmaskBuffer
-from kvpilot.engine.structured.matchers import GrammarMatchers
+from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "tags"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -131,6 +133,37 @@ def test_the_mask_fills_while_step_returns(monkeypatch: pytest.MonkeyPatch) -> N
     done = _drive(engine, lambda _: permits.release())
     assert len(waited) > 5 and all(waited)
     jsonschema.validate(json.loads(engine.tokenizer.decode(done["0"].token_ids)), SCHEMA)
+
+
+def test_the_fill_starts_before_start_bitmask_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a thread waiting for the GIL gets it when the holder blocks or after the switch
+    # interval (here 1 s): the fill must have begun when the engine goes on with its host
+    # work, not start only once the engine waits for the mask
+    began: list[float] = []
+    returned: list[float] = []
+    fill, start = GrammarMatchers._fill, GrammarMatchers.start_bitmask
+
+    def timed_fill(self: GrammarMatchers, *args) -> None:
+        began.append(time.perf_counter())
+        fill(self, *args)
+
+    def timed_start(self: GrammarMatchers, seqs: list) -> MaskFill | None:
+        mask = start(self, seqs)
+        if mask is not None and mask._filling is not None:
+            returned.append(time.perf_counter())
+        return mask
+
+    monkeypatch.setattr(GrammarMatchers, "_fill", timed_fill)
+    monkeypatch.setattr(GrammarMatchers, "start_bitmask", timed_start)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        done = _drive(_engine("on", 4, [0, 1]))
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(returned) > 5 and len(began) == len(returned)
+    assert all(b < r for b, r in zip(began, returned, strict=True))
+    assert set(done) == {"0", "1"}
 
 
 def test_abort_while_the_mask_fills_leaves_the_others_valid(monkeypatch: pytest.MonkeyPatch

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -128,12 +129,26 @@ class GrammarMatchers:
                 constrained.append((matcher, row))
         if not constrained:
             return MaskFill(self._buffer, mask, None)
-        return MaskFill(self._buffer, mask, self._fill_pool.submit(self._fill, constrained, mask))
+        # the fill thread needs the GIL to start, and a thread waiting for it gets it only
+        # when this one blocks or after the 5 ms switch interval: without this handshake the
+        # fill began only at `MaskFill.wait`, in series with the step's host work
+        started = threading.Event()
+        filling = self._fill_pool.submit(self._started_fill, started, constrained, mask)
+        started.wait()
+        return MaskFill(self._buffer, mask, filling)
 
     def bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """Gives the mask `start_bitmask` fills, on the device (copied without waiting)."""
         fill = self.start_bitmask(seqs)
         return fill.wait() if fill is not None else None
+
+    def _started_fill(self, started: threading.Event,
+                      constrained: list[tuple[llguidance.LLMatcher, int]], mask: torch.Tensor
+                      ) -> None:
+        """Lets `start_bitmask` return, then fills: this thread keeps the GIL until the
+        fill drops it."""
+        started.set()
+        self._fill(constrained, mask)
 
     def _fill(self, constrained: list[tuple[llguidance.LLMatcher, int]], mask: torch.Tensor
               ) -> None:
