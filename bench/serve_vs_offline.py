@@ -212,6 +212,28 @@ def _client(base: str, samples: list[SampleRequest], rate: float, seed: int, sta
     return results, duration, time.process_time() - cpu
 
 
+def itl_tail(results: list[RequestResult], p50: float) -> dict[str, float]:
+    """Says where the ITLs over 2x the median come from: the share of all ITLs they are, the
+    part of them that ended before the run's last first token (at rate inf: while the burst's
+    prompts were still being prefilled, every request started at ~0), and the share of output
+    tokens that arrived in a chunk with another (a chunk's ITL spans its tokens)."""
+    itls = [x for r in results for x in r.itl]
+    prefill_end = max(r.ttft for r in results)
+    slow = early = 0
+    for r in results:
+        at = r.ttft
+        for x in r.itl:
+            at += x
+            if x > 2 * p50:
+                slow += 1
+                early += at <= prefill_end
+    tokens = sum(r.output_tokens for r in results)
+    chunks = sum(len(r.itl) + 1 for r in results)
+    return {"over_2x_p50": slow / max(len(itls), 1),
+            "over_2x_p50_in_prefill_phase": early / max(slow, 1),
+            "tokens_sharing_a_chunk": 1 - chunks / max(tokens, 1)}
+
+
 def load(base: str, samples: list[SampleRequest], rate: float = math.inf, clients: int = 1,
          serve: subprocess.Popen[bytes] | None = None) -> dict[str, Any]:
     """Gives the `kvpilot bench serve` summary of `samples` sent at `rate` requests/s by
@@ -231,8 +253,9 @@ def load(base: str, samples: list[SampleRequest], rate: float = math.inf, client
     done = [reader.recv() for _, reader in parts]
     for process, _ in parts:
         process.join()
-    summary = summarize([r for results, _, _ in done for r in results],
-                        max(duration for _, duration, _ in done))
+    results = [r for results, _, _ in done for r in results]
+    summary = summarize(results, max(duration for _, duration, _ in done))
+    summary["itl_tail"] = itl_tail(results, summary["median_itl_ms"] / 1e3)
     if summary["failed"]:
         raise RuntimeError(f"{summary['failed']} requests failed: {summary['errors']}")
     tokens = summary["total_output_tokens"]
@@ -253,7 +276,8 @@ def served_row(summary: dict[str, Any], offline_tok_s: float) -> dict[str, Any]:
             "ttft_mean_ms": summary["mean_ttft_ms"], "duration_s": summary["duration"],
             "api_server_cpu_us_per_token": summary["api_servers_cpu_us_per_token"],
             "core_cpu_us_per_token": summary["core_cpu_us_per_token"],
-            "loadgen_cpu_us_per_token": summary["loadgen_cpu_us_per_token"], "summary": summary}
+            "loadgen_cpu_us_per_token": summary["loadgen_cpu_us_per_token"],
+            "itl_tail": summary["itl_tail"], "summary": summary}
 
 
 def run(spec: dict[str, Any], counts: list[int], saturation: float, clients: int, tmp: Path
@@ -332,6 +356,14 @@ def markdown(r: dict[str, Any]) -> str:
                      f"{row['api_server_cpu_us_per_token']:.0f}, "
                      f"{row['core_cpu_us_per_token']:.0f}, "
                      f"{row['loadgen_cpu_us_per_token']:.0f} |")
+    lines += ["", "Where the ITL tail comes from (ITLs over 2x p50: their share of all ITLs, the "
+              "part of them during the burst's prefill phase; tokens that arrived sharing a "
+              "chunk):", ""]
+    for name, row in rows:
+        t = row["itl_tail"]
+        lines.append(f"- {name}: {t['over_2x_p50']:.2%} of ITLs, "
+                     f"{t['over_2x_p50_in_prefill_phase']:.0%} of them in the prefill phase; "
+                     f"{t['tokens_sharing_a_chunk']:.2%} of tokens shared a chunk")
     b = r["batch1"]
     lines += ["", f"Batch 1 ({b['new_tokens']} tokens): offline {b['offline_ms_per_token']:.2f} "
               f"ms/token, served {b['served_ms_per_token']:.2f} ms/token (mean TPOT): served "
