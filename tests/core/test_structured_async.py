@@ -102,7 +102,13 @@ def _run(mode: str) -> tuple[dict[str, list[int]], dict[str, str], int]:
         constrained_in_flight
 
 
-def test_async_steps_keep_structured_requests_in_flight_and_match_sync_steps() -> None:
+@pytest.mark.parametrize("order", ["fill_first", "forward_first"])
+def test_async_steps_keep_structured_requests_in_flight_and_match_sync_steps(
+        monkeypatch: pytest.MonkeyPatch, order: str) -> None:
+    # fill_first: the previous forward is done (always on CPU), so the step takes the previous
+    # tokens and starts its mask before its forward; forward_first: as when the GPU is busy
+    if order == "forward_first":
+        monkeypatch.setattr(LLMEngine, "_fill_first", lambda *_: None)
     sync_tokens, _, sync_flights = _run("off")
     async_tokens, async_texts, async_flights = _run("on")
     assert sync_flights == 0

@@ -84,6 +84,7 @@ class _InFlight:
     logits: torch.Tensor | None = None  # until sampled
     rows: list[SamplingRow] | None = None
     mask: MaskFill | None = None
+    computed: torch.cuda.Event | None = None  # recorded after the forward, while not sampled
     accepted: bool = False  # the grammar matchers took these tokens already
     token_ids: list[int] | None = None  # the tokens on the host, once read
 
@@ -343,34 +344,59 @@ class LLMEngine:
         if drafts:
             SpecDecoder.fill(plan, entries, drafts)
         self._last_plan = plan
+        mask = None
         if flight is not None:  # the forward takes its last tokens on the device
             flight = self._sampled(flight)
+            mask = self._fill_first(plan, entries, flight)
         logits = self.runner.execute(entries, plan.block_copies,
                                      flight.tokens if flight is not None else None)
         phases["forward"], start = clock() - start, clock()
         if self.async_scheduling and not self._host_sampling:
-            self._step_async(plan, entries, logits, flight, results)
+            self._step_async(plan, entries, logits, flight, results, mask)
             return results
         self._book(plan, entries, logits, results, drafts)
         phases["sample"] = clock() - start
         return results
 
+    def _constrained(self, plan: SchedulerOutput) -> bool:
+        return self._grammars is not None and any(
+            s.request.grammar is not None for s, _ in plan.scheduled)
+
+    def _fill_first(self, plan: SchedulerOutput, entries: list[BatchEntry], flight: _InFlight
+                    ) -> MaskFill | None:
+        """Under async scheduling, for a batch with grammar rows whose previous forward is
+        done already (the mask fill, not the GPU, bounds the step): reads the previous
+        tokens, has the matchers take them and starts this step's mask before launching its
+        forward, which then runs beside the fill; gives the mask, else None (the forward
+        goes first and `_step_async` starts the fill after it)."""
+        if not (self.async_scheduling and not self._host_sampling and self._constrained(plan)):
+            return None
+        if flight.computed is not None and not flight.computed.query():
+            return None  # the GPU is still busy: queue this forward first
+        start = time.perf_counter()
+        self._accept(flight)
+        grammars = self._grammars
+        assert grammars is not None
+        mask = grammars.start_bitmask(self._sampled_seqs(plan, entries))
+        self._phases["accept"] = time.perf_counter() - start
+        return mask
+
     def _step_async(self, plan: SchedulerOutput, entries: list[BatchEntry], logits: torch.Tensor,
-                    flight: _InFlight | None, results: list[EngineCoreOutput]) -> None:
+                    flight: _InFlight | None, results: list[EngineCoreOutput],
+                    mask: MaskFill | None = None) -> None:
         """Launches the sampling of a step whose forward is queued, reads the previous step's
         tokens back and books both. A batch with grammar rows reads the previous tokens first
         and the matchers take them; their mask then fills on a background thread while this
         thread books the previous step and schedules the next (the GPU runs the forward),
-        and the next step queues the sampling (`_sampled`) before its own forward."""
+        and the next step queues the sampling (`_sampled`) before its own forward. When the
+        fill is the longer of the two, `_fill_first` started `mask` before the forward."""
         phases, clock = self._phases, time.perf_counter
         start = clock()
-        grammars = self._grammars
-        constrained = grammars is not None and any(
-            s.request.grammar is not None for s, _ in plan.scheduled)
-        if flight is not None and constrained:
+        constrained = self._constrained(plan)
+        if flight is not None and constrained and not flight.accepted:
             self._accept(flight)
             phases["accept"], start = clock() - start, clock()
-        launched = self._launch(plan, entries, logits, fill_mask=constrained)
+        launched = self._launch(plan, entries, logits, fill_mask=constrained, mask=mask)
         phases["sample"], start = clock() - start, clock()
         if flight is not None:
             self._resolve(flight, results)
@@ -499,24 +525,33 @@ class LLMEngine:
                 self.prompt_tokens += min(end, num_prompt) - start
         return entries
 
+    @staticmethod
+    def _sampled_seqs(plan: SchedulerOutput, entries: list[BatchEntry]) -> list[Sequence]:
+        """Gives the sequences a step samples, in logits-row order."""
+        return [seq for (seq, _), entry in zip(plan.scheduled, entries, strict=True)
+                if entry.logits == "last"]
+
     def _launch(self, plan: SchedulerOutput, entries: list[BatchEntry], logits: torch.Tensor,
-                fill_mask: bool = False) -> _InFlight:
+                fill_mask: bool = False, mask: MaskFill | None = None) -> _InFlight:
         """Queues sampling of a step's last rows and the copy of the tokens to the host; with
-        `fill_mask`, starts filling the grammar mask instead and leaves the sampling to
-        `_sampled` (the matchers must have taken the previous step's tokens)."""
-        seqs: list[Sequence] = []
-        rows: list[SamplingRow] = []
-        for (seq, _), entry in zip(plan.scheduled, entries, strict=True):
-            if entry.logits == "last":
-                seqs.append(seq)
-                rows.append(SamplingRow(seq.request.params, seq.token_ids,
-                                        seq.request.num_prompt_tokens, seq.generator))
+        `fill_mask`, starts filling the grammar mask (unless `mask` is that, started already)
+        instead and leaves the sampling to `_sampled` (the matchers must have taken the
+        previous step's tokens)."""
+        seqs = self._sampled_seqs(plan, entries)
+        rows = [SamplingRow(seq.request.params, seq.token_ids, seq.request.num_prompt_tokens,
+                            seq.generator) for seq in seqs]
         if len(seqs) != logits.shape[0]:  # rows that finish a prompt chunk only, not sampled
             raise AssertionError("async steps sample every logits row")
         grammars = self._grammars
-        mask = grammars.start_bitmask(seqs) if fill_mask and grammars is not None else None
+        if mask is None and fill_mask and grammars is not None:
+            mask = grammars.start_bitmask(seqs)
         flight = _InFlight(seqs, logits=logits, rows=rows, mask=mask)
-        return flight if mask is not None else self._sampled(flight)
+        if mask is None:
+            return self._sampled(flight)
+        if logits.is_cuda:  # whether the next step may read these tokens before its forward
+            flight.computed = torch.cuda.Event()
+            flight.computed.record()
+        return flight
 
     def _sampled(self, flight: _InFlight) -> _InFlight:
         """Gives `flight` with its sampling queued (waiting for its grammar mask first, if
