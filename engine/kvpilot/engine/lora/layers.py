@@ -10,15 +10,19 @@ an adapter does not target stays zero. S = --max-loras slots, R = --max-lora-ran
 `LoRAMapping` says which slot each token of the step uses (-1: the base model). It lives in
 a persistent buffer the runner fills before the forward, so a CUDA graph captured with the
 hooks replays with each step's mapping: on CUDA a pre-hook on the model groups the tokens by
-slot on the device once per forward (and, for a decode-sized batch, whose shrink splits K
-and adds with atomics, zeroes one float32 workspace for every seam's rank-space product)
-and every projection's hook launches the Triton kernel (`kvpilot.kernels.lora_sgmv`);
-elsewhere the hooks run the torch reference over the slots present.
+slot on the device once per forward, into a fixed-size table of blocks of at most 16 tokens
+of one slot (base tokens get none), and, for a decode-sized batch, whose shrink splits K
+and adds with atomics, zeroes one float32 workspace for every seam's rank-space product;
+every projection's hook then launches the Triton kernels (`kvpilot.kernels.lora_sgmv`) over
+that table, a program per row and column block: cdiv(T, 16) + S rows, not token blocks x
+S slots, and a program on an unused row exits at once (the kernel module gives the H100
+numbers behind it). Elsewhere the hooks run the torch reference over the slots present.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,6 +30,9 @@ from torch import nn
 
 from kvpilot.engine.lora.peft_adapter import PeftAdapter
 from kvpilot.engine.models.layers import MergedLinear
+
+if TYPE_CHECKING:
+    from kvpilot.kernels.lora_sgmv import SlotGroups
 
 # (module of the decoder layer, its linear, the PEFT projections it stacks)
 SEAMS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -40,8 +47,9 @@ class LoRAMapping:
     def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.use_kernel = device.type == "cuda"
-        # the kernel path's tokens grouped by slot, made once per forward (`group`)
-        self.grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # the kernel path's tokens grouped by slot and its block table, made once per
+        # forward (`group`)
+        self.grouped: SlotGroups | None = None
         # [seams, tokens, widest seam's rank] float32 zeros for a decode-sized forward's
         # shrinks (`group`), else None and each shrink makes its own
         self.workspace: torch.Tensor | None = None
@@ -65,8 +73,8 @@ class LoRAMapping:
                        for slot in np.unique(slots) if slot >= 0]
 
     def group(self, num_tokens: int, num_slots: int) -> None:
-        """Groups the forward's `num_tokens` tokens by slot on the device, for every layer
-        (inside a CUDA graph when one is captured)."""
+        """Groups the forward's `num_tokens` tokens by slot on the device and makes their
+        block table, for every layer (inside a CUDA graph when one is captured)."""
         if self.use_kernel:
             from kvpilot.kernels.lora_sgmv import group_by_slot, shrink_splits
 
