@@ -29,3 +29,21 @@ def test_spec_decode_bench_smoke(tmp_path: Path):
         if row["scenario"] == "draft=target":
             assert row["acceptance"] == 1.0
     assert "| draft=target | random | 1 |" in (tmp_path / "results.md").read_text()
+
+
+def test_spec_decode_bench_small_draft_smoke(tmp_path: Path):
+    # a draft of the target's first layer, copied from it, against a target whose second layer
+    # is damped to nothing: the draft then proposes the target's own tokens
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "spec_decode_gpu.py"),
+                           str(tmp_path), "--smoke", "--scenarios", "base,small-draft",
+                           "--small-draft-layers", "1", "--damp", "0"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    rows = [r for r in report["rows"] if r["scenario"] == "small-draft"]
+    base = {(r["prompt"], r["batch"]): r["outputs"] for r in report["rows"]
+            if r["scenario"] == "base"}
+    assert len(rows) == 4 and report["damp"] == 0.0
+    for row in rows:
+        assert row["outputs"] == base[(row["prompt"], row["batch"])]
+        assert row["acceptance"] == 1.0
