@@ -128,7 +128,9 @@ def damp_target(engine, first: int, damp: float) -> None:
 
 def copy_into_draft(engine) -> None:
     """Copies the target's parameters into the small draft's of the same name (its
-    embedding, its first layers, the final norm and the LM head)."""
+    embedding, its first layers, the final norm and the LM head). The dummy loader seeds each
+    tensor by its name, so they hold the same values already; the copy keeps that true
+    whatever loaded them."""
     target = dict(engine.runner.model.named_parameters())
     with torch.no_grad():
         for name, param in engine.spec.proposer.runner.model.named_parameters():

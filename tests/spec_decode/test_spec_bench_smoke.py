@@ -32,8 +32,8 @@ def test_spec_decode_bench_smoke(tmp_path: Path):
 
 
 def test_spec_decode_bench_small_draft_smoke(tmp_path: Path):
-    # a draft of the target's first layer, copied from it, against a target whose second layer
-    # is damped to nothing: the draft then proposes the target's own tokens
+    # a draft of the target's first layer against a target whose second layer is damped to
+    # nothing: the draft then proposes the target's own tokens (undamped, it does not)
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "spec_decode_gpu.py"),
                            str(tmp_path), "--smoke", "--scenarios", "base,small-draft",
                            "--small-draft-layers", "1", "--damp", "0"],
