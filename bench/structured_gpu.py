@@ -176,8 +176,13 @@ def model_dir(root: Path) -> Path:
     return path
 
 
-def run_mode(model: str, mode: str, smoke: bool) -> dict:
-    """Gives one mode's numbers: a closed loop of `batch` requests for the timed steps."""
+def run_mode(model: str, mode: str, smoke: bool, fill_threads: int | None = None) -> dict:
+    """Gives one mode's numbers: a closed loop of `batch` requests for the timed steps;
+    `fill_threads` replaces the engine's mask-fill thread count (CPUs - 1) in this process."""
+    if fill_threads is not None:
+        from kvpilot.engine.structured import matchers
+
+        matchers.fill_threads = lambda: fill_threads
     from kvpilot.engine.contracts.args import EngineArgs
     from kvpilot.engine.contracts.sampling_params import SamplingParams
     from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
@@ -282,6 +287,9 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny-qwen3, a few steps")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--fill-threads", default="",
+                        help="comma-separated mask-fill thread counts: one more json_schema "
+                             "row each (the engine's default is the CPUs but one)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
@@ -291,6 +299,11 @@ def main() -> int:
     for mode in args.modes.split(","):  # each engine in its own process: its KV cache is freed
         rows.append(call_in_fresh_process(run_mode, model, mode, args.smoke,
                                           reuse_imports=args.smoke))
+        print(json.dumps(rows[-1]), flush=True)
+    for threads in [int(t) for t in args.fill_threads.split(",") if t]:
+        row = call_in_fresh_process(run_mode, model, "json_schema", args.smoke, threads,
+                                    reuse_imports=args.smoke)
+        rows.append({**row, "mode": f"json_schema, {threads} fill threads"})
         print(json.dumps(rows[-1]), flush=True)
     by_mode = {r["mode"]: r for r in rows}
     result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
