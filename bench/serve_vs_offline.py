@@ -36,6 +36,7 @@ import multiprocessing
 import platform
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -396,14 +397,18 @@ def main() -> None:
     if args.max_num_batched_tokens is not None:
         spec = {**spec, "engine": {**spec["engine"],
                                    "max_num_batched_tokens": args.max_num_batched_tokens}}
+    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        result = run(spec, counts, args.saturation, args.clients, Path(tmp))
+        try:
+            result = run(spec, counts, args.saturation, args.clients, Path(tmp))
+        finally:  # the servers' logs (with KVPILOT_SLOW_STEP_MS set: the core's slow steps)
+            for log in Path(tmp).glob("serve-*.log"):
+                shutil.copy(log, args.out / log.name)
     record = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": machine(), "smoke": args.smoke, "requests": spec["requests"],
               "lengths": spec["lengths"], "clients": args.clients,
               "max_num_batched_tokens": spec["engine"].get("max_num_batched_tokens", 8192),
               **result}
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve_vs_offline.json").write_text(json.dumps(record, indent=1) + "\n")
     table = markdown(record)
     (args.out / "serve_vs_offline.md").write_text(table)
