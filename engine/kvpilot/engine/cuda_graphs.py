@@ -69,15 +69,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Records one graph per bucket, largest first, all sharing one memory pool, then
-        replays each once.
-
-        A graph's first replay uploads it to the device: 10-16 ms for a 28-layer
-        model on an H100, measured as one decode step per bucket that took that
-        long the first time a shrinking batch reached it (every stream's ITL at
-        once). Replayed here over the capture's own inputs (no slot written), the
-        upload is start-up time.
-        """
+        """Records one graph per bucket, largest first, all sharing one memory pool."""
         pool = None
         for size in reversed(self.buckets):
             args = (self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size))
@@ -88,8 +80,6 @@ class DecodeGraphs:
                 self.outputs[size] = self.forward(*args)
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = graph
-        for graph in self.graphs.values():
-            graph.replay()
         torch.cuda.synchronize()
 
     def release(self) -> None:
