@@ -224,3 +224,25 @@ def test_structured_requests_decode_without_drafts_and_keep_their_grammar():
     llm.generate(["Reply in JSON:"], SamplingParams(temperature=0, max_tokens=8,
                                                     ignore_eos=True))
     assert llm.get_stats().spec_decode_num_drafts > 0
+
+
+def test_the_draft_catches_up_on_accepted_drafts_in_single_token_rows(monkeypatch):
+    # draft = target accepts every draft, so each round leaves the last draft and the bonus
+    # token past the draft's K/V: they must reach the draft as single-token rows (a step of
+    # those replays the draft's decode graph on CUDA; a 2-token entry made it eager)
+    from kvpilot.engine.spec_decode.draft_proposer import DraftModelProposer
+
+    lengths: list[list[int]] = []
+    run = DraftModelProposer._run
+
+    def recording(self, entries):
+        lengths.append([len(e.token_ids) for e in entries])
+        return run(self, entries)
+
+    monkeypatch.setattr(DraftModelProposer, "_run", recording)
+    fast, stats = generate("tiny-llama", draft("tiny-llama", k=3))
+    assert fast == plain_greedy("tiny-llama")
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    short = [n for step in lengths for n in step if 1 < n <= 4]  # k + 1 = 4
+    assert not short, f"catch-up entries of {sorted(set(short))} tokens"
+    assert sum(step.count(1) for step in lengths) > len(lengths)  # rows of one token abound

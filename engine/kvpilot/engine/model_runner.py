@@ -148,7 +148,8 @@ class ModelRunner:
                              device=self.device)
         for rows in range(1, max_rows + 1):
             self.model.compute_logits(hidden[:rows])
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @property
     def bytes_per_block(self) -> int:
