@@ -344,23 +344,23 @@ class LLMEngine:
         if drafts:
             SpecDecoder.fill(plan, entries, drafts)
         self._last_plan = plan
+        launch_async = self.async_scheduling and not self._host_sampling
+        constrained = launch_async and self._grammars is not None and any(
+            s.request.grammar is not None for s, _ in plan.scheduled)
         mask = None
         if flight is not None:  # the forward takes its last tokens on the device
             flight = self._sampled(flight)
-            mask = self._fill_first(plan, entries, flight)
+            if constrained:
+                mask = self._fill_first(plan, entries, flight)
         logits = self.runner.execute(entries, plan.block_copies,
                                      flight.tokens if flight is not None else None)
         phases["forward"], start = clock() - start, clock()
-        if self.async_scheduling and not self._host_sampling:
-            self._step_async(plan, entries, logits, flight, results, mask)
+        if launch_async:
+            self._step_async(plan, entries, logits, flight, results, constrained, mask)
             return results
         self._book(plan, entries, logits, results, drafts)
         phases["sample"] = clock() - start
         return results
-
-    def _constrained(self, plan: SchedulerOutput) -> bool:
-        return self._grammars is not None and any(
-            s.request.grammar is not None for s, _ in plan.scheduled)
 
     def _fill_first(self, plan: SchedulerOutput, entries: list[BatchEntry], flight: _InFlight
                     ) -> MaskFill | None:
@@ -369,8 +369,6 @@ class LLMEngine:
         tokens, has the matchers take them and starts this step's mask before launching its
         forward, which then runs beside the fill; gives the mask, else None (the forward
         goes first and `_step_async` starts the fill after it)."""
-        if not (self.async_scheduling and not self._host_sampling and self._constrained(plan)):
-            return None
         if flight.computed is not None and not flight.computed.query():
             return None  # the GPU is still busy: queue this forward first
         start = time.perf_counter()
@@ -383,7 +381,7 @@ class LLMEngine:
 
     def _step_async(self, plan: SchedulerOutput, entries: list[BatchEntry], logits: torch.Tensor,
                     flight: _InFlight | None, results: list[EngineCoreOutput],
-                    mask: MaskFill | None = None) -> None:
+                    constrained: bool, mask: MaskFill | None) -> None:
         """Launches the sampling of a step whose forward is queued, reads the previous step's
         tokens back and books both. A batch with grammar rows reads the previous tokens first
         and the matchers take them; their mask then fills on a background thread while this
@@ -392,7 +390,6 @@ class LLMEngine:
         fill is the longer of the two, `_fill_first` started `mask` before the forward."""
         phases, clock = self._phases, time.perf_counter
         start = clock()
-        constrained = self._constrained(plan)
         if flight is not None and constrained and not flight.accepted:
             self._accept(flight)
             phases["accept"], start = clock() - start, clock()
