@@ -51,6 +51,16 @@ def ready(url: str) -> bool:
         return False
 
 
+def router_ready_engines(url: str) -> int:
+    """Gives how many engines the router itself counts ready (its instances gauge)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0
+    counts = re.findall(r'^kvpilot_router_instances\{[^}]*state="ready"[^}]*\} (\S+)$', text, re.M)
+    return sum(int(float(c)) for c in counts)
+
+
 def scale(manifest_path: Path, manifest: dict, replicas: int, up: subprocess.Popen) -> None:
     manifest["spec"]["decode"]["replicas"] = replicas
     manifest_path.write_text(yaml.safe_dump(manifest))
@@ -97,26 +107,32 @@ def test_up_scales_decode_3_to_1_under_load_losing_nothing_then_back_to_2(tmp_pa
         assert len(engine_pids(up)) == 1
 
         # 1 -> 2: the new engine starts, joins the router's file, and gets requests.
-        scale(path, manifest, 2, up)
-        wait_for(lambda: "1 -> 2 replica(s)" in log.read_text(), 120, "scale-up", up, log)
-        assert len(engine_pids(up)) == 2
-        served: set[str] = set()
         body = {"model": manifest["spec"]["model"]["name"], "max_tokens": 2}
-        for i in range(40):  # bounded: until the router has used both engines
+
+        def served_by(i: int) -> str:
             response = httpx.post(f"{url}/v1/completions", timeout=30,
                                   json={**body, "prompt": f"request {i} " * 8})
             assert response.status_code == 200, response.text
-            served.add(response.headers[SERVED_BY_HEADER])
-            if len(served) == 2:
-                break
-            time.sleep(0.25)  # the router adds the new engine within a refresh interval
-        assert len(served) == 2, served
+            return response.headers[SERVED_BY_HEADER]
+
+        survivor = served_by(0)
+        scale(path, manifest, 2, up)
+        wait_for(lambda: "1 -> 2 replica(s)" in log.read_text(), 120, "scale-up", up, log)
+        assert len(engine_pids(up)) == 2
+        # The router re-reads the file and probes the new engine on its own schedule, which a
+        # loaded machine stretches: wait for the router to count it ready, then send.
+        wait_for(lambda: router_ready_engines(url) == 2, 120, "router with 2 ready engines",
+                 up, log)
+        # The policy prefers the engine holding fewer cached blocks when no prompt hits:
+        # the new one, empty, against the survivor that served the load.
+        served = {served_by(i) for i in range(1, 9)}
+        assert served - {survivor}, f"the new engine got none of 8 requests: {served}"
 
         # An edit beyond replica counts is refused by name; the fleet keeps running.
         manifest["spec"]["engine"]["maxNumSeqs"] = 8
         path.write_text(yaml.safe_dump(manifest))
         up.send_signal(signal.SIGHUP)
-        wait_for(lambda: "restart for spec.engine.maxNumSeqs" in log.read_text(), 10,
+        wait_for(lambda: "restart for spec.engine.maxNumSeqs" in log.read_text(), 60,
                  "refusal", up, log)
         assert len(engine_pids(up)) == 2
     finally:
