@@ -81,3 +81,30 @@ def test_greedy_rows_accept_while_the_argmax_matches(argmaxes, drafts, num_draft
                            torch.ones(1, VOCAB))
     assert out.token_ids[0].tolist() == expected
     assert int(out.num_accepted[0]) == accepted
+
+
+def test_the_greedy_shortcut_emits_what_the_sampler_emits_for_point_masses():
+    # the engine verifies all-greedy batches by comparing argmaxes (`_verify_greedy`); the
+    # sampler with one-hot p and q must agree on every row: padding past a row's drafts
+    # (here equal to the target there, which only the draft count rejects), all accepted,
+    # a first-position rejection
+    from kvpilot.engine.spec_decode.spec_decoder import _verify_greedy
+
+    gen = torch.Generator().manual_seed(4)
+    batch = 64
+    target = torch.randint(0, 3, (batch, K + 1), generator=gen)  # ties with drafts are common
+    drafts = torch.randint(0, 3, (batch, K), generator=gen)
+    num_draft = torch.randint(1, K + 1, (batch,), generator=gen)
+    pad = torch.arange(K)[None, :] >= num_draft[:, None]
+    drafts = torch.where(pad, target[:, :K], drafts)
+    drafts[0] = target[0, :K]
+    num_draft[0] = K
+    one_hot = torch.nn.functional.one_hot
+    out = rejection_sample(one_hot(target, VOCAB).float(), drafts, num_draft,
+                           one_hot(drafts, VOCAB).float(), torch.rand(batch, K, generator=gen),
+                           torch.empty(batch, VOCAB).exponential_(generator=gen))
+    tokens, accepted = _verify_greedy(target, drafts, num_draft)
+    assert accepted.tolist() == out.num_accepted.tolist()
+    assert 0 < int((accepted < num_draft).sum()) < batch and int(accepted[0]) == K
+    for row, a in enumerate(accepted.tolist()):
+        assert tokens[row, :a + 1].tolist() == out.token_ids[row, :a + 1].tolist()

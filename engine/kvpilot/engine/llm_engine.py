@@ -40,7 +40,11 @@ from kvpilot.engine.lora.manager import make_lora_manager, unknown_adapter_fix
 from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kvpilot.engine.spec_decode.proposers import Drafts
-from kvpilot.engine.spec_decode.spec_decoder import SpecDecoder, VerifyItem, make_spec_decoder
+from kvpilot.engine.spec_decode.spec_decoder import (
+    VerifyItem,
+    VerifyLayout,
+    make_spec_decoder,
+)
 from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
 
 if TYPE_CHECKING:
@@ -120,7 +124,7 @@ class LLMEngine:
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0), self.kv,
             self.connector, self.lora.slots if self.lora is not None else None)
         self.spec = make_spec_decoder(engine_args, self.kv, runner.num_blocks, runner.device,
-                                      draft)
+                                      draft, VerifyLayout.of(runner.load_report()))
         self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, model_config.eos_token_ids,
                                        model_config.max_model_len)
@@ -340,9 +344,9 @@ class LLMEngine:
                 self._inflight = None
             return results
         drafts = self.spec.prepare(plan) if self.spec is not None else {}
-        entries = self._entries(plan)
-        if drafts:
-            SpecDecoder.fill(plan, entries, drafts)
+        entries = run_entries = self._entries(plan)
+        if drafts and self.spec is not None:
+            run_entries = self.spec.fill(plan, entries, drafts)
         self._last_plan = plan
         launch_async = self.async_scheduling and not self._host_sampling
         constrained = launch_async and self._grammars is not None and any(
@@ -352,7 +356,7 @@ class LLMEngine:
             flight = self._sampled(flight)
             if constrained:
                 mask = self._fill_first(plan, entries, flight)
-        logits = self.runner.execute(entries, plan.block_copies,
+        logits = self.runner.execute(run_entries, plan.block_copies,
                                      flight.tokens if flight is not None else None)
         phases["forward"], start = clock() - start, clock()
         if launch_async:

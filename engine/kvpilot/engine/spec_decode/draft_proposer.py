@@ -21,6 +21,7 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.speculative import SpeculativeConfig
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Sequence
+from kvpilot.engine.device import to_device
 from kvpilot.engine.model_runner import BatchEntry, ModelRunner
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.llama import LlamaForCausalLM
@@ -117,7 +118,7 @@ class DraftModelProposer:
         active = list(range(len(items)))
         logits = self._run(entries)
         if len(last_rows) != len(entries):
-            logits = logits.index_select(0, torch.tensor(last_rows, device=logits.device))
+            logits = logits.index_select(0, to_device(last_rows, logits.device))
         while True:
             self._draw(logits, [items[i][0] for i in active], active, tokens, probs)
             active = [i for i in active if len(tokens[i]) < items[i][1]]
@@ -143,23 +144,30 @@ class DraftModelProposer:
         logits = self.runner.execute([entries[i] for i in order], [])
         if order == sorted(order):
             return logits
-        back = torch.empty(len(order), dtype=torch.long)
-        back[torch.tensor(order)] = torch.arange(len(order))
-        return logits.index_select(0, back.to(logits.device))
+        back = [0] * len(order)
+        for row, i in enumerate(order):
+            back[i] = row
+        return logits.index_select(0, to_device(back, logits.device))
 
     @staticmethod
     def _draw(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
               tokens: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
         """Samples one draft per row from the draft's processed distribution (greedy: argmax,
-        recorded as a point mass) and records token and distribution."""
+        recorded as a point mass) and records token and distribution; the host waits for
+        the device once, for the tokens."""
         params = [seq.request.params for seq in seqs]
-        q = processed_probs(logits, params)
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        if bool(greedy.any()):
-            one_hot = torch.zeros_like(q).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
-            q = torch.where(greedy[:, None], one_hot, q)
-        noise = exponential_rows([seq.generator for seq in seqs], q.shape[1], q.device)
-        drawn = (q / noise).argmax(dim=1)
+        greedy = [p.greedy for p in params]
+        if all(greedy):  # what the race below gives for point masses, without the noise
+            drawn = logits.argmax(dim=1)
+            q = torch.zeros_like(logits, dtype=torch.float32).scatter_(1, drawn[:, None], 1.0)
+        else:
+            q = processed_probs(logits, params)
+            if any(greedy):
+                one_hot = torch.zeros_like(q).scatter_(1, logits.argmax(dim=1, keepdim=True),
+                                                       1.0)
+                q = torch.where(to_device(greedy, logits.device)[:, None], one_hot, q)
+            noise = exponential_rows([seq.generator for seq in seqs], q.shape[1], q.device)
+            drawn = (q / noise).argmax(dim=1)
         for j, (i, token) in enumerate(zip(rows, drawn.tolist(), strict=True)):
             tokens[i].append(token)
             probs[i].append(q[j])

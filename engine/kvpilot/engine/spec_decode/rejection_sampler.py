@@ -56,8 +56,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
     rows = torch.arange(batch, device=dev)
     p_next = target_probs[rows, num_accepted]  # [B, V]: where the one drawn token comes from
     rejected = num_accepted < num_draft
-    if rejected.any():
-        at = num_accepted.clamp(max=max(k - 1, 0))
+    if k:  # computed for every row and kept where one was rejected: no host sync to ask
+        at = num_accepted.clamp(max=k - 1)
         if draft_probs is None:
             q_next = torch.zeros_like(p_next).scatter_(1, drafts[rows, at][:, None], 1.0)
         else:

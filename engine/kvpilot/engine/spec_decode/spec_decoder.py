@@ -5,10 +5,12 @@ token (`Scheduler._num_spec_tokens`), so a step's verify tokens are scheduled
 like a small prefill chunk. Here the proposer fills them (`prepare`), shrinking
 each entry to the drafts it really got and freeing the slots it left unused;
 after the target's one forward over [pending token, drafts...] (`logits="all"`),
-`verify` runs the rejection sampler over those rows. The engine then books the
-accepted tokens (`LLMEngine._apply_verified`): only verified tokens ever count
-as computed, so the prefix cache never hashes a draft, and the rejected drafts'
-slots are freed.
+`verify` runs the rejection sampler over those rows (an all-greedy batch takes
+the argmax comparison it reduces to). The engine then books the accepted tokens
+(`LLMEngine._apply_verified`): only verified tokens ever count as computed, so
+the prefix cache never hashes a draft, and the rejected drafts' slots are freed.
+Where decode graphs are captured, a step of decodes and verifies runs its verify
+entries as single-token rows (`VerifyLayout`), so it replays a graph.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvpilot.engine.contracts.speculative import NGRAM, parse_speculative_config
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Sequence
 from kvpilot.engine.core.scheduler import SchedulerOutput
+from kvpilot.engine.device import to_device
 from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.sampler import processed_probs
 from kvpilot.engine.spec_decode.draft_proposer import DraftModel, DraftModelProposer
@@ -33,6 +36,10 @@ from kvpilot.engine.spec_decode.proposers import (
     uniform_rows,
 )
 from kvpilot.engine.spec_decode.rejection_sampler import rejection_sample
+from kvpilot.engine.startup_log import LoadReport
+
+# the share of a forward's weight bytes that a step's verify rows may re-read as context
+EXTRA_READ_SHARE = 0.25
 
 
 @dataclass
@@ -54,13 +61,61 @@ class VerifyItem:
     drafts: Drafts
 
 
+@dataclass(frozen=True)
+class VerifyLayout:
+    """When a step's verify entries run as one single-token row per token.
+
+    Row j of an entry [pending, d1..dk] at position p is a decode row at position
+    p + j over the entry's blocks. Both attention backends write a step's K/V
+    before they attend, so row j sees d1..dj written in the same step: causal
+    attention over the entry, as the entry itself gets, with the same logits rows
+    in the same order. A step of single-token rows replays a captured decode
+    graph; a verify entry among them made the whole step eager. The price is
+    reading: each row reads its whole context, about k times the entry's context
+    in all, where the prefill kernel reads it once. So a step expands only when
+    its other entries are all decodes, its rows fit the largest captured graph,
+    and the extra context stays under EXTRA_READ_SHARE of the weight bytes that
+    the forward reads anyway.
+    """
+
+    max_rows: int  # the largest decode graph captured; 0: none (CPU, --enforce-eager)
+    max_extra_tokens: int  # context tokens the rows may read beyond the entries' own
+
+    @classmethod
+    def of(cls, report: LoadReport) -> VerifyLayout:
+        """Gives the layout for a runner that loaded and captured what `report` says."""
+        per_token = max(report.bytes_per_block // max(report.block_size, 1), 1)
+        return cls(max(report.graph_sizes or (0,)),
+                   int(report.weight_bytes * EXTRA_READ_SHARE) // per_token)
+
+    def expand(self, entries: list[BatchEntry], verify: list[int]) -> list[BatchEntry]:
+        """Gives the entries the runner runs: `entries`, or each of the `verify` entries
+        (their indices) as single-token rows when the step then replays a graph."""
+        verifying = set(verify)
+        rows = sum(len(e.token_ids) if i in verifying else 1 for i, e in enumerate(entries))
+        extra = sum((len(entries[i].token_ids) - 1) * entries[i].start_pos for i in verify)
+        if (not verify or rows > self.max_rows or extra > self.max_extra_tokens
+                or any(len(e.token_ids) != 1 for i, e in enumerate(entries)
+                       if i not in verifying)):
+            return entries
+        out: list[BatchEntry] = []
+        for i, e in enumerate(entries):
+            if i not in verifying:
+                out.append(e)
+                continue
+            out += [BatchEntry([token], e.start_pos + j, e.block_ids, lora_slot=e.lora_slot)
+                    for j, token in enumerate(e.token_ids)]
+        return out
+
+
 class SpecDecoder:
     """Proposes drafts for a step's speculating decodes and verifies them."""
 
-    def __init__(self, proposer: Proposer, kv: KVCacheManager, num_speculative_tokens: int
-                 ) -> None:
+    def __init__(self, proposer: Proposer, kv: KVCacheManager, num_speculative_tokens: int,
+                 layout: VerifyLayout = VerifyLayout(0, 0)) -> None:
         self.proposer = proposer
         self.kv = kv
+        self.layout = layout
         self.counters = SpecDecodeCounters(
             num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
 
@@ -89,14 +144,19 @@ class SpecDecoder:
         plan.scheduled.sort(key=lambda item: item[1] != 1)
         return out
 
-    @staticmethod
-    def fill(plan: SchedulerOutput, entries: list[BatchEntry], drafts: dict[int, Drafts]) -> None:
-        """Appends each speculating entry's drafts and asks for all of its logits rows."""
-        for (seq, _), entry in zip(plan.scheduled, entries, strict=True):
+    def fill(self, plan: SchedulerOutput, entries: list[BatchEntry], drafts: dict[int, Drafts]
+             ) -> list[BatchEntry]:
+        """Appends each speculating entry's drafts and asks for all of its logits rows;
+        gives the entries for the runner (`VerifyLayout.expand`), whose logits rows are
+        the same."""
+        verify: list[int] = []
+        for i, ((seq, _), entry) in enumerate(zip(plan.scheduled, entries, strict=True)):
             found = drafts.get(seq.seq_id)
             if found is not None:
                 entry.token_ids = [seq.token_ids[-1], *found.token_ids]
                 entry.logits = "all"
+                verify.append(i)
+        return self.layout.expand(entries, verify)
 
     def verify(self, items: list[VerifyItem], logits: torch.Tensor) -> list[list[int]]:
         """Gives the tokens each item emits: its accepted drafts, then one target token."""
@@ -105,28 +165,36 @@ class SpecDecoder:
         k = max(len(item.drafts.token_ids) for item in items)
         vocab = logits.shape[1]
         # rows past an item's drafts repeat its last row; the sampler never reads them
-        index = [item.row + min(j, len(item.drafts.token_ids))
-                 for item in items for j in range(k + 1)]
-        target = logits.index_select(0, torch.tensor(index, device=dev)).float()
+        index = to_device([item.row + min(j, len(item.drafts.token_ids))
+                           for item in items for j in range(k + 1)], dev)
+        draft_ids = to_device([token for item in items for token in
+                               (*item.drafts.token_ids, *[0] * (k - len(item.drafts.token_ids)))],
+                              dev, torch.long).view(batch, k)
+        num_draft = to_device([len(item.drafts.token_ids) for item in items], dev, torch.long)
         params = [item.seq.request.params for item in items]
-        probs = processed_probs(target, [p for p in params for _ in range(k + 1)])
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
-        if bool(greedy.any()):
-            one_hot = torch.zeros_like(probs).scatter_(1, target.argmax(dim=1, keepdim=True), 1.0)
-            probs = torch.where(greedy.repeat_interleave(k + 1)[:, None], one_hot, probs)
-        draft_ids = torch.zeros(batch, k, dtype=torch.long)
-        for i, item in enumerate(items):
-            ids = item.drafts.token_ids
-            draft_ids[i, :len(ids)] = torch.tensor(ids)
-        num_draft = torch.tensor([len(item.drafts.token_ids) for item in items], device=dev)
-        draft_probs = self._draft_probs(items, k, vocab, dev)
-        gens = [item.seq.generator for item in items]
-        out = rejection_sample(probs.view(batch, k + 1, vocab), draft_ids.to(dev), num_draft,
-                               draft_probs, uniform_rows(gens, k, dev),
-                               exponential_rows(gens, vocab, dev))
-        tokens, accepted = out.token_ids.tolist(), out.num_accepted.tolist()
+        if all(p.greedy for p in params):
+            tokens, num_accepted = _verify_greedy(
+                logits.index_select(0, index).argmax(dim=1).view(batch, k + 1), draft_ids,
+                num_draft)
+        else:
+            target = logits.index_select(0, index).float()
+            probs = processed_probs(target, [p for p in params for _ in range(k + 1)])
+            greedy = [p.greedy for p in params]
+            if any(greedy):
+                one_hot = torch.zeros_like(probs).scatter_(
+                    1, target.argmax(dim=1, keepdim=True), 1.0)
+                rows = to_device(greedy, dev).repeat_interleave(k + 1)
+                probs = torch.where(rows[:, None], one_hot, probs)
+            gens = [item.seq.generator for item in items]
+            out = rejection_sample(probs.view(batch, k + 1, vocab), draft_ids, num_draft,
+                                   self._draft_probs(items, k, vocab, dev),
+                                   uniform_rows(gens, k, dev), exponential_rows(gens, vocab, dev))
+            tokens, num_accepted = out.token_ids, out.num_accepted
+        # one device-to-host copy: the emitted tokens and, last, the accepted counts
+        table = torch.cat([tokens, num_accepted[:, None]], dim=1).tolist()
+        accepted = [row[-1] for row in table]
         self._count(items, accepted)
-        return [row[:a + 1] for row, a in zip(tokens, accepted, strict=True)]
+        return [row[:a + 1] for row, a in zip(table, accepted, strict=True)]
 
     @staticmethod
     def _draft_probs(items: list[VerifyItem], k: int, vocab: int, dev: torch.device
@@ -153,10 +221,25 @@ class SpecDecoder:
                 per_pos[pos] += 1
 
 
+def _verify_greedy(target: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gives what `rejection_sample` emits for greedy rows (the tokens up to and including
+    the one after the accepted run; the rest is left as is), and how many drafts passed,
+    without the distributions: one-hot p and q accept a draft while it equals the target's
+    argmax, and the token after the accepted run is the argmax there. `target` [B, K + 1]
+    holds the argmax ids; accepted drafts equal them, so they are the emitted tokens."""
+    k = draft_ids.shape[1]
+    positions = torch.arange(k, device=target.device)[None, :]
+    accepted = (target[:, :k] == draft_ids) & (positions < num_draft[:, None])
+    return target, accepted.long().cumprod(dim=1).sum(dim=1)
+
+
 def make_spec_decoder(args: EngineArgs, kv: KVCacheManager, num_blocks: int,
-                      device: torch.device, draft: DraftModel | None) -> SpecDecoder | None:
+                      device: torch.device, draft: DraftModel | None,
+                      layout: VerifyLayout = VerifyLayout(0, 0)) -> SpecDecoder | None:
     """Gives the speculative mode `args.speculative_config` asks for (None: off); a draft
-    model comes loaded (`load_draft`, before the target sized its KV cache)."""
+    model comes loaded (`load_draft`, before the target sized its KV cache); `layout`
+    says when verify entries run as decode rows."""
     spec = parse_speculative_config(args.speculative_config)
     if spec is None:
         return None
@@ -167,4 +250,4 @@ def make_spec_decoder(args: EngineArgs, kv: KVCacheManager, num_blocks: int,
                          "engine with LLMEngine.from_engine_args, which loads the draft")
     else:
         proposer = DraftModelProposer(draft, num_blocks, kv, device)
-    return SpecDecoder(proposer, kv, spec.num_speculative_tokens)
+    return SpecDecoder(proposer, kv, spec.num_speculative_tokens, layout)
