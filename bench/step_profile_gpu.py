@@ -6,15 +6,23 @@ decode (CUDA graphs replayed as the engine runs them). Reported per step on rank
 ms, kernels launched, the GPU's busy ms (union of kernel intervals) and its idle ms, and
 the kernels taking the most time; a gzipped Chrome trace per TP size goes to OUT.
 
+With `--chunk N` every profiled step also prefills a new request's N-token prompt beside
+the decodes: a mixed step, which runs eagerly (issue 21: such steps took 18-40 ms of host
+time on an H100 in Poisson serving). Then `--steps` more such steps run under cProfile
+and the Python functions with the most own time are printed: where the host's time goes.
+
     python bench/step_profile_gpu.py OUT [--tp 1,2] [--steps 32] [--batch 1] [--quantization int8]
+    python bench/step_profile_gpu.py OUT --tp 1 --shape 0.6b --batch 64 --chunk 12
     python bench/step_profile_gpu.py /tmp/out --smoke --steps 4   # CPU, tiny: checks the script
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gzip
 import json
+import pstats
 import shutil
 import tempfile
 import time
@@ -37,7 +45,7 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
 
 
 def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
-            quantization: str | None) -> dict:
+            quantization: str | None, chunk: int = 0, shape: str = "8b") -> dict:
     from parallel_gpu import SHAPES, model_dir, prompts, sync
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -46,8 +54,9 @@ def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
     from kvpilot.engine.contracts.sampling_params import SamplingParams
     from kvpilot.engine.llm_engine import LLMEngine
 
-    shape = "tiny" if smoke else "8b"
+    shape = "tiny" if smoke else shape
     vocab = SHAPES[shape]["vocab_size"]
+    arrivals = iter(prompts(3 * steps, max(chunk, 1), vocab, 11))
     with tempfile.TemporaryDirectory() as root:
         engine = LLMEngine.from_engine_args(EngineArgs(
             model=str(model_dir(Path(root), shape)), load_format="dummy",
@@ -56,18 +65,45 @@ def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
             gpu_memory_utilization=0.85, kv_cache_memory="64MiB" if smoke else None,
             quantization=quantization or "none"))
         try:
-            greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=4 * steps + 64)
+            greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=6 * steps + 64)
             for i, prompt in enumerate(prompts(batch, 128, vocab, 3)):
                 engine.add_request(f"p{i}", prompt, greedy)
-            for _ in range(2 * steps):  # prefill, then warm decode steps
+            arrived = 0
+
+            def step() -> None:
+                nonlocal arrived
+                if chunk:  # a new prompt each step: decodes beside an N-token prefill
+                    engine.add_request(f"chunk{arrived}", next(arrivals),
+                                       SamplingParams(temperature=0, max_tokens=1))
+                    arrived += 1
                 engine.step()
+
+            for _ in range(2 * steps if not chunk else 0):  # prefill, then warm decode steps
+                engine.step()
+            for _ in range(steps if chunk else 0):  # prefill, then warm mixed steps
+                step()
             sync()
             with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 started = time.perf_counter()
                 for _ in range(steps):
-                    engine.step()
+                    step()
                 sync()
                 wall = time.perf_counter() - started
+            host_top = []
+            if chunk:
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(steps):
+                    step()
+                sync()
+                profiler.disable()
+                stats = pstats.Stats(profiler)
+                rows = [(tottime, calls, f"{Path(file).name}:{line}:{name}")
+                        for (file, line, name), (_, calls, tottime, _, _)
+                        in stats.stats.items()]  # pyright: ignore[reportAttributeAccessIssue]
+                host_top = [{"where": where, "calls_per_step": calls / steps,
+                             "ms_per_step": 1e3 * tottime / steps}
+                            for tottime, calls, where in sorted(rows, reverse=True)[:25]]
         finally:
             engine.shutdown()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -76,13 +112,15 @@ def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
         by_name[event.name].append(event.time_range.end - event.time_range.start)
     spans = [(e.time_range.start, e.time_range.end) for e in kernels]
     gpu_busy = busy_ms(spans) / steps
-    trace = out / f"trace-tp{tp}-b{batch}-{quantization or 'bf16'}.json"
+    trace = out / f"trace-tp{tp}-b{batch}-c{chunk}-{quantization or 'bf16'}.json"
     prof.export_chrome_trace(str(trace))
     with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
     trace.unlink()
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
-    return {"tp": tp, "batch": batch, "quantization": quantization, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
+    return {"tp": tp, "batch": batch, "quantization": quantization, "steps": steps,
+            "shape": shape, "chunk": chunk, "host_top": host_top,
+            "wall_ms_per_step": wall / steps * 1e3,
             "kernels_per_step": len(kernels) / steps,
             "kernel_ms_per_step": sum(e.time_range.end - e.time_range.start
                                       for e in kernels) / steps / 1e3,
@@ -100,6 +138,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--quantization", choices=["int8", "fp8"])
+    parser.add_argument("--chunk", type=int, default=0,
+                        help="a new N-token prompt prefilled in every profiled step (mixed steps)")
+    parser.add_argument("--shape", default="8b", help="a model shape of bench/parallel_gpu.py")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape: checks the script")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -108,7 +149,7 @@ def main() -> int:
     for tp in (int(t) for t in args.tp.split(",")):
         try:  # each TP size in its own process: its engine starts its own workers
             row = call_in_fresh_process(profile, tp, args.steps, args.batch, args.out,
-                                        args.smoke, args.quantization,
+                                        args.smoke, args.quantization, args.chunk, args.shape,
                                         reuse_imports=args.smoke, timeout=400)
         except ChildFailed as exc:
             print(f"TP={tp} failed: {exc}", flush=True)
@@ -121,7 +162,12 @@ def main() -> int:
         for k in row["top"]:
             print(f"   {k['ms_per_step']:7.3f} ms {k['count_per_step']:6.1f}x "
                   f"{k['us_mean']:8.2f} us  {k['name']}", flush=True)
-    (args.out / f"step_profile-b{args.batch}-{label}.json").write_text(
+        if row["host_top"]:
+            print("   host, own time per step (cProfile):", flush=True)
+        for h in row["host_top"]:
+            print(f"   {h['ms_per_step']:7.3f} ms {h['calls_per_step']:7.1f}x  {h['where']}",
+                  flush=True)
+    (args.out / f"step_profile-b{args.batch}-c{args.chunk}-{label}.json").write_text(
         json.dumps(results, indent=1))
     return 0
 

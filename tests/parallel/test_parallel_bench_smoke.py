@@ -24,3 +24,16 @@ def test_parallel_bench_smoke(tmp_path: Path):
         2 * report["configs"][0]["kv_blocks_per_rank"]  # half the KV heads per rank
     assert [row["tokens"] for row in report["allreduce"][0]["rows"]] == [1, 1, 64, 64]
     assert "| 8b | tiny | 2 |" in (tmp_path / "results.md").read_text()
+
+
+def test_step_profile_mixed_steps_smoke(tmp_path: Path):
+    # bench/step_profile_gpu.py --chunk: every profiled step prefills a new prompt beside the
+    # decodes, and cProfile names where the host's time went
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "step_profile_gpu.py"),
+                           str(tmp_path), "--smoke", "--tp", "1", "--steps", "3", "--batch", "2",
+                           "--chunk", "5"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [row] = json.loads((tmp_path / "step_profile-b2-c5-bf16.json").read_text())
+    assert row["chunk"] == 5 and row["wall_ms_per_step"] > 0
+    assert len(row["host_top"]) == 25 and all(h["calls_per_step"] > 0 for h in row["host_top"])
+    assert "host, own time per step" in done.stdout
