@@ -44,6 +44,15 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+def allocator_counts() -> dict[str, int]:
+    """Gives the CUDA caching allocator's cumulative device allocs, frees and retries."""
+    if not torch.cuda.is_available():
+        return {"num_device_alloc": 0, "num_device_free": 0, "num_alloc_retries": 0}
+    stats = torch.cuda.memory_stats()
+    return {name: int(stats.get(name, 0))
+            for name in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
 def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
             quantization: str | None, chunk: int = 0, shape: str = "8b") -> dict:
     from parallel_gpu import SHAPES, model_dir, prompts, sync
@@ -83,12 +92,18 @@ def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
             for _ in range(steps if chunk else 0):  # prefill, then warm mixed steps
                 step()
             sync()
+            allocator_before = allocator_counts()
             with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 started = time.perf_counter()
                 for _ in range(steps):
                     step()
                 sync()
                 wall = time.perf_counter() - started
+            # cudaMalloc/cudaFree calls and the allocator's free-everything-and-retry path
+            # (which waits for the device) during the profiled steps: 0 when the caching
+            # allocator serves every step from what it holds
+            allocator = {name: count - allocator_before[name]
+                         for name, count in allocator_counts().items()}
             host_top = []
             if chunk:
                 profiler = cProfile.Profile()
@@ -119,7 +134,7 @@ def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
     trace.unlink()
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
     return {"tp": tp, "batch": batch, "quantization": quantization, "steps": steps,
-            "shape": shape, "chunk": chunk, "host_top": host_top,
+            "shape": shape, "chunk": chunk, "host_top": host_top, "allocator": allocator,
             "wall_ms_per_step": wall / steps * 1e3,
             "kernels_per_step": len(kernels) / steps,
             "kernel_ms_per_step": sum(e.time_range.end - e.time_range.start
@@ -158,7 +173,8 @@ def main() -> int:
         print(f"TP={tp} b={args.batch} {label}: {row['wall_ms_per_step']:.3f} ms/step wall, "
               f"{row['kernels_per_step']:.0f} kernels, GPU busy {row['gpu_busy_ms_per_step']:.3f}"
               f" ms, idle {row['gpu_idle_ms_per_step']:.3f} ms, kernel sum "
-              f"{row['kernel_ms_per_step']:.3f} ms", flush=True)
+              f"{row['kernel_ms_per_step']:.3f} ms; allocator during them: "
+              f"{row['allocator']}", flush=True)
         for k in row["top"]:
             print(f"   {k['ms_per_step']:7.3f} ms {k['count_per_step']:6.1f}x "
                   f"{k['us_mean']:8.2f} us  {k['name']}", flush=True)
