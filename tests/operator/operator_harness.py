@@ -49,7 +49,7 @@ async def running_operator(**memo: Any) -> AsyncIterator[asyncio.Task[None]]:
         settings=operator_settings(fast=True), memo=kopf.Memo(render=RenderConfig(**memo)),
         clusterwide=True, standalone=True, ready_flag=ready))
     try:
-        await asyncio.wait_for(ready.wait(), 20)
+        await asyncio.wait_for(ready.wait(), 120)  # kopf starts slowly on a loaded machine
         yield task
     finally:
         # Cancel rather than set the stop flag: kopf waits 5 s for every task started after

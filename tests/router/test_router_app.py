@@ -274,7 +274,7 @@ async def test_request_waits_for_a_starting_instance(fleet):
         assert 'kvpilot_router_pending_requests{role="both"} 1.0' in metrics
         assert 'kvpilot_router_instances{role="both",state="not_ready"} 1.0' in metrics
         starting.metrics_up = True  # the engine finished loading
-        response = await asyncio.wait_for(request, 5)
+        response = await asyncio.wait_for(request, 60)
     assert response.status_code == 200 and starting.bodies
 
 
