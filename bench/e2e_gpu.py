@@ -25,25 +25,11 @@ import time
 from pathlib import Path
 
 import torch
+from shapes import LLAMA3_8B, QWEN3_0_6B
 from triton.testing import do_bench
 
 # CPU only for a smoke run of the code paths; the numbers mean something on a GPU alone
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-QWEN3_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645,
-    "attention_bias": False,
-}
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
-}
 
 
 def model_dir(root: Path, name: str, config: dict) -> Path:

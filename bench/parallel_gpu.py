@@ -33,31 +33,14 @@ from typing import TYPE_CHECKING
 
 import torch
 from cpu_smoke import one_thread_per_process  # bench/ is this script's sys.path[0]
+from shapes import LLAMA3_8B, LLAMA3_70B, QWEN3_0_6B
 
 if TYPE_CHECKING:
     from kvpilot.engine.llm_engine import LLMEngine
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
-}
-LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,
-              "num_hidden_layers": 80, "num_attention_heads": 64}
 TINY = {**LLAMA3_8B, "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 32}
-# the nano-vllm recipe's model (bench/e2e_gpu.py's QWEN3_0_6B, kept here without its imports)
-QWEN3_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645,
-    "attention_bias": False,
-}
 SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B, "0.6b": QWEN3_0_6B, "tiny": TINY}
 RESULT_PREFIX = "RESULT "
 

@@ -46,14 +46,8 @@ import torch
 from closed_loop import closed_loop
 from cpu_smoke import one_thread_per_process
 from fresh_process import call_in_fresh_process
+from shapes import QWEN3_0_6B
 
-QWEN3_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645,
-}
 SCHEMA = {
     "type": "object", "additionalProperties": False,
     "required": ["name", "kind", "scores", "address", "tags"],
