@@ -10,6 +10,8 @@ With `--chunk N` every profiled step also prefills a new request's N-token promp
 the decodes: a mixed step, which runs eagerly (issue 21: such steps took 18-40 ms of host
 time on an H100 in Poisson serving). Then `--steps` more such steps run under cProfile
 and the Python functions with the most own time are printed: where the host's time goes.
+Last, mixed steps with chunk sizes 1..4N, each size twice: the median and worst step time
+the first time a size runs against the second time (does a new token count cost extra?).
 
     python bench/step_profile_gpu.py OUT [--tp 1,2] [--steps 32] [--batch 1] [--quantization int8]
     python bench/step_profile_gpu.py OUT --tp 1 --shape 0.6b --batch 64 --chunk 12
@@ -23,7 +25,9 @@ import cProfile
 import gzip
 import json
 import pstats
+import random
 import shutil
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -42,6 +46,30 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
         total += stop - max(start, end)
         end = stop
     return total / 1e3
+
+
+def first_seen_shapes(step, chunk: int, vocab: int) -> dict[str, float]:
+    """Times mixed steps whose prefill chunk has a size not run before against steps repeating
+    a size (each of 1..4*chunk twice, in shuffled passes, synchronised after every step):
+    whether a step pays for the first use of its token count (GEMM shapes new to cuBLAS,
+    kernels not yet loaded), as the first decode step of each batch size paid for the LM
+    head before the start-up warm-up (bench/results/serve_vs_offline-H100-2026-11-27/)."""
+    from parallel_gpu import prompts, sync
+
+    rng = random.Random(5)
+    sizes = [size for size in range(1, 4 * chunk + 1) if size != chunk]  # chunk: warmed
+    walls: dict[str, list[float]] = {"first": [], "repeat": []}
+    for kind in walls:
+        rng.shuffle(sizes)
+        for size in sizes:
+            [prompt] = prompts(1, size, vocab, rng.randrange(1 << 30))
+            started = time.perf_counter()
+            step(prompt)
+            sync()
+            walls[kind].append(1e3 * (time.perf_counter() - started))
+    return {f"{kind}_ms_{stat}": round(fn(ms), 3) for kind, ms in walls.items()
+            for stat, fn in (("median", statistics.median), ("max", max))} | {
+        "sizes": len(sizes)}
 
 
 def allocator_counts() -> dict[str, int]:
@@ -74,15 +102,16 @@ def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
             gpu_memory_utilization=0.85, kv_cache_memory="64MiB" if smoke else None,
             quantization=quantization or "none"))
         try:
-            greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=6 * steps + 64)
+            greedy = SamplingParams(temperature=0, ignore_eos=True,
+                                    max_tokens=6 * steps + 64 + 8 * chunk)
             for i, prompt in enumerate(prompts(batch, 128, vocab, 3)):
                 engine.add_request(f"p{i}", prompt, greedy)
             arrived = 0
 
-            def step() -> None:
+            def step(prompt: list[int] | None = None) -> None:
                 nonlocal arrived
                 if chunk:  # a new prompt each step: decodes beside an N-token prefill
-                    engine.add_request(f"chunk{arrived}", next(arrivals),
+                    engine.add_request(f"chunk{arrived}", prompt or next(arrivals),
                                        SamplingParams(temperature=0, max_tokens=1))
                     arrived += 1
                 engine.step()
@@ -104,7 +133,7 @@ def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
             # allocator serves every step from what it holds
             allocator = {name: count - allocator_before[name]
                          for name, count in allocator_counts().items()}
-            host_top = []
+            host_top, first_seen = [], {}
             if chunk:
                 profiler = cProfile.Profile()
                 profiler.enable()
@@ -119,6 +148,7 @@ def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
                 host_top = [{"where": where, "calls_per_step": calls / steps,
                              "ms_per_step": 1e3 * tottime / steps}
                             for tottime, calls, where in sorted(rows, reverse=True)[:25]]
+                first_seen = first_seen_shapes(step, chunk, vocab)
         finally:
             engine.shutdown()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -135,6 +165,7 @@ def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
     return {"tp": tp, "batch": batch, "quantization": quantization, "steps": steps,
             "shape": shape, "chunk": chunk, "host_top": host_top, "allocator": allocator,
+            "first_seen": first_seen,
             "wall_ms_per_step": wall / steps * 1e3,
             "kernels_per_step": len(kernels) / steps,
             "kernel_ms_per_step": sum(e.time_range.end - e.time_range.start
@@ -178,6 +209,9 @@ def main() -> int:
         for k in row["top"]:
             print(f"   {k['ms_per_step']:7.3f} ms {k['count_per_step']:6.1f}x "
                   f"{k['us_mean']:8.2f} us  {k['name']}", flush=True)
+        if row["first_seen"]:
+            print(f"   mixed steps of a chunk size run before vs not: {row['first_seen']}",
+                  flush=True)
         if row["host_top"]:
             print("   host, own time per step (cProfile):", flush=True)
         for h in row["host_top"]:

@@ -37,3 +37,5 @@ def test_step_profile_mixed_steps_smoke(tmp_path: Path):
     assert row["chunk"] == 5 and row["wall_ms_per_step"] > 0
     assert len(row["host_top"]) == 25 and all(h["calls_per_step"] > 0 for h in row["host_top"])
     assert "host, own time per step" in done.stdout
+    assert row["first_seen"]["sizes"] == 19  # chunk sizes 1..20 but the warmed 5
+    assert row["first_seen"]["first_ms_median"] > 0 < row["first_seen"]["repeat_ms_median"]
