@@ -209,9 +209,9 @@ def test_step_timing_names_the_phases_and_the_batch(mode):
     engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()
     timing = engine.step_timing()
-    phases = ["schedule", "forward", "sample", "resolve", "advance"] if mode == "on" else [
-        "schedule", "forward", "sample"]
+    phases = ["schedule", "prepare", "forward", "sample", "resolve", "advance"] \
+        if mode == "on" else ["schedule", "prepare", "forward", "sample"]
     assert timing.startswith("GPU wait 0.0 ms [")
     assert [p.split()[0] for p in timing[timing.index("[") + 1:timing.index(" ms;")].split(", ")
             ] == phases
-    assert timing.endswith("; 1 seqs, 5 tokens, 0 block copies]")
+    assert timing.endswith("; 1 seqs, 5 tokens, eager, 0 block copies]")  # CPU: no graphs

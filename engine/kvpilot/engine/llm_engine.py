@@ -146,6 +146,7 @@ class LLMEngine:
         # of the last step, for the slow-iteration log: phase -> seconds, and its batch
         self._phases: dict[str, float] = {}
         self._last_plan: SchedulerOutput | None = None
+        self._last_eager = False  # whether the last step's forward ran eagerly (no graph)
         self._host_sampling: set[str] = set()  # live request ids that need host sampling
         self._readback = PinnedReadback(engine_args.max_num_seqs)  # sampled ids to the host
         self._grammars: GrammarMatchers | None = None  # on the first structured request
@@ -356,9 +357,13 @@ class LLMEngine:
             flight = self._sampled(flight)
             if constrained:
                 mask = self._fill_first(plan, entries, flight)
+        # the slow-step log tells the batch's own forward from what led up to it
+        phases["prepare"], start = clock() - start, clock()
+        eager_steps = self.runner.num_eager_steps
         logits = self.runner.execute(run_entries, plan.block_copies,
                                      flight.tokens if flight is not None else None)
         phases["forward"], start = clock() - start, clock()
+        self._last_eager = self.runner.num_eager_steps != eager_steps
         if launch_async:
             self._step_async(plan, entries, logits, flight, results, constrained, mask)
             return results
@@ -415,7 +420,7 @@ class LLMEngine:
             share = -(-self.scheduler.num_unfinished // queue.executor.max_concurrent_batches)
             plan = self.scheduler.schedule(queue.busy, max(share, 1))
             if not plan.is_empty:
-                self._last_plan = plan
+                self._last_plan, self._last_eager = plan, True  # pipeline stages: no graphs
                 queue.submit(plan, self._entries(plan))
                 if queue.has_room:
                     return
@@ -764,6 +769,7 @@ class LLMEngine:
         phases = ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self._phases.items())
         plan = self._last_plan
         batch = (f"{len(plan.scheduled)} seqs, {sum(n for _, n in plan.scheduled)} tokens, "
+                 f"{'eager' if self._last_eager else 'graph'}, "
                  f"{len(plan.block_copies)} block copies") if plan else "no batch"
         return f"GPU wait {self._gpu_wait_s * 1e3:.1f} ms [{phases} ms; {batch}]"
 
