@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from cpu_smoke import one_thread_per_process  # bench/ is this script's sys.path[0]
-from shapes import LLAMA3_8B, LLAMA3_70B, QWEN3_0_6B
+from shapes import LLAMA3_8B, LLAMA3_70B, QWEN3_0_6B, write_model_dir
 
 if TYPE_CHECKING:
     from kvpilot.engine.llm_engine import LLMEngine
@@ -47,17 +47,7 @@ RESULT_PREFIX = "RESULT "
 
 def model_dir(root: Path, shape: str) -> Path:
     """Gives a model dir: the shape's config.json and a word-level tokenizer over its vocab."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    config = SHAPES[shape]
-    path = root / f"llama-{shape}-shape"
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config["vocab_size"])},
-                                     unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
-    return path
+    return write_model_dir(root / f"llama-{shape}-shape", SHAPES[shape])
 
 
 def sync() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
     "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -20,3 +23,17 @@ QWEN3_0_6B = {
     "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645,
     "attention_bias": False,
 }
+
+
+def write_model_dir(path: Path, config: dict) -> Path:
+    """Writes a model dir for `load_format="dummy"`: `config` as config.json and a word-level
+    tokenizer over its vocabulary (token i is "t{i}"); gives `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config["vocab_size"])},
+                                     unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    return path

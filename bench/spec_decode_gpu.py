@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 from cpu_smoke import one_thread_per_process  # bench/ is this script's sys.path[0]
-from shapes import LLAMA3_8B
+from shapes import LLAMA3_8B, write_model_dir
 
 TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -56,17 +56,8 @@ MOTIF_LEN, PROMPT_LEN = 16, 128
 
 def model_dir(root: Path, smoke: bool) -> Path:
     """Gives a model dir: the shape's config.json and a word-level tokenizer over its vocab."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    config = TINY if smoke else LLAMA3_8B
-    path = root / ("tiny" if smoke else "llama3-8b-shape")
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config["vocab_size"])},
-                                     unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
-    return path
+    return write_model_dir(root / ("tiny" if smoke else "llama3-8b-shape"),
+                           TINY if smoke else LLAMA3_8B)
 
 
 def prompts(kind: str, n: int, vocab: int, seed: int) -> list[list[int]]:
