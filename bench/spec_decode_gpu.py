@@ -190,7 +190,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
                          "tok_per_s": tokens / seconds, "draft_tokens": drafts,
                          "acceptance": accepted / drafts if drafts else None,
                          # the target's forwards that replayed a decode graph (the verify
-                         # steps do where `VerifyLayout` expands them)
+                         # steps do where `engine.row_layout` expands them)
                          "graph_share": graph_steps / max(graph_steps + eager_steps, 1),
                          "outputs": [outs[k] for k in sorted(outs)]})
     engine.shutdown()

@@ -19,8 +19,8 @@ from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.core_process.messages import StepOutputs, from_core_decoder
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.model_runner import BatchEntry, ModelRunner
+from kvpilot.engine.row_layout import RowLayout
 from kvpilot.engine.server.metrics import ServerMetrics
-from kvpilot.engine.spec_decode.spec_decoder import VerifyLayout
 
 MAX_STEPS = 3000
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, ' \
@@ -63,16 +63,15 @@ def plain_greedy(model: str) -> dict[str, list[int]]:
 
 
 def generate(model: str, spec: str | None, temperature: float = 0.0, seed: int | None = None,
-             layout: VerifyLayout | None = None) -> tuple[dict[str, list[int]], EngineStats]:
+             layout: RowLayout | None = None) -> tuple[dict[str, list[int]], EngineStats]:
     """Runs the prompts on a tight pool (preemption), a 24-token budget (chunked prefill),
     half of them added while the first half decodes (continuous batching); `layout`
-    replaces the verify layout the engine chose (none expands on CPU: no graphs)."""
+    replaces the row layout the engine chose (none expands on CPU: no graphs)."""
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=model, num_kv_blocks=28, block_size=4, max_num_batched_tokens=24,
         max_num_seqs=6, speculative_config=spec))
     if layout is not None:
-        assert engine.spec is not None
-        engine.spec.layout = layout
+        engine.rows = layout
     engine.stream_outputs = False
     todo = list(enumerate(prompts()))
     out: dict[str, list[int]] = {}
@@ -267,8 +266,8 @@ def test_verify_entries_run_as_single_token_rows_with_the_same_output(monkeypatc
         return execute(self, entries, copies, prev_tokens)
 
     monkeypatch.setattr(ModelRunner, "execute", recording)
-    fast, stats = generate("tiny-llama", spec, layout=VerifyLayout(max_rows=64,
-                                                                   max_extra_tokens=10**6))
+    fast, stats = generate("tiny-llama", spec, layout=RowLayout(max_rows=64,
+                                                                max_extra_tokens=10**6))
     assert fast == plain_greedy("tiny-llama")
     assert stats.spec_decode_num_accepted_tokens > 0
     # the target's steps (it runs first: the draft only follows decodes): rows sharing one
@@ -285,32 +284,9 @@ def test_verify_entries_run_as_single_token_rows_with_the_same_output(monkeypatc
 
 def test_sampled_output_is_unchanged_when_verify_entries_run_as_rows():
     # seeded sampling through rejection: the rows give the verify entries' logits
-    rows = VerifyLayout(max_rows=64, max_extra_tokens=10**6)
+    rows = RowLayout(max_rows=64, max_extra_tokens=10**6)
     plain, _ = generate("tiny-llama", draft("tiny-qwen3"), temperature=0.9, seed=3)
     expanded, stats = generate("tiny-llama", draft("tiny-qwen3"), temperature=0.9, seed=3,
                                layout=rows)
     assert expanded == plain
     assert stats.spec_decode_num_draft_tokens > 50
-
-
-def test_verify_layout_expands_only_steps_that_become_graph_replays():
-    blocks = [3, 4]
-
-    def verify(start: int, n: int = 4) -> BatchEntry:
-        return BatchEntry(list(range(10, 10 + n)), start, blocks, logits="all", lora_slot=2)
-
-    decode = BatchEntry([7], 9, [5])
-    layout = VerifyLayout(max_rows=9, max_extra_tokens=3 * 12)
-    rows = layout.expand([decode, verify(12)], [1])
-    assert [(e.token_ids, e.start_pos, e.logits, e.lora_slot) for e in rows] == [
-        ([7], 9, "last", -1), ([10], 12, "last", 2), ([11], 13, "last", 2),
-        ([12], 14, "last", 2), ([13], 15, "last", 2)]
-    assert all(e.block_ids is blocks for e in rows[1:])
-    prefill = BatchEntry(list(range(5)), 0, [6])
-    for entries, verifying, why in [
-            ([decode, verify(12), prefill], [1], "a prefill makes the step eager anyway"),
-            ([decode, verify(12), verify(0, 5)], [1, 2], "10 rows: past the largest graph"),
-            ([decode, verify(13)], [1], "3 x 13 tokens re-read: past the budget"),
-            ([decode, decode], [], "nothing to verify")]:
-        assert layout.expand(entries, verifying) is entries, why
-    assert VerifyLayout(0, 10**9).expand([verify(1)], [0])[0].logits == "all"  # no graphs

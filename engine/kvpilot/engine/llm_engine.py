@@ -38,13 +38,10 @@ from kvpilot.engine.executor import ModelExecutor, make_executor
 from kvpilot.engine.kv_connector.host_tier import make_host_tier
 from kvpilot.engine.lora.manager import make_lora_manager, unknown_adapter_fix
 from kvpilot.engine.model_runner import BatchEntry
+from kvpilot.engine.row_layout import RowLayout
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kvpilot.engine.spec_decode.proposers import Drafts
-from kvpilot.engine.spec_decode.spec_decoder import (
-    VerifyItem,
-    VerifyLayout,
-    make_spec_decoder,
-)
+from kvpilot.engine.spec_decode.spec_decoder import SpecDecoder, VerifyItem, make_spec_decoder
 from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
 
 if TYPE_CHECKING:
@@ -124,7 +121,10 @@ class LLMEngine:
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0), self.kv,
             self.connector, self.lora.slots if self.lora is not None else None)
         self.spec = make_spec_decoder(engine_args, self.kv, runner.num_blocks, runner.device,
-                                      draft, VerifyLayout.of(runner.load_report()))
+                                      draft)
+        # short multi-token entries run as single-token rows where a decode graph then
+        # replays the step (`engine.row_layout`)
+        self.rows = RowLayout.of(runner.load_report())
         self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, model_config.eos_token_ids,
                                        model_config.max_model_len)
@@ -345,9 +345,10 @@ class LLMEngine:
                 self._inflight = None
             return results
         drafts = self.spec.prepare(plan) if self.spec is not None else {}
-        entries = run_entries = self._entries(plan)
-        if drafts and self.spec is not None:
-            run_entries = self.spec.fill(plan, entries, drafts)
+        entries = self._entries(plan)
+        if drafts:
+            SpecDecoder.fill(plan, entries, drafts)
+        run_entries = self.rows.expand(entries)  # the same logits rows, maybe a graph's
         self._last_plan = plan
         launch_async = self.async_scheduling and not self._host_sampling
         constrained = launch_async and self._grammars is not None and any(

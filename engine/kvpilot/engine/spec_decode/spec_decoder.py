@@ -9,8 +9,8 @@ after the target's one forward over [pending token, drafts...] (`logits="all"`),
 the argmax comparison it reduces to). The engine then books the accepted tokens
 (`LLMEngine._apply_verified`): only verified tokens ever count as computed, so
 the prefix cache never hashes a draft, and the rejected drafts' slots are freed.
-Where decode graphs are captured, a step of decodes and verifies runs its verify
-entries as single-token rows (`VerifyLayout`), so it replays a graph.
+Where decode graphs are captured, a step of decodes and short verifies replays a
+graph with each verify entry as single-token rows (`engine.row_layout`).
 """
 
 from __future__ import annotations
@@ -36,10 +36,6 @@ from kvpilot.engine.spec_decode.proposers import (
     uniform_rows,
 )
 from kvpilot.engine.spec_decode.rejection_sampler import rejection_sample
-from kvpilot.engine.startup_log import LoadReport
-
-# the share of a forward's weight bytes that a step's verify rows may re-read as context
-EXTRA_READ_SHARE = 0.25
 
 
 @dataclass
@@ -61,61 +57,13 @@ class VerifyItem:
     drafts: Drafts
 
 
-@dataclass(frozen=True)
-class VerifyLayout:
-    """When a step's verify entries run as one single-token row per token.
-
-    Row j of an entry [pending, d1..dk] at position p is a decode row at position
-    p + j over the entry's blocks. Both attention backends write a step's K/V
-    before they attend, so row j sees d1..dj written in the same step: causal
-    attention over the entry, as the entry itself gets, with the same logits rows
-    in the same order. A step of single-token rows replays a captured decode
-    graph; a verify entry among them made the whole step eager. The price is
-    reading: each row reads its whole context, about k times the entry's context
-    in all, where the prefill kernel reads it once. So a step expands only when
-    its other entries are all decodes, its rows fit the largest captured graph,
-    and the extra context stays under EXTRA_READ_SHARE of the weight bytes that
-    the forward reads anyway.
-    """
-
-    max_rows: int  # the largest decode graph captured; 0: none (CPU, --enforce-eager)
-    max_extra_tokens: int  # context tokens the rows may read beyond the entries' own
-
-    @classmethod
-    def of(cls, report: LoadReport) -> VerifyLayout:
-        """Gives the layout for a runner that loaded and captured what `report` says."""
-        per_token = max(report.bytes_per_block // max(report.block_size, 1), 1)
-        return cls(max(report.graph_sizes or (0,)),
-                   int(report.weight_bytes * EXTRA_READ_SHARE) // per_token)
-
-    def expand(self, entries: list[BatchEntry], verify: list[int]) -> list[BatchEntry]:
-        """Gives the entries the runner runs: `entries`, or each of the `verify` entries
-        (their indices) as single-token rows when the step then replays a graph."""
-        verifying = set(verify)
-        rows = sum(len(e.token_ids) if i in verifying else 1 for i, e in enumerate(entries))
-        extra = sum((len(entries[i].token_ids) - 1) * entries[i].start_pos for i in verify)
-        if (not verify or rows > self.max_rows or extra > self.max_extra_tokens
-                or any(len(e.token_ids) != 1 for i, e in enumerate(entries)
-                       if i not in verifying)):
-            return entries
-        out: list[BatchEntry] = []
-        for i, e in enumerate(entries):
-            if i not in verifying:
-                out.append(e)
-                continue
-            out += [BatchEntry([token], e.start_pos + j, e.block_ids, lora_slot=e.lora_slot)
-                    for j, token in enumerate(e.token_ids)]
-        return out
-
-
 class SpecDecoder:
     """Proposes drafts for a step's speculating decodes and verifies them."""
 
-    def __init__(self, proposer: Proposer, kv: KVCacheManager, num_speculative_tokens: int,
-                 layout: VerifyLayout = VerifyLayout(0, 0)) -> None:
+    def __init__(self, proposer: Proposer, kv: KVCacheManager, num_speculative_tokens: int
+                 ) -> None:
         self.proposer = proposer
         self.kv = kv
-        self.layout = layout
         self.counters = SpecDecodeCounters(
             num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
 
@@ -144,19 +92,14 @@ class SpecDecoder:
         plan.scheduled.sort(key=lambda item: item[1] != 1)
         return out
 
-    def fill(self, plan: SchedulerOutput, entries: list[BatchEntry], drafts: dict[int, Drafts]
-             ) -> list[BatchEntry]:
-        """Appends each speculating entry's drafts and asks for all of its logits rows;
-        gives the entries for the runner (`VerifyLayout.expand`), whose logits rows are
-        the same."""
-        verify: list[int] = []
-        for i, ((seq, _), entry) in enumerate(zip(plan.scheduled, entries, strict=True)):
+    @staticmethod
+    def fill(plan: SchedulerOutput, entries: list[BatchEntry], drafts: dict[int, Drafts]) -> None:
+        """Appends each speculating entry's drafts and asks for all of its logits rows."""
+        for (seq, _), entry in zip(plan.scheduled, entries, strict=True):
             found = drafts.get(seq.seq_id)
             if found is not None:
                 entry.token_ids = [seq.token_ids[-1], *found.token_ids]
                 entry.logits = "all"
-                verify.append(i)
-        return self.layout.expand(entries, verify)
 
     def verify(self, items: list[VerifyItem], logits: torch.Tensor) -> list[list[int]]:
         """Gives the tokens each item emits: its accepted drafts, then one target token."""
@@ -235,11 +178,9 @@ def _verify_greedy(target: torch.Tensor, draft_ids: torch.Tensor, num_draft: tor
 
 
 def make_spec_decoder(args: EngineArgs, kv: KVCacheManager, num_blocks: int,
-                      device: torch.device, draft: DraftModel | None,
-                      layout: VerifyLayout = VerifyLayout(0, 0)) -> SpecDecoder | None:
+                      device: torch.device, draft: DraftModel | None) -> SpecDecoder | None:
     """Gives the speculative mode `args.speculative_config` asks for (None: off); a draft
-    model comes loaded (`load_draft`, before the target sized its KV cache); `layout`
-    says when verify entries run as decode rows."""
+    model comes loaded (`load_draft`, before the target sized its KV cache)."""
     spec = parse_speculative_config(args.speculative_config)
     if spec is None:
         return None
@@ -250,4 +191,4 @@ def make_spec_decoder(args: EngineArgs, kv: KVCacheManager, num_blocks: int,
                          "engine with LLMEngine.from_engine_args, which loads the draft")
     else:
         proposer = DraftModelProposer(draft, num_blocks, kv, device)
-    return SpecDecoder(proposer, kv, spec.num_speculative_tokens, layout)
+    return SpecDecoder(proposer, kv, spec.num_speculative_tokens)
