@@ -12,6 +12,7 @@ from helpers.lora_adapters import hf_greedy
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.lora.layers import LoRAMapping
+from kvpilot.engine.row_layout import RowLayout
 
 NEW = GREEDY.max_tokens or 0
 
@@ -63,7 +64,10 @@ def test_adapter_matches_hf_peft(base_dir, adapters, name):
     assert tokens == want
 
 
-def test_mixed_batch_equals_each_alone(base_dir, adapters):
+@pytest.mark.parametrize("rows", [False, True])
+def test_mixed_batch_equals_each_alone(base_dir, adapters, rows):
+    # rows: the mixed engine runs its prompts as single-token rows (`engine.row_layout`, on
+    # CUDA where a decode graph then replays the step), each row under its entry's adapter
     names = ["attn", "mlp", "all"]
     requests = {f"{lora}-{i}": (_prompt(10 * i + k, 5 + 9 * i + k), lora)
                 for k, lora in enumerate([*names, None]) for i in range(2)}
@@ -72,6 +76,8 @@ def test_mixed_batch_equals_each_alone(base_dir, adapters):
         engine = _engine(base_dir, adapters, names, max_loras=3)
         alone[rid] = _run_all(engine, {rid: (prompt, lora)})[0][rid]
     mixed_engine = _engine(base_dir, adapters, names, max_loras=3)
+    if rows:
+        mixed_engine.rows = RowLayout(max_rows=256, max_extra_tokens=10**6)
     mixed, mixes = _run_all(mixed_engine, requests)
     assert mixed == alone
     assert max(mixes) == 4  # a step ran the three adapters and the base together
