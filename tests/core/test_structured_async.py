@@ -26,6 +26,7 @@ from kvpilot.engine.contracts.outputs import CompletionOutput
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
 from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.row_layout import RowLayout
 from kvpilot.engine.structured.bitmask import BitmaskBuffer
 from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
 
@@ -84,10 +85,13 @@ def _gate_fills(monkeypatch: pytest.MonkeyPatch, timeout: float) -> tuple[thread
     return permits, waited
 
 
-def _run(mode: str) -> tuple[dict[str, list[int]], dict[str, str], int]:
+def _run(mode: str, rows: bool = False) -> tuple[dict[str, list[int]], dict[str, str], int]:
     """Gives each request's tokens and their text, and how many steps left a constrained row
-    in flight (launched, not yet read back) when they returned."""
+    in flight (launched, not yet read back) when they returned; `rows`: prompts run as
+    single-token rows (`engine.row_layout`, forced on: CPU captures no graphs)."""
     engine = _engine(mode, 8, range(9))
+    if rows:
+        engine.rows = RowLayout(max_rows=64, max_extra_tokens=10**6)
     constrained_in_flight = 0
 
     def count(_step: int) -> None:
@@ -189,3 +193,14 @@ def test_abort_while_the_mask_fills_leaves_the_others_valid(monkeypatch: pytest.
     assert all(waited) and done["1"].finish_reason == "abort"
     for rid in ("0", "3"):
         jsonschema.validate(json.loads(engine.tokenizer.decode(done[rid].token_ids)), SCHEMA)
+
+
+def test_structured_requests_give_the_same_tokens_when_prompts_run_as_rows() -> None:
+    # the batch's prompts as single-token rows: the same logits rows reach the masked sampler
+    sync_tokens, _, _ = _run("off")
+    rows_tokens, rows_texts, rows_flights = _run("on", rows=True)
+    assert rows_flights > 10
+    assert rows_tokens == sync_tokens
+    for i in range(9):
+        if _params(i).structured_outputs is not None:
+            jsonschema.validate(json.loads(rows_texts[str(i)]), SCHEMA)
