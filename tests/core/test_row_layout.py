@@ -53,13 +53,15 @@ def test_a_step_expands_only_when_it_then_fits_a_graph_within_the_budget():
     assert RowLayout(0, 10**9).expand(no_graphs) is no_graphs
 
 
-def test_the_layout_follows_the_captured_graphs_and_the_weight_bytes():
+def test_the_layout_follows_the_captured_graphs_and_the_weight_bytes(monkeypatch):
     report = LoadReport(weight_bytes=10 * 2**20, load_seconds=0.0, num_blocks=8, block_size=16,
                         bytes_per_block=16 * 1024, graph_sizes=(1, 2, 4, 8, 16),
                         graph_seconds=0.0)
     assert RowLayout.of(report) == RowLayout(max_rows=16, max_extra_tokens=10 * 1024)
     eager = LoadReport(**{**vars(report), "graph_sizes": None})
     assert RowLayout.of(eager).max_rows == 0
+    monkeypatch.setenv("KVPILOT_ROW_LAYOUT", "0")  # the switch for side-by-side benchmarks
+    assert RowLayout.of(report).max_rows == 0
 
 
 def run(seed: int, async_scheduling: str, layout: RowLayout | None) -> tuple[dict, int]:

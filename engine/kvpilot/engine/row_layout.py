@@ -25,6 +25,7 @@ tokens' K/V stay under the bytes of one read of the weights (on the H100 that is
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from kvpilot.engine.model_runner import BatchEntry
@@ -32,6 +33,8 @@ from kvpilot.engine.startup_log import LoadReport
 
 # the K/V bytes a step's rows may read beyond its entries', as a share of the weight bytes
 EXTRA_READ_SHARE = 1.0
+# "0" keeps every multi-token entry eager: the layout before this one, for side-by-side runs
+ENV = "KVPILOT_ROW_LAYOUT"
 
 
 def extra_tokens(entry: BatchEntry) -> int:
@@ -60,6 +63,8 @@ class RowLayout:
     @classmethod
     def of(cls, report: LoadReport) -> RowLayout:
         """Gives the layout for a runner that loaded and captured what `report` says."""
+        if os.environ.get(ENV) == "0":
+            return cls(0, 0)
         per_token = max(report.bytes_per_block // max(report.block_size, 1), 1)
         return cls(max(report.graph_sizes or (0,)),
                    int(report.weight_bytes * EXTRA_READ_SHARE) // per_token)
