@@ -80,8 +80,8 @@ def run(seed: int, async_scheduling: str, layout: RowLayout | None) -> tuple[dic
 
         def counting(entries, copies, prev_tokens=None):
             nonlocal expanded
-            expanded += any(e.logits == "none" for e in entries) or len(entries) > len(
-                engine._last_plan.scheduled if engine._last_plan else entries)
+            assert engine._last_plan is not None  # set before the forward
+            expanded += len(entries) > len(engine._last_plan.scheduled)  # rows, not entries
             return execute(entries, copies, prev_tokens)
 
         engine.runner.execute = counting  # type: ignore[method-assign]

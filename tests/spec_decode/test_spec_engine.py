@@ -21,6 +21,7 @@ from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.model_runner import BatchEntry, ModelRunner
 from kvpilot.engine.row_layout import RowLayout
 from kvpilot.engine.server.metrics import ServerMetrics
+from kvpilot.engine.spec_decode.draft_proposer import DraftModelProposer
 
 MAX_STEPS = 3000
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, ' \
@@ -72,6 +73,8 @@ def generate(model: str, spec: str | None, temperature: float = 0.0, seed: int |
         max_num_seqs=6, speculative_config=spec))
     if layout is not None:
         engine.rows = layout
+        if isinstance(engine.spec.proposer if engine.spec else None, DraftModelProposer):
+            engine.spec.proposer.rows = layout  # type: ignore[union-attr]
     engine.stream_outputs = False
     todo = list(enumerate(prompts()))
     out: dict[str, list[int]] = {}
@@ -234,19 +237,21 @@ def test_structured_requests_decode_without_drafts_and_keep_their_grammar():
 
 def test_the_draft_catches_up_on_accepted_drafts_in_single_token_rows(monkeypatch):
     # draft = target accepts every draft, so each round leaves the last draft and the bonus
-    # token past the draft's K/V: they must reach the draft as single-token rows (a step of
-    # those replays the draft's decode graph on CUDA; a 2-token entry made it eager)
-    from kvpilot.engine.spec_decode.draft_proposer import DraftModelProposer
+    # token past the draft's K/V: they must reach the draft's runner as single-token rows (a
+    # step of those replays the draft's decode graph on CUDA, where the draft's row layout
+    # allows it; forced here; a 2-token entry made the step eager)
+    runs: list[tuple[ModelRunner, list[int]]] = []
+    execute = ModelRunner.execute
 
-    lengths: list[list[int]] = []
-    run = DraftModelProposer._run
+    def recording(self, entries, copies, prev_tokens=None):
+        runs.append((self, [len(e.token_ids) for e in entries]))
+        return execute(self, entries, copies, prev_tokens)
 
-    def recording(self, entries):
-        lengths.append([len(e.token_ids) for e in entries])
-        return run(self, entries)
-
-    monkeypatch.setattr(DraftModelProposer, "_run", recording)
-    fast, stats = generate("tiny-llama", draft("tiny-llama", k=3))
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    fast, stats = generate("tiny-llama", draft("tiny-llama", k=3),
+                           layout=RowLayout(max_rows=64, max_extra_tokens=10**6))
+    # the target runs first (the draft only follows decodes): the others are the draft's
+    lengths = [step for runner, step in runs if runner is not runs[0][0]]
     assert fast == plain_greedy("tiny-llama")
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
     short = [n for step in lengths for n in step if 1 < n <= 4]  # k + 1 = 4

@@ -25,6 +25,7 @@ from kvpilot.engine.device import to_device
 from kvpilot.engine.model_runner import BatchEntry, ModelRunner
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.llama import LlamaForCausalLM
+from kvpilot.engine.row_layout import RowLayout
 from kvpilot.engine.sampler import processed_probs
 from kvpilot.engine.spec_decode.proposers import Drafts, exponential_rows
 
@@ -85,6 +86,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(replace(draft.args, num_kv_blocks=num_blocks), draft.config,
                                   device, model=draft.model)
         self.kv = kv
+        self.rows = RowLayout.of(self.runner.load_report())
         # seq -> positions whose draft K/V hold that sequence's verified tokens
         self._computed: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
 
@@ -92,33 +94,23 @@ class DraftModelProposer:
         """Gives k_i draft tokens (and the draft's distribution at each) per (seq, k_i).
 
         A sequence whose drafts were all accepted comes back two tokens past the
-        draft's K/V (the last draft and the bonus token). Those few tokens go in as
-        one single-token row each, not one two-token entry: a step of single-token
-        rows replays the draft's decode graph, while any longer entry made the whole
-        first draft step eager, and the more drafts were accepted, the more often (H100,
-        8B-shaped target, 2-layer draft, batch 1: 0.81-0.91x the target alone at
+        draft's K/V (the last draft and the bonus token). `_run` runs such a short
+        entry as single-token rows where the draft's decode graph then replays the
+        step (`engine.row_layout`, as the target's steps): a two-token entry made the
+        whole first draft step eager, and the more drafts were accepted, the more often
+        (H100, 8B-shaped target, 2-layer draft, batch 1: 0.81-0.91x the target alone at
         acceptance 0.86-0.93 before, 1.22-1.26x at 0.85-0.88 after; single runs, and
-        this bench's batch-1 rows vary by up to 1.5x between runs). Both attention
-        backends write a step's K/V before they attend, so the bonus row sees the last
-        draft's K/V written in the same step.
+        this bench's batch-1 rows vary by up to 1.5x between runs).
         """
         block_ids = [self.kv.block_id_array(seq) for seq, _ in items]
         entries: list[BatchEntry] = []
-        last_rows: list[int] = []  # each item's last entry: the row its first draft reads
-        for (seq, k), blocks in zip(items, block_ids, strict=True):
+        for (seq, _), blocks in zip(items, block_ids, strict=True):
             start = min(self._computed.get(seq, 0), seq.num_computed_tokens)
-            new = seq.token_ids[start:]
-            if 1 < len(new) <= k + 1:  # a catch-up after accepted drafts (or a tiny prompt)
-                entries += [BatchEntry([token], start + j, blocks) for j, token in enumerate(new)]
-            else:
-                entries.append(BatchEntry(new, start, blocks))
-            last_rows.append(len(entries) - 1)
+            entries.append(BatchEntry(seq.token_ids[start:], start, blocks))
         tokens: list[list[int]] = [[] for _ in items]
         probs: list[list[torch.Tensor]] = [[] for _ in items]
         active = list(range(len(items)))
         logits = self._run(entries)
-        if len(last_rows) != len(entries):
-            logits = logits.index_select(0, to_device(last_rows, logits.device))
         while True:
             self._draw(logits, [items[i][0] for i in active], active, tokens, probs)
             active = [i for i in active if len(tokens[i]) < items[i][1]]
@@ -139,9 +131,10 @@ class DraftModelProposer:
         self._computed.pop(seq, None)
 
     def _run(self, entries: list[BatchEntry]) -> torch.Tensor:
-        """Gives the draft's last-token logits per entry, running single-token entries first."""
+        """Gives the draft's last-token logits per entry, running single-token entries first
+        (and short ones as single-token rows where that replays a graph: `self.rows`)."""
         order = sorted(range(len(entries)), key=lambda i: len(entries[i].token_ids) != 1)
-        logits = self.runner.execute([entries[i] for i in order], [])
+        logits = self.runner.execute(self.rows.expand([entries[i] for i in order]), [])
         if order == sorted(order):
             return logits
         back = [0] * len(order)
