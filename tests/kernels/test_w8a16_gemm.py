@@ -12,7 +12,8 @@ from kvpilot.kernels.w8a16_gemm import w8a16_gemm, w8a16_gemm_ref
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "n", "k"), [
-    (1, 48, 64),  # one decode row, N not a multiple of the block
+    (1, 48, 64),  # one decode row (the GEMV), N not a multiple of the block
+    (1, 50, 300),  # the GEMV with K not a multiple of BLOCK_K
     (5, 64, 300),  # K not a multiple of BLOCK_K
     (17, 16, 512),  # rows padded to 32
     (64, 40, 96),  # the most rows the kernel takes
@@ -25,6 +26,21 @@ def test_w8a16_matches_reference(rows, n, k, dtype):
     out = w8a16_gemm(x, weight, scale, block_k=128)
     assert out.shape == (rows, n) and out.dtype == dtype
     assert rel_err(out, w8a16_gemm_ref(x, weight, scale)) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_row_gemv_matches_the_tiled_kernel(monkeypatch, dtype):
+    """The one-row GEMV and the `tl.dot` kernel it stands in for give the same row."""
+    import kvpilot.kernels.w8a16_gemm as gemm
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 320, generator=gen).to(dtype=dtype, device=DEVICE)
+    weight = torch.randint(-127, 128, (72, 320), generator=gen, dtype=torch.int8).to(DEVICE)
+    scale = (torch.rand(72, generator=gen) * 0.01 + 1e-4).to(DEVICE)
+    gemv = w8a16_gemm(x, weight, scale, block_k=128)
+    monkeypatch.setattr(gemm, "USE_GEMV", False)
+    tiled = w8a16_gemm(x, weight, scale, block_k=128)
+    assert rel_err(gemv, tiled) < tolerance(dtype)
 
 
 def test_w8a16_refuses_a_large_batch():

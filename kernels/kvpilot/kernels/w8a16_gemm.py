@@ -11,6 +11,13 @@ flight, so the tile width along K and the pipeline depth matter most; on a GPU t
 autotuned per (N, K, BLOCK_M) from TUNED_CONFIGS during the engine's warm-up (before CUDA
 graphs capture), and the interpreter runs the plain kernel with the sizes a test gives.
 Larger batches are compute-bound and stay on the torch path.
+
+One row (batch-1 decode, the latency case) has a kernel of its own, a GEMV: `tl.dot` would
+pad the row to 16 and move every weight tile through shared memory into the MMA layout,
+work a memory-bound kernel cannot hide when the weight is 8-bit. The GEMV multiplies each
+widened tile by the row in registers, keeps a [BLOCK_N, BLOCK_K] float32 accumulator and
+sums it once at the end; narrow BLOCK_N gives the [4096, K] layers enough programs to
+keep every SM reading.
 """
 
 from __future__ import annotations
@@ -32,6 +39,35 @@ TUNED_CONFIGS = [
     (32, 512, 4, 4), (64, 256, 4, 4), (16, 512, 8, 4), (32, 1024, 8, 3),
     (16, 256, 4, 6), (32, 256, 4, 6), (32, 128, 4, 8), (32, 512, 4, 5), (64, 128, 4, 6),
 ]
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the one-row GEMV
+GEMV_CONFIGS = [
+    (2, 1024, 4, 3), (4, 512, 4, 3), (4, 1024, 4, 3), (4, 2048, 8, 3), (8, 512, 4, 3),
+    (8, 1024, 8, 3), (8, 256, 4, 4), (16, 256, 4, 3), (16, 512, 8, 3), (2, 2048, 8, 2),
+    (4, 1024, 8, 4), (8, 512, 4, 5),
+]
+
+
+@jit
+def _w8a16_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+    out = tl.sum(acc, axis=1) * scale
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @jit
@@ -59,14 +95,17 @@ def _w8a16_kernel(
              out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _tuned(kernel: Kernel) -> Kernel:
-    """Gives `kernel` autotuned over TUNED_CONFIGS per (N, K, BLOCK_M)."""
+def _tuned(kernel: Kernel, table: list[tuple[int, int, int, int]], key: list[str]) -> Kernel:
+    """Gives `kernel` autotuned over `table`'s (BLOCK_N, BLOCK_K, warps, stages) per `key`."""
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-               for n, k, w, s in TUNED_CONFIGS]
-    return triton.autotune(configs, key=["N", "K", "BLOCK_M"])(kernel)  # pyright: ignore[reportReturnType, reportArgumentType]
+               for n, k, w, s in table]
+    return triton.autotune(configs, key=key)(kernel)  # pyright: ignore[reportReturnType, reportArgumentType]
 
 
-_w8a16_tuned = _tuned(_w8a16_kernel)
+_w8a16_tuned = _tuned(_w8a16_kernel, TUNED_CONFIGS, ["N", "K", "BLOCK_M"])
+_gemv_tuned = _tuned(_w8a16_gemv_kernel, GEMV_CONFIGS, ["N", "K"])
+# the one-row GEMV is used unless KVPILOT_W8A16_GEMV=0 (for side-by-side benchmarks)
+USE_GEMV = os.environ.get("KVPILOT_W8A16_GEMV", "1") != "0"
 
 
 def w8a16_gemm(
@@ -85,9 +124,19 @@ def w8a16_gemm(
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
+    tune = (block_n is None or block_k is None) and os.environ.get("TRITON_INTERPRET") != "1"
+    if rows == 1 and USE_GEMV:
+        gemv_args = (x, weight, scale, out, n, k, weight.stride(0))
+        if tune:
+            _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*gemv_args)
+        else:
+            block_n, block_k = block_n or 4, block_k or 256
+            _w8a16_gemv_kernel[(triton.cdiv(n, block_n),)](*gemv_args, BLOCK_N=block_n,
+                                                          BLOCK_K=block_k, num_warps=4)
+        return out
     args = (x, weight, scale, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0))
     block_m = max(16, triton.next_power_of_2(rows))
-    if (block_n is None or block_k is None) and os.environ.get("TRITON_INTERPRET") != "1":
+    if tune:
         _w8a16_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, BLOCK_M=block_m)
     else:
         block_n, block_k = block_n or 16, block_k or 256
