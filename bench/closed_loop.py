@@ -25,8 +25,10 @@ if TYPE_CHECKING:
 @dataclass
 class LoopResult:
     decode_step_ms: list[float] = field(default_factory=list)
+    other_step_ms: list[float] = field(default_factory=list)  # the timed steps not decode steps
     tokens: int = 0  # output tokens of the timed steps
     elapsed: float = 0.0  # seconds of the timed steps
+    finished_lengths: list[int] = field(default_factory=list)  # output tokens of each ended one
 
     @property
     def tok_per_s(self) -> float:
@@ -43,6 +45,7 @@ def closed_loop(engine: LLMEngine, batch: int, warm_steps: int, timed_steps: int
             torch.cuda.synchronize()
 
     result, start = LoopResult(), 0.0
+    produced: dict[str, int] = {}  # output tokens so far per request
     for step in range(warm_steps + timed_steps):
         while len(engine.requests) < batch:
             add_request()
@@ -50,15 +53,21 @@ def closed_loop(engine: LLMEngine, batch: int, warm_steps: int, timed_steps: int
             sync()
             start = time.perf_counter()
         began = time.perf_counter()
-        tokens = sum(len(c.token_ids) for out in engine.step() for c in out.completions)
+        tokens = 0
+        for out in engine.step():
+            count = sum(len(c.token_ids) for c in out.completions)
+            tokens += count
+            produced[out.request_id] = produced.get(out.request_id, 0) + count
+            if out.finished:
+                result.finished_lengths.append(produced.pop(out.request_id))
         if step < warm_steps:
             continue
         result.tokens += tokens
         plan = engine._last_plan
         decode = plan is not None and len(plan.scheduled) == batch and \
             all(n == 1 for _, n in plan.scheduled)
-        if decode:
-            result.decode_step_ms.append((time.perf_counter() - began) * 1e3)
+        (result.decode_step_ms if decode else result.other_step_ms).append(
+            (time.perf_counter() - began) * 1e3)
         if after_timed_step is not None:
             after_timed_step(decode)
     sync()

@@ -1,7 +1,7 @@
 """Issue 24: the cost of structured outputs at batch 64 (goal: <= 10% slower than unconstrained).
 
-A Qwen3-0.6B-shaped dummy model (bf16, random weights) with a byte-level BPE
-tokenizer of Qwen3's vocabulary size (151,936 ids), synthesised here: the 256
+A Qwen3-0.6B-shaped dummy model (bf16, random weights; `--shape 8b`: Llama-3-8B) with a
+byte-level BPE tokenizer of the shape's vocabulary size (151,936 ids; 128,256), synthesised here: the 256
 byte tokens plus random merges of existing tokens (words, spaces, digits and
 JSON punctuation first), so the grammar library walks a token trie of a real
 size. A closed loop keeps 64 requests in flight (a finished one is replaced at
@@ -11,7 +11,10 @@ once) for a fixed number of steps, in three modes, each its own engine:
 - `unconstrained_sync`: async scheduling off, so the gap to `json_schema` is the
   grammar's own cost (constrained steps run synchronously);
 - `json_schema`: every request constrained by one schema (objects, enums,
-  bounded strings, arrays of numbers), compiled once and copied per request.
+  bounded strings, arrays of numbers), compiled once and copied per request;
+- `unconstrained_matched` (after `json_schema`): unconstrained requests whose outputs
+  end at the lengths the constrained ones ended at, in turn: the same mix of prefills
+  and decodes, so output tok/s compares like with like.
 
 Reported per mode: the median ms of pure decode steps with 64 running (the wall
 time of `step()` with no device sync between steps, `closed_loop.py`), and the
@@ -28,25 +31,29 @@ median decode step compares like with like. A last child times the mask fill
 alone (`structured_mask_fill.py`): serially vs llguidance's parallel executor.
 
     python bench/structured_gpu.py OUT_DIR            # CUDA
+    python bench/structured_gpu.py OUT_DIR --shape 8b # CUDA, Llama-3-8B shape
     python bench/structured_gpu.py OUT_DIR --smoke    # CPU, tiny-qwen3, a few steps
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import platform
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 from closed_loop import closed_loop
 from cpu_smoke import one_thread_per_process
 from fresh_process import call_in_fresh_process
-from shapes import QWEN3_0_6B
+from shapes import LLAMA3_8B, QWEN3_0_6B
 
 SCHEMA = {
     "type": "object", "additionalProperties": False,
@@ -63,7 +70,7 @@ SCHEMA = {
                  "maxItems": 6},
     },
 }
-MODES = ("unconstrained", "unconstrained_sync", "json_schema")
+MODES = ("unconstrained", "unconstrained_sync", "json_schema", "unconstrained_matched")
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -155,24 +162,29 @@ def synthetic_tokenizer(vocab_size: int, seed: int = 0) -> dict:
                       "vocab": vocab, "merges": merges}}
 
 
-def model_dir(root: Path) -> Path:
-    """Gives a model dir: the Qwen3-0.6B config (its eos the synthetic <|im_end|>) and the
-    synthetic tokenizer."""
-    path = root / "qwen3-0.6b-shape"
+SHAPES = {"0.6b": QWEN3_0_6B, "8b": LLAMA3_8B}
+
+
+def model_dir(root: Path, shape: str = "0.6b") -> Path:
+    """Gives a model dir: the shape's config (its eos the synthetic <|im_end|>) and a
+    synthetic tokenizer of the shape's vocabulary size (Qwen3's 151,936; Llama 3's 128,256)."""
+    path = root / f"{shape}-shape"
     path.mkdir(parents=True, exist_ok=True)
-    vocab = QWEN3_0_6B["vocab_size"]
+    vocab = SHAPES[shape]["vocab_size"]
     tokenizer = synthetic_tokenizer(vocab)
     eos = tokenizer["added_tokens"][2]["id"]
-    config = {**QWEN3_0_6B, "eos_token_id": eos, "bos_token_id": eos - 2}
+    config = {**SHAPES[shape], "eos_token_id": eos, "bos_token_id": eos - 2}
     (path / "config.json").write_text(json.dumps(config))
     (path / "tokenizer.json").write_text(json.dumps(tokenizer))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     return path
 
 
-def run_mode(model: str, mode: str, smoke: bool, fill_threads: int | None = None) -> dict:
+def run_mode(model: str, mode: str, smoke: bool, fill_threads: int | None = None,
+             lengths: list[int] | None = None) -> dict:
     """Gives one mode's numbers: a closed loop of `batch` requests for the timed steps;
-    `fill_threads` replaces the engine's mask-fill thread count (CPUs - 1) in this process."""
+    `fill_threads` replaces the engine's mask-fill thread count (CPUs - 1) in this process;
+    `lengths` (unconstrained_matched): the output lengths its requests take in turn."""
     if fill_threads is not None:
         from kvpilot.engine.structured import matchers
 
@@ -183,7 +195,7 @@ def run_mode(model: str, mode: str, smoke: bool, fill_threads: int | None = None
     from kvpilot.engine.llm_engine import LLMEngine
 
     device = "cpu" if smoke else "cuda"
-    batch, warm_steps, timed_steps = (4, 3, 12) if smoke else (64, 30, 300)
+    batch, warm_steps, timed_steps = (4, 3, 150) if smoke else (64, 30, 300)
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=model, load_format="dummy", device=device, max_model_len=1024,
         dtype="float32" if smoke else "bfloat16", max_num_seqs=batch,
@@ -199,12 +211,15 @@ def run_mode(model: str, mode: str, smoke: bool, fill_threads: int | None = None
     ids = iter(range(10**9))
 
     def add_request() -> None:
-        engine.add_request(f"r{next(ids)}", [rng.randrange(vocab - 3) for _ in range(32)],
-                           params)
+        i = next(ids)
+        p = params if not lengths else \
+            SamplingParams(temperature=1.0, max_tokens=lengths[i % len(lengths)], ignore_eos=True)
+        engine.add_request(f"r{i}", [rng.randrange(vocab - 3) for _ in range(32)], p)
 
     grammar_ms: list[float] = []
     wait_ms: list[float] = []
     phase_ms: dict[str, list[float]] = {}  # every host phase of the decode steps
+    other_phase_ms: dict[str, list[float]] = {}  # and of the other (mixed, eager) steps
     in_flight = 0
 
     def after_timed_step(decode: bool) -> None:
@@ -213,8 +228,8 @@ def run_mode(model: str, mode: str, smoke: bool, fill_threads: int | None = None
         if decode:
             grammar_ms.append(engine._phases.get("grammar", 0.0) * 1e3)
             wait_ms.append(engine._phases.get("mask_wait", 0.0) * 1e3)
-            for name, seconds in engine._phases.items():
-                phase_ms.setdefault(name, []).append(seconds * 1e3)
+        for name, seconds in engine._phases.items():
+            (phase_ms if decode else other_phase_ms).setdefault(name, []).append(seconds * 1e3)
 
     loop = closed_loop(engine, batch, warm_steps, timed_steps, add_request, after_timed_step)
     step_ms = loop.decode_step_ms
@@ -228,7 +243,15 @@ def run_mode(model: str, mode: str, smoke: bool, fill_threads: int | None = None
             "steps_left_in_flight": in_flight,
             "phases_ms_median": {name: round(statistics.median(v), 3)
                                  for name, v in phase_ms.items()},
-            "graph_steps": stats.graph_steps, "eager_steps": stats.eager_steps}
+            # where the steps that are not whole-batch decodes spend their time
+            "other_steps": len(loop.other_step_ms),
+            "other_step_ms_mean": statistics.mean(loop.other_step_ms) if loop.other_step_ms
+            else None,
+            "decode_step_ms_mean": statistics.mean(step_ms) if step_ms else None,
+            "other_phases_ms_mean": {name: round(statistics.mean(v), 3)
+                                     for name, v in other_phase_ms.items()},
+            "graph_steps": stats.graph_steps, "eager_steps": stats.eager_steps,
+            "output_lengths": loop.finished_lengths}
 
 
 def validate_outputs(model: str, smoke: bool) -> int:
@@ -284,24 +307,36 @@ def main() -> int:
     parser.add_argument("--fill-threads", default="",
                         help="comma-separated mask-fill thread counts: one more json_schema "
                              "row each (the engine's default is the CPUs but one)")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="0.6b",
+                        help="the model's shape (CUDA; the smoke runs tiny-qwen3)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         one_thread_per_process()
-    model = "tiny-qwen3" if args.smoke else str(model_dir(args.out / "model"))
+    scratch = Path(tempfile.mkdtemp(prefix="kvpilot-structured-bench-"))  # MBs: not in out
+    atexit.register(shutil.rmtree, scratch, True)
+    model = "tiny-qwen3" if args.smoke else str(model_dir(scratch, args.shape))
     rows = []
     for mode in args.modes.split(","):  # each engine in its own process: its KV cache is freed
-        rows.append(call_in_fresh_process(run_mode, model, mode, args.smoke,
+        lengths = None
+        if mode == "unconstrained_matched":  # the constrained run's output lengths, in order
+            done = [r for r in rows if r["mode"] == "json_schema"]
+            if not done or not done[0]["output_lengths"]:
+                parser.error("unconstrained_matched runs after json_schema (--modes order)")
+            lengths = done[0]["output_lengths"]
+        rows.append(call_in_fresh_process(run_mode, model, mode, args.smoke, None, lengths,
                                           reuse_imports=args.smoke))
-        print(json.dumps(rows[-1]), flush=True)
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "output_lengths"}),
+              flush=True)
     for threads in [int(t) for t in args.fill_threads.split(",") if t]:
         row = call_in_fresh_process(run_mode, model, "json_schema", args.smoke, threads,
                                     reuse_imports=args.smoke)
         rows.append({**row, "mode": f"json_schema, {threads} fill threads"})
-        print(json.dumps(rows[-1]), flush=True)
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "output_lengths"}),
+              flush=True)
     by_mode = {r["mode"]: r for r in rows}
     result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "host": platform.node(), "gpu": torch.cuda.get_device_name()
+              "host": platform.node(), "shape": "tiny-qwen3" if args.smoke else args.shape, "gpu": torch.cuda.get_device_name()
               if torch.cuda.is_available() else None, "smoke": args.smoke, "rows": rows,
               "valid_outputs_of_8": call_in_fresh_process(validate_outputs, model, args.smoke,
                                                           reuse_imports=args.smoke),
@@ -313,6 +348,10 @@ def main() -> int:
         result["slowdown_decode_step"] = (constrained["decode_step_ms_median"]
                                           / base["decode_step_ms_median"])
         result["slowdown_tok_per_s"] = base["output_tok_per_s"] / constrained["output_tok_per_s"]
+    matched = by_mode.get("unconstrained_matched")
+    if matched and constrained:
+        result["slowdown_tok_per_s_matched"] = (matched["output_tok_per_s"]
+                                                / constrained["output_tok_per_s"])
     (args.out / "results.json").write_text(json.dumps(result, indent=2))
     lines = ["| mode | decode step ms (median) | output tok/s | mask fill ms (median) | "
              "mask wait ms (median) | eager steps |", "|---|---|---|---|---|---|"]
@@ -321,7 +360,8 @@ def main() -> int:
               f"{r['eager_steps']} |" for r in rows]
     lines.append(f"\nmask fill alone, ms per step: {json.dumps(result['mask_fill'])}")
     lines.append(f"\nslowdown (json_schema / unconstrained, decode step): "
-                 f"{result.get('slowdown_decode_step')}; valid outputs: "
+                 f"{result.get('slowdown_decode_step')}; output tok/s, unconstrained_matched / "
+                 f"json_schema: {result.get('slowdown_tok_per_s_matched')}; valid outputs: "
                  f"{result['valid_outputs_of_8']}/8 (goal: <= 1.10, 8/8)")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,4 +1,4 @@
-"""bench/structured_gpu.py end to end on CPU (its smoke mode): the three modes, the slowdown,
+"""bench/structured_gpu.py end to end on CPU (its smoke mode): the four modes, the slowdowns,
 the mask fill's cost and the constrained outputs' validation are written to results.json."""
 
 from __future__ import annotations
@@ -18,11 +18,16 @@ def test_structured_bench_smoke(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
     assert [r["mode"] for r in result["rows"]] == ["unconstrained", "unconstrained_sync",
-                                                   "json_schema"]
+                                                   "json_schema", "unconstrained_matched"]
     assert all(r["pure_decode_steps"] > 0 and r["output_tok_per_s"] > 0 for r in result["rows"])
     assert result["valid_outputs_of_8"] == 8
     assert result["slowdown_decode_step"] > 0
     by_mode = {r["mode"]: r for r in result["rows"]}
+    # the matched run's requests end at the lengths the constrained ones ended at
+    constrained = by_mode["json_schema"]["output_lengths"]
+    matched = by_mode["unconstrained_matched"]["output_lengths"]
+    assert constrained and matched and set(matched) <= set(constrained)
+    assert result["slowdown_tok_per_s_matched"] > 0
     assert by_mode["json_schema"]["grammar_fill_ms_median"] > 0
     assert by_mode["unconstrained"]["grammar_fill_ms_median"] == 0
     fill = result["mask_fill"]
