@@ -299,6 +299,11 @@ def mask_fill(model: str, smoke: bool) -> dict:
                            batch=4 if smoke else 64, steps=6 if smoke else 90)
 
 
+def print_row(row: dict) -> None:
+    """Prints a mode's numbers as one JSON line, without its list of output lengths."""
+    print(json.dumps({k: v for k, v in row.items() if k != "output_lengths"}), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Issue 24: structured outputs at batch 64")
     parser.add_argument("out", type=Path)
@@ -326,18 +331,16 @@ def main() -> int:
             lengths = done[0]["output_lengths"]
         rows.append(call_in_fresh_process(run_mode, model, mode, args.smoke, None, lengths,
                                           reuse_imports=args.smoke))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "output_lengths"}),
-              flush=True)
+        print_row(rows[-1])
     for threads in [int(t) for t in args.fill_threads.split(",") if t]:
         row = call_in_fresh_process(run_mode, model, "json_schema", args.smoke, threads,
                                     reuse_imports=args.smoke)
         rows.append({**row, "mode": f"json_schema, {threads} fill threads"})
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "output_lengths"}),
-              flush=True)
+        print_row(rows[-1])
     by_mode = {r["mode"]: r for r in rows}
     result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "host": platform.node(), "shape": "tiny-qwen3" if args.smoke else args.shape, "gpu": torch.cuda.get_device_name()
-              if torch.cuda.is_available() else None, "smoke": args.smoke, "rows": rows,
+              "host": platform.node(), "shape": "tiny-qwen3" if args.smoke else args.shape,
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "smoke": args.smoke, "rows": rows,
               "valid_outputs_of_8": call_in_fresh_process(validate_outputs, model, args.smoke,
                                                           reuse_imports=args.smoke),
               "mask_fill": call_in_fresh_process(mask_fill, model, args.smoke,
