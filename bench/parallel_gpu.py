@@ -256,7 +256,7 @@ def config_numbers(shape: str, tp: int, smoke: bool) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, nargs="?", help="where results.json/.md go")
-    parser.add_argument("--tp", default="1,2,4", help="TP sizes of the 8B-shaped runs")
+    parser.add_argument("--tp", default="1,2,4", help="TP sizes of the 8B-shaped runs ('' for none)")
     parser.add_argument("--no-70b", action="store_true", help="skip the 70B-shaped TP=4 run")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, gloo")
     parser.add_argument("--run-config", help=argparse.SUPPRESS)  # SHAPE:TP, in a child
@@ -269,7 +269,8 @@ def main() -> int:
         return 0
     if args.out_dir is None:
         parser.error("out_dir is required")
-    tps = [1, 2] if args.smoke else [int(t) for t in args.tp.split(",")]
+    # --tp "" runs no 8B configuration (the 70B run alone)
+    tps = [1, 2] if args.smoke else [int(t) for t in args.tp.split(",") if t]
     shape = "tiny" if args.smoke else "8b"
     device_type = "cpu" if args.smoke else "cuda"
     report = {
