@@ -69,6 +69,12 @@ def needs_host_sampling(params: SamplingParams) -> bool:
                 or params.repetition_penalty != 1.0)
 
 
+def forced_first(seq: Sequence) -> int | None:
+    """Gives the token `seq` emits instead of sampling: its request's `first_token_id` while
+    it has no output yet (a disaggregated prefill engine sampled that token already)."""
+    return seq.request.params.first_token_id if seq.num_output_tokens == 0 else None
+
+
 @dataclass
 class _InFlight:
     """A launched step whose sampled tokens the host has not read yet.
@@ -225,6 +231,9 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}): got "
                              f"{[t for t in token_ids if not 0 <= t < vocab][:5]}")
+        if params.first_token_id is not None and params.first_token_id >= vocab:
+            raise ValueError(f"first_token_id={params.first_token_id} is invalid: "
+                             f"first_token_id must be in [0, {vocab})")
         request = Request(request_id, text, token_ids, params,
                           time.monotonic() if arrival_time is None else arrival_time, priority,
                           lora_name=lora_name)
@@ -546,7 +555,7 @@ class LLMEngine:
         previous step's tokens)."""
         seqs = self._sampled_seqs(plan, entries)
         rows = [SamplingRow(seq.request.params, seq.token_ids, seq.request.num_prompt_tokens,
-                            seq.generator) for seq in seqs]
+                            seq.generator, forced_token_id=forced_first(seq)) for seq in seqs]
         if len(seqs) != logits.shape[0]:  # rows that finish a prompt chunk only, not sampled
             raise AssertionError("async steps sample every logits row")
         grammars = self._grammars
@@ -690,7 +699,7 @@ class LLMEngine:
                 banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos))
             num_lp = 2 * params.beam_width if params.beam_width > 1 else (params.logprobs or 0)
             rows.append(SamplingRow(params, seq.token_ids, len(seq.request.prompt_token_ids),
-                                    seq.generator, banned, num_lp))
+                                    seq.generator, banned, num_lp, forced_first(seq)))
         row_ids = [r for _, r in to_sample]
         if row_ids != list(range(logits.shape[0])):
             # forks share a row, prompt-logprob rows are skipped: gather the rows that sample

@@ -31,6 +31,7 @@ class SamplingRow:
     generator: torch.Generator | None = None
     banned_token_ids: list[int] | None = None  # eos/stop ids while below min_tokens
     num_logprobs: int = 0  # top alternatives to return (beam search asks for beam_width)
+    forced_token_id: int | None = None  # emitted instead of a sample (`first_token_id`)
 
 
 @dataclass
@@ -151,9 +152,12 @@ class Sampler:
                for p in params):
             logits = _apply_penalties(logits, rows)
         greedy = [p.greedy or p.beam_width > 1 for p in params]
-        if all(greedy):
-            return logits.argmax(dim=-1)
-        return self._sample_random(logits, rows, greedy)
+        ids = logits.argmax(dim=-1) if all(greedy) else self._sample_random(logits, rows, greedy)
+        if any(r.forced_token_id is not None for r in rows):
+            forced = [-1 if r.forced_token_id is None else r.forced_token_id for r in rows]
+            forced_ids = to_device(forced, ids.device, torch.long)
+            ids = torch.where(forced_ids >= 0, forced_ids, ids)
+        return ids
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow],
                        greedy: list[bool]) -> torch.Tensor:

@@ -32,6 +32,9 @@ class SamplingParams:
     beam_width: int = 1  # offline API only; >1 runs beam search (greedy, no sampling)
     length_penalty: float = 1.0
     structured_outputs: StructuredOutputsParams | None = None  # the output must match it
+    # the first output token, sampled elsewhere with these parameters (a disaggregated
+    # prefill engine): the engine emits it instead of sampling the first token
+    first_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +82,13 @@ class SamplingParams:
             (self.structured_outputs is None or not self.ignore_eos, "ignore_eos",
              self.ignore_eos, "must be false with structured_outputs (the grammar ends the "
              "output with EOS)"),
+            # one given token cannot seed several branches or a grammar's state
+            (self.first_token_id is None or self.first_token_id >= 0, "first_token_id",
+             self.first_token_id, "must be a token id >= 0"),
+            (self.first_token_id is None or (self.n == 1 and self.beam_width == 1
+                                             and self.structured_outputs is None),
+             "first_token_id", self.first_token_id, "works with n=1, no beam search and no "
+             "structured outputs only: drop it"),
         ]
         for ok, name, value, fix in checks:
             if not ok:
