@@ -53,8 +53,9 @@ def disagg_fleet(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def aggregated_tokens():
-    """Gives the greedy completions of PROMPTS from one in-process aggregated engine."""
+def aggregated():
+    """Gives a function: the completions of PROMPTS and CHAT from one in-process aggregated
+    engine under the given sampling fields."""
     from kvpilot.engine.contracts.sampling_params import SamplingParams
     from kvpilot.engine.llm import LLM
 
@@ -65,9 +66,18 @@ def aggregated_tokens():
     tokenizer = llm.engine.tokenizer
     chat_ids = tokenizer.encode(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True),
                                 add_special_tokens=False)
-    outputs = llm.generate([*PROMPTS, chat_ids], SamplingParams(temperature=0, max_tokens=12,
-                                                                ignore_eos=True))
-    return [o.outputs[0].text for o in outputs]
+
+    def texts(**fields) -> list[str]:
+        outputs = llm.generate([*PROMPTS, chat_ids], [SamplingParams(**fields)
+                                                      for _ in range(len(PROMPTS) + 1)])
+        return [o.outputs[0].text for o in outputs]
+    return texts
+
+
+@pytest.fixture(scope="module")
+def aggregated_tokens(aggregated):
+    """Gives the greedy completions of PROMPTS (then CHAT) from the aggregated engine."""
+    return aggregated(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def comparable(text: str) -> str:
@@ -110,6 +120,44 @@ def test_disaggregated_answers_equal_the_aggregated_engine(disagg_fleet, aggrega
     assert transferred[:3] == [6, 2, 3]
 
 
+def streamed(client: httpx.Client, path: str, body: dict) -> tuple[str, set[str]]:
+    """Gives a streamed answer's text and the ids its chunks carry."""
+    texts, ids = [], set()
+    with client.stream("POST", path, json={**body, "stream": True}) as stream:
+        assert stream.status_code == 200, stream.read()
+        for line in sse.iter_lines(stream):
+            if line.startswith("data: {"):
+                chunk = json.loads(line.removeprefix("data: "))
+                assert "error" not in chunk, chunk
+                ids.add(chunk["id"])
+                for c in chunk["choices"]:
+                    texts.append((c["delta"].get("content") or "") if "delta" in c else c["text"])
+    return "".join(texts), ids
+
+
+@pytest.mark.parametrize("fields", [
+    dict(temperature=0),
+    dict(temperature=0.9, seed=7),  # the prefill's draw, then the decode's draws after it
+])
+def test_streams_take_the_first_token_from_the_prefill(disagg_fleet, aggregated, fields):
+    """A streamed request's first token comes from the prefill instance; the decode instance
+    continues from it: the text equals the aggregated engine's, one id throughout."""
+    _, _, router = disagg_fleet
+    sampling = {**fields, "max_tokens": 12, "ignore_eos": True}
+    expected = aggregated(**sampling)
+    with httpx.Client(base_url=router.url, timeout=60) as client:
+        first = "kvpilot_router_requests_total"
+        before = metric(client.get("/metrics").text, first, outcome="first_token_from_prefill")
+        answers = [streamed(client, "/v1/completions", {"model": "tiny-llama", "prompt": p,
+                                                         **sampling}) for p in PROMPTS]
+        answers.append(streamed(client, "/v1/chat/completions",
+                                {"model": "tiny-llama", "messages": CHAT, **sampling}))
+        after = metric(client.get("/metrics").text, first, outcome="first_token_from_prefill")
+    assert [comparable(text) for text, _ in answers] == [comparable(t) for t in expected]
+    assert all(len(ids) == 1 for _, ids in answers), answers
+    assert after - before == len(PROMPTS) + 1
+
+
 def test_killed_decode_mid_stream(disagg_fleet):
     supervisor, engines, router = disagg_fleet
     prefill = next(e for e in engines if e.role == "prefill")
@@ -120,7 +168,10 @@ def test_killed_decode_mid_stream(disagg_fleet):
             assert stream.status_code == 200
             victim_url = stream.headers["x-kvpilot-served-by"].split(",")[-1]
             lines = sse.iter_lines(stream)
-            assert next(line for line in lines if line).startswith("data: {")
+            # the first event is the prefill's token; the third is the decode's streaming
+            events = (line for line in lines if line)
+            for _ in range(3):
+                assert next(events).startswith("data: {")
             victim = next(p for p, popen in supervisor.running if p.url == victim_url)
             popen = next(popen for p, popen in supervisor.running if p is victim)
             os.kill(popen.pid, signal.SIGKILL)

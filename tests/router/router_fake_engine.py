@@ -60,8 +60,11 @@ class FakeEngine:
             if self.mode == "bad_request":
                 return JSONResponse({"error": {"message": "max_tokens=-1 is invalid"}}, 400)
             if not body.get("stream"):
+                choice: dict[str, Any] = {"index": 0, "text": self.name}
+                if body.get("return_token_ids"):  # what a prefill engine gives the router
+                    choice.update(token_ids=[7], finish_reason="length")
                 return JSONResponse({"id": f"cmpl-{self.name}-{len(self.bodies)}",
-                                     "choices": [{"index": 0, "text": self.name}]})
+                                     "created": 1, "model": "tiny", "choices": [choice]})
             return StreamingResponse(self._stream(), media_type="text/event-stream")
 
         app.add_api_route("/v1/completions", generate, methods=["POST"])

@@ -193,7 +193,8 @@ async def test_disaggregated_prefill_then_pull_then_decode(fleet):
     prefill_port = int(urls["p"].rsplit(":", 1)[1])
     assert pulls == [{"remote": f"127.0.0.1:{prefill_port + offset}",
                       "lease_id": f"cmpl-p-{len(prefill.bodies)}", "timeout": 10.0}]
-    assert decode.bodies[-1] == {**COMPLETION, "stream": True}  # the client's body, untouched
+    # the client's body, with the prefill's first token given (`router.disagg.FirstToken`)
+    assert decode.bodies[-1] == {**COMPLETION, "stream": True, "first_token_id": 7}
     assert "kvpilot_router_transferred_blocks_total 3.0" in metrics
 
 

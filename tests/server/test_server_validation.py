@@ -110,6 +110,12 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
      400, "messages"),
     ("/v1/chat/completions", {"model": "other"}, 404, "model"),
+    # what a disaggregated fleet's router sends (issue 22): the prefill's token ids, the
+    # decode's given first token
+    ("/v1/completions", {"return_token_ids": True, "stream": True}, 400, "return_token_ids"),
+    ("/v1/completions", {"first_token_id": 5000}, 400, "first_token_id"),
+    ("/v1/completions", {"first_token_id": -1}, 400, "first_token_id"),
+    ("/v1/completions", {"first_token_id": 5, "n": 2}, 400, "first_token_id"),
 ]
 
 

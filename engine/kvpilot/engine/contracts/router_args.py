@@ -26,6 +26,10 @@ ROLE_LABEL = "kvpilot.dev/role"
 INSTANCE_HEADER = "x-kvpilot-instance"
 # Header the router adds to every response: which instance(s) served the request.
 SERVED_BY_HEADER = "x-kvpilot-served-by"
+# the id a router gives the engine request (and its response) of a disaggregated request's
+# decode leg: the prefill's response id, which the router streamed the first token under;
+# never taken from a client (not in PASSED_HEADERS)
+REQUEST_ID_HEADER = "x-kvpilot-request-id"
 
 
 @dataclass

@@ -160,6 +160,10 @@ class CoreClient:
 
     # ---- requests ---------------------------------------------------------------------
 
+    def has_request(self, request_id: str) -> bool:
+        """Gives whether a request of this id is running (its id cannot be reused yet)."""
+        return request_id in self._requests
+
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams, arrival_time: float | None = None,
                           priority: int = 0, *, stream: bool,
@@ -168,6 +172,8 @@ class CoreClient:
         final output. Raises the engine's ValueError (naming the field) when refused."""
         if self._error is not None:
             raise EngineDeadError(self._error)
+        if request_id in self._requests:  # its stream would replace the running one's
+            raise ValueError(f"request_id={request_id!r} is already running: use a unique id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         accepted = asyncio.get_running_loop().create_future()
         state = RequestState(request_id, None, prompt_token_ids, params, self.tokenizer,

@@ -8,12 +8,12 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -22,10 +22,22 @@ from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.contracts.kv_protocol import ProtocolError, kv_address
 from kvpilot.engine.contracts.lora import lora_root_hash
-from kvpilot.engine.contracts.router_args import INSTANCE_HEADER, PASSED_HEADERS, RouterArgs
+from kvpilot.engine.contracts.router_args import (
+    INSTANCE_HEADER,
+    PASSED_HEADERS,
+    REQUEST_ID_HEADER,
+    SERVED_BY_HEADER,
+    RouterArgs,
+)
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.router.auth import authorizer
-from kvpilot.engine.router.disagg import disaggregatable, run_prefill
+from kvpilot.engine.router.disagg import (
+    FirstToken,
+    SkipSent,
+    disaggregatable,
+    early_first_token,
+    run_prefill,
+)
 from kvpilot.engine.router.discovery import Discovery, make_discovery
 from kvpilot.engine.router.fleet import Fleet, Instance
 from kvpilot.engine.router.kv_events import MAX_BODY_BYTES, parse_event
@@ -34,7 +46,7 @@ from kvpilot.engine.router.metrics import RouterMetrics
 from kvpilot.engine.router.policy import Weights, choose, hit_blocks
 from kvpilot.engine.router.prefix_index import PrefixIndex
 from kvpilot.engine.router.prompt import PromptHasher
-from kvpilot.engine.router.proxy import Forwarder, NoInstance, error_body
+from kvpilot.engine.router.proxy import Forwarder, NoInstance, error_body, sse_error
 
 log = logging.getLogger("kvpilot.router")
 OPENAI_POST_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -145,22 +157,63 @@ class Router:
         async def pick_prefill(tried: set[str]) -> Instance:
             return await self.pick(("prefill",), hashes, tried)
 
-        prefill, lease_id = await run_prefill(self.client, pick_prefill, path, body, headers,
-                                              self.args.max_retries + 1, self._prefill_result)
+        early = early_first_token(body)
+        prefill, lease_id, reply = await run_prefill(
+            self.client, pick_prefill, path, body, headers, self.args.max_retries + 1,
+            self._prefill_result, token_ids=early)
         decode = await self._pick_or_none(("decode",), hashes, pinned)
-        if prefill is None or lease_id is None:
-            self.metrics.requests.labels(prefill.url if prefill else "", "prefill_fallback").inc()
-            log.warning("no prefill succeeded: the decode instance prefills locally")
-        elif decode is not None:
-            await self._transfer(prefill, decode, lease_id)
 
         async def pick_decode(tried: set[str]) -> Instance:
             if decode is not None and not tried:
                 return decode
             return await self.pick(("decode",), hashes, tried, pinned)
 
+        first = FirstToken.of(reply, "messages" in body) if early else None
+        if prefill is not None and lease_id is not None and first is not None:
+            self.metrics.requests.labels(prefill.url, "first_token_from_prefill").inc()
+            served = ",".join(filter(None, [prefill.url, decode.url if decode else ""]))
+            return StreamingResponse(
+                self._decode_after_first(first, prefill, decode, pick_decode, path, body,
+                                         headers), media_type="text/event-stream",
+                headers={SERVED_BY_HEADER: served})
+        if prefill is None or lease_id is None:
+            self.metrics.requests.labels(prefill.url if prefill else "", "prefill_fallback").inc()
+            log.warning("no prefill succeeded: the decode instance prefills locally")
+        elif decode is not None:
+            await self._transfer(prefill, decode, lease_id)
         return await self.forwarder.send(pick_decode, path, body, headers,
                                          served_by=prefill.url if prefill else "")
+
+    async def _decode_after_first(self, first: FirstToken, prefill: Instance,
+                                  decode: Instance | None,
+                                  pick_decode: Callable[[set[str]], Awaitable[Instance]],
+                                  path: str, body: dict[str, Any], headers: dict[str, str]
+                                  ) -> AsyncIterator[bytes]:
+        """Streams the prefill's first token, then the decode instance's answer to the same
+        body with that token given (`first_token_id`) and its text stripped (`SkipSent`)."""
+        yield first.events()
+        if decode is not None:
+            await self._transfer(prefill, decode, first.request_id)
+        response = await self.forwarder.send(
+            pick_decode, path, {**body, "first_token_id": first.token_id},
+            {**headers, REQUEST_ID_HEADER: first.request_id}, served_by=prefill.url)
+        if not isinstance(response, StreamingResponse):  # failed before its first byte
+            try:
+                error = json.loads(bytes(response.body))["error"]
+                message, code = str(error["message"]), int(error["code"])
+            except (ValueError, KeyError, TypeError):
+                message, code = "the decode instance failed", response.status_code
+            yield sse_error(message, code)
+            yield b"data: [DONE]\n\n"
+            return
+        skip, chunks = SkipSent(first), response.body_iterator
+        try:
+            async for data in chunks:
+                yield skip.feed(data if isinstance(data, bytes) else str(data).encode())
+        finally:  # the client may go: the relay's own clean-up (counts, connection) runs now
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
 
     async def _pick_or_none(self, roles: tuple[str, ...], hashes: list[int],
                             pinned: str | None) -> Instance | None:

@@ -31,6 +31,7 @@ from kvpilot.engine.server.serving import (
     admit_requests,
     cancel_on_disconnect,
     check_error,
+    given_request_id,
     merge,
     ranked,
     sse,
@@ -70,7 +71,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
     # off the loop too: a JSON schema's grammar is compiled to be checked
     params = await ctx.off_loop(sampling_params, request, len(prompt), ctx.limits)
     request_id, streams = await admit_requests(ctx, "chatcmpl", [prompt], [params], arrival,
-                                               request.priority, request.stream, lora_name)
+                                               request.priority, request.stream, lora_name,
+                                               given_request_id(raw))
     if request.stream:
         return GenerationStream(_stream(request, ctx, request_id, streams, len(prompt), tools),
                                 ctx.gate, streams)
@@ -90,7 +92,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
         choices.append(ChatChoice(
             index=c.index, message=message,
             logprobs=chat_logprobs(ctx.tokenizer, c, k) if request.logprobs else None,
-            finish_reason=reason, stop_reason=c.stop_reason))
+            finish_reason=reason, stop_reason=c.stop_reason,
+            token_ids=list(c.token_ids) if request.return_token_ids else None))
     return ChatCompletionResponse(id=request_id, model=request.model, choices=choices,
                                   usage=usage_of([final], [len(prompt)]))
 

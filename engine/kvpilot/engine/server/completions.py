@@ -24,6 +24,7 @@ from kvpilot.engine.server.serving import (
     admit_requests,
     cancel_on_disconnect,
     check_error,
+    given_request_id,
     merge,
     ranked,
     sse,
@@ -65,7 +66,8 @@ async def create_completion(request: CompletionRequest, raw: Request, ctx: Servi
     params = await ctx.off_loop(lambda: [sampling_params(request, len(ids), ctx.limits)
                                          for ids in prompts])
     request_id, streams = await admit_requests(ctx, "cmpl", prompts, params, arrival,
-                                               request.priority, request.stream, lora_name)
+                                               request.priority, request.stream, lora_name,
+                                               given_request_id(raw))
     if request.stream:
         return GenerationStream(_stream(request, ctx, request_id, streams, prompts),
                                 ctx.gate, streams)
@@ -93,9 +95,10 @@ def _response(request: CompletionRequest, ctx: ServingContext, request_id: str,
         for c in output.outputs:
             logprobs = (completion_logprobs(ctx.tokenizer, c, request.logprobs, 0)
                         if request.logprobs is not None else None)
-            choices.append(CompletionChoice(index=i * request.n + c.index, text=c.text,
-                                            logprobs=logprobs, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason))
+            choices.append(CompletionChoice(
+                index=i * request.n + c.index, text=c.text, logprobs=logprobs,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if request.return_token_ids else None))
     return CompletionResponse(id=request_id, model=request.model, choices=choices,
                               usage=usage_of(finals, [len(p) for p in prompts]))
 

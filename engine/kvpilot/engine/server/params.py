@@ -37,6 +37,9 @@ def _check_common(request: SamplingFields) -> None:
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream=true: set stream=true "
                           "or remove stream_options", "stream_options")
+    if request.return_token_ids and request.stream:
+        raise bad_request("return_token_ids=true works with stream=false only: set "
+                          "stream=false or remove return_token_ids", "return_token_ids")
 
 
 def completion_prompts(request: CompletionRequest, tokenizer: TokenizerLike,
@@ -162,6 +165,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, prompt_l
         "skip_special_tokens": request.skip_special_tokens,
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "structured_outputs": structured_outputs_of(request),
+        "first_token_id": request.first_token_id,
     }
     optional = {"temperature": request.temperature, "top_p": request.top_p,
                 "top_k": request.top_k, "min_p": request.min_p,
@@ -171,6 +175,11 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, prompt_l
     fields.update({k: v for k, v in optional.items() if v is not None})
     if fields.get("top_k", 0) > limits.vocab_size:
         fields["top_k"] = limits.vocab_size  # keeping more than the vocabulary keeps all of it
+    first = request.first_token_id
+    if first is not None and first >= limits.vocab_size:
+        raise bad_request(f"first_token_id={first} is outside the vocabulary of "
+                          f"{limits.vocab_size}: send an id in [0, {limits.vocab_size})",
+                          "first_token_id")
     if fields["min_tokens"] > fields["max_tokens"]:
         raise bad_request(f"min_tokens={request.min_tokens} is larger than the max_tokens "
                           f"({fields['max_tokens']}): lower min_tokens", "min_tokens")

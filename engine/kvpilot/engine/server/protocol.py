@@ -73,6 +73,11 @@ class SamplingFields(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # vLLM's: each choice of a response (stream=false) carries its output token ids
+    return_token_ids: bool = False
+    # kvpilot's: the first output token, sampled by a disaggregated prefill engine with the
+    # same parameters; the engine emits it instead of sampling (the router sets it)
+    first_token_id: TokenId | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -142,6 +147,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 def _id(prefix: str) -> str:
@@ -183,6 +189,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionResponse(BaseModel):

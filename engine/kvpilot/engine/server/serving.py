@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from kvpilot.engine.contracts.router_args import REQUEST_ID_HEADER
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core_process.client import (
@@ -33,7 +35,12 @@ from kvpilot.engine.core_process.client import (
     RequestAbortedError,
 )
 from kvpilot.engine.server.drain import Gate
-from kvpilot.engine.server.errors import ERROR_TYPES, OpenAIError, from_value_error
+from kvpilot.engine.server.errors import (
+    ERROR_TYPES,
+    OpenAIError,
+    bad_request,
+    from_value_error,
+)
 from kvpilot.engine.server.params import Limits
 from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
 
@@ -71,6 +78,20 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def given_request_id(raw: Request) -> str | None:
+    """Gives the request's `x-kvpilot-request-id` header (set by the router: the id of the
+    engine request and of the response), None without one; a 400 naming the header when it
+    is malformed."""
+    value = raw.headers.get(REQUEST_ID_HEADER)
+    if value is not None and not _REQUEST_ID.fullmatch(value):
+        raise bad_request(f"{REQUEST_ID_HEADER}={value[:40]!r} is invalid: send 1-128 "
+                          "letters, digits or ._:-", REQUEST_ID_HEADER)
+    return value
+
+
 async def start_requests(ctx: ServingContext, request_id: str, prompts: list[list[int]],
                          params: list[SamplingParams], arrival_time: float, priority: int,
                          stream: bool, lora_name: str | None = None) -> list[OutputStream]:
@@ -96,16 +117,19 @@ async def start_requests(ctx: ServingContext, request_id: str, prompts: list[lis
 
 async def admit_requests(ctx: ServingContext, prefix: str, prompts: list[list[int]],
                          params: list[SamplingParams], arrival_time: float, priority: int,
-                         stream: bool, lora_name: str | None = None
-                         ) -> tuple[str, list[OutputStream]]:
+                         stream: bool, lora_name: str | None = None,
+                         request_id: str | None = None) -> tuple[str, list[OutputStream]]:
     """Gives (request id, one output stream per prompt) once the drain gate admits the request.
 
     From here the gate slot is the caller's to give back (GenerationStream or a `finally`);
     if starting the requests fails, it is given back here.
     """
+    if request_id is not None and ctx.engine.has_request(request_id):
+        raise bad_request(f"{REQUEST_ID_HEADER}={request_id!r} is already running: send a "
+                          "unique id", REQUEST_ID_HEADER)
     ctx.gate.admit()
     try:
-        request_id = new_request_id(prefix)
+        request_id = request_id or new_request_id(prefix)
         return request_id, await start_requests(ctx, request_id, prompts, params, arrival_time,
                                                 priority, stream, lora_name)
     except BaseException:
