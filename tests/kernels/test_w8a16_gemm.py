@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, rel_err, tolerance
 
-from kvpilot.kernels.w8a16_gemm import w8a16_gemm, w8a16_gemm_ref
+from kvpilot.kernels.w8a16_gemm import gemv, one_row_linear, w8a16_gemm, w8a16_gemm_ref
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -46,3 +46,23 @@ def test_one_row_gemv_matches_the_tiled_kernel(monkeypatch, dtype):
 def test_w8a16_refuses_a_large_batch():
     with pytest.raises(AssertionError, match="torch path"):
         w8a16_gemm(torch.zeros(65, 16), torch.zeros(16, 16, dtype=torch.int8), torch.ones(16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (50, 300)])
+def test_the_gemv_takes_a_16_bit_weight(n, k, dtype):
+    """A bf16 model's batch-1 projections: the same GEMV without a scale."""
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen).to(dtype=dtype, device=DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype=dtype, device=DEVICE)
+    out = gemv(x, weight, block_k=128)
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert rel_err(out, (x.float() @ weight.float().t()).to(dtype)) < tolerance(dtype)
+
+
+def test_one_row_linear_is_f_linear_off_its_case():
+    """Off CUDA, and on CUDA for more than one row, the seam is F.linear itself."""
+    gen = torch.Generator().manual_seed(0)
+    x, weight, bias = torch.randn(3, 8, generator=gen), torch.randn(5, 8, generator=gen), \
+        torch.randn(5, generator=gen)
+    assert torch.equal(one_row_linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))

@@ -67,7 +67,7 @@ def test_fused_kernels_track_torch_ops_in_bf16(tiny_checkpoints, family):
     plain = load_model(config, "auto", "cuda", fused_kernels=False)
     fused = load_model(config, "auto", "cuda")  # default on CUDA
     assert use_fused_kernels(load_model(config, "auto", "cuda", fused_kernels=False)) == [
-        "rms_norm", "rotary", "silu_and_mul"]
+        "one_row_gemv", "rms_norm", "rotary", "silu_and_mul"]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in SEQ_LENS]
     for got, want in zip(paged_logits(fused, prompts, "cuda"), paged_logits(plain, prompts, "cuda"),

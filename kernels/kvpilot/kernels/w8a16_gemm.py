@@ -52,7 +52,7 @@ GEMV_CONFIGS = [
 @jit
 def _w8a16_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr = True,
 ):
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -65,8 +65,9 @@ def _w8a16_gemv_kernel(
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
-    scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
-    out = tl.sum(acc, axis=1) * scale
+    out = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        out = out * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -104,7 +105,8 @@ def _tuned(kernel: Kernel, table: list[tuple[int, int, int, int]], key: list[str
 
 _w8a16_tuned = _tuned(_w8a16_kernel, TUNED_CONFIGS, ["N", "K", "BLOCK_M"])
 _gemv_tuned = _tuned(_w8a16_gemv_kernel, GEMV_CONFIGS, ["N", "K"])
-# the one-row GEMV is used unless KVPILOT_W8A16_GEMV=0 (for side-by-side benchmarks)
+# the one-row GEMV (8-bit weights here, 16-bit ones in `one_row_linear`) is used unless
+# KVPILOT_W8A16_GEMV=0 (for side-by-side benchmarks)
 USE_GEMV = os.environ.get("KVPILOT_W8A16_GEMV", "1") != "0"
 
 
@@ -143,6 +145,38 @@ def w8a16_gemm(
         _w8a16_kernel[(triton.cdiv(n, block_n),)](*args, BLOCK_M=block_m, BLOCK_N=block_n,
                                                   BLOCK_K=block_k, num_warps=4)
     return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
+         block_k: int | None = None) -> torch.Tensor:
+    """Gives x @ weight.T [1, N] for one row x [1, K] and a 16-bit weight [N, K] (the model's
+    dtype) through the one-row GEMV: a bf16 batch-1 decode's projections, where it reads the
+    weight faster than cuBLAS's GEMM (bench/w8a16_gemv_gpu.py). The tile sizes are autotuned
+    on a GPU unless both `block_n` and `block_k` are given (always in the interpreter)."""
+    n, k = weight.shape
+    assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1, \
+        "one dense row and a dense weight"
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    args = (x, weight, weight, out, n, k, weight.stride(0))  # no scale: its pointer unused
+    if (block_n is None or block_k is None) and os.environ.get("TRITON_INTERPRET") != "1":
+        _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, HAS_SCALE=False)
+    else:
+        block_n, block_k = block_n or 4, block_k or 256
+        _w8a16_gemv_kernel[(triton.cdiv(n, block_n),)](*args, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                      HAS_SCALE=False, num_warps=4)
+    return out
+
+
+def one_row_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` whose one-row CUDA case with a 16-bit weight goes through `gemv` (unless
+    KVPILOT_W8A16_GEMV=0); every other case is F.linear itself."""
+    if (USE_GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+            and weight.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1
+            and x.dtype == weight.dtype):
+        out = gemv(x, weight)
+        return out if bias is None else out + bias
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def w8a16_gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from kvpilot.engine.models.layers import FeedForward, RMSNorm
+from kvpilot.engine.models.layers import FeedForward, Linear, RMSNorm
 from kvpilot.engine.models.rope import RotaryEmbedding
 
 
 def use_fused_kernels(model: nn.Module) -> list[str]:
-    """Swaps RMSNorm (+ residual add), SiLU-and-mul and rotary for fused kernels in place;
-    gives the names of the seams it swapped."""
+    """Swaps RMSNorm (+ residual add), SiLU-and-mul, rotary and the projections' one-row
+    matmul for fused kernels in place; gives the names of the seams it swapped."""
     from kvpilot.kernels.activation import silu_and_mul
     from kvpilot.kernels.rmsnorm import rms_norm
     from kvpilot.kernels.rotary import rotary_embedding, supports_rotary_dim
+    from kvpilot.kernels.w8a16_gemm import one_row_linear
 
     swapped: set[str] = set()
     for module in model.modules():
@@ -27,4 +28,7 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
         elif isinstance(module, FeedForward):
             module.act = silu_and_mul
             swapped.add("silu_and_mul")
+        elif isinstance(module, Linear):
+            module.matmul = one_row_linear
+            swapped.add("one_row_gemv")
     return sorted(swapped)

@@ -85,7 +85,19 @@ class FeedForward(nn.Module, ABC):
         """Gives where the checkpoint tensors of layer `prefix` (model.layers.i) land here."""
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear with its matmul in a seam, `matmul(x, weight, bias)`: F.linear, or on CUDA
+    the one-row GEMV's wrapper (`fused.use_fused_kernels`) for batch-1 decode."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.matmul: Callable[..., torch.Tensor] = F.linear
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.matmul(input, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """A linear layer whose output rows stack several checkpoint matrices (q|k|v, gate|up).
 
     One matmul instead of several. Under tensor parallelism it is column-parallel:

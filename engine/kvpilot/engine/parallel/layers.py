@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvpilot.engine.models.layers import WeightLayout, WeightSlot, rows_source
+from kvpilot.engine.models.layers import Linear, WeightLayout, WeightSlot, rows_source
 from kvpilot.engine.parallel.groups import TPGroup, shard_slice
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A linear layer holding a slice of the input columns: y = all_reduce(x_r W_r^T) + b.
 
     The bias is added once, after the sum, so it is not counted `size` times.
@@ -28,7 +28,7 @@ class RowParallelLinear(nn.Linear):
         self.full_in_features = in_features
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(input, self.weight))
+        y = self.tp.all_reduce(self.matmul(input, self.weight))
         return y if self.bias is None else y + self.bias
 
     def weight_layout(self, prefix: str) -> WeightLayout:
@@ -94,10 +94,10 @@ def linear_layout(prefix: str, linear: nn.Linear) -> WeightLayout:
 
 
 def row_parallel_linear(in_features: int, out_features: int, bias: bool,
-                        tp: TPGroup) -> nn.Linear:
+                        tp: TPGroup) -> Linear:
     """Gives a row-parallel linear layer, or a plain one on a single rank."""
     if tp.size == 1:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, bias, tp)
 
 
