@@ -52,7 +52,7 @@ GEMV_CONFIGS = [
 @jit
 def _w8a16_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr = True,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,11 +130,13 @@ def w8a16_gemm(
     if rows == 1 and USE_GEMV:
         gemv_args = (x, weight, scale, out, n, k, weight.stride(0))
         if tune:
-            _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*gemv_args)
+            _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*gemv_args,
+                                                                         HAS_SCALE=True)
         else:
             block_n, block_k = block_n or 4, block_k or 256
             _w8a16_gemv_kernel[(triton.cdiv(n, block_n),)](*gemv_args, BLOCK_N=block_n,
-                                                          BLOCK_K=block_k, num_warps=4)
+                                                          BLOCK_K=block_k, HAS_SCALE=True,
+                                                          num_warps=4)
         return out
     args = (x, weight, scale, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0))
     block_m = max(16, triton.next_power_of_2(rows))
