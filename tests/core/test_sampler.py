@@ -90,3 +90,15 @@ def test_sampled_token_survives_every_filter(seed, top_k, top_p, min_p, temperat
     probs = (logits[0] / temperature).softmax(-1)
     assert probs[token] >= min_p * probs.max() - 1e-6
     assert not math.isinf(logits[0, token].item())
+
+
+@pytest.mark.parametrize("vocab", [4096, 128256, 151936, 1000])
+def test_two_pass_argmax_is_torchs_argmax_ties_included(vocab):
+    from kvpilot.engine.sampler import argmax_rows
+
+    gen = torch.Generator().manual_seed(vocab)
+    # few distinct values: every row has ties, across chunk boundaries too
+    logits = torch.randint(0, 6, (5, vocab), generator=gen).float()
+    logits[1, -1] = 9.0  # the max in the last chunk
+    logits[2, 0] = 9.0  # and in the first
+    assert torch.equal(argmax_rows(logits, two_pass=True), logits.argmax(dim=-1))

@@ -11,7 +11,7 @@ from kvpilot.engine.models.loader import load_model
 from kvpilot.kernels.w8a16_gemm import one_row_linear
 
 
-def test_every_projection_gets_the_one_row_gemv(tiny_checkpoints):
+def test_every_projection_and_the_lm_head_get_the_one_row_gemv(tiny_checkpoints):
     import torch
 
     config = ModelConfig.from_engine_args(EngineArgs(model=str(tiny_checkpoints("llama"))),
@@ -19,6 +19,6 @@ def test_every_projection_gets_the_one_row_gemv(tiny_checkpoints):
     model = load_model(config, "auto", "cpu", fused_kernels=False)
     projections = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                    if isinstance(m, Linear)}
-    assert projections == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert projections == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
     assert "one_row_gemv" in use_fused_kernels(model)
     assert all(m.matmul is one_row_linear for m in model.modules() if isinstance(m, Linear))

@@ -6,6 +6,7 @@ from torch import nn
 
 from kvpilot.engine.models.layers import FeedForward, Linear, RMSNorm
 from kvpilot.engine.models.rope import RotaryEmbedding
+from kvpilot.engine.parallel.layers import ParallelLMHead
 
 
 def use_fused_kernels(model: nn.Module) -> list[str]:
@@ -28,7 +29,7 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
         elif isinstance(module, FeedForward):
             module.act = silu_and_mul
             swapped.add("silu_and_mul")
-        elif isinstance(module, Linear):
+        elif isinstance(module, (Linear, ParallelLMHead)):  # projections and the LM head
             module.matmul = one_row_linear
             swapped.add("one_row_gemv")
     return sorted(swapped)

@@ -8,6 +8,8 @@ so the single-rank model runs exactly what it ran before (no collective, no copy
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -75,11 +77,16 @@ class VocabParallelEmbedding(VocabShard):
 
 
 class ParallelLMHead(VocabShard):
-    """The LM head over this rank's vocabulary slice; the logits are gathered to rank 0."""
+    """The LM head over this rank's vocabulary slice; the logits are gathered to rank 0. Its
+    matmul is a seam, as `Linear`'s."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__(vocab_size, hidden_size, tp)
+        self.matmul: Callable[..., torch.Tensor] = F.linear
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Gives logits [N, vocab] on rank 0 (this rank's [N, vocab / size] elsewhere)."""
-        logits = self.tp.gather_first(F.linear(hidden, self.weight))
+        logits = self.tp.gather_first(self.matmul(hidden, self.weight))
         return logits[:, :self.vocab_size] if self.tp.is_first else logits
 
 
@@ -109,8 +116,8 @@ def vocab_embedding(vocab_size: int, hidden_size: int,
     return VocabParallelEmbedding(vocab_size, hidden_size, tp)
 
 
-def lm_head(vocab_size: int, hidden_size: int, tp: TPGroup) -> nn.Linear | ParallelLMHead:
-    """Gives the LM head: vocab-parallel with gathered logits, or a plain nn.Linear."""
+def lm_head(vocab_size: int, hidden_size: int, tp: TPGroup) -> Linear | ParallelLMHead:
+    """Gives the LM head: vocab-parallel with gathered logits, or a plain `Linear`."""
     if tp.size == 1:
-        return nn.Linear(hidden_size, vocab_size, bias=False)
+        return Linear(hidden_size, vocab_size, bias=False)
     return ParallelLMHead(vocab_size, hidden_size, tp)
