@@ -128,16 +128,7 @@ def w8a16_gemm(
         return out
     tune = (block_n is None or block_k is None) and os.environ.get("TRITON_INTERPRET") != "1"
     if rows == 1 and USE_GEMV:
-        gemv_args = (x, weight, scale, out, n, k, weight.stride(0))
-        if tune:
-            _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*gemv_args,
-                                                                         HAS_SCALE=True)
-        else:
-            block_n, block_k = block_n or 4, block_k or 256
-            _w8a16_gemv_kernel[(triton.cdiv(n, block_n),)](*gemv_args, BLOCK_N=block_n,
-                                                          BLOCK_K=block_k, HAS_SCALE=True,
-                                                          num_warps=4)
-        return out
+        return _gemv_into(out, x, weight, scale, tune, block_n, block_k)
     args = (x, weight, scale, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0))
     block_m = max(16, triton.next_power_of_2(rows))
     if tune:
@@ -159,13 +150,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1, \
         "one dense row and a dense weight"
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    args = (x, weight, weight, out, n, k, weight.stride(0))  # no scale: its pointer unused
-    if (block_n is None or block_k is None) and os.environ.get("TRITON_INTERPRET") != "1":
-        _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, HAS_SCALE=False)
+    tune = (block_n is None or block_k is None) and os.environ.get("TRITON_INTERPRET") != "1"
+    return _gemv_into(out, x, weight, None, tune, block_n, block_k)
+
+
+def _gemv_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+               scale: torch.Tensor | None, tune: bool, block_n: int | None,
+               block_k: int | None) -> torch.Tensor:
+    """Launches the one-row GEMV into `out` [1, N] (autotuned, or with the given tiles);
+    without a `scale` the weight is the model's dtype and nothing scales the sums."""
+    n, k = weight.shape
+    # without a scale its pointer is never read: the weight's stands in
+    args = (x, weight, weight if scale is None else scale, out, n, k, weight.stride(0))
+    if tune:
+        _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+            *args, HAS_SCALE=scale is not None)
     else:
         block_n, block_k = block_n or 4, block_k or 256
-        _w8a16_gemv_kernel[(triton.cdiv(n, block_n),)](*args, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                      HAS_SCALE=False, num_warps=4)
+        _w8a16_gemv_kernel[(triton.cdiv(n, block_n),)](
+            *args, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALE=scale is not None, num_warps=4)
     return out
 
 
