@@ -102,3 +102,6 @@ def test_two_pass_argmax_is_torchs_argmax_ties_included(vocab):
     logits[1, -1] = 9.0  # the max in the last chunk
     logits[2, 0] = 9.0  # and in the first
     assert torch.equal(argmax_rows(logits, two_pass=True), logits.argmax(dim=-1))
+    # a column slice (a TP LM head's padded vocabulary cut off) is not contiguous
+    wide = torch.cat([logits, torch.zeros(5, 7)], dim=1)[:, :vocab]
+    assert torch.equal(argmax_rows(wide, two_pass=True), logits.argmax(dim=-1))

@@ -136,7 +136,7 @@ def argmax_rows(logits: torch.Tensor, two_pass: bool | None = None) -> torch.Ten
     chunk = _argmax_chunk(vocab) if two_pass else None
     if chunk is None:
         return logits.argmax(dim=-1)
-    values, within = logits.view(rows, vocab // chunk, chunk).max(dim=-1)
+    values, within = logits.reshape(rows, vocab // chunk, chunk).max(dim=-1)
     best = values.argmax(dim=-1, keepdim=True)  # the first chunk whose max is the row's
     return (best * chunk + within.gather(1, best))[:, 0]
 
