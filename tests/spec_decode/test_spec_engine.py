@@ -210,29 +210,46 @@ def test_rejected_draft_slots_are_freed_after_every_step():
     assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
 
-def test_structured_requests_decode_without_drafts_and_keep_their_grammar():
-    """Drafts are verified without the grammar's mask, so a constrained request must not
-    speculate: with a draft equal to the target (drafts always on offer), JSON-schema
-    requests still parse and draft nothing; an unconstrained request then drafts."""
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"},
+    "n": {"type": "integer"}}, "required": ["name", "ok", "n"], "additionalProperties": False}
+
+
+def constrained(spec: str | None, **sampling) -> tuple[list[str], EngineStats]:
+    """Gives JSON-schema and regex outputs of tiny-llama (with `spec`) and the stats."""
     import json
 
     from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
     from kvpilot.engine.llm import LLM
 
-    llm = LLM("tiny-llama", device="cpu", num_kv_blocks=128,
-              speculative_config=draft("tiny-llama"))
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
-              "required": ["ok"], "additionalProperties": False}
-    outs = llm.generate(["Reply in JSON:"] * 3, [SamplingParams(
-        temperature=1.0, seed=seed, max_tokens=60,
-        structured_outputs=StructuredOutputsParams(json=json.dumps(schema)))
-        for seed in range(3)])
-    for out in outs:
-        assert json.loads(out.outputs[0].text) in ({"ok": True}, {"ok": False})
-    assert llm.get_stats().spec_decode_num_drafts == 0
-    llm.generate(["Reply in JSON:"], SamplingParams(temperature=0, max_tokens=8,
-                                                    ignore_eos=True))
-    assert llm.get_stats().spec_decode_num_drafts > 0
+    llm = LLM("tiny-llama", device="cpu", num_kv_blocks=128, speculative_config=spec)
+    grammars = [StructuredOutputsParams(json=json.dumps(SCHEMA)),
+                StructuredOutputsParams(regex="(ab|abc|x[0-9]{2}){3,6}")]
+    outs = llm.generate(["Reply in JSON:", "Count:"] * 2, [SamplingParams(
+        max_tokens=80, structured_outputs=grammars[i % 2], seed=i, **sampling)
+        for i in range(4)])
+    return [o.outputs[0].text for o in outs], llm.get_stats()
+
+
+@pytest.mark.parametrize("spec", [draft("tiny-llama"), NGRAM])
+def test_structured_requests_speculate_within_their_grammar(spec):
+    """Each verify row is masked by the grammar's state after the drafts before it: greedy
+    output equals plain constrained decoding (n-gram drafts often break the grammar, a draft
+    equal to the target never does), and sampled outputs keep to the grammar."""
+    import json
+    import re
+
+    plain, _ = constrained(None, temperature=0)
+    fast, stats = constrained(spec, temperature=0)
+    assert fast == plain
+    assert stats.spec_decode_num_drafts > 0
+    sampled, stats = constrained(spec, temperature=1.0)
+    for i, text in enumerate(sampled):
+        if i % 2 == 0:
+            assert set(json.loads(text)) == {"name", "ok", "n"}
+        else:
+            assert re.fullmatch("(ab|abc|x[0-9]{2}){3,6}", text), text
+    assert stats.spec_decode_num_drafts > 0
 
 
 def test_the_draft_catches_up_on_accepted_drafts_in_single_token_rows(monkeypatch):

@@ -42,6 +42,7 @@ from kvpilot.engine.row_layout import RowLayout
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kvpilot.engine.spec_decode.proposers import Drafts
 from kvpilot.engine.spec_decode.spec_decoder import SpecDecoder, VerifyItem, make_spec_decoder
+from kvpilot.engine.structured.bitmask import apply_token_bitmask
 from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
 
 if TYPE_CHECKING:
@@ -256,8 +257,8 @@ class LLMEngine:
         self.requests[request_id] = request
         if needs_host_sampling(params):
             self._host_sampling.add(request_id)
-        else:  # drafts are verified without the grammar's mask
-            request.speculate = self.spec is not None and params.structured_outputs is None
+        else:  # a grammar masks its verify rows (`_mask_verify_rows`)
+            request.speculate = self.spec is not None
         self.scheduler.add(seq)
 
     def grammars(self) -> GrammarMatchers:
@@ -472,8 +473,29 @@ class LLMEngine:
                     to_sample.extend(self._branches(seq, row - 1))
         self._collect(self._sample(to_sample, logits), results)
         if to_verify and self.spec is not None:
+            if self._grammars is not None:
+                logits = self._mask_verify_rows(to_verify, logits, self._grammars)
             self._collect(self._apply_verified(to_verify, self.spec.verify(to_verify, logits)),
                           results)
+
+    @staticmethod
+    def _mask_verify_rows(items: list[VerifyItem], logits: torch.Tensor,
+                          grammars: GrammarMatchers) -> torch.Tensor:
+        """Gives `logits` with each constrained verify row masked by its grammar state (the
+        rejection sampler then keeps the constrained distribution, and greedy picks within
+        the grammar)."""
+        rows, masks = [], []
+        for item in items:
+            mask = grammars.draft_bitmask(item.seq, item.drafts.token_ids)
+            if mask is not None:
+                rows.extend(range(item.row, item.row + mask.shape[0]))
+                masks.append(mask)
+        if not rows:
+            return logits
+        index = to_device(rows, logits.device, torch.long)
+        masked = apply_token_bitmask(logits.index_select(0, index),
+                                     torch.cat(masks).to(logits.device))
+        return logits.index_copy(0, index, masked.to(logits.dtype))
 
     def _apply_verified(self, items: list[VerifyItem], emitted: list[list[int]]
                         ) -> list[Request]:
@@ -486,6 +508,8 @@ class LLMEngine:
             touched[seq.request.request_id] = seq.request
             seq.num_computed_tokens += len(tokens)  # the pending token + the accepted drafts
             for token in tokens:
+                if self._grammars is not None:
+                    self._grammars.accept(seq, token)
                 self._append(seq, token, None, None, now)
                 if seq.finish_reason is not None:
                     break

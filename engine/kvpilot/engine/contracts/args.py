@@ -126,7 +126,8 @@ class EngineArgs:
                 "\"prompt_lookup_min\": 2}' or '{\"model\": DRAFT, "
                 "\"num_speculative_tokens\": 4}' (a draft sharing the tokenizer); one rank "
                 "only, async scheduling off; requests with penalties, logprobs, n > 1, beam "
-                "search, min_tokens or structured outputs decode without drafts"})
+                "search or min_tokens decode without drafts (structured outputs speculate "
+                "within their grammar)"})
     # KV connector (issue 22): a host-memory tier
     kv_offload_gb: float = field(default=0.0, metadata={
         "help": "GiB of host memory (pinned on GPU) for KV blocks evicted from the GPU prefix "

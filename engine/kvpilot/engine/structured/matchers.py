@@ -163,6 +163,29 @@ class GrammarMatchers:
                                                mask.shape[1] * 4, mask.shape[0])
         self.fill_seconds = time.perf_counter() - started
 
+    def draft_bitmask(self, seq: Sequence, drafts: list[int]) -> torch.Tensor | None:
+        """Gives the int32 [len(drafts) + 1, words] masks of a speculating sequence's verify
+        rows, None when it is unconstrained: row j is the grammar's state after the first j
+        drafts. Past the first draft the grammar refuses, rows repeat the mask of that state
+        (the target rejects that draft there, so later rows are never read). The matcher
+        ends where it started (rolled back)."""
+        if seq.request.grammar is None:
+            return None
+        out = torch.empty(len(drafts) + 1, self._buffer.words, dtype=torch.int32)
+        matcher = self._resolved(seq.request)
+        if matcher is None:
+            out[:] = self._eos_only
+            return out
+        valid = matcher.validate_tokens(drafts)
+        for j in range(valid + 1):
+            words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+            out[j] = words[:out.shape[1]]  # the tokenizer's words may run past the model's
+            if j < valid:
+                matcher.consume_token(drafts[j])
+        out[valid + 1:] = out[valid]
+        matcher.rollback(valid)
+        return out
+
     def accept(self, seq: Sequence, token: int) -> None:
         """Advances `seq`'s matcher by its sampled `token` (nothing for unconstrained ones)."""
         if seq.request.grammar is None:
