@@ -175,11 +175,6 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, prompt_l
     fields.update({k: v for k, v in optional.items() if v is not None})
     if fields.get("top_k", 0) > limits.vocab_size:
         fields["top_k"] = limits.vocab_size  # keeping more than the vocabulary keeps all of it
-    first = request.first_token_id
-    if first is not None and first >= limits.vocab_size:
-        raise bad_request(f"first_token_id={first} is outside the vocabulary of "
-                          f"{limits.vocab_size}: send an id in [0, {limits.vocab_size})",
-                          "first_token_id")
     if fields["min_tokens"] > fields["max_tokens"]:
         raise bad_request(f"min_tokens={request.min_tokens} is larger than the max_tokens "
                           f"({fields['max_tokens']}): lower min_tokens", "min_tokens")
