@@ -28,6 +28,7 @@ def test_structured_bench_smoke(tmp_path: Path) -> None:
     matched = by_mode["unconstrained_matched"]["output_lengths"]
     assert constrained and matched and set(matched) <= set(constrained)
     assert result["slowdown_tok_per_s_matched"] > 0
+    assert result["slowdown_tok_per_s_matched_rounds"] == [result["slowdown_tok_per_s_matched"]]
     assert by_mode["json_schema"]["grammar_fill_ms_median"] > 0
     assert by_mode["unconstrained"]["grammar_fill_ms_median"] == 0
     fill = result["mask_fill"]

@@ -11,7 +11,8 @@ once and scores it against *all* query heads of that KV head's group at once
 covers ``ceil(seq_len / num_splits)`` tokens, computed on the device from
 ``seq_len``: the launch shape depends on nothing but the batch size, which is
 what lets CUDA graphs replay it at any context length. Stage 2 merges the
-splits' partial outputs through their log-sum-exps. An fp8 (E4M3) cache is widened
+splits' partial outputs through their log-sum-exps; with one split (a large batch
+fills the GPU alone) stage 1 writes the output itself and stage 2 does not run. An fp8 (E4M3) cache is widened
 to float32 and multiplied by its per-layer scale right after each load.
 """
 
@@ -31,14 +32,15 @@ from kvpilot.kernels.kv_cache_dtype import FP8_KV_DTYPE, cached_rows
 @jit(do_not_specialize=["num_splits", "stride_bt"],
      do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
     scale, num_splits,
-    stride_qt, stride_qh,
+    stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kv, stride_slot,
     stride_bt, k_scale, v_scale,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+    DIRECT: tl.constexpr,  # one split: write the output, no partials to merge
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -87,10 +89,15 @@ def _decode_split_kernel(
     # lse = -inf, which gives it weight zero in the merge
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    row = (seq * NUM_KV_HEADS * GROUP + heads) * num_splits + split
-    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_mask[:, None])
-    tl.store(mid_lse_ptr + row, lse, mask=head_mask)
+    if DIRECT:
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        row = (seq * NUM_KV_HEADS * GROUP + heads) * num_splits + split
+        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=head_mask[:, None])
+        tl.store(mid_lse_ptr + row, lse, mask=head_mask)
 
 
 @jit(do_not_specialize=["num_splits"])
@@ -147,21 +154,28 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    mid_o = torch.empty(num_seqs, num_heads, num_splits, head_dim,
-                        dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    direct = num_splits == 1
+    if direct:  # stage 1 writes `out`: the partials' pointers are never read
+        mid_o = mid_lse = out
+    else:
+        mid_o = torch.empty(num_seqs, num_heads, num_splits, head_dim,
+                            dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
+                              device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, kv_cache, block_tables, seq_lens, mid_o, mid_lse,
+        q, kv_cache, block_tables, seq_lens, mid_o, mid_lse, out,
         scale, num_splits,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(2),
         block_tables.stride(0), *kv_scales,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
+        KV_FP8=kv_cache.dtype == FP8_KV_DTYPE, DIRECT=direct,
         num_warps=num_warps, num_stages=num_stages,
     )
+    if direct:
+        return out
     _decode_merge_kernel[(num_seqs, num_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
