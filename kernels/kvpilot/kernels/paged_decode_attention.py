@@ -12,8 +12,9 @@ covers ``ceil(seq_len / num_splits)`` tokens, computed on the device from
 ``seq_len``: the launch shape depends on nothing but the batch size, which is
 what lets CUDA graphs replay it at any context length. Stage 2 merges the
 splits' partial outputs through their log-sum-exps; with one split (a large batch
-fills the GPU alone) stage 1 writes the output itself and stage 2 does not run. An fp8 (E4M3) cache is widened
-to float32 and multiplied by its per-layer scale right after each load.
+fills the GPU alone) stage 1 writes the output itself and stage 2 does not run.
+An fp8 (E4M3) cache is widened to float32 and multiplied by its per-layer scale
+right after each load.
 """
 
 from __future__ import annotations
