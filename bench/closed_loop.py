@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 class LoopResult:
     decode_step_ms: list[float] = field(default_factory=list)
     other_step_ms: list[float] = field(default_factory=list)  # the timed steps not decode steps
+    eager_step_ms: list[float] = field(default_factory=list)  # of those, the eager ones
     tokens: int = 0  # output tokens of the timed steps
     elapsed: float = 0.0  # seconds of the timed steps
     finished_lengths: list[int] = field(default_factory=list)  # output tokens of each ended one
@@ -66,8 +67,10 @@ def closed_loop(engine: LLMEngine, batch: int, warm_steps: int, timed_steps: int
         plan = engine._last_plan
         decode = plan is not None and len(plan.scheduled) == batch and \
             all(n == 1 for _, n in plan.scheduled)
-        (result.decode_step_ms if decode else result.other_step_ms).append(
-            (time.perf_counter() - began) * 1e3)
+        took = (time.perf_counter() - began) * 1e3
+        (result.decode_step_ms if decode else result.other_step_ms).append(took)
+        if engine._last_eager:  # a step with prompt tokens (or no graph for its batch)
+            result.eager_step_ms.append(took)
         if after_timed_step is not None:
             after_timed_step(decode)
     sync()

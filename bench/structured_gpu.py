@@ -252,6 +252,9 @@ def run_mode(model: str, mode: str, smoke: bool, fill_threads: int | None = None
             "other_step_ms_mean": statistics.mean(loop.other_step_ms) if loop.other_step_ms
             else None,
             "decode_step_ms_mean": statistics.mean(step_ms) if step_ms else None,
+            # the eager steps alone ("other" also holds graph steps of a part-full batch)
+            "eager_step_ms_mean": statistics.mean(loop.eager_step_ms) if loop.eager_step_ms
+            else None,
             "other_phases_ms_mean": {name: round(statistics.mean(v), 3)
                                      for name, v in other_phase_ms.items()},
             "graph_steps": stats.graph_steps, "eager_steps": stats.eager_steps,
