@@ -364,10 +364,12 @@ def main() -> int:
         result["slowdown_decode_step"] = (constrained["decode_step_ms_median"]
                                           / base["decode_step_ms_median"])
         result["slowdown_tok_per_s"] = base["output_tok_per_s"] / constrained["output_tok_per_s"]
-    rounds = [[r for r in rows if r["round"] == i] for i in range(args.repeat)]
-    ratios = [m["output_tok_per_s"] / j["output_tok_per_s"] for one in rounds
-              for m in one if m["mode"] == "unconstrained_matched"
-              for j in one if j["mode"] == "json_schema"]
+    ratios = []  # each round's unconstrained_matched / json_schema tok/s
+    for i in range(args.repeat):
+        one = {r["mode"]: r for r in rows if r["round"] == i}
+        if "unconstrained_matched" in one and "json_schema" in one:
+            ratios.append(one["unconstrained_matched"]["output_tok_per_s"]
+                          / one["json_schema"]["output_tok_per_s"])
     if ratios:
         result["slowdown_tok_per_s_matched"] = statistics.median(ratios)
         result["slowdown_tok_per_s_matched_rounds"] = ratios
