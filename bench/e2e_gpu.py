@@ -280,7 +280,8 @@ def markdown(r: dict) -> str:
         base = (f"HF generate {h['output_tok_per_s']:.0f} tok/s ({h['requests']} requests, "
                 "static batch)") if h else "HF not run"
         ratio = f"{k['output_tok_per_s'] / h['output_tok_per_s']:.1f}x" if h else "-"
-        lines.append(f"| c) Qwen3-0.6B shape, {k['requests']} requests, in/out 100-1024 | "
+        lines.append(f"| c) Qwen3-0.6B shape, {k['requests']} requests (seed "
+                     f"{r.get('seed', 0)}), in/out 100-1024 | "
                      f"{k['output_tok_per_s']:.0f} output tok/s ({k['output_tokens']} tokens in "
                      f"{k['elapsed_s']:.1f} s; {k['steps'] or '?'} steps: " + phase_text(k) + ") | "
                      f"{base} | {ratio} | >= 15000 tok/s |")
@@ -301,6 +302,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["c", "d"], default=None)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--hf-requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0, help="c)'s prompts and lengths")
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--phases", action="store_true",
                         help="time c)'s phases (synchronises every step: slower)")
@@ -314,7 +316,8 @@ def main() -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "c"):
-            prompts, out_lens = recipe(args.requests)
+            prompts, out_lens = recipe(args.requests, args.seed)
+            result["seed"] = args.seed
             path = model_dir(Path(tmp), "qwen3-0.6b-shape", QWEN3_0_6B)
             result["throughput"] = {"kvpilot": bench_kvpilot_throughput(
                 path, prompts, out_lens, args.async_scheduling, args.phases)}

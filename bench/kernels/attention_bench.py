@@ -41,7 +41,11 @@ from kvpilot.kernels.paged_decode_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
 )
-from kvpilot.kernels.paged_prefill_attention import default_tiles, paged_prefill_attention
+from kvpilot.kernels.paged_prefill_attention import (
+    TMA_BY_DEFAULT,
+    default_tiles,
+    paged_prefill_attention,
+)
 
 BF16 = torch.bfloat16
 # torch's SDPA backends that can be fastest on a GPU (the math one materialises N x N)
@@ -168,10 +172,24 @@ def sdpa_baselines(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return rows, ref
 
 
+# the prefill kernels: the pointer kernel, and the TMA kernel without and with a
+# warp-specialised K/V loop (Hopper on); each with the tiles its sweep tries
+PREFILL_KERNELS = {"pointer": {"use_tma": False},
+                   "tma": {"use_tma": True},
+                   "tma-ws": {"use_tma": True, "warp_specialize": True}}
+SWEEP_TILES = {"pointer": list(itertools.product((128,), (32, 64), (4, 8), (3, 4))),
+               "tma": list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)))}
+SWEEP_TILES["tma-ws"] = SWEEP_TILES["tma"]
+
+
+def default_kernel() -> str:
+    return "tma" if TMA_BY_DEFAULT else "pointer"
+
+
 def prefill_case(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int,
-                 sweep: bool = True) -> dict:
-    """Gives the prefill sweep and torch's SDPA backends for one causal shape; the baseline
-    (`of_sdpa`) is the fastest backend."""
+                 sweep: bool = True, kernels: tuple[str, ...] = ("pointer",)) -> dict:
+    """Gives the prefill sweep of `kernels` and torch's SDPA backends for one causal shape;
+    the baseline (`of_sdpa`) is the fastest backend."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = BF16 if device == "cuda" else torch.float32
     total = batch * tokens
@@ -193,31 +211,37 @@ def prefill_case(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: i
     fastest = min((r for r in backends if "ms" in r), key=lambda r: r["ms"])
     sdpa_ms = fastest["ms"]
     rows = []
-    tiles = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)) if sweep else \
-        [default_tiles(head_dim)]
-    for bm, bn, warps, stages in tiles:
-        if bm % bn:
-            continue
+    for kernel in kernels:
+        tiles = SWEEP_TILES[kernel] if sweep else [default_tiles(head_dim,
+                                                                  tma=kernel != "pointer")]
+        for bm, bn, warps, stages in tiles:
+            if bm % bn:
+                continue
+            config = {"kernel": kernel, "block_m": bm, "block_n": bn, "warps": warps,
+                      "stages": stages}
 
-        def run(bm=bm, bn=bn, warps=warps, stages=stages):
-            return paged_prefill_attention(q, k, v, cache, tables, starts, seq_lens, tokens,
-                                           scale, block_m=bm, block_n=bn, num_warps=warps,
-                                           num_stages=stages)
-        try:
-            err = rel_err(run(), ref)
-            ms = median_ms(run) if err < 2e-2 else float("nan")
-        except Exception as exc:
-            rows.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages,
-                         "error": str(exc)[:120]})
-            continue
-        rows.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages,
-                     "rel_err_vs_sdpa": err, "ms": ms, "tflops": flops / ms / 1e9,
-                     "of_sdpa": sdpa_ms / ms})
+            def run(bm=bm, bn=bn, warps=warps, stages=stages, kernel=kernel):
+                return paged_prefill_attention(q, k, v, cache, tables, starts, seq_lens, tokens,
+                                               scale, block_m=bm, block_n=bn, num_warps=warps,
+                                               num_stages=stages, **PREFILL_KERNELS[kernel])
+            try:
+                err = rel_err(run(), ref)
+                ms = median_ms(run) if err < 2e-2 else float("nan")
+            except Exception as exc:
+                rows.append(config | {"error": str(exc)[:120]})
+                continue
+            rows.append(config | {"rel_err_vs_sdpa": err, "ms": ms, "tflops": flops / ms / 1e9,
+                                  "of_sdpa": sdpa_ms / ms})
+        done = [r for r in rows if r["kernel"] == kernel and "ms" in r and r["ms"] == r["ms"]]
+        print(f"prefill B={batch} N={tokens} {heads}q/{kv_heads}kv {kernel}: best "
+              f"{max((r['of_sdpa'] for r in done), default=float('nan')):.3f} of "
+              f"{fastest['backend']} ({len(done)} configs ran)", flush=True)
     timed = [r for r in rows if r.get("ms", float("nan")) == r.get("ms")]
     best = min(timed, key=lambda r: r["ms"])
-    bm, bn, warps, stages = default_tiles(head_dim)
-    launcher = next((r for r in timed if (r["block_m"], r["block_n"], r["warps"], r["stages"])
-                     == (bm, bn, warps, stages)), None)
+    bm, bn, warps, stages = default_tiles(head_dim, tma=default_kernel() != "pointer")
+    launcher = next((r for r in timed if (r["kernel"], r["block_m"], r["block_n"], r["warps"],
+                                          r["stages"]) == (default_kernel(), bm, bn, warps,
+                                                           stages)), None)
     return {"batch": batch, "tokens": tokens, "heads": heads, "kv_heads": kv_heads,
             "head_dim": head_dim, "flops": flops, "sdpa_backends": backends,
             "sdpa_fastest": fastest["backend"], "sdpa_ms": sdpa_ms,
@@ -245,7 +269,7 @@ def markdown(result: dict) -> str:
                      f"{p['kv_heads']}kv d{p['head_dim']} causal | {b['tflops']:.0f} TFLOP/s "
                      f"({b['ms']:.2f} ms) | SDPA {p['sdpa_fastest']} (fastest) "
                      f"{p['sdpa_tflops']:.0f} TFLOP/s | {b['of_sdpa']:.2f} | >= 1.0 | "
-                     f"block_m={b['block_m']} block_n={b['block_n']} "
+                     f"{b['kernel']} block_m={b['block_m']} block_n={b['block_n']} "
                      f"warps={b['warps']} stages={b['stages']} |")
     lines += ["", "Every SDPA backend, TFLOP/s (GQA: how it ran):", ""]
     for p in result["prefill"]:
@@ -271,21 +295,30 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--smoke", action="store_true",
                         help="CPU (TRITON_INTERPRET=1): one tiny prefill shape, no decode")
+    parser.add_argument("--prefill-kernels", default="pointer,tma,tma-ws",
+                        help=f"comma-separated, of {', '.join(PREFILL_KERNELS)}")
+    parser.add_argument("--no-decode", action="store_true", help="prefill only")
     args = parser.parse_args()
+    kernels = tuple(args.prefill_kernels.split(","))
+    if unknown := set(kernels) - set(PREFILL_KERNELS):
+        parser.error(f"--prefill-kernels: unknown {sorted(unknown)}; "
+                     f"choose from {', '.join(PREFILL_KERNELS)}")
     torch.manual_seed(0)
     if args.smoke:
         result = {"gpu": "cpu (smoke)", "date": datetime.date.today().isoformat(),
                   "torch": torch.__version__, "triton": triton.__version__,
                   "copy_gbps": 0.0, "matmul_tflops": 0.0, "decode": [],
-                  "prefill": [prefill_case(2, 32, 4, 2, 16, sweep=False)]}
+                  "prefill": [prefill_case(2, 32, 4, 2, 16, sweep=False, kernels=kernels)]}
     else:
         result = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                   "torch": torch.__version__, "triton": triton.__version__,
                   "copy_gbps": copy_bandwidth(), "matmul_tflops": matmul_tflops()}
-        result["decode"] = [decode_case(b, c, 32, 8, 128, 16, result["copy_gbps"])
-                            for b, c in ((64, 4096), (256, 1024))]
+        result["decode"] = [] if args.no_decode else [
+            decode_case(b, c, 32, 8, 128, 16, result["copy_gbps"])
+            for b, c in ((64, 4096), (256, 1024))]
         torch.cuda.empty_cache()
-        result["prefill"] = [prefill_case(b, n, h, kvh, 128) for b, n, h, kvh in PREFILL_SHAPES]
+        result["prefill"] = [prefill_case(b, n, h, kvh, 128, kernels=kernels)
+                             for b, n, h, kvh in PREFILL_SHAPES]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "attention.json").write_text(json.dumps(result, indent=1))

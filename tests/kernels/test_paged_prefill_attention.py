@@ -16,8 +16,10 @@ from kvpilot.kernels.paged_prefill_attention import (
 
 
 def run_case(query_lens, prefix_lens, heads, kv_heads, head_dim, block_size, dtype, seed,
-             block_m=16, block_n=16):
-    """Gives (kernel output, reference output) for one random batch."""
+             block_m=16, block_n=16, use_tma=False, fused_qkv=False,
+             warp_specialize=False):
+    """Gives (kernel output, reference output) for one random batch; `fused_qkv`: q, k and v
+    are views of one [tokens, (heads + 2 * kv_heads) * head_dim] tensor, as the engine's."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + p for q, p in zip(query_lens, prefix_lens, strict=True)]
     # only the prefix is in the cache; the new tokens' K/V come from k and v
@@ -28,16 +30,21 @@ def run_case(query_lens, prefix_lens, heads, kv_heads, head_dim, block_size, dty
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
 
-    q, k, v = rand(total, heads, head_dim), rand(total, kv_heads, head_dim), rand(
-        total, kv_heads, head_dim)
+    if fused_qkv:
+        qkv = rand(total, heads + 2 * kv_heads, head_dim)
+        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    else:
+        q, k, v = rand(total, heads, head_dim), rand(total, kv_heads, head_dim), rand(
+            total, kv_heads, head_dim)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
                           device=DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out = torch.full_like(q, float("nan"))
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
     scale = head_dim**-0.5
     paged_prefill_attention(q, k, v, cache, tables, starts, lens, max(query_lens), scale,
                             out=out, block_m=block_m, block_n=block_n, num_warps=4,
-                            num_stages=1)
+                            num_stages=1, use_tma=use_tma,
+                            warp_specialize=warp_specialize)
     return out, paged_prefill_attention_ref(q, k, v, cache, tables, starts, lens, scale)
 
 
@@ -59,6 +66,27 @@ def test_prefill_matches_reference(query_lens, prefix_lens, heads, kv_heads, hea
     out, ref = run_case(query_lens, prefix_lens, heads, kv_heads, head_dim, block_size, dtype,
                         seed=sum(query_lens) + head_dim)
     assert rel_err(out, ref) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("warp_specialize", [False, True])
+@pytest.mark.parametrize(("query_lens", "prefix_lens", "heads", "kv_heads", "head_dim",
+                          "block_size"), CASES[1:4])
+def test_prefill_tma_matches_reference(query_lens, prefix_lens, heads, kv_heads, head_dim,
+                                       block_size, warp_specialize):
+    """The TMA kernel: descriptor tiles that run into the next sequence's rows and past the
+    tensor's end, a cached prefix, q/k/v as views of one fused tensor."""
+    out, ref = run_case(query_lens, prefix_lens, heads, kv_heads, head_dim, block_size,
+                        torch.float32, seed=sum(query_lens) + head_dim + 1, block_m=32,
+                        use_tma=True, fused_qkv=True, warp_specialize=warp_specialize)
+    assert rel_err(out, ref) < tolerance(torch.float32)
+
+
+def test_prefill_tma_refuses_a_layout_without_contiguous_heads():
+    q = torch.zeros(4, 2, 16).transpose(0, 1).contiguous().transpose(0, 1)  # heads outermost
+    with pytest.raises(ValueError, match=r"use_tma: .*heads are contiguous within a token"):
+        paged_prefill_attention(q, q, q, torch.zeros(2, 1, 8, 2, 16), torch.zeros(1, 1).int(),
+                                torch.tensor([0, 4]).int(), torch.tensor([4]).int(), 4, 1.0,
+                                use_tma=True)
 
 
 def test_prefill_uneven_tiles():

@@ -13,6 +13,14 @@ tiles left of the diagonal unmasked, the diagonal tile masked). Reading new
 K/V from the step's tensors rather than the cache keeps the common no-prefix
 case on dense, coalesced loads. An fp8 (E4M3) cache is widened and scaled by its
 per-layer scale right after each load; the new tokens' K/V stay in the model dtype.
+
+On Hopper and later (`use_tma`), a second kernel reads the new tokens' Q/K/V through
+TMA tensor descriptors made on the device (2-D views [tokens, heads * head_dim] of the
+step's tensors) and may warp-specialise its K/V loop (a producer warp issues the TMA
+loads while the others compute). A descriptor's tile can run past a sequence's last
+token into the next sequence's rows (or past the tensor's end, which reads zeros): those
+columns are masked like the pointer kernel's, and rows past the sequence are never
+stored. The cached prefix is read by the same gathering loop as the pointer kernel.
 """
 
 from __future__ import annotations
@@ -37,6 +45,21 @@ def _tile(acc, m_i, l_i, q, k, v, qk_scale, mask):
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@jit
+def _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, mask, MASKED: tl.constexpr):
+    """`_tile` with the scale folded into the exponent's argument (one FMA per score, the
+    row max taken before scaling) and P @ V accumulated into `acc` by the MMA itself."""
+    s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l_i
 
 
@@ -114,13 +137,91 @@ def _prefill_kernel(
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def default_tiles(head_dim: int, elem_size: int = 2) -> tuple[int, int, int, int]:
+@jit(do_not_specialize=["stride_bt", "num_tokens"],
+     do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
+def _prefill_kernel_tma(
+    q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    out_ptr, qk_scale, num_tokens,
+    stride_qt, stride_kt, stride_vt, stride_ot, stride_oh,
+    stride_kv, stride_slot, stride_bt, k_scale, v_scale,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    head = tl.program_id(0)
+    start_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if start_m * BLOCK_M >= q_len:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq) - q_len
+    kv_head = head // GROUP
+    num_kv_heads: tl.constexpr = NUM_HEADS // GROUP
+    desc_q = tl.make_tensor_descriptor(q_ptr, shape=[num_tokens, NUM_HEADS * HEAD_DIM],
+                                       strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    desc_k = tl.make_tensor_descriptor(k_ptr, shape=[num_tokens, num_kv_heads * HEAD_DIM],
+                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    desc_v = tl.make_tensor_descriptor(v_ptr, shape=[num_tokens, num_kv_heads * HEAD_DIM],
+                                       strides=[stride_vt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = desc_q.load([q_start + start_m * BLOCK_M, head * HEAD_DIM])
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # 1) the cached prefix, gathered block by block from the paged cache (as _prefill_kernel)
+    k_base = cache_ptr + kv_head * HEAD_DIM
+    for n0 in range(0, ctx_len, BLOCK_N):
+        pos = n0 + offs_n
+        valid = pos < ctx_len
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE,
+                        mask=valid, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = slot[:, None] * stride_slot + offs_d[None, :]
+        k = tl.load(k_base + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(k_base + stride_kv + kv_off, mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        acc, m_i, l_i = _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], True)
+
+    # 2) the new tokens through the descriptors: whole tiles left of the diagonal unmasked
+    for n0 in tl.range(0, start_m * BLOCK_M, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = desc_k.load([q_start + n0, kv_head * HEAD_DIM])
+        v = desc_v.load([q_start + n0, kv_head * HEAD_DIM])
+        acc, m_i, l_i = _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, True, False)
+    diag_end = tl.minimum((start_m + 1) * BLOCK_M, q_len)
+    for n0 in range(start_m * BLOCK_M, diag_end, BLOCK_N):
+        cols = n0 + offs_n
+        k = desc_k.load([q_start + n0, kv_head * HEAD_DIM])
+        v = desc_v.load([q_start + n0, kv_head * HEAD_DIM])
+        # columns past q_len (the next sequence's rows, or zeros) are right of every stored
+        # row's diagonal: masked by causality alone
+        mask = cols[None, :] <= offs_m[:, None]
+        acc, m_i, l_i = _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, mask, True)
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
+             + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(offs_m < q_len)[:, None])
+
+
+def default_tiles(head_dim: int, elem_size: int = 2, tma: bool = False
+                  ) -> tuple[int, int, int, int]:
     """Gives (block_m, block_n, num_warps, num_stages) that fit 228 KB of shared memory.
 
-    Keyed by the bytes of one K row; the bf16 head_dim-128 entry is the best of the
-    H100 sweep in bench/results/attention.json.
+    Keyed by the bytes of one K row; the bf16 head_dim-128 entries are the best of the
+    H100 sweeps in bench/results/ (attention.json for the pointer kernel, the -tma run for
+    the TMA kernel: 128-wide K/V tiles, 3 stages, 8 warps).
     """
     row_bytes = head_dim * elem_size
+    if tma and row_bytes == 256:
+        return 128, 128, 8, 3
     if row_bytes <= 128:
         return 128, 64, 4, 3
     if row_bytes <= 256:
@@ -128,6 +229,30 @@ def default_tiles(head_dim: int, elem_size: int = 2) -> tuple[int, int, int, int
     if row_bytes <= 512:
         return 64, 32, 4, 2
     return 32, 32, 4, 2
+
+
+# whether the launcher takes the TMA kernel where it can: on an H100 it gave 0.80 / 0.85 /
+# 0.76 of cuDNN attention at issue 21's three shapes against the pointer kernel's 0.75 /
+# 0.77 / 0.74 in the same call (bench/results/attention-H100-2026-11-27-tma/); the pointer
+# kernel serves every other case
+TMA_BY_DEFAULT = True
+_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned base addresses and strides
+
+
+def tma_layout_ok(q: torch.Tensor, *kv: torch.Tensor) -> bool:
+    """Whether the TMA kernel can read `q`, `k`, `v`: compute capability 9.0 or newer, heads contiguous within each token (2-D [tokens, heads * head_dim] views), and
+    16-byte aligned token strides and base addresses."""
+    if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False  # (CPU tensors reach a kernel only under Triton's interpreter)
+    return all(x.stride(2) == 1 and x.stride(1) == x.shape[2]
+               and (x.stride(0) * x.element_size()) % _ALIGN == 0
+               and x.data_ptr() % _ALIGN == 0 for x in (q, *kv))
+
+
+def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory for the descriptors the TMA kernel makes on the device (triton's allocator
+    protocol; the tensor lives as long as the launch needs it)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def paged_prefill_attention(
@@ -146,10 +271,20 @@ def paged_prefill_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),  # (k, v) dequantisation scales of an fp8 cache
+    use_tma: bool | None = None,  # None: where tma_layout_ok says the descriptors can be made
+    warp_specialize: bool = False,  # the TMA kernel's K/V loop; ignored without TMA
 ) -> torch.Tensor:
     """Gives the causal attention output [T, num_heads, head_dim] of every new token."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    tiles = default_tiles(head_dim, q.element_size())
+    if use_tma is None:
+        # not under CUDA-graph capture: the descriptors' scratch is freed after the launch
+        use_tma = TMA_BY_DEFAULT and q.is_cuda and tma_layout_ok(q, k, v) \
+            and not torch.cuda.is_current_stream_capturing()
+    elif use_tma and not tma_layout_ok(q, k, v):
+        raise ValueError("use_tma: needs a CUDA device of compute capability 9.0 or newer and "
+                         "q/k/v whose heads are contiguous within a token, with 16-byte "
+                         "aligned token strides and base addresses")
+    tiles = default_tiles(head_dim, q.element_size(), use_tma)
     block_m, block_n = block_m or tiles[0], block_n or tiles[1]
     num_warps, num_stages = num_warps or tiles[2], num_stages or tiles[3]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -163,6 +298,18 @@ def paged_prefill_attention(
     if num_seqs == 0 or max_query_len == 0:
         return out
     grid = (num_heads, triton.cdiv(max_query_len, block_m), num_seqs)
+    if use_tma:
+        triton.set_allocator(_descriptor_scratch)  # a ContextVar: set in the launching thread
+        _prefill_kernel_tma[grid](
+            q, k, v, kv_cache, block_tables, query_start_loc, seq_lens, out, scale * LOG2E,
+            q.shape[0], q.stride(0), k.stride(0), v.stride(0), out.stride(0), out.stride(1),
+            kv_cache.stride(0), kv_cache.stride(2), block_tables.stride(0), *kv_scales,
+            NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+            KV_FP8=kv_cache.dtype == FP8_KV_DTYPE, WARP_SPECIALIZE=warp_specialize,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+        return out
     _prefill_kernel[grid](
         q, k, v, kv_cache, block_tables, query_start_loc, seq_lens, out, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
