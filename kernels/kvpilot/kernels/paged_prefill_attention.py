@@ -158,12 +158,17 @@ def _prefill_kernel_tma(
     ctx_len = tl.load(seq_lens_ptr + seq) - q_len
     kv_head = head // GROUP
     num_kv_heads: tl.constexpr = NUM_HEADS // GROUP
-    desc_q = tl.make_tensor_descriptor(q_ptr, shape=[num_tokens, NUM_HEADS * HEAD_DIM],
-                                       strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    desc_k = tl.make_tensor_descriptor(k_ptr, shape=[num_tokens, num_kv_heads * HEAD_DIM],
-                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    desc_v = tl.make_tensor_descriptor(v_ptr, shape=[num_tokens, num_kv_heads * HEAD_DIM],
-                                       strides=[stride_vt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    # (triton's annotations type shape/strides as tensors; ints and constexprs are what it takes)
+    q_width, kv_width = NUM_HEADS * HEAD_DIM, num_kv_heads * HEAD_DIM
+    desc_q = tl.make_tensor_descriptor(
+        q_ptr, shape=[num_tokens, q_width], strides=[stride_qt, 1],  # pyright: ignore[reportArgumentType]
+        block_shape=[BLOCK_M, HEAD_DIM])
+    desc_k = tl.make_tensor_descriptor(
+        k_ptr, shape=[num_tokens, kv_width], strides=[stride_kt, 1],  # pyright: ignore[reportArgumentType]
+        block_shape=[BLOCK_N, HEAD_DIM])
+    desc_v = tl.make_tensor_descriptor(
+        v_ptr, shape=[num_tokens, kv_width], strides=[stride_vt, 1],  # pyright: ignore[reportArgumentType]
+        block_shape=[BLOCK_N, HEAD_DIM])
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -191,7 +196,8 @@ def _prefill_kernel_tma(
         acc, m_i, l_i = _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], True)
 
     # 2) the new tokens through the descriptors: whole tiles left of the diagonal unmasked
-    for n0 in tl.range(0, start_m * BLOCK_M, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for n0 in tl.range(0, start_m * BLOCK_M, BLOCK_N,  # pyright: ignore[reportGeneralTypeIssues]
+                       warp_specialize=WARP_SPECIALIZE):  # pyright: ignore[reportArgumentType]
         k = desc_k.load([q_start + n0, kv_head * HEAD_DIM])
         v = desc_v.load([q_start + n0, kv_head * HEAD_DIM])
         acc, m_i, l_i = _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, True, False)
