@@ -105,3 +105,64 @@ def test_two_pass_argmax_is_torchs_argmax_ties_included(vocab):
     # a column slice (a TP LM head's padded vocabulary cut off) is not contiguous
     wide = torch.cat([logits, torch.zeros(5, 7)], dim=1)[:, :vocab]
     assert torch.equal(argmax_rows(wide, two_pass=True), logits.argmax(dim=-1))
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Records the dtype of every logits tensor the fused Gumbel-max kernel gets (it still runs,
+    in Triton's interpreter on CPU)."""
+    from kvpilot.kernels import sampling
+
+    calls: list[torch.dtype] = []
+    real = sampling.gumbel_max_sample
+
+    def spy(logits, temperature, seed, *args, **kwargs):
+        calls.append(logits.dtype)
+        return real(logits, temperature, seed, *args, **kwargs)
+
+    monkeypatch.setattr(sampling, "gumbel_max_sample", spy)
+    return calls
+
+
+def test_fused_sampler_draws_temperature_only_rows_with_the_kernel(kernel_calls):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 40, generator=gen).to(torch.bfloat16)
+    rows = [row(temperature=0.6), row(temperature=0, output=[5], repetition_penalty=2.0),
+            row(temperature=1.0, banned=[7, 8]), row(temperature=0.8, top_k=-1, beam_width=1)]
+    torch.manual_seed(0)
+    ids = Sampler(fused=True)(logits, rows).token_ids
+    assert kernel_calls == [torch.float32]  # a penalty gave float32 logits
+    # greedy rows stay exact: the torch path's argmax of the same penalised logits
+    assert ids[1] == Sampler()(logits[1:2], rows[1:2]).token_ids[0]
+    assert ids[2] not in (7, 8)
+    torch.manual_seed(0)
+    assert Sampler(fused=True)(logits, rows).token_ids == ids  # torch's seed repeats the draw
+    # no processing: the kernel reads the model's bf16 logits, no float32 copy
+    Sampler(fused=True)(logits, [row(temperature=0.6)] * 4)
+    assert kernel_calls[-1] == torch.bfloat16
+
+
+def test_fused_sampler_keeps_the_grammars_mask(kernel_calls):
+    logits = torch.zeros(2, 64)
+    bitmask = torch.tensor([[1 << 5 | 1 << 9, 0], [0, 1 << 3]], dtype=torch.int32)
+    for _ in range(3):
+        ids = Sampler(fused=True)(logits, [row(temperature=2.0), row(temperature=0.5)],
+                                  bitmask).token_ids
+        assert ids[0] in (5, 9) and ids[1] == 35
+    assert len(kernel_calls) == 3
+
+
+@pytest.mark.parametrize("other", [dict(seed=5), dict(top_p=0.9), dict(top_k=3),
+                                   dict(min_p=0.1), dict(temperature=0)])
+def test_fused_sampler_falls_back_unless_every_row_is_temperature_only(kernel_calls, other):
+    """A seeded or filtered row sends the whole batch down the torch path, tokens included;
+    so does an all-greedy batch."""
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(1))
+    first = row(temperature=0) if other.get("temperature") == 0 else row(temperature=0.7)
+    rows = [first, row(**{"temperature": 0.7, **other})]
+    torch.manual_seed(11)
+    fused = Sampler(fused=True)(logits, rows).token_ids
+    rows = [first, row(**{"temperature": 0.7, **other})]  # a fresh generator for a seeded row
+    torch.manual_seed(11)
+    assert fused == Sampler()(logits, rows).token_ids
+    assert kernel_calls == []

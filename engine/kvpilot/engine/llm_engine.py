@@ -132,7 +132,8 @@ class LLMEngine:
         # short multi-token entries run as single-token rows where a decode graph then
         # replays the step (`engine.row_layout`)
         self.rows = RowLayout.of(runner.load_report())
-        self.sampler = Sampler()
+        # temperature-only batches in one Triton pass on CUDA, as the model's fused kernels
+        self.sampler = Sampler(fused=runner.device.type == "cuda")
         self.outputs = OutputProcessor(tokenizer, model_config.eos_token_ids,
                                        model_config.max_model_len)
         self.requests: dict[str, Request] = {}

@@ -6,10 +6,20 @@ the argmax of the penalised logits. Log-probabilities are the model's raw
 distribution (log_softmax of the logits before any processing), with the rank of
 the sampled token. Random rows draw with the exponential-race trick so a seeded
 row's draw depends only on its own torch.Generator.
+
+`Sampler(fused=True)` (the engine's choice on CUDA) draws a batch whose random rows ask
+for temperature only (no min_p, top_k, top_p, no seed; greedy rows may sit beside them)
+with one Triton pass instead (`kvpilot.kernels.sampling`): the Gumbel-max trick, the same
+distribution as the exponential race, reads each logit once, bf16 as the model gave it
+(float32 after penalties), where the torch path makes several float32 passes over the
+vocabulary. Its noise comes from Philox keyed by a seed drawn on the device from torch's
+generator, so `torch.manual_seed` still makes runs repeat, though not the torch path's
+tokens. Bitmask, banned tokens, penalties and forced tokens apply as on the torch path.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -19,6 +29,8 @@ import torch
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.device import to_device
 from kvpilot.engine.structured.bitmask import apply_token_bitmask
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,8 +153,27 @@ def argmax_rows(logits: torch.Tensor, two_pass: bool | None = None) -> torch.Ten
     return (best * chunk + within.gather(1, best))[:, 0]
 
 
+def _fusable(row: SamplingRow, greedy: bool) -> bool:
+    """Whether the fused Gumbel-max kernel may draw `row` (from the torch path's distribution):
+    a greedy row, or a random one at temperature only (no seeded generator, min_p, top_k or
+    top_p)."""
+    p = row.params
+    return greedy or (row.generator is None and p.min_p == 0 and p.top_k <= 0
+                      and p.top_p >= 1.0)
+
+
 class Sampler:
-    """Turns a step's logits [N, vocab] into one next token per row."""
+    """Turns a step's logits [N, vocab] into one next token per row; `fused` draws
+    temperature-only batches with the Triton Gumbel-max kernel (module docstring)."""
+
+    def __init__(self, fused: bool = False) -> None:
+        self.fused = fused
+        if fused:
+            try:
+                import kvpilot.kernels.sampling  # noqa: F401  (Triton, on the first fused batch)
+            except ImportError as exc:  # e.g. a CUDA build without Triton: the torch path
+                logger.warning("fused sampling unavailable (%s); the sampler runs torch ops", exc)
+                self.fused = False
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  bitmask: torch.Tensor | None = None) -> SamplerOutput:
@@ -163,8 +194,11 @@ class Sampler:
         non-blocking copies, so async scheduling can launch a step's sampling
         and read the tokens back one step later.
         """
-        logits = logits.float()
         params = [r.params for r in rows]
+        greedy = [p.greedy or p.beam_width > 1 for p in params]
+        fused = self.fused and not all(greedy) and all(map(_fusable, rows, greedy))
+        if not fused:  # the kernel widens each logit as it loads it: no float32 copy
+            logits = logits.float()
         if bitmask is not None:  # the grammar's allowed tokens, before any other processing
             logits = apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
         if any(r.banned_token_ids for r in rows):
@@ -174,14 +208,33 @@ class Sampler:
                     logits[i, r.banned_token_ids] = float("-inf")
         if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                for p in params):
-            logits = _apply_penalties(logits, rows)
-        greedy = [p.greedy or p.beam_width > 1 for p in params]
-        ids = argmax_rows(logits) if all(greedy) else self._sample_random(logits, rows, greedy)
+            logits = _apply_penalties(logits.float(), rows)
+        if all(greedy):
+            ids = argmax_rows(logits)
+        elif fused:
+            ids = self._sample_fused(logits, params, greedy)
+        else:
+            ids = self._sample_random(logits, rows, greedy)
         if any(r.forced_token_id is not None for r in rows):
             forced = [-1 if r.forced_token_id is None else r.forced_token_id for r in rows]
             forced_ids = to_device(forced, ids.device, torch.long)
             ids = torch.where(forced_ids >= 0, forced_ids, ids)
         return ids
+
+    def _sample_fused(self, logits: torch.Tensor, params: list[SamplingParams],
+                      greedy: list[bool]) -> torch.Tensor:
+        from kvpilot.kernels import sampling
+
+        dev = logits.device
+        temperatures = [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        if all(t == temperatures[0] for t in temperatures):  # a device-side fill, no host copy
+            temperature = torch.full((len(params),), temperatures[0], dtype=torch.float32,
+                                     device=dev)
+        else:
+            temperature = to_device(temperatures, dev, torch.float32)
+        # from torch's generator of the device, queued: the host never waits for it
+        seed = torch.randint(2**62, (1,), dtype=torch.long, device=dev)
+        return sampling.gumbel_max_sample(logits, temperature, seed)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow],
                        greedy: list[bool]) -> torch.Tensor:
