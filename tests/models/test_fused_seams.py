@@ -3,6 +3,10 @@ itself; the kernels' numbers are the kernel tests' and the GPU model tests')."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.fused import use_fused_kernels
@@ -22,3 +26,117 @@ def test_every_projection_and_the_lm_head_get_the_one_row_gemv(tiny_checkpoints)
     assert projections == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
     assert "one_row_gemv" in use_fused_kernels(model)
     assert all(m.matmul is one_row_linear for m in model.modules() if isinstance(m, Linear))
+
+
+def _device() -> str:
+    """Gives where the kernels run: CUDA unless Triton interprets them on the CPU."""
+    import torch
+
+    gpu = os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.is_available()
+    return "cuda" if gpu else "cpu"
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoints(tmp_path_factory):
+    """Gives head_dim -> a tiny Qwen3 checkpoint dir with heads that long (the shared tiny
+    Qwen3's are 32: too short for the fused q/k norm + rotary, see matches_unfused_bits)."""
+    from helpers.checkpoints import write_checkpoint
+
+    root, written = tmp_path_factory.mktemp("qwen3"), {}
+
+    def get(head_dim: int):
+        if head_dim not in written:
+            written[head_dim] = write_checkpoint(root / str(head_dim), "qwen3",
+                                                 head_dim=head_dim)
+        return written[head_dim]
+
+    return get
+
+
+def _model(path, dtype="float32", device="cpu"):
+    import torch
+
+    config = ModelConfig.from_engine_args(EngineArgs(model=str(path), dtype=dtype),
+                                          torch.device(device))
+    return load_model(config, "auto", device, fused_kernels=False)
+
+
+@pytest.mark.parametrize(("family", "head_dim", "fused"), [
+    ("qwen3", 64, True),
+    ("qwen3", 128, True),
+    ("qwen3", 32, False),  # one warp's row: rms_norm's bits are not reproducible
+    ("qwen3", 48, False),  # no power of two: rotary (and so the fusion) stays unfused
+    ("llama", None, False),  # no q/k norm
+    ("mixtral", None, False),
+])
+def test_only_qk_norm_models_get_the_fused_qk_norm_rotary(tiny_checkpoints, qwen3_checkpoints,
+                                                          family, head_dim, fused):
+    from kvpilot.engine.models.llama import Attention
+    from kvpilot.kernels.qk_norm_rotary import qk_norm_rotary
+
+    model = _model(qwen3_checkpoints(head_dim) if head_dim else tiny_checkpoints(family))
+    swapped = use_fused_kernels(model)
+    assert "rms_norm" in swapped
+    assert ("rotary" in swapped) == (head_dim != 48)
+    assert ("qk_norm_rotary" in swapped) == fused
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    assert layers and all((m.qk_norm_rope is qk_norm_rotary) == fused for m in layers)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_fused_qk_norm_rotary_gives_the_logits_of_the_unfused_kernels(qwen3_checkpoints, dtype):
+    """Qwen3 through paged steps (prefill chunks, then decode rows mixed with a chunk): one
+    fused launch per layer gives the bits of q_norm, k_norm and rotary as three kernels."""
+    import torch
+    from helpers.paged import BlockAllocation, step_logits
+
+    from kvpilot.engine.models.llama import Attention
+    from kvpilot.kernels.rmsnorm import rms_norm
+
+    seq_lens, steps = [9, 4, 13], [[5, 4, 6], [1, 0, 7], [3, 0, 0]]
+    alloc = BlockAllocation.shuffled(seq_lens, block_size=4, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    device = _device()
+    if dtype == "bfloat16" and device == "cpu":
+        pytest.skip("Triton's interpreter gets bf16 arithmetic wrong")
+    model = _model(qwen3_checkpoints(64), dtype, device)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in seq_lens]
+    assert "qk_norm_rotary" in use_fused_kernels(model)
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    fused_seam = layers[0].qk_norm_rope
+    assert fused_seam is not None
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape[0])
+        return fused_seam(*args, **kwargs)
+
+    def never(*args, **kwargs):
+        raise AssertionError("q_norm/k_norm ran beside the fused kernel")
+
+    for attn in layers:
+        attn.qk_norm_rope = counted
+        assert attn.q_norm is not None and attn.k_norm is not None
+        assert attn.q_norm.kernel is rms_norm and attn.k_norm.kernel is rms_norm
+        attn.q_norm.kernel = attn.k_norm.kernel = never
+    fused = step_logits(model, prompts, alloc, steps, device)
+    assert calls == [sum(s) for s in steps for _ in layers]  # one launch per layer and step
+
+    for attn in layers:  # back to the three unfused kernels
+        attn.qk_norm_rope = None
+        assert attn.q_norm is not None and attn.k_norm is not None
+        attn.q_norm.kernel = attn.k_norm.kernel = rms_norm
+    unfused = step_logits(model, prompts, alloc, steps, device)
+    for got, want in zip(fused, unfused, strict=True):
+        assert torch.equal(got, want)
+
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    # a torch rope (no rotary kernel) keeps the unfused path even with the seam set
+    model.model.rotary.kernel = None
+    for attn in layers:
+        attn.qk_norm_rope = counted
+    calls.clear()
+    torch_rope = step_logits(model, prompts, alloc, steps, device)
+    assert not calls
+    for got, want in zip(torch_rope, unfused, strict=True):
+        assert ((got - want).abs().max() / want.abs().max()).item() < tol

@@ -17,6 +17,15 @@ from kvpilot.kernels.jit import jit
 
 
 @jit
+def rotate_pair(x1, x2, cos, sin):
+    """Gives (x1 cos - x2 sin, x2 cos + x1 sin) in float32 with the multiply-adds spelled
+    out: left to itself the compiler fuses one product of each into an FMA, and which one
+    depends on the code around it, so another kernel (the fused q/k norm + rotary) could
+    not reproduce these bits."""
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
+
+
+@jit
 def _rotate(base, stride_h, n_heads, cos, sin, offs_h, offs_i,
             HALF: tl.constexpr, IS_NEOX: tl.constexpr):
     """Rotates the pairs of ``n_heads`` heads starting at ``base`` in place."""
@@ -31,8 +40,9 @@ def _rotate(base, stride_h, n_heads, cos, sin, offs_h, offs_i,
     p2 = base + offs_h[:, None] * stride_h + second[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-    tl.store(p1, (x1 * cos - x2 * sin).to(base.dtype.element_ty), mask=mask)
-    tl.store(p2, (x2 * cos + x1 * sin).to(base.dtype.element_ty), mask=mask)
+    o1, o2 = rotate_pair(x1, x2, cos, sin)
+    tl.store(p1, o1.to(base.dtype.element_ty), mask=mask)
+    tl.store(p2, o2.to(base.dtype.element_ty), mask=mask)
 
 
 @jit

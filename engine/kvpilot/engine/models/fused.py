@@ -5,14 +5,21 @@ from __future__ import annotations
 from torch import nn
 
 from kvpilot.engine.models.layers import FeedForward, Linear, RMSNorm
+from kvpilot.engine.models.llama import Attention
 from kvpilot.engine.models.rope import RotaryEmbedding
 from kvpilot.engine.parallel.layers import ParallelLMHead
 
 
 def use_fused_kernels(model: nn.Module) -> list[str]:
     """Swaps RMSNorm (+ residual add), SiLU-and-mul, rotary and the projections' one-row
-    matmul for fused kernels in place; gives the names of the seams it swapped."""
+    matmul for fused kernels in place, and gives qk_norm attention layers (Qwen3) q/k norm
+    and rotary in one kernel; gives the names of the seams it swapped."""
     from kvpilot.kernels.activation import silu_and_mul
+    from kvpilot.kernels.qk_norm_rotary import (
+        matches_unfused_bits,
+        qk_norm_rotary,
+        supports_qk_norm_rotary,
+    )
     from kvpilot.kernels.rmsnorm import rms_norm
     from kvpilot.kernels.rotary import rotary_embedding, supports_rotary_dim
     from kvpilot.kernels.w8a16_gemm import one_row_linear
@@ -32,4 +39,15 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
         elif isinstance(module, (Linear, ParallelLMHead)):  # projections and the LM head
             module.matmul = one_row_linear
             swapped.add("one_row_gemv")
+    # q/k norm + rotary in one launch (Qwen3) where it gives the bits of the three kernels
+    # it replaces; it reads the table of a kernel rope (rotary swapped above)
+    rotary_dims = {m.cos_sin.shape[1] for m in model.modules()
+                   if isinstance(m, RotaryEmbedding) and m.kernel is not None}
+    for module in model.modules():
+        if isinstance(module, Attention) and module.q_norm is not None \
+                and module.k_norm is not None and module.q_norm.eps == module.k_norm.eps \
+                and matches_unfused_bits(module.head_dim) and rotary_dims \
+                and all(supports_qk_norm_rotary(module.head_dim, dim) for dim in rotary_dims):
+            module.qk_norm_rope = qk_norm_rotary
+            swapped.add("qk_norm_rotary")
     return sorted(swapped)

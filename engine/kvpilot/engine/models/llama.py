@@ -29,7 +29,7 @@ from kvpilot.engine.models.layers import (
     WeightSlot,
     whole,
 )
-from kvpilot.engine.models.rope import RotaryEmbedding, StepRope
+from kvpilot.engine.models.rope import KernelRope, RotaryEmbedding, StepRope
 from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup, shard_slice
 from kvpilot.engine.parallel.layers import (
     VocabShard,
@@ -64,6 +64,10 @@ class Attention(nn.Module):
         self.o_proj = row_parallel_linear(full_q, config.hidden_size, config.o_proj_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # qk_norm + rotary in one in-place kernel, with the signature of
+        # kvpilot.kernels.qk_norm_rotary.qk_norm_rotary; set by `fused.use_fused_kernels`
+        # (qk_norm layers only) and used when the step's rope is a KernelRope
+        self.qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self.scale = self.head_dim ** -0.5
         # an fp8 KV cache's per-layer (k, v) scales; 1.0: no calibrated scales are read yet
         self.kv_scales = (1.0, 1.0)
@@ -77,8 +81,14 @@ class Attention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, k)
+            if self.qk_norm_rope is not None and isinstance(rope, KernelRope):
+                # one launch instead of three; the same bits as the three
+                q, k = self.qk_norm_rope(rope.positions, q, k, self.q_norm.weight,
+                                         self.k_norm.weight, self.q_norm.eps, rope.cos_sin)
+            else:
+                q, k = rope.apply(self.q_norm(q), self.k_norm(k))
+        else:
+            q, k = rope.apply(q, k)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 

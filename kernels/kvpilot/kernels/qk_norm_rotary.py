@@ -1,0 +1,170 @@
+"""Qwen3's per-head q/k RMSNorm and the rotary embedding in one launch, in place.
+
+Unfused, a Qwen3 layer runs three small kernels between the qkv projection and
+attention: ``rms_norm`` on q, ``rms_norm`` on k, then ``rotary_embedding``. In decode
+each is launch-bound, so this kernel does all three. It rounds exactly as that chain
+does, so swapping it in leaves a model's output bit-equal: each head's statistics in
+float32 over head_dim (the same 1-D reduction ``_rmsnorm_kernel`` makes, so the same
+sum), the normalised value rounded to the tensor's dtype, multiplied by the weight and
+rounded again (what ``rms_norm`` stores), then rotated in float32 with the same spelled-out
+multiply-adds as ``_rotary_kernel`` (``rotary.rotate_pair``; neox or gpt-j pairs) and
+rounded once more. Dimensions past ``rotary_dim`` (partial rotary) are normalised but not
+rotated. On a GPU the bits match for head_dim > 32 (``matches_unfused_bits``).
+
+One program per (token, head), q heads first then k heads: each reads its row once for
+the statistics and once more, pairwise, to rotate (the second read hits L1).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from kvpilot.kernels.jit import jit
+from kvpilot.kernels.rmsnorm import rms_norm_ref
+from kvpilot.kernels.rotary import rotary_embedding_ref, rotate_pair, supports_rotary_dim
+
+
+@jit
+def _qk_norm_rotary_kernel(
+    positions_ptr, q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, n_cols, eps,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if h < NUM_HEADS:
+        row = q_ptr + t * stride_qt + h * stride_qh
+        w_ptr = q_weight_ptr
+    else:
+        row = k_ptr + t * stride_kt + (h - NUM_HEADS) * stride_kh
+        w_ptr = k_weight_ptr
+    dtype = row.dtype.element_ty
+
+    # the statistics exactly as _rmsnorm_kernel computes them (same tile, same sum)
+    offs = tl.arange(0, HEAD_DIM)
+    x = tl.load(row + offs).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+
+    # the rotated pairs, each normed and rounded as rms_norm stores it, then rotated as
+    # _rotary_kernel does; every store depends on rstd, so all of the row is read first
+    offs_i = tl.arange(0, HALF)
+    if IS_NEOX:
+        first = offs_i
+        second = offs_i + HALF
+    else:
+        first = 2 * offs_i
+        second = 2 * offs_i + 1
+    x1 = tl.load(row + first).to(tl.float32)
+    x2 = tl.load(row + second).to(tl.float32)
+    w1 = tl.load(w_ptr + first).to(tl.float32)
+    w2 = tl.load(w_ptr + second).to(tl.float32)
+    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_i).to(tl.float32)
+    o1, o2 = rotate_pair(n1, n2, cos, sin)
+    tl.store(row + first, o1.to(dtype))
+    tl.store(row + second, o2.to(dtype))
+
+    if 2 * HALF < HEAD_DIM:  # partial rotary: the rest is only normalised
+        w = tl.load(w_ptr + offs, mask=offs >= 2 * HALF, other=0.0).to(tl.float32)
+        normed = (x * rstd).to(dtype).to(tl.float32)
+        tl.store(row + offs, (normed * w).to(dtype), mask=offs >= 2 * HALF)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supports_qk_norm_rotary(head_dim: int, rotary_dim: int) -> bool:
+    """Gives whether the kernel handles these sizes: head_dim and rotary_dim / 2 tile with
+    tl.arange, so both must be powers of two, and rotary_dim may not exceed head_dim."""
+    return _power_of_two(head_dim) and supports_rotary_dim(rotary_dim) and \
+        rotary_dim % 2 == 0 and rotary_dim <= head_dim
+
+
+def matches_unfused_bits(head_dim: int) -> bool:
+    """Gives whether on a GPU the kernel reproduces rms_norm's bits for rows this long: rows
+    that span more than one warp (head_dim > 32; every Qwen3 has 128).
+
+    The compiler fuses a lane's own x*x into the first add of the warp's butterfly sum, so
+    the lanes of a warp end with sums that differ in the last bit. A row reduced across
+    warps ends in shared memory, where every lane reads one sum; a row within one warp keeps
+    each lane's own, and rms_norm normalises element i with lane i's, which this kernel,
+    pairing elements i and i + rotary_dim / 2 in one lane, cannot follow. (Measured on an
+    H100: head_dim 64, 128 and 256 bit-equal, 32 about 4% of elements a last bit apart.)"""
+    return head_dim > 32
+
+
+def qk_norm_rotary(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, num_heads, head_dim], head_dim contiguous (may be a qkv view)
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim], likewise
+    q_weight: torch.Tensor,  # [head_dim]
+    k_weight: torch.Tensor,  # [head_dim]
+    eps: float,
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gives (q, k), each head RMS-normed with its weight then rotated by its token's
+    position, written in place; the same bits as rms_norm on q and k then
+    rotary_embedding. Raises ValueError for shapes the kernel cannot handle."""
+    _check(positions, q, k, q_weight, k_weight, cos_sin_cache)
+    tokens, num_heads, head_dim = q.shape
+    if tokens:
+        _qk_norm_rotary_kernel[(tokens, num_heads + k.shape[1])](
+            positions, q, k, q_weight, k_weight, cos_sin_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+            head_dim, eps,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HALF=cos_sin_cache.shape[1] // 2,
+            IS_NEOX=is_neox,
+            num_warps=4,  # as rms_norm launches a row this long: the same reduction
+        )
+    return q, k
+
+
+def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+           k_weight: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q and k must be [T, heads, head_dim]: got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    tokens, _, head_dim = q.shape
+    if k.shape[0] != tokens or k.shape[2] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} must match q {tuple(q.shape)} in tokens and "
+                         "head_dim")
+    if positions.dim() != 1 or positions.shape[0] != tokens:
+        raise ValueError(f"positions {tuple(positions.shape)} must be [T] with T={tokens}")
+    if q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError("q and k need a contiguous head_dim (stride 1)")
+    if q.dtype != k.dtype:
+        raise ValueError(f"q ({q.dtype}) and k ({k.dtype}) must share a dtype")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (head_dim,) or w.stride(0) != 1:
+            raise ValueError(f"{name} {tuple(w.shape)} must be a contiguous [{head_dim}]")
+    if q_weight.dtype != k_weight.dtype:
+        raise ValueError(f"q_weight ({q_weight.dtype}) and k_weight ({k_weight.dtype}) "
+                         "must share a dtype")
+    if not _power_of_two(head_dim):
+        raise ValueError(f"head_dim={head_dim} must be a power of two")
+    rotary_dim = cos_sin_cache.shape[1] if cos_sin_cache.dim() == 2 else -1
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.stride(1) != 1 or \
+            not supports_qk_norm_rotary(head_dim, rotary_dim):
+        raise ValueError(f"cos_sin_cache {tuple(cos_sin_cache.shape)} must be a dense "
+                         "[max_position, rotary_dim] with rotary_dim = 2 * 2^n <= "
+                         f"head_dim={head_dim}")
+
+
+def qk_norm_rotary_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+    k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gives normed-then-rotated copies of (q, k): rms_norm_ref per head, then
+    rotary_embedding_ref (inputs unchanged)."""
+    qn = rms_norm_ref(q, q_weight, eps)
+    kn = rms_norm_ref(k, k_weight, eps)
+    assert isinstance(qn, torch.Tensor) and isinstance(kn, torch.Tensor)
+    return rotary_embedding_ref(positions, qn.to(q.dtype), kn.to(k.dtype), cos_sin_cache,
+                                is_neox)
