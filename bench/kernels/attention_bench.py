@@ -298,6 +298,8 @@ def main() -> None:
     parser.add_argument("--prefill-kernels", default="pointer,tma,tma-ws",
                         help=f"comma-separated, of {', '.join(PREFILL_KERNELS)}")
     parser.add_argument("--no-decode", action="store_true", help="prefill only")
+    parser.add_argument("--defaults-only", action="store_true",
+                        help="prefill: each kernel at the launcher's default tiles, no sweep")
     args = parser.parse_args()
     kernels = tuple(args.prefill_kernels.split(","))
     if unknown := set(kernels) - set(PREFILL_KERNELS):
@@ -317,7 +319,8 @@ def main() -> None:
             decode_case(b, c, 32, 8, 128, 16, result["copy_gbps"])
             for b, c in ((64, 4096), (256, 1024))]
         torch.cuda.empty_cache()
-        result["prefill"] = [prefill_case(b, n, h, kvh, 128, kernels=kernels)
+        result["prefill"] = [prefill_case(b, n, h, kvh, 128, sweep=not args.defaults_only,
+                                          kernels=kernels)
                              for b, n, h, kvh in PREFILL_SHAPES]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
