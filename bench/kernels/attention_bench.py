@@ -172,14 +172,11 @@ def sdpa_baselines(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return rows, ref
 
 
-# the prefill kernels: the pointer kernel, and the TMA kernel without and with a
-# warp-specialised K/V loop (Hopper on); each with the tiles its sweep tries
-PREFILL_KERNELS = {"pointer": {"use_tma": False},
-                   "tma": {"use_tma": True},
-                   "tma-ws": {"use_tma": True, "warp_specialize": True}}
+# the prefill kernels: the pointer kernel and the TMA kernel (Hopper on), each with the tiles
+# its sweep tries
+PREFILL_KERNELS = {"pointer": {"use_tma": False}, "tma": {"use_tma": True}}
 SWEEP_TILES = {"pointer": list(itertools.product((128,), (32, 64), (4, 8), (3, 4))),
                "tma": list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)))}
-SWEEP_TILES["tma-ws"] = SWEEP_TILES["tma"]
 
 
 def default_kernel() -> str:
@@ -295,7 +292,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--smoke", action="store_true",
                         help="CPU (TRITON_INTERPRET=1): one tiny prefill shape, no decode")
-    parser.add_argument("--prefill-kernels", default="pointer,tma,tma-ws",
+    parser.add_argument("--prefill-kernels", default="pointer,tma",
                         help=f"comma-separated, of {', '.join(PREFILL_KERNELS)}")
     parser.add_argument("--no-decode", action="store_true", help="prefill only")
     parser.add_argument("--defaults-only", action="store_true",

@@ -16,8 +16,7 @@ from kvpilot.kernels.paged_prefill_attention import (
 
 
 def run_case(query_lens, prefix_lens, heads, kv_heads, head_dim, block_size, dtype, seed,
-             block_m=16, block_n=16, use_tma=False, fused_qkv=False,
-             warp_specialize=False):
+             block_m=16, block_n=16, use_tma=False, fused_qkv=False):
     """Gives (kernel output, reference output) for one random batch; `fused_qkv`: q, k and v
     are views of one [tokens, (heads + 2 * kv_heads) * head_dim] tensor, as the engine's."""
     gen = torch.Generator().manual_seed(seed)
@@ -43,8 +42,7 @@ def run_case(query_lens, prefix_lens, heads, kv_heads, head_dim, block_size, dty
     scale = head_dim**-0.5
     paged_prefill_attention(q, k, v, cache, tables, starts, lens, max(query_lens), scale,
                             out=out, block_m=block_m, block_n=block_n, num_warps=4,
-                            num_stages=1, use_tma=use_tma,
-                            warp_specialize=warp_specialize)
+                            num_stages=1, use_tma=use_tma)
     return out, paged_prefill_attention_ref(q, k, v, cache, tables, starts, lens, scale)
 
 
@@ -68,16 +66,15 @@ def test_prefill_matches_reference(query_lens, prefix_lens, heads, kv_heads, hea
     assert rel_err(out, ref) < tolerance(dtype)
 
 
-@pytest.mark.parametrize("warp_specialize", [False, True])
 @pytest.mark.parametrize(("query_lens", "prefix_lens", "heads", "kv_heads", "head_dim",
                           "block_size"), CASES[1:4])
 def test_prefill_tma_matches_reference(query_lens, prefix_lens, heads, kv_heads, head_dim,
-                                       block_size, warp_specialize):
+                                       block_size):
     """The TMA kernel: descriptor tiles that run into the next sequence's rows and past the
     tensor's end, a cached prefix, q/k/v as views of one fused tensor."""
     out, ref = run_case(query_lens, prefix_lens, heads, kv_heads, head_dim, block_size,
                         torch.float32, seed=sum(query_lens) + head_dim + 1, block_m=32,
-                        use_tma=True, fused_qkv=True, warp_specialize=warp_specialize)
+                        use_tma=True, fused_qkv=True)
     assert rel_err(out, ref) < tolerance(torch.float32)
 
 

@@ -16,8 +16,9 @@ per-layer scale right after each load; the new tokens' K/V stay in the model dty
 
 On Hopper and later (`use_tma`), a second kernel reads the new tokens' Q/K/V through
 TMA tensor descriptors made on the device (2-D views [tokens, heads * head_dim] of the
-step's tensors) and may warp-specialise its K/V loop (a producer warp issues the TMA
-loads while the others compute). A descriptor's tile can run past a sequence's last
+step's tensors). (Triton 3.6's warp specialisation of its K/V loop was tried on an H100:
+no faster, most tile configurations failed to compile, and one fp32 GPU test case gave
+wrong output; bench/results/attention-H100-2026-11-27-tma/.) A descriptor's tile can run past a sequence's last
 token into the next sequence's rows (or past the tensor's end, which reads zeros): those
 columns are masked like the pointer kernel's, and rows past the sequence are never
 stored. The cached prefix is read by the same gathering loop as the pointer kernel.
@@ -146,7 +147,7 @@ def _prefill_kernel_tma(
     stride_kv, stride_slot, stride_bt, k_scale, v_scale,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     head = tl.program_id(0)
     start_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -196,8 +197,7 @@ def _prefill_kernel_tma(
         acc, m_i, l_i = _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], True)
 
     # 2) the new tokens through the descriptors: whole tiles left of the diagonal unmasked
-    for n0 in tl.range(0, start_m * BLOCK_M, BLOCK_N,  # pyright: ignore[reportGeneralTypeIssues]
-                       warp_specialize=WARP_SPECIALIZE):  # pyright: ignore[reportArgumentType]
+    for n0 in range(0, start_m * BLOCK_M, BLOCK_N):
         k = desc_k.load([q_start + n0, kv_head * HEAD_DIM])
         v = desc_v.load([q_start + n0, kv_head * HEAD_DIM])
         acc, m_i, l_i = _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, True, False)
@@ -278,7 +278,6 @@ def paged_prefill_attention(
     num_stages: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),  # (k, v) dequantisation scales of an fp8 cache
     use_tma: bool | None = None,  # None: where tma_layout_ok says the descriptors can be made
-    warp_specialize: bool = False,  # the TMA kernel's K/V loop; ignored without TMA
 ) -> torch.Tensor:
     """Gives the causal attention output [T, num_heads, head_dim] of every new token."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -312,7 +311,7 @@ def paged_prefill_attention(
             kv_cache.stride(0), kv_cache.stride(2), block_tables.stride(0), *kv_scales,
             NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-            KV_FP8=kv_cache.dtype == FP8_KV_DTYPE, WARP_SPECIALIZE=warp_specialize,
+            KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
             num_warps=num_warps, num_stages=num_stages,
         )
         return out
