@@ -64,6 +64,34 @@ def _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, mask, MASKED: tl.constexpr):
     return acc, m_new, l_i
 
 
+@jit
+def _cached_prefix(acc, m_i, l_i, q, qk_scale, k_base, table, ctx_len, stride_kv, stride_slot,
+                   k_scale, v_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, FMA: tl.constexpr):
+    """Gives (acc, m_i, l_i) after the online softmax over a sequence's `ctx_len` cached
+    tokens, gathered BLOCK_N at a time through its block `table` from the paged cache
+    (`k_base`: its K rows of this KV head; V sits `stride_kv` further); `_tile_fma`'s step
+    where FMA, else `_tile`'s."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for n0 in range(0, ctx_len, BLOCK_N):
+        pos = n0 + offs_n
+        valid = pos < ctx_len
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = slot[:, None] * stride_slot + offs_d[None, :]
+        k = tl.load(k_base + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(k_base + stride_kv + kv_off, mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        if FMA:
+            acc, m_i, l_i = _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], True)
+        else:
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :])
+    return acc, m_i, l_i
+
+
 # the block table's width and the sliced per-sequence tensors change every step: no
 # specialisation on them, or each new width/alignment is a fresh compile mid-serving
 @jit(do_not_specialize=["stride_bt"],
@@ -99,20 +127,10 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # 1) the cached prefix, gathered block by block from the paged cache
-    k_base = cache_ptr + kv_head * HEAD_DIM
-    for n0 in range(0, ctx_len, BLOCK_N):
-        pos = n0 + offs_n
-        valid = pos < ctx_len
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE,
-                        mask=valid, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        kv_off = slot[:, None] * stride_slot + offs_d[None, :]
-        k = tl.load(k_base + kv_off, mask=valid[:, None], other=0.0)
-        v = tl.load(k_base + stride_kv + kv_off, mask=valid[:, None], other=0.0)
-        if KV_FP8:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
-        acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :])
+    acc, m_i, l_i = _cached_prefix(
+        acc, m_i, l_i, q, qk_scale, cache_ptr + kv_head * HEAD_DIM,
+        block_tables_ptr + seq * stride_bt, ctx_len, stride_kv, stride_slot, k_scale, v_scale,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_FP8, False)
 
     # 2) the new tokens: tiles fully left of the diagonal need no mask
     k_new = k_ptr + q_start * stride_kt + kv_head * stride_kh
@@ -181,20 +199,10 @@ def _prefill_kernel_tma(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # 1) the cached prefix, gathered block by block from the paged cache (as _prefill_kernel)
-    k_base = cache_ptr + kv_head * HEAD_DIM
-    for n0 in range(0, ctx_len, BLOCK_N):
-        pos = n0 + offs_n
-        valid = pos < ctx_len
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE,
-                        mask=valid, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        kv_off = slot[:, None] * stride_slot + offs_d[None, :]
-        k = tl.load(k_base + kv_off, mask=valid[:, None], other=0.0)
-        v = tl.load(k_base + stride_kv + kv_off, mask=valid[:, None], other=0.0)
-        if KV_FP8:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
-        acc, m_i, l_i = _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], True)
+    acc, m_i, l_i = _cached_prefix(
+        acc, m_i, l_i, q, qk_scale, cache_ptr + kv_head * HEAD_DIM,
+        block_tables_ptr + seq * stride_bt, ctx_len, stride_kv, stride_slot, k_scale, v_scale,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_FP8, True)
 
     # 2) the new tokens through the descriptors: whole tiles left of the diagonal unmasked
     for n0 in range(0, start_m * BLOCK_M, BLOCK_N):

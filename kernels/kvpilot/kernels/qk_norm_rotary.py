@@ -22,7 +22,12 @@ import triton.language as tl
 
 from kvpilot.kernels.jit import jit
 from kvpilot.kernels.rmsnorm import rms_norm_ref
-from kvpilot.kernels.rotary import rotary_embedding_ref, rotate_pair, supports_rotary_dim
+from kvpilot.kernels.rotary import (
+    pair_columns,
+    rotary_embedding_ref,
+    rotate_pair,
+    supports_rotary_dim,
+)
 
 
 @jit
@@ -50,12 +55,7 @@ def _qk_norm_rotary_kernel(
     # the rotated pairs, each normed and rounded as rms_norm stores it, then rotated as
     # _rotary_kernel does; every store depends on rstd, so all of the row is read first
     offs_i = tl.arange(0, HALF)
-    if IS_NEOX:
-        first = offs_i
-        second = offs_i + HALF
-    else:
-        first = 2 * offs_i
-        second = 2 * offs_i + 1
+    first, second = pair_columns(offs_i, HALF, IS_NEOX)
     x1 = tl.load(row + first).to(tl.float32)
     x2 = tl.load(row + second).to(tl.float32)
     w1 = tl.load(w_ptr + first).to(tl.float32)

@@ -26,15 +26,19 @@ def rotate_pair(x1, x2, cos, sin):
 
 
 @jit
+def pair_columns(offs_i, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """Gives the columns (first, second) of rotated pairs `offs_i`: (i, i + HALF) neox style,
+    (2i, 2i + 1) gpt-j style."""
+    if IS_NEOX:
+        return offs_i, offs_i + HALF
+    return 2 * offs_i, 2 * offs_i + 1
+
+
+@jit
 def _rotate(base, stride_h, n_heads, cos, sin, offs_h, offs_i,
             HALF: tl.constexpr, IS_NEOX: tl.constexpr):
     """Rotates the pairs of ``n_heads`` heads starting at ``base`` in place."""
-    if IS_NEOX:
-        first = offs_i
-        second = offs_i + HALF
-    else:
-        first = 2 * offs_i
-        second = 2 * offs_i + 1
+    first, second = pair_columns(offs_i, HALF, IS_NEOX)
     mask = (offs_h < n_heads)[:, None]
     p1 = base + offs_h[:, None] * stride_h + first[None, :]
     p2 = base + offs_h[:, None] * stride_h + second[None, :]
