@@ -13,6 +13,7 @@ large idle share says the host or the launches are the bound.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
@@ -55,22 +56,16 @@ def run(path: Path, prompts, out_lens, profiled: bool, smoke: bool) -> tuple[dic
                  if smoke else {}))
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
-    activities = [ProfilerActivity.CUDA if DEVICE == "cuda" else ProfilerActivity.CPU]
+    cuda = DEVICE == "cuda"
+    prof = torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
     sync()
-    events: list = []
     started = time.perf_counter()
-    if profiled:
-        with torch_profile(activities=activities) as prof:
-            outputs = llm.generate(prompts, params)
-            sync()
-        elapsed = time.perf_counter() - started
-        kind = torch.autograd.DeviceType.CUDA if DEVICE == "cuda" else \
-            torch.autograd.DeviceType.CPU
-        events = [e for e in prof.events() if e.device_type == kind]
-    else:
+    with prof if profiled else contextlib.nullcontext():
         outputs = llm.generate(prompts, params)
         sync()
-        elapsed = time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    events = [e for e in prof.events() if e.device_type == kind] if profiled else []
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     del llm
     return {"elapsed_s": round(elapsed, 3), "output_tokens": produced,

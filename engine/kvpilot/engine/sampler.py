@@ -105,17 +105,19 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _per_row(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """Gives `values` as a float32 tensor on `device`; one value for every row (the common
+    case) is a device-side fill, no blocking host copy, with the same float32 values."""
+    if all(v == values[0] for v in values):
+        return torch.full((len(values),), values[0], dtype=torch.float32, device=device)
+    return to_device(values, device, torch.float32)
+
+
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Gives each row's sampling distribution: softmax after temperature, min_p, top_k, top_p
     (float32 [N, vocab]; what a random row draws from and what speculation must keep)."""
     dev = logits.device
-    temperatures = [max(p.temperature, 1e-5) for p in params]
-    if all(t == temperatures[0] for t in temperatures):
-        # one temperature (the common case): a device-side fill, no blocking host copy;
-        # the same float32 divisor as the per-row tensor, so the same quotients
-        temperature = torch.full((len(params),), temperatures[0], device=dev)
-    else:
-        temperature = to_device(temperatures, dev)
+    temperature = _per_row(tuple(max(p.temperature, 1e-5) for p in params), dev)
     logits = logits.float() / temperature[:, None]
     if any(p.min_p > 0 for p in params):
         probs = logits.softmax(dim=-1)
@@ -226,12 +228,8 @@ class Sampler:
         from kvpilot.kernels import sampling
 
         dev = logits.device
-        temperatures = [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-        if all(t == temperatures[0] for t in temperatures):  # a device-side fill, no host copy
-            temperature = torch.full((len(params),), temperatures[0], dtype=torch.float32,
-                                     device=dev)
-        else:
-            temperature = to_device(temperatures, dev, torch.float32)
+        temperature = _per_row(tuple(0.0 if g else p.temperature
+                                     for p, g in zip(params, greedy, strict=True)), dev)
         # from torch's generator of the device, queued: the host never waits for it
         seed = torch.randint(2**62, (1,), dtype=torch.long, device=dev)
         return sampling.gumbel_max_sample(logits, temperature, seed)

@@ -65,13 +65,28 @@ def _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, mask, MASKED: tl.constexpr):
 
 
 @jit
-def _cached_prefix(acc, m_i, l_i, q, qk_scale, k_base, table, ctx_len, stride_kv, stride_slot,
-                   k_scale, v_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, FMA: tl.constexpr):
-    """Gives (acc, m_i, l_i) after the online softmax over a sequence's `ctx_len` cached
-    tokens, gathered BLOCK_N at a time through its block `table` from the paged cache
-    (`k_base`: its K rows of this KV head; V sits `stride_kv` further); `_tile_fma`'s step
-    where FMA, else `_tile`'s."""
+def _program(query_start_loc_ptr):
+    """Gives this program's (head, query tile, sequence, first query row, query length); the
+    grid is (heads, query tiles, sequences), the longest (most masked-in) tiles first for a
+    better tail balance of causal work."""
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    return tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1), seq, q_start, q_len
+
+
+@jit
+def _cached_prefix(q, qk_scale, k_base, table, ctx_len, stride_kv, stride_slot, k_scale,
+                   v_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+                   FMA: tl.constexpr):
+    """Gives the online softmax's (acc, m_i, l_i) for the BLOCK_M query rows `q` after a
+    sequence's `ctx_len` cached tokens (none: the empty state), gathered BLOCK_N at a time
+    through its block `table` from the paged cache (`k_base`: its K rows of this KV head; V
+    sits `stride_kv` further); `_tile_fma`'s step where FMA, else `_tile`'s."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for n0 in range(0, ctx_len, BLOCK_N):
@@ -104,12 +119,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    head = tl.program_id(0)
-    # the longest (most masked-in) tiles first: better tail balance for causal work
-    start_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    head, start_m, seq, q_start, q_len = _program(query_start_loc_ptr)
     if start_m * BLOCK_M >= q_len:
         return
     ctx_len = tl.load(seq_lens_ptr + seq) - q_len
@@ -122,15 +132,11 @@ def _prefill_kernel(
     q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh
                 + offs_d[None, :], mask=row_mask[:, None], other=0.0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-
     # 1) the cached prefix, gathered block by block from the paged cache
     acc, m_i, l_i = _cached_prefix(
-        acc, m_i, l_i, q, qk_scale, cache_ptr + kv_head * HEAD_DIM,
-        block_tables_ptr + seq * stride_bt, ctx_len, stride_kv, stride_slot, k_scale, v_scale,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_FP8, False)
+        q, qk_scale, cache_ptr + kv_head * HEAD_DIM, block_tables_ptr + seq * stride_bt,
+        ctx_len, stride_kv, stride_slot, k_scale, v_scale,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, KV_FP8, False)
 
     # 2) the new tokens: tiles fully left of the diagonal need no mask
     k_new = k_ptr + q_start * stride_kt + kv_head * stride_kh
@@ -167,11 +173,7 @@ def _prefill_kernel_tma(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    head = tl.program_id(0)
-    start_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    head, start_m, seq, q_start, q_len = _program(query_start_loc_ptr)
     if start_m * BLOCK_M >= q_len:
         return
     ctx_len = tl.load(seq_lens_ptr + seq) - q_len
@@ -194,15 +196,11 @@ def _prefill_kernel_tma(
     offs_d = tl.arange(0, HEAD_DIM)
     q = desc_q.load([q_start + start_m * BLOCK_M, head * HEAD_DIM])
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-
     # 1) the cached prefix, gathered block by block from the paged cache (as _prefill_kernel)
     acc, m_i, l_i = _cached_prefix(
-        acc, m_i, l_i, q, qk_scale, cache_ptr + kv_head * HEAD_DIM,
-        block_tables_ptr + seq * stride_bt, ctx_len, stride_kv, stride_slot, k_scale, v_scale,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_FP8, True)
+        q, qk_scale, cache_ptr + kv_head * HEAD_DIM, block_tables_ptr + seq * stride_bt,
+        ctx_len, stride_kv, stride_slot, k_scale, v_scale,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, KV_FP8, True)
 
     # 2) the new tokens through the descriptors: whole tiles left of the diagonal unmasked
     for n0 in range(0, start_m * BLOCK_M, BLOCK_N):
