@@ -3,7 +3,10 @@ what it does to tensor-parallel decode.
 
 1. Latency of one all-reduce of a bf16 message of 8 KiB to 4 MiB over 2 ranks: NCCL, and
    the symmetric-memory one-shot and two-shot (the engine takes one-shot at 2 ranks),
-   eager (launch + sync each) and replayed from a CUDA graph of 100 back to back.
+   eager (launch + sync each) and replayed from a CUDA graph of 100 back to back; then
+   what a decoder layer runs after its row-parallel projection, the message as rows of
+   4096: NCCL + the rmsnorm kernel (residual add + RMSNorm), one-shot + the rmsnorm kernel,
+   and the fused kernel (kvpilot.kernels.all_reduce_rmsnorm) that the engine runs.
 2. Llama-3-8B-shaped dummy model (bf16), each in a fresh process: batch-1 ms/token and
    batch-64 output tok/s at TP=1, TP=2 (symmetric memory, the default) and TP=2 with
    --disable-custom-all-reduce (NCCL). Goals (issue 16): TP=2 batch-1 >= 1.6x faster than
@@ -46,6 +49,7 @@ CONFIG_TIMEOUT_S = 170  # one engine run; a hung one is recorded and the next ru
 RESULT_PREFIX = "RESULT "
 LOG_FORMAT = "%(name)s: %(message)s"
 SAID = "all-reduce: "  # the engine's start-up line that names the all-reduce it chose
+HIDDEN, EPS = 4096, 1e-5  # a Llama-3-8B row, for the all-reduce + norm timings
 
 
 def eager_us(fn: Callable[[torch.Tensor], object], x: torch.Tensor) -> float:
@@ -103,6 +107,24 @@ def latency_rank(rank: int, world: int, port: int, device_type: str, sizes: list
     if (symm := tp.symm_mem) is not None:
         ways[ONE_SHOT] = lambda x: symm.all_reduce(x, ONE_SHOT)
         ways[TWO_SHOT] = lambda x: symm.all_reduce(x, TWO_SHOT)
+    if symm is not None and symm.fused:  # CUDA: the smoke run's gloo has no symmetric memory
+        from kvpilot.kernels.rmsnorm import rms_norm
+
+        weight = torch.ones(HIDDEN, dtype=dtype, device=ctx.device)
+        residual = torch.zeros(max(sizes) // dtype.itemsize // HIDDEN, HIDDEN, dtype=dtype,
+                               device=ctx.device)
+
+        def then_norm(reduce: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> Callable[[torch.Tensor], object]:
+            def run(x: torch.Tensor) -> object:
+                rows = x.view(-1, HIDDEN)
+                return rms_norm(reduce(rows), weight, EPS, residual[:len(rows)])
+            return run
+
+        ways["nccl+norm"] = then_norm(base.all_reduce)
+        ways["one-shot+norm"] = then_norm(lambda rows: symm.all_reduce(rows, ONE_SHOT))
+        ways["fused"] = lambda x: symm.ops.add_rms_norm(
+            x.view(-1, HIDDEN), residual[:x.numel() // HIDDEN], weight, EPS)
     rows = []
     for nbytes in sizes:
         x = torch.zeros(nbytes // dtype.itemsize, dtype=dtype, device=ctx.device)

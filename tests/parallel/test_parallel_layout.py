@@ -9,10 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpilot.engine.models.config import ModelConfig
+from kvpilot.engine.models.layers import RMSNorm
 from kvpilot.engine.models.loader import init_dummy_weights
 from kvpilot.engine.models.registry import model_class
 from kvpilot.engine.parallel.groups import TPGroup
-from kvpilot.engine.parallel.layers import VocabShard
+from kvpilot.engine.parallel.layers import RowParallelLinear, VocabShard
+from kvpilot.engine.parallel.stage import PipelineStage
 
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM"]
 
@@ -106,3 +108,40 @@ def test_sharded_moe_dense_path_sums_to_the_full_mixture(ep):
         init_dummy_weights(shard, seed=1)
         total += shard.model.decoder_layers()[0].mlp._dense(x, weights, experts)
     torch.testing.assert_close(total, want)
+
+
+@pytest.mark.parametrize(("arch", "stage", "bias"), [
+    ("LlamaForCausalLM", None, False),
+    ("LlamaForCausalLM", PipelineStage.of(3, 2, 0), False),  # an earlier stage: sends summed
+    ("LlamaForCausalLM", PipelineStage.of(3, 2, 1), False),
+    ("LlamaForCausalLM", None, True),  # biases are added after the sum: no deferral
+    ("MixtralForCausalLM", None, False),  # the MoE block sums its own output
+])
+def test_each_row_parallel_sum_moves_into_the_norm_after_it(arch, stage, bias):
+    hf = {"architectures": [arch], "vocab_size": 32, "hidden_size": 16,
+          "intermediate_size": 24, "num_hidden_layers": 3, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 64, "attention_bias": bias,
+          "mlp_bias": bias, "num_local_experts": 4, "num_experts_per_tok": 2}
+    config = ModelConfig.from_hf(hf)
+    tp = TPGroup(0, 2)
+    model = model_class(config.architecture)(config, tp=tp, stage=stage).model
+    layers = model.decoder_layers()
+    summing = [norm for norm in model.modules()
+               if isinstance(norm, RMSNorm) and norm.sum_over is not None]
+    want: list[RMSNorm] = []
+    for i, layer in enumerate(layers):
+        o_proj = layer.self_attn.o_proj
+        assert isinstance(o_proj, RowParallelLinear) and o_proj.reduce_output == bias
+        if not bias:
+            want.append(layer.post_attention_layernorm)
+        down = getattr(layer.mlp, "down_proj", None)
+        if down is None:
+            continue  # MoE
+        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+        deferred = next_norm is not None and not bias
+        assert isinstance(down, RowParallelLinear) and down.reduce_output == (not deferred)
+        if deferred:
+            want.append(next_norm)
+    assert {id(n) for n in summing} == {id(n) for n in want} and all(
+        n.sum_over is tp for n in summing)
+    assert layers[0].input_layernorm.sum_over is None  # the embedding arrives summed

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from kvpilot.engine.contracts.args import EngineArgs, add_dataclass_args, from_namespace
 from kvpilot.engine.parallel import groups
@@ -27,6 +28,7 @@ from kvpilot.engine.parallel.all_reduce_choice import (
 )
 from kvpilot.engine.parallel.groups import TPGroup
 from kvpilot.engine.parallel.symm_mem_all_reduce import (
+    FUSED,
     AllReduceSettings,
     SymmMemAllReduce,
     check_input,
@@ -145,6 +147,18 @@ class FakeOps:
     def two_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None:
         self._reduce(TWO_SHOT, staged, x)
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ran.append(FUSED)
+        if self.fault == "fused-raise":
+            raise RuntimeError("fused kernel failed")
+        total = x.clone()
+        for r in range(self.world):
+            if r != self.rank:
+                total += check_input(r, x.numel(), x.dtype, x.device).view(x.shape)
+        h = total + residual + (self.fault == "fused-wrong")
+        return F.rms_norm(h, (x.shape[-1],), weight, eps), h
+
     def finished(self, timeout_s: float) -> bool:
         return self.fault != "hang"
 
@@ -179,16 +193,35 @@ def test_setup_uses_symmetric_memory_when_every_rank_can(caplog):
     with caplog.at_level(logging.INFO, "kvpilot.engine"):
         tp = setup(ops, agree)
     assert tp.symm_mem is not None and tp.symm_mem.capacity == 512 * KIB
-    assert agree.values == [1, 1, 1] and ops.ran == [ONE_SHOT]  # the check ran once
-    assert tp.symm_mem.calls == {ONE_SHOT: 0, TWO_SHOT: 0}  # the check is not counted
-    assert "torch symmetric memory (one-shot) for messages up to 524288 bytes" in caplog.text
+    assert agree.values == [1, 1, 1, 1] and ops.ran == [ONE_SHOT, FUSED]  # each check once
+    assert tp.symm_mem.fused
+    assert tp.symm_mem.calls == {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0}  # checks not counted
+    assert "torch symmetric memory (one-shot) for messages up to 524288 bytes (a 2-rank " \
+           "group on one host, peer-to-peer, no multicast), one-shot ones fused with the " \
+           "residual add and RMSNorm after them" in caplog.text
+
+
+@pytest.mark.parametrize(("fault", "others", "reason"), [
+    ("fused-wrong", [], "the fused check gave a wrong sum or norm"),
+    ("fused-raise", [], "the fused check of 8192 bytes failed: fused kernel failed"),
+    (None, [1, 1, 1, 0], "another rank"),
+])
+def test_a_failed_fused_check_keeps_the_unfused_path(caplog, fault, others, reason):
+    agree = Agree(others)
+    with caplog.at_level(logging.INFO, "kvpilot.engine"):
+        tp = setup(FakeOps(fault=fault), agree)
+    assert tp.symm_mem is not None and not tp.symm_mem.fused  # one-shot stays
+    assert agree.values == [1, 1, 1, int(fault is None)]
+    assert f"none fused with the norm ({reason})" in caplog.text
+    x = torch.zeros(1, 64, dtype=BF16)
+    assert tp.all_reduce_add_rms_norm(x, x, torch.ones(64, dtype=BF16), 1e-6) is None
 
 
 def test_setup_checks_two_shot_where_the_group_takes_it(caplog):
     ops = FakeOps(world=4)
     with caplog.at_level(logging.INFO, "kvpilot.engine"):
         tp = setup(ops, Agree(), world=4, capacity=1024 * KIB)
-    assert tp.symm_mem is not None and ops.ran == [ONE_SHOT, TWO_SHOT]
+    assert tp.symm_mem is not None and ops.ran == [ONE_SHOT, TWO_SHOT, FUSED]
     assert "one-shot below 524288 bytes, two-shot from there" in caplog.text
 
 
@@ -261,8 +294,28 @@ def test_tp_group_sends_small_tensors_through_symmetric_memory(monkeypatch):
     big, half = torch.zeros(20), torch.zeros(16, dtype=torch.float16)
     tp.all_reduce(big)
     tp.all_reduce(half)
-    assert ops.ran == [ONE_SHOT] and comm.calls == {ONE_SHOT: 1, TWO_SHOT: 0}
+    assert ops.ran == [ONE_SHOT] and comm.calls == {ONE_SHOT: 1, TWO_SHOT: 0, FUSED: 0}
     assert over_nccl == [big, half]
+
+
+def test_tp_group_fuses_the_norm_where_one_shot_takes_the_message():
+    ops = FakeOps(world=4)
+    comm = SymmMemAllReduce(ops, torch.zeros(1024 * KIB, dtype=torch.uint8), "tp", 4)
+    tp = TPGroup(0, 4, group=GROUP, symm_mem=comm)  # type: ignore[arg-type]
+    weight = torch.ones(4096, dtype=FP32)
+    small = torch.zeros(2, 4096, dtype=FP32)  # 32 KiB: one-shot at 4 ranks
+    assert tp.all_reduce_add_rms_norm(small, small, weight, 1e-6) is None  # not agreed on
+    comm.fused = True
+    out, residual = tp.all_reduce_add_rms_norm(small, torch.ones_like(small), weight, 1e-6)
+    peers = sum(check_input(r, small.numel(), FP32, small.device) for r in (1, 2, 3))
+    assert torch.equal(residual, 1 + peers.view(small.shape))  # type: ignore[union-attr]
+    torch.testing.assert_close(out, F.rms_norm(residual, (4096,), weight, 1e-6))
+    two_shot = torch.zeros(32, 4096, dtype=FP32)  # 512 KiB: two-shot at 4 ranks
+    assert tp.all_reduce_add_rms_norm(two_shot, two_shot, weight, 1e-6) is None
+    assert tp.all_reduce_add_rms_norm(small, small[:1], weight, 1e-6) is None  # shapes differ
+    assert ops.ran == [FUSED] and comm.calls[FUSED] == 1
+    assert TPGroup(0, 4, group=GROUP).all_reduce_add_rms_norm(  # type: ignore[arg-type]
+        small, small, weight, 1e-6) is None  # no symmetric memory
 
 
 def test_flags():

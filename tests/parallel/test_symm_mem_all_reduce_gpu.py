@@ -1,7 +1,9 @@
 """The symmetric-memory all-reduce on 2 GPUs: it sets itself up, and gives exactly what
 NCCL's all-reduce gives (bf16 and fp32, 8 KiB to 4 MiB, eagerly and replayed from a
-captured CUDA graph); the TP=2 engine with it on decodes from CUDA graphs through it and
-matches TP=1 under the top-5 rule of test_parallel_gpu.py."""
+captured CUDA graph); the fused all-reduce + residual add + RMSNorm kernel gives exactly
+NCCL's all-reduce followed by the rmsnorm kernel (2 GPUs; at 4, exact on integer-valued
+sums and close on random ones); the TP=2 engine with it on decodes from CUDA graphs through
+both and matches TP=1 under the top-5 rule of test_parallel_gpu.py."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm import LLM
 from kvpilot.engine.parallel.all_reduce_choice import ONE_SHOT
 from kvpilot.engine.parallel.groups import TPGroup
+from kvpilot.engine.parallel.symm_mem_all_reduce import FUSED
 
 pytestmark = pytest.mark.gpu
 KIB = 1024
@@ -79,7 +82,75 @@ def compare(tp: TPGroup, rank: int) -> list[str]:
     return errors
 
 
-def rank_main(rank: int, port: int, out: str) -> None:
+FUSED_ROWS = [1, 7, 64, 200]  # 200: more rows than the kernel's programs
+
+
+def compare_fused(tp: TPGroup, rank: int) -> list[str]:
+    """Gives the mismatches of the fused kernel against NCCL's all-reduce and the rmsnorm
+    kernel, eager (rows of FUSED_ROWS in turn) and replayed from a graph."""
+    import torch.distributed as dist
+
+    from kvpilot.kernels.rmsnorm import rms_norm
+
+    assert tp.symm_mem is not None and tp.symm_mem.fused
+    errors = []
+
+    def unfused(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
+        total = x.clone()
+        dist.all_reduce(total, group=tp.group)
+        return rms_norm(total, weight, 1e-5, residual)
+
+    def differs(got, want, exact: bool) -> bool:
+        if exact:
+            return not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+        return not all(torch.allclose(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+                       for g, w in zip(got, want, strict=True))
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in FUSED_ROWS:
+            gen = torch.Generator(device="cuda").manual_seed(100 * rows)  # shared by ranks
+            residual = torch.randn(rows, 4096, dtype=dtype, device="cuda", generator=gen)
+            weight = torch.randn(4096, dtype=dtype, device="cuda", generator=gen)
+            gen.manual_seed(1000 * rank + rows)
+            x = torch.randn(rows, 4096, dtype=dtype, device="cuda", generator=gen)
+            for name, data in (("random", x), ("integer", (x * 8).round())):
+                got = tp.all_reduce_add_rms_norm(data, residual, weight, 1e-5)
+                if got is None:  # right only where the group sends the message two-shot
+                    if tp.symm_mem.choose(data) == ONE_SHOT:
+                        errors.append(f"fused {name} {dtype} {rows} rows: not taken")
+                    continue
+                # two ranks sum alike; at four NCCL's order differs: exact on integers only
+                if differs(got, unfused(data, residual, weight),
+                           exact=tp.size == 2 or name == "integer"):
+                    errors.append(f"fused {name} {dtype} {rows} rows differs")
+    x = torch.zeros(8, 4096, dtype=torch.bfloat16, device="cuda")
+    residual, weight = torch.zeros_like(x), torch.ones(4096, dtype=x.dtype, device="cuda")
+    tp.all_reduce_add_rms_norm(x, residual, weight, 1e-5)  # warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, stream = x, residual
+        for _ in range(3):  # chained, as a decode graph's layers run them
+            fused = tp.all_reduce_add_rms_norm(out, stream, weight, 1e-5)
+            assert fused is not None
+            out, stream = fused
+    for step in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(7 * rank + step)
+        x.copy_((torch.randn(x.shape, device="cuda", generator=gen) * 8).round())
+        gen.manual_seed(step)
+        residual.copy_((torch.randn(x.shape, device="cuda", generator=gen) * 8).round())
+        want_out, want_stream = x, residual
+        for _ in range(3):
+            want_out, want_stream = unfused(want_out, want_stream, weight)
+        graph.replay()
+        torch.cuda.synchronize()
+        if differs((out, stream), (want_out, want_stream), exact=tp.size == 2):
+            errors.append(f"fused graph replay {step} differs")
+    graph.reset()
+    return errors
+
+
+def rank_main(rank: int, port: int, out: str, world: int = 2) -> None:
     """One rank: joins, sets the path up, compares, writes its findings to `out`.rank."""
     from kvpilot.engine.contracts.rendezvous import Rendezvous
     from kvpilot.engine.parallel.config import ParallelConfig
@@ -92,35 +163,38 @@ def rank_main(rank: int, port: int, out: str) -> None:
 
     result: dict = {"errors": []}
     try:
-        ctx = init_distributed(ParallelConfig(2), Rendezvous.local(2, port), rank, "cuda", 1)
+        ctx = init_distributed(ParallelConfig(world), Rendezvous.local(world, port), rank,
+                               "cuda", 1)
         settings = AllReduceSettings(False, max(SIZES), torch.bfloat16)
-        tp = setup_symm_mem(ctx.tp, settings, ctx.device, range(2), ctx.min_over_ranks,
+        tp = setup_symm_mem(ctx.tp, settings, ctx.device, range(world), ctx.min_over_ranks,
                             TorchSymmMem())
-        result["enabled"] = tp.symm_mem is not None
+        result["enabled"] = tp.symm_mem is not None and tp.symm_mem.fused
         if tp.symm_mem is not None:
-            result["errors"] = compare(tp, rank)
+            result["errors"] = (compare(tp, rank) if world == 2 else []) + \
+                compare_fused(tp, rank)
         destroy_distributed()
     except Exception:  # the test reads it from the file
         result["errors"].append(traceback.format_exc())
     Path(f"{out}.{rank}").write_text(json.dumps(result))
 
 
-def test_symm_mem_all_reduce_equals_nccl(tmp_path: Path):
-    need_gpus(2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_symm_mem_all_reduce_equals_nccl(tmp_path: Path, world: int):
+    need_gpus(world)
     from kvpilot.engine.parallel.processes import free_port
 
     port, out = free_port(), str(tmp_path / "result")
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=rank_main, args=(r, port, out, world)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(150)
         if p.is_alive():
             p.kill()
-    results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
-    assert [r.get("enabled") for r in results] == [True, True], results
-    assert [r["errors"] for r in results] == [[], []]
+    results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+    assert [r.get("enabled") for r in results] == [True] * world, results
+    assert [r["errors"] for r in results] == [[]] * world
 
 
 def test_tp2_engine_decodes_through_symm_mem_and_matches_tp1(tmp_path: Path):
@@ -131,7 +205,7 @@ def test_tp2_engine_decodes_through_symm_mem_and_matches_tp1(tmp_path: Path):
     try:
         symm = llm.engine.runner.ctx.tp.symm_mem  # type: ignore[attr-defined]
         # on by default, and the decode graphs captured their all-reduces through it
-        assert symm is not None and symm.calls[ONE_SHOT] > 0
+        assert symm is not None and symm.calls[ONE_SHOT] > 0 and symm.calls[FUSED] > 0
         outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
                                                      ignore_eos=True))
         assert llm.get_stats().graph_steps > 0

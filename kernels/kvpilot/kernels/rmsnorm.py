@@ -36,11 +36,18 @@ def _rmsnorm_kernel(
         h = (x + r).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_ro + offs, h, mask=mask)
         x = h.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, normed_row(x, weight_ptr, offs, mask, n_cols, eps,
+                                                         out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def normed_row(x, weight_ptr, offs, mask, n_cols, eps, DTYPE: tl.constexpr):
+    """Gives weight * x / rms(x) in `DTYPE` for one float32 row `x` (zero past `mask`), the
+    normalised row rounded to `DTYPE` before the weight multiplies it, as HF's module does."""
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
-    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = (x * rstd).to(DTYPE).to(tl.float32)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    return (normed * w).to(DTYPE)
 
 
 def rms_norm(

@@ -10,11 +10,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from kvpilot.engine.parallel.groups import TPGroup
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
         # a fused kernel with the signature of kvpilot.kernels.rmsnorm.rms_norm, or None
         self.kernel: Callable | None = None
+        # set under tensor parallelism when x arrives as this rank's partial sum (a
+        # row-parallel projection left its all-reduce to this norm): x is summed over the
+        # group first, in one kernel with the add and the norm where the group can
+        self.sum_over: TPGroup | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Gives norm(x); with `residual`, gives (norm(x + residual), x + residual)."""
+        if self.sum_over is not None:
+            assert residual is not None  # only norms with a residual take a partial sum
+            fused = self.sum_over.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = self.sum_over.all_reduce(x)
         if self.kernel is not None:
             return self.kernel(x, self.weight, self.eps, residual)
         if residual is not None:

@@ -4,7 +4,8 @@ One flat batch of T tokens goes through every layer; attention reads and writes
 the paged KV cache through `model.attn_backend`, which the model runner may swap
 (torch reference on CPU, Triton on GPU). Under tensor parallelism (`tp`) each rank
 holds its heads, its KV heads and its slice of the MLP; the attention and MLP outputs
-are all-reduced, so the hidden states between layers are the same on every rank. Under
+are all-reduced inside the residual norm after them (`RMSNorm.sum_over`), so the residual
+stream is the same on every rank. Under
 pipeline parallelism (`stage`) a rank builds only its stage's layers: the embedding on the
 first stage, the final norm and LM head on the last; `forward_stage` runs them.
 """
@@ -36,6 +37,7 @@ from kvpilot.engine.parallel.layers import (
     linear_layout,
     lm_head,
     row_parallel_linear,
+    sum_in_next_norm,
     vocab_embedding,
 )
 from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
@@ -161,6 +163,16 @@ class DecoderModel(nn.Module):
         # One table for all layers: it is max_model_len x head_dim floats.
         self.rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta,
                                       config.rope_scaling)
+        # each row-parallel projection's all-reduce moves into the residual norm after it:
+        # o_proj's into post_attention_layernorm, a dense down_proj's into the next layer's
+        # input norm or the final norm (one on this stage: the last layer of an earlier
+        # stage sends its activations summed)
+        layers = self.decoder_layers()
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        for layer, next_norm in zip(layers, next_norms, strict=True):
+            sum_in_next_norm(layer.self_attn.o_proj, layer.post_attention_layernorm)
+            if isinstance(layer.mlp, MLP) and next_norm is not None:
+                sum_in_next_norm(layer.mlp.down_proj, next_norm)
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """Gives the layers typed as what they are (iterating nn.ModuleList gives Modules)."""

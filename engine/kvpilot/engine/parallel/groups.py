@@ -68,6 +68,16 @@ class TPGroup:
             dist.all_reduce(x, group=self.process_group())
         return x
 
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                                weight: torch.Tensor, eps: float
+                                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Gives (norm(sum(x) + residual), sum(x) + residual) from one fused kernel over
+        symmetric memory, or None where that kernel does not take `x` (the caller sums with
+        `all_reduce`, then normalises)."""
+        if self.symm_mem is None:
+            return None
+        return self.symm_mem.add_rms_norm(x, residual, weight, eps)
+
     def gather_first(self, x: torch.Tensor) -> torch.Tensor:
         """Gives the ranks' `x` [N, k] side by side, [N, size * k], on rank 0; other ranks
         get their own `x` back (they do not sample)."""

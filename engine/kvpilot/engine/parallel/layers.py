@@ -14,23 +14,35 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvpilot.engine.models.layers import Linear, WeightLayout, WeightSlot, rows_source
+from kvpilot.engine.models.layers import (
+    Linear,
+    RMSNorm,
+    WeightLayout,
+    WeightSlot,
+    rows_source,
+)
 from kvpilot.engine.parallel.groups import TPGroup, shard_slice
 
 
 class RowParallelLinear(Linear):
     """A linear layer holding a slice of the input columns: y = all_reduce(x_r W_r^T) + b.
 
-    The bias is added once, after the sum, so it is not counted `size` times.
+    The bias is added once, after the sum, so it is not counted `size` times. With
+    `reduce_output` off (set by `sum_in_next_norm`) the layer gives its partial sum and the
+    norm after it all-reduces.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__(in_features // tp.size, out_features, bias=bias)
         self.tp = tp
         self.full_in_features = in_features
+        self.reduce_output = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.matmul(input, self.weight))
+        y = self.matmul(input, self.weight)
+        if not self.reduce_output:
+            return y
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def weight_layout(self, prefix: str) -> WeightLayout:
@@ -88,6 +100,15 @@ class ParallelLMHead(VocabShard):
         """Gives logits [N, vocab] on rank 0 (this rank's [N, vocab / size] elsewhere)."""
         logits = self.tp.gather_first(self.matmul(hidden, self.weight))
         return logits[:, :self.vocab_size] if self.tp.is_first else logits
+
+
+def sum_in_next_norm(linear: nn.Module, norm: RMSNorm) -> None:
+    """Leaves the all-reduce of row-parallel `linear` to `norm`, the residual norm its output
+    goes to next (where symmetric memory sums, adds and normalises in one kernel); a layer
+    with a bias, or on one rank, keeps its own."""
+    if isinstance(linear, RowParallelLinear) and linear.bias is None:
+        linear.reduce_output = False
+        norm.sum_over = linear.tp
 
 
 def linear_layout(prefix: str, linear: nn.Linear) -> WeightLayout:

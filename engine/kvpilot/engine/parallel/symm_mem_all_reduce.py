@@ -14,6 +14,12 @@ rank calls every agreement whatever it found, so a refusal never leaves a peer w
 (one exception: a rank whose allocation fails before the rendezvous leaves its peers in
 the rendezvous until the store's timeout, then they fall back too).
 
+The buffer has a second half, read through raw peer addresses by kvpilot's own kernel that
+sums a row-parallel projection's output, adds the residual and normalises in one launch
+(`kvpilot.kernels.all_reduce_rmsnorm`, called from the norm after the projection); it is
+checked at start-up beside the others and agreed on alone: a group whose fused check fails
+keeps the two-launch path (torch's all-reduce, then the norm kernel).
+
 Under CUDA graph capture the ops are captured like any kernel: the buffer's address and
 its peers' are fixed at start-up, and each call's launch reads them from the handle.
 """
@@ -28,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch.nn import functional as F
 
 from kvpilot.engine.parallel.all_reduce_choice import (
     ONE_SHOT,
@@ -50,6 +57,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvpilot.engine")
 CHECK_BYTES = 8192  # the start-up check's one-shot message: one decode token of 4096 bf16
 CHECK_TIMEOUT_S = 60.0  # a check all-reduce still running after this never ends
+FUSED = "fused add-rmsnorm"  # the one-shot all-reduce fused with the norm after it
+CHECK_EPS = 1e-5
+MAX_FUSED_PROGRAMS = 64  # the fused kernel's programs (each meets its peers on its own slots)
 
 
 class SymmMemOps(Protocol):
@@ -61,11 +71,23 @@ class SymmMemOps(Protocol):
     def allocate(self, nbytes: int, device: torch.device, tp: TPGroup) -> torch.Tensor: ...
     def one_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None: ...
     def two_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None: ...
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
     def finished(self, timeout_s: float) -> bool: ...
 
 
 class TorchSymmMem:
-    """torch.distributed._symmetric_memory and torch.ops.symm_mem (CUDA backend, no multicast)."""
+    """torch.distributed._symmetric_memory and torch.ops.symm_mem (CUDA backend, no multicast);
+    one per tensor-parallel group. `allocate` makes the buffer twice the size it gives back:
+    the second half is the fused kernel's, so it never meets torch's ops on the same bytes."""
+
+    def __init__(self) -> None:
+        # the fused kernel's view of the allocation (set by `allocate`): every rank's second
+        # half and signal pad, as int64 device addresses
+        self.fused_buffers: torch.Tensor | None = None
+        self.fused_pads: torch.Tensor | None = None
+        self.rank = 0
+        self.max_programs = 1
 
     def missing(self) -> list[str]:
         return [op for op in OPS if not hasattr(torch.ops.symm_mem, op)]
@@ -84,12 +106,20 @@ class TorchSymmMem:
         # the one- and two-shot kernels read peers' memory directly and need no multicast
         # object; keep the rendezvous from making one (the device rules keep multicast off)
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(buffer, tp.process_group())
+        buffer = symm_mem.empty(2 * nbytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(buffer, tp.process_group())
+        start = buffer.data_ptr() - handle.buffer_ptrs[handle.rank] + nbytes
+        self.fused_buffers = torch.tensor([p + start for p in handle.buffer_ptrs],
+                                          dtype=torch.int64, device=device)
+        self.fused_pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+        self.rank = handle.rank
+        # uint32 slots [program, rank] of the pad
+        self.max_programs = min(MAX_FUSED_PROGRAMS,
+                                handle.signal_pad_size // (4 * handle.world_size))
         # the buffer's and signal pads' initialisation done on this GPU before the agreement
         # after this returns, so no peer's first kernel signals into a pad still being zeroed
         torch.cuda.synchronize(device)
-        return buffer
+        return buffer[:nbytes]
 
     def one_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None:
         # copies x into the buffer, waits for the peers, sums every rank's buffer into x
@@ -98,6 +128,14 @@ class TorchSymmMem:
     def two_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None:
         staged.copy_(x)
         torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", group_name, x)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from kvpilot.kernels.all_reduce_rmsnorm import all_reduce_add_rms_norm
+
+        assert self.fused_buffers is not None and self.fused_pads is not None  # allocated
+        return all_reduce_add_rms_norm(x, residual, weight, eps, self.fused_buffers,
+                                       self.fused_pads, self.rank, self.max_programs)
 
     def finished(self, timeout_s: float) -> bool:
         """Gives whether the work queued on the current stream ends within `timeout_s` (the
@@ -122,8 +160,9 @@ class SymmMemAllReduce:
         self.capacity = buffer.numel()
         self.group_name = group_name
         self.world_size = world_size
+        self.fused = False  # whether the ranks agreed on the fused kernel (setup_symm_mem)
         # calls made from Python (eager steps and graph captures; replays do not count)
-        self.calls = {ONE_SHOT: 0, TWO_SHOT: 0}
+        self.calls = {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0}
 
     def choose(self, x: torch.Tensor) -> str:
         """Gives the algorithm `x` takes: ONE_SHOT, TWO_SHOT, or NCCL (not through here)."""
@@ -138,6 +177,18 @@ class SymmMemAllReduce:
             self.ops.two_shot(staged, x, self.group_name)
         self.calls[algorithm] += 1
         return x
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Gives (norm(sum(x) + residual), sum(x) + residual) from the fused kernel, or None
+        where it does not take `x`: not agreed on, not [T, hidden] rows with a residual of
+        its shape, or a message that one-shot does not take (larger than the buffer, or
+        where the group uses two-shot)."""
+        if not self.fused or x.dim() != 2 or residual.shape != x.shape \
+                or not residual.is_contiguous() or self.choose(x) != ONE_SHOT:
+            return None
+        self.calls[FUSED] += 1
+        return self.ops.add_rms_norm(x, residual, weight, eps)
 
 
 @dataclass(frozen=True)
@@ -190,15 +241,22 @@ def setup_symm_mem(tp: TPGroup, settings: AllReduceSettings, device: torch.devic
     reason = _self_check(comm, tp.rank, settings.dtype)
     if not agree(int(reason is None)):
         return _stay_on_nccl(tp, device, reason, own=True)
+    fused_reason = _fused_check(comm, tp.rank, settings.dtype)
+    comm.fused = bool(agree(int(fused_reason is None)))
+    comm.calls = {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0}
+    if fused_reason is not None and not tp.is_first:
+        logger.warning("all-reduce: rank %d cannot fuse the norm: %s", tp.rank, fused_reason)
     if tp.is_first:
         limit = one_shot_below(tp.size)
         shots = "one-shot" if limit is None or limit > settings.capacity else \
             f"one-shot below {limit} bytes, two-shot from there"
+        fused = "one-shot ones fused with the residual add and RMSNorm after them" \
+            if comm.fused else f"none fused with the norm ({fused_reason or 'another rank'})"
         logger.info("all-reduce: torch symmetric memory (%s) for messages up to %d bytes "
-                    "(a %d-rank group on one host, peer-to-peer, no multicast); NCCL above "
+                    "(a %d-rank group on one host, peer-to-peer, no multicast), %s; NCCL above "
                     "(--custom-all-reduce-max-bytes sets the limit, "
                     "--disable-custom-all-reduce turns it off)", shots, settings.capacity,
-                    tp.size)
+                    tp.size, fused)
     return replace(tp, symm_mem=comm)
 
 
@@ -223,20 +281,53 @@ def _self_check(comm: SymmMemAllReduce, rank: int, dtype: torch.dtype) -> str | 
             comm.all_reduce(x, algorithm)
         except Exception as exc:  # a failing op: NCCL (the caller says)
             return f"the {algorithm} check all-reduce of {nbytes} bytes failed: {exc}"
-        if not comm.ops.finished(CHECK_TIMEOUT_S):  # the GPU spins: no NCCL after that
-            raise RuntimeError(
-                f"the {algorithm} symmetric-memory check all-reduce of {nbytes} bytes did not "
-                f"finish in {CHECK_TIMEOUT_S:.0f} s on tensor-parallel rank {rank} (a peer "
-                "stopped, or cannot reach this GPU's memory): start with "
-                "--disable-custom-all-reduce")
+        _wait_for_check(comm, algorithm, nbytes, rank)
         try:
             right = torch.equal(x, want)
         except Exception as exc:  # an asynchronous error of the op
             return f"the {algorithm} check all-reduce of {nbytes} bytes failed: {exc}"
         if not right:
             return f"the {algorithm} check all-reduce of {nbytes} bytes gave a wrong sum"
-    comm.calls = {ONE_SHOT: 0, TWO_SHOT: 0}
     return None
+
+
+def _fused_check(comm: SymmMemAllReduce, rank: int, dtype: torch.dtype) -> str | None:
+    """Gives why the fused kernel went wrong on this rank's check (None: the exact sum plus
+    the residual, and its norm to the dtype's rounding)."""
+    cols = min(CHECK_BYTES, comm.capacity) // dtype.itemsize // 2
+    device = comm.buffer.device
+    x = check_input(rank, 2 * cols, dtype, device).view(2, cols)
+    residual = check_input(comm.world_size, 2 * cols, dtype, device).view(2, cols)
+    weight = torch.linspace(0.5, 1.5, cols, device=device).to(dtype)
+    want = residual + torch.stack([check_input(r, 2 * cols, dtype, device)
+                                   for r in range(comm.world_size)]).sum(0).view(2, cols)
+    want_out = F.rms_norm(want.float(), (cols,), weight.float(), CHECK_EPS)
+    comm.fused = True  # for the check; setup_symm_mem sets what the ranks agree
+    try:
+        got = comm.add_rms_norm(x, residual, weight, CHECK_EPS)
+    except Exception as exc:  # a failing kernel: the two-launch path (the caller says)
+        return f"the fused check of {x.numel() * dtype.itemsize} bytes failed: {exc}"
+    finally:
+        comm.fused = False
+    assert got is not None  # the check's message takes the one-shot path
+    _wait_for_check(comm, FUSED, x.numel() * dtype.itemsize, rank)
+    try:
+        right = torch.equal(got[1], want) and torch.allclose(got[0].float(), want_out,
+                                                             rtol=1e-2, atol=1e-2)
+    except Exception as exc:  # an asynchronous error of the kernel
+        return f"the fused check failed: {exc}"
+    return None if right else "the fused check gave a wrong sum or norm"
+
+
+def _wait_for_check(comm: SymmMemAllReduce, algorithm: str, nbytes: int, rank: int) -> None:
+    """Stops the start when the check's kernel still spins after CHECK_TIMEOUT_S: nothing,
+    NCCL included, could run behind it on this GPU."""
+    if not comm.ops.finished(CHECK_TIMEOUT_S):
+        raise RuntimeError(
+            f"the {algorithm} symmetric-memory check all-reduce of {nbytes} bytes did not "
+            f"finish in {CHECK_TIMEOUT_S:.0f} s on tensor-parallel rank {rank} (a peer "
+            "stopped, or cannot reach this GPU's memory): start with "
+            "--disable-custom-all-reduce")
 
 
 def _host_reason(tp: TPGroup, device: torch.device, local_ranks: range,

@@ -4,7 +4,8 @@ The LM head, the embeddings, norms, the MoE router and the MoE experts stay in t
 model dtype: the head and embeddings hold little of a model's bytes per decoded token
 next to the layers and are the most sensitive to rounding. Tensor-parallel slices
 carry over: a column-parallel layer's scales are its own rows', a row-parallel
-layer keeps every output row (so all of its scales) and still all-reduces.
+layer keeps every output row (so all of its scales) and still all-reduces (or leaves
+that to the norm after it, as it did before).
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ class QuantLinear(nn.Module):
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.bias = linear.bias
         self.method = method
-        self.tp: TPGroup | None = linear.tp if isinstance(linear, RowParallelLinear) else None
+        # the group it all-reduces over: a row-parallel layer's, unless the norm after it
+        # sums (RowParallelLinear.reduce_output)
+        self.tp: TPGroup | None = linear.tp if isinstance(linear, RowParallelLinear) \
+            and linear.reduce_output else None
         # a merged layer's parts (Attention splits q|k|v by these)
         self.output_sizes: list[int] = getattr(linear, "output_sizes", [out_features])
 

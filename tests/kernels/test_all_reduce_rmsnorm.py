@@ -1,0 +1,93 @@
+"""The fused all-reduce + residual add + RMSNorm kernel, run by real rank processes.
+
+On CPU each rank is a process running the kernel in Triton's interpreter; the ranks' buffers
+and signal pads are files every process maps shared, so a rank's kernel reads its peers'
+memory and spins on their signals as on GPUs (where tests/parallel's GPU tests run it over
+torch symmetric memory). What this does not prove: the GPU memory model (release/acquire at
+system scope over NVLink), which only the GPU tests exercise.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_testing import DEVICE, DTYPES
+
+from kvpilot.kernels.all_reduce_rmsnorm import (
+    all_reduce_add_rms_norm,
+    all_reduce_add_rms_norm_ref,
+)
+from kvpilot.kernels.rmsnorm import rms_norm
+
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the GPU form runs in "
+                                "tests/parallel/test_symm_mem_all_reduce_gpu.py")
+
+HIDDEN, EPS = 48, 1e-6
+ROWS = (1, 5, 3)  # calls in a row, the second with more rows than programs
+MAX_PROGRAMS = 2
+PAD_SLOTS = 64
+
+
+def inputs(rank: int, rows: int, call: int, dtype: torch.dtype
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gives rank `rank`'s partial sum, and the residual and weight every rank shares."""
+    gen = torch.Generator().manual_seed(1000 * call + rows)
+    residual, weight = torch.randn(rows, HIDDEN, generator=gen), torch.randn(HIDDEN, generator=gen)
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rank * 7 + call))
+    return x.to(dtype), residual.to(dtype), weight.to(dtype)
+
+
+def shared(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+
+
+def rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> None:
+    """Maps every rank's buffer and pad, runs the calls of ROWS, saves what it got."""
+    capacity = max(ROWS) * HIDDEN
+    buffers = [shared(root / f"buffer{r}", capacity, dtype) for r in range(world)]
+    pads = [shared(root / f"pad{r}", PAD_SLOTS, torch.int32) for r in range(world)]
+    buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    pad_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
+    got = []
+    for call, rows in enumerate(ROWS):
+        x, residual, weight = inputs(rank, rows, call, dtype)
+        got.append(all_reduce_add_rms_norm(x, residual, weight, EPS, buffer_table, pad_table,
+                                           rank, MAX_PROGRAMS))
+    torch.save(got, root / f"got{rank}.pt")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_get_the_all_reduced_norm_bit_for_bit(tmp_path: Path, world: int,
+                                                    dtype: torch.dtype):
+    capacity = max(ROWS) * HIDDEN
+    for r in range(world):  # the files exist, zeroed, before any rank maps them
+        shared(tmp_path / f"buffer{r}", capacity, dtype).zero_()
+        shared(tmp_path / f"pad{r}", PAD_SLOTS, torch.int32).zero_()
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=rank_main, args=(r, world, dtype, tmp_path), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0, f"a rank process ended with {p.exitcode}"
+    got = [torch.load(tmp_path / f"got{r}.pt") for r in range(world)]
+    for call, rows in enumerate(ROWS):
+        parts = [inputs(r, rows, call, dtype)[0] for r in range(world)]
+        _, residual, weight = inputs(0, rows, call, dtype)
+        want_out, want_residual = all_reduce_add_rms_norm_ref(parts, residual, weight, EPS)
+        # the two-launch path (sum, then the rmsnorm kernel) on the same rank-order sum
+        total = all_reduce_add_rms_norm_ref(parts, torch.zeros_like(residual), weight, EPS)[1]
+        two_launch = rms_norm(total, weight, EPS, residual)
+        for r in range(world):
+            out, residual_out = got[r][call]
+            assert torch.equal(residual_out, want_residual), (r, call)
+            assert torch.equal(residual_out, two_launch[1])
+            assert torch.equal(out, two_launch[0]), (r, call)
+            torch.testing.assert_close(out, want_out)
+    for r in range(world):  # every signal consumed: the pads are zeros again
+        assert not shared(tmp_path / f"pad{r}", PAD_SLOTS, torch.int32).any()
