@@ -26,8 +26,8 @@ pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the GPU form runs in "
                                 "tests/parallel/test_symm_mem_all_reduce_gpu.py")
 
 HIDDEN, EPS = 48, 1e-6
-ROWS = (1, 5, 3)  # calls in a row, the second with more rows than programs
-MAX_PROGRAMS = 2
+ROWS = (1, 5, 3, 4, 1, 2)  # calls in a row, some with more rows than programs
+PROGRAMS = 2
 PAD_SLOTS = 64
 
 
@@ -46,26 +46,26 @@ def shared(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> None:
     """Maps every rank's buffer and pad, runs the calls of ROWS, saves what it got."""
-    capacity = max(ROWS) * HIDDEN
-    buffers = [shared(root / f"buffer{r}", capacity, dtype) for r in range(world)]
+    half = max(ROWS) * HIDDEN
+    buffers = [shared(root / f"buffer{r}", 2 * half, dtype) for r in range(world)]
     pads = [shared(root / f"pad{r}", PAD_SLOTS, torch.int32) for r in range(world)]
     buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     pad_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
+    epochs = torch.zeros(PROGRAMS, dtype=torch.int32)
     got = []
     for call, rows in enumerate(ROWS):
         x, residual, weight = inputs(rank, rows, call, dtype)
-        got.append(all_reduce_add_rms_norm(x, residual, weight, EPS, buffer_table, pad_table,
-                                           rank, MAX_PROGRAMS))
-    torch.save(got, root / f"got{rank}.pt")
+        got.append(all_reduce_add_rms_norm(x, residual, weight, EPS, buffer_table,
+                                           half * dtype.itemsize, pad_table, epochs, rank))
+    torch.save((got, epochs), root / f"got{rank}.pt")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_get_the_all_reduced_norm_bit_for_bit(tmp_path: Path, world: int,
                                                     dtype: torch.dtype):
-    capacity = max(ROWS) * HIDDEN
     for r in range(world):  # the files exist, zeroed, before any rank maps them
-        shared(tmp_path / f"buffer{r}", capacity, dtype).zero_()
+        shared(tmp_path / f"buffer{r}", 2 * max(ROWS) * HIDDEN, dtype).zero_()
         shared(tmp_path / f"pad{r}", PAD_SLOTS, torch.int32).zero_()
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=rank_main, args=(r, world, dtype, tmp_path), daemon=True)
@@ -75,7 +75,8 @@ def test_ranks_get_the_all_reduced_norm_bit_for_bit(tmp_path: Path, world: int,
     for p in procs:
         p.join(timeout=300)
         assert p.exitcode == 0, f"a rank process ended with {p.exitcode}"
-    got = [torch.load(tmp_path / f"got{r}.pt") for r in range(world)]
+    saved = [torch.load(tmp_path / f"got{r}.pt") for r in range(world)]
+    got = [outputs for outputs, _ in saved]
     for call, rows in enumerate(ROWS):
         parts = [inputs(r, rows, call, dtype)[0] for r in range(world)]
         _, residual, weight = inputs(0, rows, call, dtype)
@@ -89,5 +90,12 @@ def test_ranks_get_the_all_reduced_norm_bit_for_bit(tmp_path: Path, world: int,
             assert torch.equal(residual_out, two_launch[1])
             assert torch.equal(out, two_launch[0]), (r, call)
             torch.testing.assert_close(out, want_out)
-    for r in range(world):  # every signal consumed: the pads are zeros again
-        assert not shared(tmp_path / f"pad{r}", PAD_SLOTS, torch.int32).any()
+    # each program counted its calls, and its last signal to each peer is that count
+    want_epochs = torch.tensor([sum(rows > p for rows in ROWS) for p in range(PROGRAMS)],
+                               dtype=torch.int32)
+    for r in range(world):
+        assert torch.equal(saved[r][1], want_epochs)
+        pad = shared(tmp_path / f"pad{r}", PAD_SLOTS, torch.int32).view(-1, world)
+        for peer in range(world):
+            want = want_epochs if peer != r else torch.zeros(PROGRAMS, dtype=torch.int32)
+            assert torch.equal(pad[:PROGRAMS, peer], want)

@@ -4,21 +4,24 @@ Under tensor parallelism a decoder layer's attention and MLP each end in a row-p
 projection whose partial output the ranks sum (an all-reduce); the next norm then adds the
 residual stream and normalises. At decode sizes that is two launches, and the all-reduce's is
 the long one. Here one kernel does both, on a group whose GPUs read each other's memory
-(torch symmetric memory gives every rank the addresses of its peers' buffers and signal pads):
+(torch symmetric memory gives every rank the addresses of its peers' buffers):
 
 1. each program copies its rows of this rank's partial sum into this rank's buffer;
-2. it meets the same program on every peer (a barrier over the signal pads);
+2. it signals the same program on every peer and waits for theirs (one barrier);
 3. it sums each row over the ranks' buffers in rank order, in float32, rounded to the
    dtype as an all-reduce gives it, so every rank holds the same bits;
 4. adds the residual and normalises, with the rounding of `kvpilot.kernels.rmsnorm`
-   (`normed_row`): at two ranks the result equals all-reduce + `rms_norm` bit for bit;
-5. meets its peers again, so no rank writes its buffer for the next call while a peer
-   still reads this one.
+   (`normed_row`): at two ranks the result equals all-reduce + `rms_norm` bit for bit.
 
-The signal pads hold uint32 slots `[program, rank]` and follow the protocol of torch's own
-symmetric-memory kernels: a sender flips its slot on the peer 0 -> 1 (release, system
-scope), the receiver flips it back 1 -> 0 (acquire). So a pad is all zeros between calls, a
-CUDA graph replays the kernel as captured, and torch's ops can share the pad.
+One barrier per call, not two: each program counts its calls (`epochs`, this rank's own
+memory) and signals that count, so signals never need resetting; the buffer has two halves
+and a program writes the half of its call's parity, so a peer still reading the previous
+call's rows reads the other half. Why that is safe: row i is always program i % programs'
+(the grid is min(rows, programs)), so the program that writes row i in a call also wrote it
+in the last call that had row i, one count earlier (the other half); and a rank that starts
+a call has passed the last call's barrier, so every peer has finished the call before that.
+The signal slots `pads[rank][program * world + peer]` are int32 counts compared by signed
+difference, so they may wrap.
 """
 
 from __future__ import annotations
@@ -32,29 +35,28 @@ from kvpilot.kernels.rmsnorm import normed_row, rms_norm_ref
 
 
 @jit
-def _meet_peers(pads, program, RANK: tl.constexpr, WORLD: tl.constexpr,
-                SEND: tl.constexpr, WAIT: tl.constexpr):
-    """Signals program `program` of every peer, then waits for each peer's signal; a scalar
-    atomic runs once per program, so each slot flips once. SEND orders this program's
-    writes before the signal (release), WAIT its reads after the peers' (acquire)."""
+def _meet_peers(pads, program, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Signals `epoch` to program `program` of every peer (release: after this program's
+    stores), then waits until each peer has signalled it (acquire: before its loads). A
+    scalar atomic runs once per program."""
     tl.debug_barrier()  # every thread's stores before the release
     for peer in range(WORLD):
         if peer != RANK:
-            slot = tl.load(pads + peer).to(tl.pointer_type(tl.int32)) + program * WORLD + RANK
-            while tl.atomic_cas(slot, 0, 1, sem=SEND, scope="sys") != 0:
-                pass
+            pad = tl.load(pads + peer).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(pad + program * WORLD + RANK, epoch, sem="release", scope="sys")
     own = tl.load(pads + RANK).to(tl.pointer_type(tl.int32)) + program * WORLD
     for peer in range(WORLD):
         if peer != RANK:
-            while tl.atomic_cas(own + peer, 1, 0, sem=WAIT, scope="sys") != 1:
+            # a peer may already be one call ahead: wait for at least `epoch`
+            while tl.atomic_add(own + peer, 0, sem="acquire", scope="sys") - epoch < 0:
                 pass
     tl.debug_barrier()  # no thread reads before the acquire
 
 
 @jit
 def _all_reduce_add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, buffers, pads,
-    n_rows, n_cols, eps,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, buffers, pads, epochs,
+    n_rows, n_cols, half_numel, eps,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     program = tl.program_id(0)
@@ -62,15 +64,17 @@ def _all_reduce_add_rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     dtype = out_ptr.dtype.element_ty
-    own = tl.load(buffers + RANK).to(tl.pointer_type(dtype))
+    epoch = tl.load(epochs + program) + 1
+    half = (epoch % 2).to(tl.int64) * half_numel
+    own = tl.load(buffers + RANK).to(tl.pointer_type(dtype)) + half
     for row in range(program, n_rows, step):
         x = tl.load(x_ptr + row * n_cols + offs, mask=mask)
         tl.store(own + row * n_cols + offs, x, mask=mask)
-    _meet_peers(pads, program, RANK, WORLD, "release", "acquire")
+    _meet_peers(pads, program, epoch, RANK, WORLD)
     for row in range(program, n_rows, step):
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for rank in range(WORLD):
-            part = tl.load(buffers + rank).to(tl.pointer_type(dtype))
+            part = tl.load(buffers + rank).to(tl.pointer_type(dtype)) + half
             total += tl.load(part + row * n_cols + offs, mask=mask, other=0.0,
                              volatile=True).to(tl.float32)
         r = tl.load(residual_ptr + row * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
@@ -80,8 +84,7 @@ def _all_reduce_add_rms_norm_kernel(
         tl.store(out_ptr + row * n_cols + offs,
                  normed_row(h.to(tl.float32), weight_ptr, offs, mask, n_cols, eps, dtype),
                  mask=mask)
-    # the peers have read this rank's rows before any rank writes its buffer again
-    _meet_peers(pads, program, RANK, WORLD, "release", "relaxed")
+    tl.store(epochs + program, epoch)
 
 
 def all_reduce_add_rms_norm(
@@ -89,19 +92,21 @@ def all_reduce_add_rms_norm(
     residual: torch.Tensor,  # [T, hidden], contiguous
     weight: torch.Tensor,  # [hidden]
     eps: float,
-    buffers: torch.Tensor,  # int64 [world]: each rank's buffer address, >= T * hidden elements
-    pads: torch.Tensor,  # int64 [world]: each rank's signal pad address, all zeros
+    buffers: torch.Tensor,  # int64 [world]: each rank's buffer address: two halves
+    half_bytes: int,  # of each half: at least T * hidden elements
+    pads: torch.Tensor,  # int64 [world]: each rank's signal slots, [programs * world] int32
+    epochs: torch.Tensor,  # int32 [programs], this rank's: calls per program so far
     rank: int,
-    max_programs: int,  # at most the pad's slots / world
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gives (norm(sum_ranks(x) + residual), sum_ranks(x) + residual); every rank of the group
-    calls it with the same shapes, in the same order."""
+    calls it with the same shapes, in the same order. The slots and counts start at zero."""
     n_rows, n_cols = x.shape
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x)
     if n_rows:
-        _all_reduce_add_rms_norm_kernel[(min(n_rows, max_programs),)](
-            x, residual, weight, out, residual_out, buffers, pads, n_rows, n_cols, eps,
+        _all_reduce_add_rms_norm_kernel[(min(n_rows, epochs.numel()),)](
+            x, residual, weight, out, residual_out, buffers, pads, epochs, n_rows, n_cols,
+            half_bytes // x.element_size(), eps,
             RANK=rank, WORLD=buffers.numel(), BLOCK=triton.next_power_of_2(n_cols),
             num_warps=4 if n_cols <= 2048 else 8,
         )

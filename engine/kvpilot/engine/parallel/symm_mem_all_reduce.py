@@ -14,11 +14,13 @@ rank calls every agreement whatever it found, so a refusal never leaves a peer w
 (one exception: a rank whose allocation fails before the rendezvous leaves its peers in
 the rendezvous until the store's timeout, then they fall back too).
 
-The buffer has a second half, read through raw peer addresses by kvpilot's own kernel that
-sums a row-parallel projection's output, adds the residual and normalises in one launch
-(`kvpilot.kernels.all_reduce_rmsnorm`, called from the norm after the projection); it is
-checked at start-up beside the others and agreed on alone: a group whose fused check fails
-keeps the two-launch path (torch's all-reduce, then the norm kernel).
+The allocation holds more than torch's buffer: two more buffers of its size and a block of
+signal slots, read through raw peer addresses by kvpilot's own kernel that sums a
+row-parallel projection's output, adds the residual and normalises in one launch
+(`kvpilot.kernels.all_reduce_rmsnorm`, called from the norm after the projection), so it
+never meets torch's ops on the same bytes or signals. It is checked at start-up beside the
+others and agreed on alone: a group whose fused check fails keeps the two-launch path
+(torch's all-reduce, then the norm kernel).
 
 Under CUDA graph capture the ops are captured like any kernel: the buffer's address and
 its peers' are fixed at start-up, and each call's launch reads them from the handle.
@@ -59,7 +61,7 @@ CHECK_BYTES = 8192  # the start-up check's one-shot message: one decode token of
 CHECK_TIMEOUT_S = 60.0  # a check all-reduce still running after this never ends
 FUSED = "fused add-rmsnorm"  # the one-shot all-reduce fused with the norm after it
 CHECK_EPS = 1e-5
-MAX_FUSED_PROGRAMS = 64  # the fused kernel's programs (each meets its peers on its own slots)
+FUSED_PROGRAMS = 64  # the fused kernel's most programs (each meets its peers on its own slots)
 
 
 class SymmMemOps(Protocol):
@@ -78,16 +80,17 @@ class SymmMemOps(Protocol):
 
 class TorchSymmMem:
     """torch.distributed._symmetric_memory and torch.ops.symm_mem (CUDA backend, no multicast);
-    one per tensor-parallel group. `allocate` makes the buffer twice the size it gives back:
-    the second half is the fused kernel's, so it never meets torch's ops on the same bytes."""
+    one per tensor-parallel group. `allocate` gives torch's buffer and keeps the rest of the
+    allocation for the fused kernel: [torch's | fused half 0 | fused half 1 | fused slots]."""
 
     def __init__(self) -> None:
-        # the fused kernel's view of the allocation (set by `allocate`): every rank's second
-        # half and signal pad, as int64 device addresses
+        # the fused kernel's view of the allocation (set by `allocate`): every rank's two
+        # halves and slots as int64 device addresses, and this rank's call counts
         self.fused_buffers: torch.Tensor | None = None
         self.fused_pads: torch.Tensor | None = None
+        self.epochs: torch.Tensor | None = None
+        self.half_bytes = 0
         self.rank = 0
-        self.max_programs = 1
 
     def missing(self) -> list[str]:
         return [op for op in OPS if not hasattr(torch.ops.symm_mem, op)]
@@ -106,18 +109,19 @@ class TorchSymmMem:
         # the one- and two-shot kernels read peers' memory directly and need no multicast
         # object; keep the rendezvous from making one (the device rules keep multicast off)
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-        buffer = symm_mem.empty(2 * nbytes, dtype=torch.uint8, device=device)
+        slots = FUSED_PROGRAMS * tp.size * 4  # int32 [programs, world]
+        buffer = symm_mem.empty(3 * nbytes + slots, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(buffer, tp.process_group())
-        start = buffer.data_ptr() - handle.buffer_ptrs[handle.rank] + nbytes
-        self.fused_buffers = torch.tensor([p + start for p in handle.buffer_ptrs],
+        buffer[3 * nbytes:].zero_()
+        offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]  # the same on every rank
+        self.fused_buffers = torch.tensor([p + offset + nbytes for p in handle.buffer_ptrs],
                                           dtype=torch.int64, device=device)
-        self.fused_pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
-        self.rank = handle.rank
-        # uint32 slots [program, rank] of the pad
-        self.max_programs = min(MAX_FUSED_PROGRAMS,
-                                handle.signal_pad_size // (4 * handle.world_size))
+        self.fused_pads = torch.tensor([p + offset + 3 * nbytes for p in handle.buffer_ptrs],
+                                       dtype=torch.int64, device=device)
+        self.epochs = torch.zeros(FUSED_PROGRAMS, dtype=torch.int32, device=device)
+        self.half_bytes, self.rank = nbytes, handle.rank
         # the buffer's and signal pads' initialisation done on this GPU before the agreement
-        # after this returns, so no peer's first kernel signals into a pad still being zeroed
+        # after this returns, so no peer's first kernel signals into slots still being zeroed
         torch.cuda.synchronize(device)
         return buffer[:nbytes]
 
@@ -133,9 +137,10 @@ class TorchSymmMem:
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         from kvpilot.kernels.all_reduce_rmsnorm import all_reduce_add_rms_norm
 
-        assert self.fused_buffers is not None and self.fused_pads is not None  # allocated
+        assert self.fused_buffers is not None and self.fused_pads is not None \
+            and self.epochs is not None  # allocated
         return all_reduce_add_rms_norm(x, residual, weight, eps, self.fused_buffers,
-                                       self.fused_pads, self.rank, self.max_programs)
+                                       self.half_bytes, self.fused_pads, self.epochs, self.rank)
 
     def finished(self, timeout_s: float) -> bool:
         """Gives whether the work queued on the current stream ends within `timeout_s` (the
