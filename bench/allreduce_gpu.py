@@ -86,6 +86,7 @@ def latency_rank(rank: int, world: int, port: int, device_type: str, sizes: list
                  out: str) -> None:
     """One rank of part 1 (rank 0 writes `out`)."""
     from kvpilot.engine.contracts.rendezvous import Rendezvous
+    from kvpilot.engine.parallel import symm_mem_all_reduce
     from kvpilot.engine.parallel.all_reduce_choice import ONE_SHOT, TWO_SHOT
     from kvpilot.engine.parallel.config import ParallelConfig
     from kvpilot.engine.parallel.distributed import destroy_distributed, init_distributed
@@ -96,6 +97,9 @@ def latency_rank(rank: int, world: int, port: int, device_type: str, sizes: list
     )
 
     logging.basicConfig(level=logging.INFO, format=f"rank {rank} %(name)s: %(message)s")
+    # fused slots for the largest message: the kernel is timed at every size, also above
+    # the engine's FUSED_MAX_BYTES (which these timings set)
+    symm_mem_all_reduce.FUSED_MAX_BYTES = max(sizes)
     ctx = init_distributed(ParallelConfig(world), Rendezvous.local(world, port), rank,
                            device_type, num_layers=1)
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32

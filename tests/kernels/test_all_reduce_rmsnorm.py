@@ -46,8 +46,8 @@ def shared(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> None:
     """Maps every rank's buffer and pad, runs the calls of ROWS, saves what it got."""
-    half = max(ROWS) * HIDDEN
-    buffers = [shared(root / f"buffer{r}", 2 * half, dtype) for r in range(world)]
+    slot = max(ROWS) * HIDDEN
+    buffers = [shared(root / f"buffer{r}", 2 * world * slot, dtype) for r in range(world)]
     pads = [shared(root / f"pad{r}", PAD_SLOTS, torch.int32) for r in range(world)]
     buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     pad_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
@@ -56,7 +56,7 @@ def rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> None:
     for call, rows in enumerate(ROWS):
         x, residual, weight = inputs(rank, rows, call, dtype)
         got.append(all_reduce_add_rms_norm(x, residual, weight, EPS, buffer_table,
-                                           half * dtype.itemsize, pad_table, epochs, rank))
+                                           slot * dtype.itemsize, pad_table, epochs, rank))
     torch.save((got, epochs), root / f"got{rank}.pt")
 
 
@@ -65,7 +65,7 @@ def rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> None:
 def test_ranks_get_the_all_reduced_norm_bit_for_bit(tmp_path: Path, world: int,
                                                     dtype: torch.dtype):
     for r in range(world):  # the files exist, zeroed, before any rank maps them
-        shared(tmp_path / f"buffer{r}", 2 * max(ROWS) * HIDDEN, dtype).zero_()
+        shared(tmp_path / f"buffer{r}", 2 * world * max(ROWS) * HIDDEN, dtype).zero_()
         shared(tmp_path / f"pad{r}", PAD_SLOTS, torch.int32).zero_()
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=rank_main, args=(r, world, dtype, tmp_path), daemon=True)

@@ -29,6 +29,7 @@ from kvpilot.engine.parallel.all_reduce_choice import (
 from kvpilot.engine.parallel.groups import TPGroup
 from kvpilot.engine.parallel.symm_mem_all_reduce import (
     FUSED,
+    FUSED_MAX_BYTES,
     AllReduceSettings,
     SymmMemAllReduce,
     check_input,
@@ -298,7 +299,7 @@ def test_tp_group_sends_small_tensors_through_symmetric_memory(monkeypatch):
     assert over_nccl == [big, half]
 
 
-def test_tp_group_fuses_the_norm_where_one_shot_takes_the_message():
+def test_tp_group_fuses_the_norm_for_messages_up_to_the_fused_limit():
     ops = FakeOps(world=4)
     comm = SymmMemAllReduce(ops, torch.zeros(1024 * KIB, dtype=torch.uint8), "tp", 4)
     tp = TPGroup(0, 4, group=GROUP, symm_mem=comm)  # type: ignore[arg-type]
@@ -310,10 +311,15 @@ def test_tp_group_fuses_the_norm_where_one_shot_takes_the_message():
     peers = sum(check_input(r, small.numel(), FP32, small.device) for r in (1, 2, 3))
     assert torch.equal(residual, 1 + peers.view(small.shape))  # type: ignore[union-attr]
     torch.testing.assert_close(out, F.rms_norm(residual, (4096,), weight, 1e-6))
-    two_shot = torch.zeros(32, 4096, dtype=FP32)  # 512 KiB: two-shot at 4 ranks
-    assert tp.all_reduce_add_rms_norm(two_shot, two_shot, weight, 1e-6) is None
+    assert comm.fused_limit == FUSED_MAX_BYTES == 64 * KIB
+    limit = torch.zeros(4, 4096, dtype=FP32)  # 64 KiB: still fused
+    assert tp.all_reduce_add_rms_norm(limit, limit, weight, 1e-6) is not None
+    above = torch.zeros(5, 4096, dtype=FP32)  # 80 KiB: the norm's caller all-reduces
+    assert tp.all_reduce_add_rms_norm(above, above, weight, 1e-6) is None
+    half = torch.zeros(2, 4096, dtype=torch.float16)  # a dtype the group does not sum
+    assert tp.all_reduce_add_rms_norm(half, half, weight, 1e-6) is None
     assert tp.all_reduce_add_rms_norm(small, small[:1], weight, 1e-6) is None  # shapes differ
-    assert ops.ran == [FUSED] and comm.calls[FUSED] == 1
+    assert ops.ran == [FUSED, FUSED] and comm.calls[FUSED] == 2
     assert TPGroup(0, 4, group=GROUP).all_reduce_add_rms_norm(  # type: ignore[arg-type]
         small, small, weight, 1e-6) is None  # no symmetric memory
 

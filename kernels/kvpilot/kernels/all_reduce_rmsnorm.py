@@ -6,20 +6,22 @@ residual stream and normalises. At decode sizes that is two launches, and the al
 the long one. Here one kernel does both, on a group whose GPUs read each other's memory
 (torch symmetric memory gives every rank the addresses of its peers' buffers):
 
-1. each program copies its rows of this rank's partial sum into this rank's buffer;
+1. each program writes its rows of this rank's partial sum into this rank's slot of every
+   rank's buffer (peer memory over NVLink: stores go out without waiting for an answer);
 2. it signals the same program on every peer and waits for theirs (one barrier);
-3. it sums each row over the ranks' buffers in rank order, in float32, rounded to the
+3. it sums each row over its own buffer's slots in rank order, in float32, rounded to the
    dtype as an all-reduce gives it, so every rank holds the same bits;
 4. adds the residual and normalises, with the rounding of `kvpilot.kernels.rmsnorm`
    (`normed_row`): at two ranks the result equals all-reduce + `rms_norm` bit for bit.
 
 One barrier per call, not two: each program counts its calls (`epochs`, this rank's own
-memory) and signals that count, so signals never need resetting; the buffer has two halves
-and a program writes the half of its call's parity, so a peer still reading the previous
-call's rows reads the other half. Why that is safe: row i is always program i % programs'
-(the grid is min(rows, programs)), so the program that writes row i in a call also wrote it
-in the last call that had row i, one count earlier (the other half); and a rank that starts
-a call has passed the last call's barrier, so every peer has finished the call before that.
+memory) and signals that count, so signals never need resetting; each buffer has two halves
+of `world` slots and a program writes the half of its call's parity, so a peer still reading
+the previous call's rows reads the other half. Why that is safe: row i is always program
+i % programs' (the grid is min(rows, programs)), so the program that writes row i in a call
+also wrote it in the last call that had row i, one count earlier (the other half); and a
+program that starts a call has passed the last call's barrier with the same program of
+every peer, which had read that call's rows before it signalled.
 The signal slots `pads[rank][program * world + peer]` are int32 counts compared by signed
 difference, so they may wrap.
 """
@@ -56,7 +58,7 @@ def _meet_peers(pads, program, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
 @jit
 def _all_reduce_add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, buffers, pads, epochs,
-    n_rows, n_cols, half_numel, eps,
+    n_rows, n_cols, slot_numel, eps,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     program = tl.program_id(0)
@@ -65,18 +67,19 @@ def _all_reduce_add_rms_norm_kernel(
     mask = offs < n_cols
     dtype = out_ptr.dtype.element_ty
     epoch = tl.load(epochs + program) + 1
-    half = (epoch % 2).to(tl.int64) * half_numel
-    own = tl.load(buffers + RANK).to(tl.pointer_type(dtype)) + half
+    half = (epoch % 2).to(tl.int64) * WORLD * slot_numel
     for row in range(program, n_rows, step):
         x = tl.load(x_ptr + row * n_cols + offs, mask=mask)
-        tl.store(own + row * n_cols + offs, x, mask=mask)
+        for rank in range(WORLD):  # this rank's slot in every rank's buffer
+            slot = tl.load(buffers + rank).to(tl.pointer_type(dtype)) + half + RANK * slot_numel
+            tl.store(slot + row * n_cols + offs, x, mask=mask)
     _meet_peers(pads, program, epoch, RANK, WORLD)
+    own = tl.load(buffers + RANK).to(tl.pointer_type(dtype)) + half
     for row in range(program, n_rows, step):
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for rank in range(WORLD):
-            part = tl.load(buffers + rank).to(tl.pointer_type(dtype)) + half
-            total += tl.load(part + row * n_cols + offs, mask=mask, other=0.0,
-                             volatile=True).to(tl.float32)
+            total += tl.load(own + rank * slot_numel + row * n_cols + offs, mask=mask,
+                             other=0.0, volatile=True).to(tl.float32)
         r = tl.load(residual_ptr + row * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
         # the sum rounded as the all-reduce gives it, then the residual stream's add
         h = (total.to(dtype).to(tl.float32) + r).to(dtype)
@@ -92,8 +95,8 @@ def all_reduce_add_rms_norm(
     residual: torch.Tensor,  # [T, hidden], contiguous
     weight: torch.Tensor,  # [hidden]
     eps: float,
-    buffers: torch.Tensor,  # int64 [world]: each rank's buffer address: two halves
-    half_bytes: int,  # of each half: at least T * hidden elements
+    buffers: torch.Tensor,  # int64 [world]: each rank's buffer: 2 x world slots
+    slot_bytes: int,  # of each slot: at least T * hidden elements
     pads: torch.Tensor,  # int64 [world]: each rank's signal slots, [programs * world] int32
     epochs: torch.Tensor,  # int32 [programs], this rank's: calls per program so far
     rank: int,
@@ -106,7 +109,7 @@ def all_reduce_add_rms_norm(
     if n_rows:
         _all_reduce_add_rms_norm_kernel[(min(n_rows, epochs.numel()),)](
             x, residual, weight, out, residual_out, buffers, pads, epochs, n_rows, n_cols,
-            half_bytes // x.element_size(), eps,
+            slot_bytes // x.element_size(), eps,
             RANK=rank, WORLD=buffers.numel(), BLOCK=triton.next_power_of_2(n_cols),
             num_warps=4 if n_cols <= 2048 else 8,
         )

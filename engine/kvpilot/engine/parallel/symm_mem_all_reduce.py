@@ -14,8 +14,8 @@ rank calls every agreement whatever it found, so a refusal never leaves a peer w
 (one exception: a rank whose allocation fails before the rendezvous leaves its peers in
 the rendezvous until the store's timeout, then they fall back too).
 
-The allocation holds more than torch's buffer: two more buffers of its size and a block of
-signal slots, read through raw peer addresses by kvpilot's own kernel that sums a
+The allocation holds more than torch's buffer: 2 x world slots of up to FUSED_MAX_BYTES and a
+block of signal slots, written through raw peer addresses by kvpilot's own kernel that sums a
 row-parallel projection's output, adds the residual and normalises in one launch
 (`kvpilot.kernels.all_reduce_rmsnorm`, called from the norm after the projection), so it
 never meets torch's ops on the same bytes or signals. It is checked at start-up beside the
@@ -39,6 +39,7 @@ import torch
 from torch.nn import functional as F
 
 from kvpilot.engine.parallel.all_reduce_choice import (
+    NCCL,
     ONE_SHOT,
     OPS,
     TWO_SHOT,
@@ -62,6 +63,10 @@ CHECK_TIMEOUT_S = 60.0  # a check all-reduce still running after this never ends
 FUSED = "fused add-rmsnorm"  # the one-shot all-reduce fused with the norm after it
 CHECK_EPS = 1e-5
 FUSED_PROGRAMS = 64  # the fused kernel's most programs (each meets its peers on its own slots)
+# the largest message the fused kernel takes: decode batches (4096-wide bf16 rows: 8 of them);
+# above it NCCL (or torch's kernels) and the norm kernel were as fast on H100s, in a CUDA
+# graph (bench/results/allreduce-4xH100-2026-11-27/)
+FUSED_MAX_BYTES = 64 * 1024
 
 
 class SymmMemOps(Protocol):
@@ -81,15 +86,15 @@ class SymmMemOps(Protocol):
 class TorchSymmMem:
     """torch.distributed._symmetric_memory and torch.ops.symm_mem (CUDA backend, no multicast);
     one per tensor-parallel group. `allocate` gives torch's buffer and keeps the rest of the
-    allocation for the fused kernel: [torch's | fused half 0 | fused half 1 | fused slots]."""
+    allocation for the fused kernel: [torch's | 2 x world fused slots | signal slots]."""
 
     def __init__(self) -> None:
-        # the fused kernel's view of the allocation (set by `allocate`): every rank's two
-        # halves and slots as int64 device addresses, and this rank's call counts
+        # the fused kernel's view of the allocation (set by `allocate`): every rank's fused
+        # slots and signal slots as int64 device addresses, and this rank's call counts
         self.fused_buffers: torch.Tensor | None = None
         self.fused_pads: torch.Tensor | None = None
         self.epochs: torch.Tensor | None = None
-        self.half_bytes = 0
+        self.slot_bytes = 0
         self.rank = 0
 
     def missing(self) -> list[str]:
@@ -109,17 +114,19 @@ class TorchSymmMem:
         # the one- and two-shot kernels read peers' memory directly and need no multicast
         # object; keep the rendezvous from making one (the device rules keep multicast off)
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-        slots = FUSED_PROGRAMS * tp.size * 4  # int32 [programs, world]
-        buffer = symm_mem.empty(3 * nbytes + slots, dtype=torch.uint8, device=device)
+        self.slot_bytes = fused_bytes(nbytes)
+        pads = nbytes + 2 * tp.size * self.slot_bytes  # then int32 [programs, world]
+        buffer = symm_mem.empty(pads + FUSED_PROGRAMS * tp.size * 4, dtype=torch.uint8,
+                                device=device)
         handle = symm_mem.rendezvous(buffer, tp.process_group())
-        buffer[3 * nbytes:].zero_()
+        buffer[pads:].zero_()
         offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]  # the same on every rank
         self.fused_buffers = torch.tensor([p + offset + nbytes for p in handle.buffer_ptrs],
                                           dtype=torch.int64, device=device)
-        self.fused_pads = torch.tensor([p + offset + 3 * nbytes for p in handle.buffer_ptrs],
+        self.fused_pads = torch.tensor([p + offset + pads for p in handle.buffer_ptrs],
                                        dtype=torch.int64, device=device)
         self.epochs = torch.zeros(FUSED_PROGRAMS, dtype=torch.int32, device=device)
-        self.half_bytes, self.rank = nbytes, handle.rank
+        self.rank = handle.rank
         # the buffer's and signal pads' initialisation done on this GPU before the agreement
         # after this returns, so no peer's first kernel signals into slots still being zeroed
         torch.cuda.synchronize(device)
@@ -140,7 +147,7 @@ class TorchSymmMem:
         assert self.fused_buffers is not None and self.fused_pads is not None \
             and self.epochs is not None  # allocated
         return all_reduce_add_rms_norm(x, residual, weight, eps, self.fused_buffers,
-                                       self.half_bytes, self.fused_pads, self.epochs, self.rank)
+                                       self.slot_bytes, self.fused_pads, self.epochs, self.rank)
 
     def finished(self, timeout_s: float) -> bool:
         """Gives whether the work queued on the current stream ends within `timeout_s` (the
@@ -166,6 +173,7 @@ class SymmMemAllReduce:
         self.group_name = group_name
         self.world_size = world_size
         self.fused = False  # whether the ranks agreed on the fused kernel (setup_symm_mem)
+        self.fused_limit = fused_bytes(self.capacity)  # the largest message it takes
         # calls made from Python (eager steps and graph captures; replays do not count)
         self.calls = {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0}
 
@@ -186,11 +194,11 @@ class SymmMemAllReduce:
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Gives (norm(sum(x) + residual), sum(x) + residual) from the fused kernel, or None
-        where it does not take `x`: not agreed on, not [T, hidden] rows with a residual of
-        its shape, or a message that one-shot does not take (larger than the buffer, or
-        where the group uses two-shot)."""
+        where it does not take `x`: not agreed on, not contiguous [T, hidden] rows of a dtype
+        the group sums with a residual of their shape, or more than `fused_limit` bytes."""
         if not self.fused or x.dim() != 2 or residual.shape != x.shape \
-                or not residual.is_contiguous() or self.choose(x) != ONE_SHOT:
+                or not residual.is_contiguous() or self.choose(x) == NCCL \
+                or x.numel() * x.element_size() > self.fused_limit:
             return None
         self.calls[FUSED] += 1
         return self.ops.add_rms_norm(x, residual, weight, eps)
@@ -263,6 +271,11 @@ def setup_symm_mem(tp: TPGroup, settings: AllReduceSettings, device: torch.devic
                     "--disable-custom-all-reduce turns it off)", shots, settings.capacity,
                     tp.size, fused)
     return replace(tp, symm_mem=comm)
+
+
+def fused_bytes(capacity: int) -> int:
+    """Gives the fused kernel's slot size for a buffer of `capacity` bytes."""
+    return min(capacity, FUSED_MAX_BYTES)
 
 
 def check_input(rank: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
