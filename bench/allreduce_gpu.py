@@ -1,7 +1,7 @@
 """Issue 16: the TP all-reduce over torch symmetric memory against NCCL's, on 2 GPUs, and
 what it does to tensor-parallel decode.
 
-1. Latency of one all-reduce of a bf16 message of 8 KiB to 4 MiB over 2 ranks: NCCL, and
+1. Latency of one all-reduce of a bf16 message of 8 KiB to 4 MiB over 2 ranks (--world): NCCL, and
    the symmetric-memory one-shot and two-shot (the engine takes one-shot at 2 ranks),
    eager (launch + sync each) and replayed from a CUDA graph of 100 back to back; then
    what a decoder layer runs after its row-parallel projection, the message as rows of
@@ -283,6 +283,7 @@ def main() -> int:
     parser.add_argument("out_dir", type=Path, nargs="?", help="where results.json/.md go")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, gloo")
     parser.add_argument("--skip-latency", action="store_true", help="only the engine runs")
+    parser.add_argument("--world", type=int, default=2, help="ranks of the latency part")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"engine runs, of {', '.join(CONFIGS)}")
     parser.add_argument("--run-config", help=argparse.SUPPRESS)  # LABEL, in a child
@@ -319,7 +320,7 @@ def main() -> int:
     failed = False
     if not args.skip_latency:
         try:
-            report["latency"] = measure_latency(2, device_type,
+            report["latency"] = measure_latency(args.world, device_type,
                                                 SMOKE_SIZES if args.smoke else SIZES)
         except RuntimeError as exc:  # recorded; the engine runs still say something
             report["errors"].append(f"latency: {exc}")

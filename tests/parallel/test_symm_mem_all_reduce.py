@@ -301,7 +301,7 @@ def test_tp_group_sends_small_tensors_through_symmetric_memory(monkeypatch):
 
 def test_tp_group_fuses_the_norm_for_messages_up_to_the_fused_limit():
     ops = FakeOps(world=4)
-    comm = SymmMemAllReduce(ops, torch.zeros(1024 * KIB, dtype=torch.uint8), "tp", 4)
+    comm = SymmMemAllReduce(ops, torch.zeros(2048 * KIB, dtype=torch.uint8), "tp", 4)
     tp = TPGroup(0, 4, group=GROUP, symm_mem=comm)  # type: ignore[arg-type]
     weight = torch.ones(4096, dtype=FP32)
     small = torch.zeros(2, 4096, dtype=FP32)  # 32 KiB: one-shot at 4 ranks
@@ -311,10 +311,10 @@ def test_tp_group_fuses_the_norm_for_messages_up_to_the_fused_limit():
     peers = sum(check_input(r, small.numel(), FP32, small.device) for r in (1, 2, 3))
     assert torch.equal(residual, 1 + peers.view(small.shape))  # type: ignore[union-attr]
     torch.testing.assert_close(out, F.rms_norm(residual, (4096,), weight, 1e-6))
-    assert comm.fused_limit == FUSED_MAX_BYTES == 64 * KIB
-    limit = torch.zeros(4, 4096, dtype=FP32)  # 64 KiB: still fused
+    assert comm.fused_limit == FUSED_MAX_BYTES == 1024 * KIB
+    limit = torch.zeros(64, 4096, dtype=FP32)  # 1 MiB: still fused
     assert tp.all_reduce_add_rms_norm(limit, limit, weight, 1e-6) is not None
-    above = torch.zeros(5, 4096, dtype=FP32)  # 80 KiB: the norm's caller all-reduces
+    above = torch.zeros(65, 4096, dtype=FP32)  # the norm's caller all-reduces
     assert tp.all_reduce_add_rms_norm(above, above, weight, 1e-6) is None
     half = torch.zeros(2, 4096, dtype=torch.float16)  # a dtype the group does not sum
     assert tp.all_reduce_add_rms_norm(half, half, weight, 1e-6) is None

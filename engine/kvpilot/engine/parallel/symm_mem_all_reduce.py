@@ -63,10 +63,10 @@ CHECK_TIMEOUT_S = 60.0  # a check all-reduce still running after this never ends
 FUSED = "fused add-rmsnorm"  # the one-shot all-reduce fused with the norm after it
 CHECK_EPS = 1e-5
 FUSED_PROGRAMS = 64  # the fused kernel's most programs (each meets its peers on its own slots)
-# the largest message the fused kernel takes: decode batches (4096-wide bf16 rows: 8 of them);
-# above it NCCL (or torch's kernels) and the norm kernel were as fast on H100s, in a CUDA
-# graph (bench/results/allreduce-4xH100-2026-11-27/)
-FUSED_MAX_BYTES = 64 * 1024
+# the largest message the fused kernel takes (its slots' size): a 64-sequence decode step of
+# a 70B (64 x 8192 bf16). On 2 H100s in a CUDA graph it beat NCCL + the norm kernel at every
+# size from 8 KiB (6.6 vs 8.8 us) to 4 MiB (bench/results/allreduce-4xH100-2026-11-27/)
+FUSED_MAX_BYTES = 1024 * 1024
 
 
 class SymmMemOps(Protocol):
