@@ -100,6 +100,7 @@ def latency_rank(rank: int, world: int, port: int, device_type: str, sizes: list
     # fused slots for the largest message: the kernel is timed at every size, also above
     # the engine's FUSED_MAX_BYTES (which these timings set)
     symm_mem_all_reduce.FUSED_MAX_BYTES = max(sizes)
+    symm_mem_all_reduce.FUSED_WORLD_SIZES = (world,)  # timed at this world size too
     ctx = init_distributed(ParallelConfig(world), Rendezvous.local(world, port), rank,
                            device_type, num_layers=1)
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32

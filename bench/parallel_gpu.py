@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import platform
 import random
@@ -219,7 +220,10 @@ def in_fresh_process(shape: str, tp: int) -> dict:
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{shape} TP={tp} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(lines[-1].removeprefix(RESULT_PREFIX))
+    # the engine's start-up line naming the all-reduce it chose (symmetric memory, fused)
+    said = sorted({line for line in done.stderr.splitlines() if "all-reduce: " in line})
+    print("\n".join(f"{shape} TP={tp}: {line}" for line in said), flush=True)
+    return {**json.loads(lines[-1].removeprefix(RESULT_PREFIX)), "all_reduce_log": said}
 
 
 def markdown(report: dict) -> str:
@@ -264,6 +268,7 @@ def main() -> int:
     if args.smoke:
         one_thread_per_process()
     if args.run_config:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # on stderr
         shape, tp = args.run_config.split(":")
         print(RESULT_PREFIX + json.dumps(run_config(shape, int(tp), args.smoke)), flush=True)
         return 0

@@ -222,7 +222,9 @@ def test_setup_checks_two_shot_where_the_group_takes_it(caplog):
     ops = FakeOps(world=4)
     with caplog.at_level(logging.INFO, "kvpilot.engine"):
         tp = setup(ops, Agree(), world=4, capacity=1024 * KIB)
-    assert tp.symm_mem is not None and ops.ran == [ONE_SHOT, TWO_SHOT, FUSED]
+    assert tp.symm_mem is not None and ops.ran == [ONE_SHOT, TWO_SHOT]  # no fused check
+    assert not tp.symm_mem.fused and "none fused with the norm (it runs at (2,) ranks" \
+        in caplog.text
     assert "one-shot below 524288 bytes, two-shot from there" in caplog.text
 
 

@@ -67,6 +67,10 @@ FUSED_PROGRAMS = 64  # the fused kernel's most programs (each meets its peers on
 # a 70B (64 x 8192 bf16). On 2 H100s in a CUDA graph it beat NCCL + the norm kernel at every
 # size from 8 KiB (6.6 vs 8.8 us) to 4 MiB (bench/results/allreduce-4xH100-2026-11-27/)
 FUSED_MAX_BYTES = 1024 * 1024
+# the group sizes the fused kernel runs at: at 4 ranks on H100s it was slower than torch's
+# one-shot + the norm kernel (13.2 vs 11.1 us at 8 KiB in a graph: it signals its peers one
+# after another), so larger groups keep the two launches
+FUSED_WORLD_SIZES = (2,)
 
 
 class SymmMemOps(Protocol):
@@ -254,7 +258,8 @@ def setup_symm_mem(tp: TPGroup, settings: AllReduceSettings, device: torch.devic
     reason = _self_check(comm, tp.rank, settings.dtype)
     if not agree(int(reason is None)):
         return _stay_on_nccl(tp, device, reason, own=True)
-    fused_reason = _fused_check(comm, tp.rank, settings.dtype)
+    fused_reason = _fused_check(comm, tp.rank, settings.dtype) if tp.size in FUSED_WORLD_SIZES \
+        else f"it runs at {FUSED_WORLD_SIZES} ranks: slower than two launches at more"
     comm.fused = bool(agree(int(fused_reason is None)))
     comm.calls = {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0}
     if fused_reason is not None and not tp.is_first:
