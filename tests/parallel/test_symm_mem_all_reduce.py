@@ -274,8 +274,11 @@ def test_a_worker_logs_only_its_own_reason(caplog):
         setup(FakeOps(rank=1, fault="no-p2p"), Agree(), rank=1, device=torch.device("cuda", 1))
         setup(FakeOps(rank=1), Agree(), rank=1, disabled=True)  # rank 0 says the flag
         setup(FakeOps(rank=1), Agree(), rank=1, device=torch.device("cpu"))  # and the device
+        setup(FakeOps(rank=1, world=4), Agree(), rank=1, world=4)  # and the fused kernel's rule
+        setup(FakeOps(rank=1, fault="fused-wrong"), Agree(), rank=1)
     assert [r.getMessage() for r in caplog.records] == [
-        "all-reduce: rank 1 cannot use symmetric memory: no peer-to-peer access to GPU(s) [0]"]
+        "all-reduce: rank 1 cannot use symmetric memory: no peer-to-peer access to GPU(s) [0]",
+        "all-reduce: rank 1 cannot fuse the norm: the fused check gave a wrong sum or norm"]
 
 
 def test_one_rank_needs_no_setup():

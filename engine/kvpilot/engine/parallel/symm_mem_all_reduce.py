@@ -258,12 +258,14 @@ def setup_symm_mem(tp: TPGroup, settings: AllReduceSettings, device: torch.devic
     reason = _self_check(comm, tp.rank, settings.dtype)
     if not agree(int(reason is None)):
         return _stay_on_nccl(tp, device, reason, own=True)
-    fused_reason = _fused_check(comm, tp.rank, settings.dtype) if tp.size in FUSED_WORLD_SIZES \
-        else f"it runs at {FUSED_WORLD_SIZES} ranks: slower than two launches at more"
+    own_reason = _fused_check(comm, tp.rank, settings.dtype) \
+        if tp.size in FUSED_WORLD_SIZES else None
+    fused_reason = own_reason if tp.size in FUSED_WORLD_SIZES else \
+        f"it runs at {FUSED_WORLD_SIZES} ranks: slower than two launches at more"
     comm.fused = bool(agree(int(fused_reason is None)))
     comm.calls = {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0}
-    if fused_reason is not None and not tp.is_first:
-        logger.warning("all-reduce: rank %d cannot fuse the norm: %s", tp.rank, fused_reason)
+    if own_reason is not None and not tp.is_first:  # the group's rule: rank 0 says it
+        logger.warning("all-reduce: rank %d cannot fuse the norm: %s", tp.rank, own_reason)
     if tp.is_first:
         limit = one_shot_below(tp.size)
         shots = "one-shot" if limit is None or limit > settings.capacity else \
