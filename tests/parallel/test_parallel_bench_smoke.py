@@ -39,3 +39,14 @@ def test_step_profile_mixed_steps_smoke(tmp_path: Path):
     assert "host, own time per step" in done.stdout
     assert row["first_seen"]["sizes"] == 19  # chunk sizes 1..20 but the warmed 5
     assert row["first_seen"]["first_ms_median"] > 0 < row["first_seen"]["repeat_ms_median"]
+
+
+def test_tp_profile_smoke(tmp_path: Path):
+    # bench/tp_profile_gpu.py: a profiled batch-1 decode per TP size, in its own process
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "tp_profile_gpu.py"),
+                           str(tmp_path), "--smoke", "--tp", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [row] = json.loads((tmp_path / "tp_profile.json").read_text())
+    assert row["tp"] == 1 and row["tokens"] == 8 and row["gpu_busy_ms_per_token"] > 0
+    assert row["families_us_per_token"] and len(row["top"]) == 20
