@@ -198,8 +198,8 @@ def test_setup_uses_symmetric_memory_when_every_rank_can(caplog):
     assert tp.symm_mem.fused
     assert tp.symm_mem.calls == {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0}  # checks not counted
     assert "torch symmetric memory (one-shot) for messages up to 524288 bytes (a 2-rank " \
-           "group on one host, peer-to-peer, no multicast), one-shot ones fused with the " \
-           "residual add and RMSNorm after them" in caplog.text
+           "group on one host, peer-to-peer, no multicast), those up to 524288 bytes before " \
+           "a residual norm fused with it" in caplog.text
 
 
 @pytest.mark.parametrize(("fault", "others", "reason"), [

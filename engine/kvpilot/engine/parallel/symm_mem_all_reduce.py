@@ -118,7 +118,8 @@ class TorchSymmMem:
         # the one- and two-shot kernels read peers' memory directly and need no multicast
         # object; keep the rendezvous from making one (the device rules keep multicast off)
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-        self.slot_bytes = fused_bytes(nbytes)
+        # no fused slots for a group the kernel does not run at (FUSED_WORLD_SIZES)
+        self.slot_bytes = fused_bytes(nbytes) if tp.size in FUSED_WORLD_SIZES else 0
         pads = nbytes + 2 * tp.size * self.slot_bytes  # then int32 [programs, world]
         buffer = symm_mem.empty(pads + FUSED_PROGRAMS * tp.size * 4, dtype=torch.uint8,
                                 device=device)
@@ -270,7 +271,7 @@ def setup_symm_mem(tp: TPGroup, settings: AllReduceSettings, device: torch.devic
         limit = one_shot_below(tp.size)
         shots = "one-shot" if limit is None or limit > settings.capacity else \
             f"one-shot below {limit} bytes, two-shot from there"
-        fused = "one-shot ones fused with the residual add and RMSNorm after them" \
+        fused = f"those up to {comm.fused_limit} bytes before a residual norm fused with it" \
             if comm.fused else f"none fused with the norm ({fused_reason or 'another rank'})"
         logger.info("all-reduce: torch symmetric memory (%s) for messages up to %d bytes "
                     "(a %d-rank group on one host, peer-to-peer, no multicast), %s; NCCL above "
@@ -334,7 +335,7 @@ def _fused_check(comm: SymmMemAllReduce, rank: int, dtype: torch.dtype) -> str |
         return f"the fused check of {x.numel() * dtype.itemsize} bytes failed: {exc}"
     finally:
         comm.fused = False
-    assert got is not None  # the check's message takes the one-shot path
+    assert got is not None  # the check's message is within the fused limit
     _wait_for_check(comm, FUSED, x.numel() * dtype.itemsize, rank)
     try:
         right = torch.equal(got[1], want) and torch.allclose(got[0].float(), want_out,
