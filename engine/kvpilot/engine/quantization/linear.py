@@ -4,8 +4,8 @@ The LM head, the embeddings, norms, the MoE router and the MoE experts stay in t
 model dtype: the head and embeddings hold little of a model's bytes per decoded token
 next to the layers and are the most sensitive to rounding. Tensor-parallel slices
 carry over: a column-parallel layer's scales are its own rows', a row-parallel
-layer keeps every output row (so all of its scales) and still all-reduces (or leaves
-that to the norm after it, as it did before).
+layer keeps every output row (so all of its scales) and all-reduces where the layer it
+replaces did (`RowParallelLinear.reduce_output`; else the norm after it sums).
 """
 
 from __future__ import annotations
