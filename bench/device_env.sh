@@ -9,3 +9,7 @@ if [ -d .whl ] && [ ! -f /tmp/site/.kvpilot-wheels ]; then
     touch /tmp/site/.kvpilot-wheels
 fi
 export PYTHONPATH="$PWD/operator:$PWD/engine:$PWD/kernels:$PWD/cli:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+# autotuned kernels (the one-row GEMV, the 8-bit GEMM) keep their timings in Triton's disk cache,
+# so each later process of a call (every engine rank, every GPU test) reuses them instead of
+# timing every config again; older Triton ignores the variable
+export TRITON_CACHE_AUTOTUNING=1
