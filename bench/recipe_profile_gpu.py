@@ -38,9 +38,9 @@ FAMILIES = (
 )
 
 
-def family(name: str) -> str:
+def family(name: str, families: tuple = FAMILIES) -> str:
     lowered = name.lower()
-    return next((fam for fam, parts in FAMILIES if any(p in lowered for p in parts)), "other")
+    return next((fam for fam, parts in families if any(p in lowered for p in parts)), "other")
 
 
 def run(path: Path, prompts, out_lens, profiled: bool, smoke: bool) -> tuple[dict, list]:

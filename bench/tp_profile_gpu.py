@@ -23,19 +23,13 @@ from pathlib import Path
 
 import torch
 from parallel_gpu import model_dir, prompts, sync
-from recipe_profile_gpu import FAMILIES
+from recipe_profile_gpu import FAMILIES, family
 from step_profile_gpu import busy_ms
 
 TP_FAMILIES = (("all-reduce", ("allreduce", "all_reduce", "one_shot", "two_shot", "nccl")),
                *FAMILIES)
 RESULT_PREFIX = "RESULT "
 TOKENS = 64
-
-
-def family(name: str) -> str:
-    lowered = name.lower()
-    return next((fam for fam, parts in TP_FAMILIES if any(p in lowered for p in parts)),
-                "other")
 
 
 def profile_tp(tp: int, smoke: bool) -> dict:
@@ -74,7 +68,7 @@ def profile_tp(tp: int, smoke: bool) -> dict:
         per_name[e.name].append(e.time_range.end - e.time_range.start)
     families: dict[str, float] = defaultdict(float)
     for name, times in per_name.items():
-        families[family(name)] += sum(times) / tokens
+        families[family(name, TP_FAMILIES)] += sum(times) / tokens
     top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:20]
     busy = busy_ms([(e.time_range.start, e.time_range.end) for e in events])
     return {"tp": tp, "tokens": tokens, "wall_ms_per_token": round(wall_ms / tokens, 3),

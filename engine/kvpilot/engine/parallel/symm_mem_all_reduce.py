@@ -259,12 +259,13 @@ def setup_symm_mem(tp: TPGroup, settings: AllReduceSettings, device: torch.devic
     reason = _self_check(comm, tp.rank, settings.dtype)
     if not agree(int(reason is None)):
         return _stay_on_nccl(tp, device, reason, own=True)
-    own_reason = _fused_check(comm, tp.rank, settings.dtype) \
-        if tp.size in FUSED_WORLD_SIZES else None
-    fused_reason = own_reason if tp.size in FUSED_WORLD_SIZES else \
-        f"it runs at {FUSED_WORLD_SIZES} ranks: slower than two launches at more"
+    if tp.size in FUSED_WORLD_SIZES:
+        own_reason = fused_reason = _fused_check(comm, tp.rank, settings.dtype)
+    else:  # the group's rule, not this rank's finding
+        own_reason = None
+        fused_reason = f"it runs at {FUSED_WORLD_SIZES} ranks: slower than two launches at more"
     comm.fused = bool(agree(int(fused_reason is None)))
-    comm.calls = {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0}
+    comm.calls = dict.fromkeys(comm.calls, 0)  # the checks are not counted
     if own_reason is not None and not tp.is_first:  # the group's rule: rank 0 says it
         logger.warning("all-reduce: rank %d cannot fuse the norm: %s", tp.rank, own_reason)
     if tp.is_first:
@@ -328,14 +329,10 @@ def _fused_check(comm: SymmMemAllReduce, rank: int, dtype: torch.dtype) -> str |
     want = residual + torch.stack([check_input(r, 2 * cols, dtype, device)
                                    for r in range(comm.world_size)]).sum(0).view(2, cols)
     want_out = F.rms_norm(want.float(), (cols,), weight.float(), CHECK_EPS)
-    comm.fused = True  # for the check; setup_symm_mem sets what the ranks agree
-    try:
-        got = comm.add_rms_norm(x, residual, weight, CHECK_EPS)
+    try:  # the kernel itself: the message is within the fused limit
+        got = comm.ops.add_rms_norm(x, residual, weight, CHECK_EPS)
     except Exception as exc:  # a failing kernel: the two-launch path (the caller says)
         return f"the fused check of {x.numel() * dtype.itemsize} bytes failed: {exc}"
-    finally:
-        comm.fused = False
-    assert got is not None  # the check's message is within the fused limit
     _wait_for_check(comm, FUSED, x.numel() * dtype.itemsize, rank)
     try:
         right = torch.equal(got[1], want) and torch.allclose(got[0].float(), want_out,
