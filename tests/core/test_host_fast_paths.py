@@ -84,6 +84,11 @@ def test_build_batch_matches_reference(runner, specs, decode_only):
             meta.block_tables.dtype) == (torch.int32,) * 3
     assert meta.max_query_len == max(len(e.token_ids) for e in entries)
     assert meta.seq_lens_cpu == want["seq_lens"]
+    # the decode rows' launch order: longest context first, ties in row order
+    decodes = packed.header.num_decodes
+    order = sorted(range(decodes), key=lambda i: -want["seq_lens"][i])
+    assert (meta.decode_order.tolist() if decodes else None) == (order if decodes else
+                                                                  meta.decode_order)
 
 
 @settings(max_examples=30, deadline=None)

@@ -62,6 +62,22 @@ def test_decode_any_split_count_gives_the_same_output(lens, ratio, splits):
     assert rel_err(out, ref) < tolerance(torch.float32)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_launch_order_changes_no_output_bit(splits):
+    """`order` only reorders the launch: each row's output stays in its row, bit for bit."""
+    lens = [9, 40, 1, 23, 0, 31]
+    gen = torch.Generator().manual_seed(5)
+    cache, tables = random_paged_cache(lens, 2, 32, 8, torch.float32, DEVICE, gen)
+    q = torch.randn(len(lens), 4, 32, generator=gen).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    plain = paged_decode_attention(q, cache, tables, seq_lens, 0.3, num_splits=splits,
+                                   block_n=16)
+    for order in (torch.tensor([1, 5, 3, 0, 2, 4]), torch.arange(5, -1, -1)):
+        ordered = paged_decode_attention(q, cache, tables, seq_lens, 0.3, num_splits=splits,
+                                         block_n=16, order=order.to(DEVICE))
+        assert torch.equal(ordered, plain)
+
+
 @pytest.mark.parametrize(("seqs", "kv_heads", "max_len", "expected"), [
     (64, 8, 4096, 1),  # 512 programs already fill 132 SMs ~4 deep
     (16, 8, 4096, 4),  # 128 programs: split to ~3 per SM

@@ -55,6 +55,10 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # the decode kernel's launch order: a step's first rows get its order, the padding
+        # rows keep their own index, so the whole is a permutation of the bucket's rows
+        self.identity = torch.arange(n, dtype=torch.long, device=device)
+        self.decode_order = self.identity.clone()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0  # steps served by a graph (tests and benchmarks read it)
@@ -65,7 +69,8 @@ class DecodeGraphs:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
-            max_query_len=1, max_seq_len=self.max_model_len, num_decode_tokens=size)
+            max_query_len=1, max_seq_len=self.max_model_len, num_decode_tokens=size,
+            decode_order=self.decode_order[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -112,6 +117,9 @@ class DecodeGraphs:
         self.slot_mapping[n:size].fill_(-1)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.seq_lens[n:size].fill_(0)
+        order = meta.decode_order
+        self.decode_order[:n].copy_(order if order is not None and order.shape[0] == n
+                                    else self.identity[:n])
         self.block_tables[:n, :width].copy_(meta.block_tables)
         self.graphs[size].replay()
         self.num_replays += 1

@@ -2,7 +2,7 @@
 
 The driver (`pack_step`) lays the step out in numpy: the new tokens end to end
 (decodes first), their positions and KV slots, query start offsets, sequence
-lengths, block tables, the (position, sampled row) pairs of tokens still being
+lengths, the decode rows' launch order (longest context first), block tables, the (position, sampled row) pairs of tokens still being
 sampled (async scheduling), the logits rows and the block copies. A `StepHeader`
 of fixed length carries the sizes. Every rank (`unpack_step`) takes views of the
 buffer once it is on its device: the single-rank runner after one host-to-device
@@ -73,6 +73,7 @@ class _Offsets:
     t2: int
     n2: int
     lens: int
+    order: int
     tables: int
     patches: int
     rows: int
@@ -83,11 +84,12 @@ class _Offsets:
     def of(cls, h: StepHeader) -> _Offsets:
         t2 = h.num_tokens + h.num_tokens % 2
         n2 = h.num_seqs + 1 + (h.num_seqs + 1) % 2
-        lens, tables = 3 * t2 + n2, 3 * t2 + 2 * n2
+        lens, order, tables = 3 * t2 + n2, 3 * t2 + 2 * n2, 3 * t2 + 3 * n2
         patches = tables + h.num_seqs * h.max_blocks
         rows = patches + 2 * h.num_patched
         copies = rows + (h.num_rows if h.num_rows < h.num_tokens else 0)
-        return cls(t2, n2, lens, tables, patches, rows, copies, copies + 2 * h.num_copies)
+        return cls(t2, n2, lens, order, tables, patches, rows, copies,
+                   copies + 2 * h.num_copies)
 
 
 @dataclass
@@ -110,6 +112,12 @@ class StepInputs:
     rows: torch.Tensor | None  # logits rows; None: every row
     patches: torch.Tensor | None  # [2, k] (flat position, sampled row) pairs
     copies: torch.Tensor | None  # [2, c] (src, dst) blocks to copy before the step
+
+
+def longest_first(seq_lens: np.ndarray) -> np.ndarray:
+    """Gives the decode rows' launch order for the decode attention kernel: longest context
+    first (ties in row order), so that a long sequence does not run on alone at the end."""
+    return np.argsort(-seq_lens, kind="stable")
 
 
 def pack_step(entries: list[BatchEntry], copies: list[tuple[int, int]], block_size: int,
@@ -143,6 +151,7 @@ def pack_step(entries: list[BatchEntry], copies: list[tuple[int, int]], block_si
     ids, positions, slots = host[:total], host[t2:t2 + total], host[2 * t2:2 * t2 + total]
     host[3 * t2:3 * t2 + n + 1] = qsl
     host[at.lens:at.lens + n] = seq_lens
+    host[at.order:at.order + num_decodes] = longest_first(seq_lens[:num_decodes])
     tables = host[at.tables:at.patches].reshape(n, max_blocks)
     tables.fill(-1)
     tables[np.arange(max_blocks) < num_blocks[:, None]] = np.concatenate(
@@ -183,6 +192,7 @@ def unpack_step(header: StepHeader, buf: torch.Tensor, host: np.ndarray | None) 
         max_query_len=h.max_query_len,
         max_seq_len=h.max_seq_len,
         num_decode_tokens=h.num_decodes,
+        decode_order=buf[at.order:at.order + h.num_decodes] if h.num_decodes else None,
         query_lens_cpu=None if host is None else np.diff(host[3 * t2:3 * t2 + n + 1]).tolist(),
         seq_lens_cpu=None if host is None else host[at.lens:at.lens + n].tolist(),
     )

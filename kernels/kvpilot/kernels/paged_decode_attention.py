@@ -5,7 +5,7 @@ tokens. The cache of one layer is ``[2, num_blocks, block_size, num_kv_heads,
 head_dim]``; token ``p`` of sequence ``b`` sits in block ``block_tables[b, p //
 block_size]`` at offset ``p % block_size``.
 
-Stage 1 runs one program per (sequence, KV head, split): it loads each K/V tile
+Stage 1 runs one program per (KV head, sequence, split): it loads each K/V tile
 once and scores it against *all* query heads of that KV head's group at once
 (a ``[BLOCK_H, BLOCK_N]`` dot), so GQA never re-reads the cache. Each split
 covers ``ceil(seq_len / num_splits)`` tokens, computed on the device from
@@ -13,6 +13,10 @@ covers ``ceil(seq_len / num_splits)`` tokens, computed on the device from
 what lets CUDA graphs replay it at any context length. Stage 2 merges the
 splits' partial outputs through their log-sum-exps; with one split (a large batch
 fills the GPU alone) stage 1 writes the output itself and stage 2 does not run.
+Contexts in one batch differ tenfold (100 to 2,000 tokens in the nano-vllm recipe), so
+the launch takes the sequences in the order the caller gives, longest first (the
+engine packs that order with each step, `kvpilot.engine.step_batch`): over the recipe's decode steps
+that moved KV 5% faster (0.91 -> 0.96 of copy bandwidth, bench/decode_recipe_gpu.py).
 An fp8 (E4M3) cache is widened to float32 and multiplied by its per-layer scale
 right after each load.
 """
@@ -34,7 +38,7 @@ from kvpilot.kernels.kv_cache_dtype import FP8_KV_DTYPE, cached_rows
      do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
-    scale, num_splits,
+    order_ptr, scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kv, stride_slot,
     stride_bt, k_scale, v_scale,
@@ -42,9 +46,14 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: write the output, no partials to merge
+    HAS_ORDER: tl.constexpr,  # the sequences' order in the launch: longest first
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # a sequence's KV heads are neighbours in the launch order, so programs running together
+    # read neighbouring bytes of each cached token (all its heads sit side by side)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    if HAS_ORDER:
+        seq = tl.load(order_ptr + seq)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # split length rounded up to whole tiles so that tiles never straddle splits
@@ -142,8 +151,14 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 3,
     kv_scales: tuple[float, float] = (1.0, 1.0),  # (k, v) dequantisation scales of an fp8 cache
+    order: torch.Tensor | None = None,  # [B] a permutation of the rows: the launch order
 ) -> torch.Tensor:
-    """Gives the attention output [B, num_heads, head_dim] of each sequence's one query token."""
+    """Gives the attention output [B, num_heads, head_dim] of each sequence's one query token.
+
+    ``order`` lists the rows in the order their programs start, best longest context first:
+    programs are handed to the SMs in launch order, so when the longest contexts start first
+    the short ones fill in behind them, instead of one long sequence running on alone at
+    the end of the launch while the other SMs idle."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -163,9 +178,9 @@ def paged_decode_attention(
                             dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
                               device=q.device)
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, kv_cache, block_tables, seq_lens, mid_o, mid_lse, out,
-        scale, num_splits,
+        seq_lens if order is None else order, scale, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(2),
         block_tables.stride(0), *kv_scales,
@@ -173,6 +188,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         KV_FP8=kv_cache.dtype == FP8_KV_DTYPE, DIRECT=direct,
+        HAS_ORDER=order is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if direct:

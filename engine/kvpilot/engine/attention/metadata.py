@@ -28,6 +28,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_decode_tokens: int = 0  # sequences with query_len 1 come first when > 0
+    # [num_decode_tokens] int64, the decode rows longest context first: the order the decode
+    # kernel launches them in (None: row order)
+    decode_order: torch.Tensor | None = None
     # host copies, so backends avoid device syncs when building loops
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None

@@ -38,9 +38,12 @@ class TritonAttentionBackend:
         if num_decodes:
             splits = default_num_splits(num_decodes, kv_cache.shape[3], meta.max_seq_len,
                                         self.num_sms)
+            order = meta.decode_order
             paged_decode_attention(q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
                                    meta.seq_lens[:num_decodes], scale, num_splits=splits,
-                                   out=out[:num_decodes], kv_scales=kv_scales)
+                                   out=out[:num_decodes], kv_scales=kv_scales,
+                                   order=order if order is not None
+                                   and order.shape[0] == num_decodes else None)
         if num_decodes < num_tokens:
             # query_start_loc holds absolute row offsets, so the prefill kernel takes the
             # remaining sequences' slice and indexes the full q/k/v/out
