@@ -142,6 +142,18 @@ def test_fused_sampler_draws_temperature_only_rows_with_the_kernel(kernel_calls)
     assert kernel_calls[-1] == torch.bfloat16
 
 
+def test_greedy_rows_of_bf16_logits_pick_what_float32_picks():
+    """An all-greedy batch reads the model's bf16 logits without widening them: ties (common
+    in bf16) and every row's pick match the argmax of the float32 copy."""
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(6, 5000, generator=gen) * 4).round().to(torch.bfloat16)
+    rows = [row(temperature=0)] * 5 + [row(temperature=0, banned=[int(logits[5].argmax())])]
+    ids = Sampler(fused=True)(logits, rows).token_ids
+    wide = logits.float()
+    wide[5, rows[5].banned_token_ids] = float("-inf")
+    assert ids == wide.argmax(dim=-1).tolist()
+
+
 def test_fused_sampler_keeps_the_grammars_mask(kernel_calls):
     logits = torch.zeros(2, 64)
     bitmask = torch.tensor([[1 << 5 | 1 << 9, 0], [0, 1 << 3]], dtype=torch.int32)

@@ -100,5 +100,5 @@ def test_half_precision_tracks_fp32(tiny_checkpoints, dtype):
     assert half.lm_head.weight.dtype == dtype
     got, want = run_steps(half, two_chunks()), run_steps(full, two_chunks())
     for g, w in zip(got, want, strict=True):
-        assert g.dtype == torch.float32  # compute_logits always gives float32
+        assert g.dtype == dtype  # compute_logits gives the model's dtype; consumers widen
         assert rel_err(g, w) < 0.05

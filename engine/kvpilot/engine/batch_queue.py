@@ -32,7 +32,7 @@ class PipelinedExecutor(Protocol):
         ...
 
     def collect(self) -> torch.Tensor:
-        """Gives the oldest submitted step's float32 logits rows."""
+        """Gives the oldest submitted step's logits rows (model dtype)."""
         ...
 
 

@@ -43,7 +43,7 @@ class ModelExecutor(Protocol):
 
     def execute(self, entries: list[BatchEntry], copies: list[tuple[int, int]],
                 prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Runs one step; gives float32 logits for the rows `entries` ask for, in entry order."""
+        """Runs one step; gives logits (model dtype) for the rows `entries` ask for, in entry order."""
         ...
 
     def load_report(self) -> LoadReport:

@@ -266,9 +266,9 @@ class ModelRunner:
         return input_ids
 
     def _logits(self, step: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
-        """Gives the float32 logits of the step's rows that sample (or score the prompt)."""
+        """Gives the logits (model dtype) of the step's rows that sample (or score the prompt)."""
         if not step.header.num_rows:
-            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+            return hidden.new_empty((0, self.config.vocab_size))
         if step.rows is None:
             # every row samples (a decode step): skip the gather
             return self.model.compute_logits(hidden)
@@ -276,7 +276,7 @@ class ModelRunner:
 
     def execute(self, entries: list[BatchEntry], copies: list[tuple[int, int]],
                 prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Runs one step; gives float32 logits for the rows `entries` ask for, in entry order.
+        """Runs one step; gives logits (model dtype) for the rows `entries` ask for, in entry order.
 
         `prev_tokens` are the sampled ids of the step still in flight; entries with
         `patch_row` take their last input token from it on the device.

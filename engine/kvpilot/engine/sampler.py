@@ -199,7 +199,9 @@ class Sampler:
         params = [r.params for r in rows]
         greedy = [p.greedy or p.beam_width > 1 for p in params]
         fused = self.fused and not all(greedy) and all(map(_fusable, rows, greedy))
-        if not fused:  # the kernel widens each logit as it loads it: no float32 copy
+        # the model's logits (bf16 on a GPU) are widened only where arithmetic follows: the
+        # kernel widens each logit as it loads it, and an argmax picks the same row either way
+        if not fused and not all(greedy):
             logits = logits.float()
         if bitmask is not None:  # the grammar's allowed tokens, before any other processing
             logits = apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))

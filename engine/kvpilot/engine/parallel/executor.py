@@ -97,7 +97,7 @@ class MultiRankExecutor:
 
     def execute(self, entries: list[BatchEntry], copies: list[tuple[int, int]],
                 prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Runs one step on every rank; gives rank 0's gathered float32 logits rows."""
+        """Runs one step on every rank; gives rank 0's gathered logits rows (model dtype)."""
         if self.failure is not None:
             raise WorkerLostError(self.failure)
         packed, buf = self.runner.pack(entries, copies, prev_tokens)

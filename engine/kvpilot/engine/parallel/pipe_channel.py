@@ -84,8 +84,8 @@ class PipeChannel:
         self._isend(logits.contiguous(), DRIVER, self.ctx.logits_group)
 
     def receive_logits(self, num_rows: int, vocab_size: int) -> torch.Tensor:
-        """Gives the driver the next step's float32 logits rows from the last stage."""
-        logits = torch.empty((num_rows, vocab_size), dtype=torch.float32,
+        """Gives the driver the next step's logits rows (model dtype) from the last stage."""
+        logits = torch.empty((num_rows, vocab_size), dtype=self.dtype,
                              device=self.ctx.device)
         dist.recv(logits, self.last_rank, group=self.ctx.logits_group)
         return logits

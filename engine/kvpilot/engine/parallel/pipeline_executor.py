@@ -70,12 +70,12 @@ class PipelineExecutor(MultiRankExecutor):
         self.max_in_flight = max(self.max_in_flight, len(self._in_pipe))
 
     def collect(self) -> torch.Tensor:
-        """Gives the oldest submitted step's float32 logits rows, waiting for the last stage."""
+        """Gives the oldest submitted step's logits rows (model dtype), waiting for the last stage."""
         if self.failure is not None:
             raise WorkerLostError(self.failure)
         num_rows = self._in_pipe.popleft()
         if not num_rows:  # the last stage sends nothing for a step that samples no row
-            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+            return torch.empty((0, self.vocab_size), dtype=self.pipe.dtype, device=self.device)
         try:
             return self.pipe.receive_logits(num_rows, self.vocab_size)
         except RuntimeError as exc:
@@ -83,7 +83,7 @@ class PipelineExecutor(MultiRankExecutor):
 
     def execute(self, entries: list[BatchEntry], copies: list[tuple[int, int]],
                 prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Runs one step through the whole pipeline; gives its float32 logits rows."""
+        """Runs one step through the whole pipeline; gives its logits rows."""
         if prev_tokens is not None:
             raise ValueError("async scheduling does not run with pipeline parallelism")
         self.submit(entries, copies)
