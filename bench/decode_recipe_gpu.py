@@ -37,6 +37,32 @@ def steps(seed: int, stride: int, num_requests: int = 256) -> list[tuple[int, li
             for t in range(0, last, stride)]
 
 
+def engine_tables(seed: int, plan: list[tuple[int, list[int]]], num_requests: int = 256
+                  ) -> dict[int, list[list[int]]]:
+    """Gives each planned step's block tables as the engine's allocator lays them out: the
+    prompts' blocks one after another in arrival order, then each decode block taken from
+    the free list when its sequence crosses a block boundary (so those interleave)."""
+    from e2e_gpu import recipe
+
+    prompts, outs = recipe(num_requests, seed)
+    tables: list[list[int]] = []
+    free = 0
+    for p in prompts:
+        k = -(-(len(p) + 1) // BLOCK)
+        tables.append(list(range(free, free + k)))
+        free += k
+    wanted, out = {t for t, _ in plan}, {}
+    for t in range(max(wanted) + 1):
+        active = [i for i, o in enumerate(outs) if o - 1 > t]
+        for i in active:
+            while len(tables[i]) * BLOCK < len(prompts[i]) + 1 + t:
+                tables[i].append(free)
+                free += 1
+        if t in wanted:
+            out[t] = [list(tables[i]) for i in active]
+    return out
+
+
 def bucket(n: int, max_num_seqs: int = 256) -> int:
     from kvpilot.engine.cuda_graphs import batch_buckets
 
@@ -53,21 +79,16 @@ def variants() -> dict[str, Callable[[int], dict]]:
     def at_least(n: int) -> Callable[[int], dict]:
         return lambda size: {"num_splits": max(n, engine(size)["num_splits"])}
 
-    def lh(**extra) -> Callable[[int], dict]:
-        return lambda s: {**engine(s), "longest_first": True, "heads_first": True, **extra}
+    def ordered(**extra) -> Callable[[int], dict]:
+        return lambda s: {**engine(s), "longest_first": True, **extra}
 
     return {
-        "engine": engine,
-        "heads-first": lambda s: {**engine(s), "heads_first": True},
-        "longest-first": lambda s: {**engine(s), "longest_first": True},
-        "LH (longest-first, heads-first)": lh(),
-        "LH, block_n 128, 2 stages": lh(block_n=128, num_stages=2),
-        "LH, block_n 128, 3 stages": lh(block_n=128, num_stages=3),
-        "LH, 8 warps": lh(num_warps=8),
-        "LH, 2 stages": lh(num_stages=2),
-        "LH, 4 stages": lh(num_stages=4),
-        "LH, splits >= 2": lambda s: {**at_least(2)(s), "longest_first": True,
-                                      "heads_first": True},
+        "row order": engine,
+        "longest-first": ordered(),
+        "longest-first, block_n 128, 2 stages": ordered(block_n=128, num_stages=2),
+        "longest-first, 2 stages": ordered(num_stages=2),
+        "longest-first, 4 stages": ordered(num_stages=4),
+        "longest-first, splits >= 2": lambda s: {**at_least(2)(s), "longest_first": True},
     }
 
 
@@ -78,6 +99,10 @@ def main() -> None:
     parser.add_argument("--stride", type=int, default=8, help="time every stride-th step")
     parser.add_argument("--uniform", action="store_true",
                         help="attention_bench's two decode shapes (32 q heads) instead")
+    parser.add_argument("--layout", choices=["random", "engine"], default="random",
+                        help="blocks at random, or as the engine's allocator places them")
+    parser.add_argument("--before-kernel", type=Path,
+                        help="a paged_decode_attention.py to time as 'before' (git show BASE:...)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if args.smoke:
@@ -97,10 +122,24 @@ def main() -> None:
         plan = [(t, [min(n, 40) for n in lens]) for t, lens in plan]
     # room for the largest step's blocks, placed at random among half again as many
     num_blocks = max(sum(-(-n // BLOCK) for n in lens) for _, lens in plan) * 3 // 2
+    laid_out = None
+    if args.layout == "engine" and not args.uniform:
+        laid_out = engine_tables(args.seed, plan)
+        num_blocks = 1 + max(b for rows in laid_out.values() for r in rows for b in r)
     caches = [torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
               for _ in range(1 if args.smoke else CACHES)]
     scale = HEAD_DIM ** -0.5
     table = variants()
+    kernels = dict.fromkeys(table, paged_decode_attention)
+    if args.before_kernel:  # the launcher of another commit, same arguments less `order`
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("before", args.before_kernel)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        table = {"before": table["row order"], **table}
+        kernels["before"] = module.paged_decode_attention
     results: dict[str, dict] = {name: {"s": 0.0, "steps": {}} for name in table}
     total_bytes = 0.0
     copy_gbps = 0.0
@@ -124,7 +163,8 @@ def main() -> None:
         tables = torch.zeros(size, max(need), dtype=torch.int32)
         at = 0
         for row, k in enumerate(need):
-            tables[row, :k] = perm[at:at + k]
+            tables[row, :k] = perm[at:at + k] if laid_out is None else \
+                torch.tensor(laid_out[t][row][:k])
             at += k
         tables = tables.to(device)
         seq_lens = torch.zeros(size, dtype=torch.int32)
@@ -140,9 +180,9 @@ def main() -> None:
             if kwargs.pop("longest_first", False):
                 kwargs["order"] = torch.argsort(seq_lens, descending=True).to(torch.int32)
 
-            def layers(kwargs=kwargs) -> None:
+            def layers(kwargs=kwargs, kernel=kernels[name]) -> None:
                 for layer in range(LAYERS if not args.smoke else 1):
-                    paged_decode_attention(q, caches[layer % len(caches)], tables, seq_lens,
+                    kernel(q, caches[layer % len(caches)], tables, seq_lens,
                                            scale, out=out, **kwargs)
 
             layers()
@@ -169,12 +209,12 @@ def main() -> None:
             results[name]["steps"][t] = step_bytes / seconds / 1e9
             del graph
         print(f"step {t}: {n} rows, {step_bytes / 1e9:.2f} GB", file=sys.stderr)
-    base = results["engine"]["s"]
+    base = results[next(iter(results))]["s"]
     lines = [f"# Decode attention over the recipe's steps (seed {args.seed}, every "
-             f"{args.stride}th step timed)", "",
+             f"{args.stride}th step timed, blocks laid out: {args.layout})", "",
              f"{torch.cuda.get_device_name() if not args.smoke else 'CPU'}; "
              f"copy {copy_gbps:.0f} GB/s; KV bytes over the run {total_bytes / 1e12:.2f} TB", "",
-             "| variant | seconds over the run | GB/s | of copy | engine / variant |",
+             "| variant | seconds over the run | GB/s | of copy | first row / variant |",
              "|---|---|---|---|---|"]
     for name, r in results.items():
         s = r["s"]

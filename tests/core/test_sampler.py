@@ -13,6 +13,8 @@ from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 
 LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0]])
+# the fused kernel runs on the GPU where there is one (Triton's interpreter on CPU otherwise)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def row(prompt=(), output=(), seed=None, banned=None, num_logprobs=0, **params) -> SamplingRow:
@@ -126,7 +128,7 @@ def kernel_calls(monkeypatch):
 
 def test_fused_sampler_draws_temperature_only_rows_with_the_kernel(kernel_calls):
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(4, 40, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(4, 40, generator=gen).to(torch.bfloat16).to(DEVICE)
     rows = [row(temperature=0.6), row(temperature=0, output=[5], repetition_penalty=2.0),
             row(temperature=1.0, banned=[7, 8]), row(temperature=0.8, top_k=-1, beam_width=1)]
     torch.manual_seed(0)
@@ -155,7 +157,7 @@ def test_greedy_rows_of_bf16_logits_pick_what_float32_picks():
 
 
 def test_fused_sampler_keeps_the_grammars_mask(kernel_calls):
-    logits = torch.zeros(2, 64)
+    logits = torch.zeros(2, 64, device=DEVICE)
     bitmask = torch.tensor([[1 << 5 | 1 << 9, 0], [0, 1 << 3]], dtype=torch.int32)
     for _ in range(3):
         ids = Sampler(fused=True)(logits, [row(temperature=2.0), row(temperature=0.5)],

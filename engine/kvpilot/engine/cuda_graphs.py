@@ -55,8 +55,8 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        # the decode kernel's launch order: a step's first rows get its order, the padding
-        # rows keep their own index, so the whole is a permutation of the bucket's rows
+        # the decode kernel's launch order: a step's rows get its order, the padding rows
+        # their own index, so the whole is a permutation of the bucket's rows
         self.identity = torch.arange(n, dtype=torch.long, device=device)
         self.decode_order = self.identity.clone()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -120,6 +120,7 @@ class DecodeGraphs:
         order = meta.decode_order
         self.decode_order[:n].copy_(order if order is not None and order.shape[0] == n
                                     else self.identity[:n])
+        self.decode_order[n:size].copy_(self.identity[n:size])  # a larger step's rows left there
         self.block_tables[:n, :width].copy_(meta.block_tables)
         self.graphs[size].replay()
         self.num_replays += 1
