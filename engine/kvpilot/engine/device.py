@@ -44,7 +44,12 @@ def to_device(values: Sequence[int] | Sequence[float] | Sequence[bool] | np.ndar
     """
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    if isinstance(values, np.ndarray):  # torch.tensor(array, pin_memory=True) refuses arrays
+        array = torch.from_numpy(np.ascontiguousarray(values))
+        host = (array if dtype is None else array.to(dtype)).pin_memory()
+    else:
+        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+    return host.to(device, non_blocking=True)
 
 
 @dataclass
