@@ -33,7 +33,7 @@ def steps(seed: int, stride: int, num_requests: int = 256) -> list[tuple[int, li
     prompts, outs = recipe(num_requests, seed)
     lens = [len(p) for p in prompts]
     last = max(outs) - 1  # the first output token comes from prefill
-    return [(t, [n + 1 + t for n, o in zip(lens, outs) if o - 1 > t])
+    return [(t, [n + 1 + t for n, o in zip(lens, outs, strict=True) if o - 1 > t])
             for t in range(0, last, stride)]
 
 
@@ -92,6 +92,17 @@ def variants() -> dict[str, Callable[[int], dict]]:
     }
 
 
+def load_kernel(path: Path) -> Callable:
+    """Gives `paged_decode_attention` of the file at `path` (another commit's, a variant)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.paged_decode_attention
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
@@ -103,6 +114,8 @@ def main() -> None:
                         help="blocks at random, or as the engine's allocator places them")
     parser.add_argument("--before-kernel", type=Path,
                         help="a paged_decode_attention.py to time as 'before' (git show BASE:...)")
+    parser.add_argument("--other-kernel", type=Path,
+                        help="a paged_decode_attention.py to time beside, longest-first")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if args.smoke:
@@ -132,14 +145,11 @@ def main() -> None:
     table = variants()
     kernels = dict.fromkeys(table, paged_decode_attention)
     if args.before_kernel:  # the launcher of another commit, same arguments less `order`
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("before", args.before_kernel)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
         table = {"before": table["row order"], **table}
-        kernels["before"] = module.paged_decode_attention
+        kernels["before"] = load_kernel(args.before_kernel)
+    if args.other_kernel:  # a variant of this launcher, `order` included
+        table["other kernel, longest-first"] = table["longest-first"]
+        kernels["other kernel, longest-first"] = load_kernel(args.other_kernel)
     results: dict[str, dict] = {name: {"s": 0.0, "steps": {}} for name in table}
     total_bytes = 0.0
     copy_gbps = 0.0
@@ -180,10 +190,11 @@ def main() -> None:
             if kwargs.pop("longest_first", False):
                 kwargs["order"] = torch.argsort(seq_lens, descending=True).to(torch.int32)
 
-            def layers(kwargs=kwargs, kernel=kernels[name]) -> None:
+            def layers(kwargs=kwargs, kernel=kernels[name], q=q, tables=tables,
+                       seq_lens=seq_lens, out=out) -> None:
                 for layer in range(LAYERS if not args.smoke else 1):
-                    kernel(q, caches[layer % len(caches)], tables, seq_lens,
-                                           scale, out=out, **kwargs)
+                    kernel(q, caches[layer % len(caches)], tables, seq_lens, scale, out=out,
+                           **kwargs)
 
             layers()
             if reference is None:

@@ -7,6 +7,8 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, ON_GPU, rel_err, tolerance
 
+from kvpilot.kernels.kv_cache_dtype import FP8_KV_DTYPE, as_bytes
+from kvpilot.kernels.kv_cache_write import kv_cache_write
 from kvpilot.kernels.qk_norm_rotary import (
     matches_unfused_bits,
     qk_norm_rotary,
@@ -74,6 +76,52 @@ def test_matches_reference_and_unfused_kernels(tokens, heads, kv_heads, head_dim
         assert rel_err(got_q, same_q) < tolerance(dtype)
     v_cols = (heads + kv_heads) * head_dim
     assert torch.equal(qkv[:, v_cols:], before[:, v_cols:])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_dim", [128, 64])
+def test_writing_the_kv_cache_gives_what_kv_cache_write_gives(rotary_dim, dtype, fp8):
+    """With the cache, the kernel also stores the finished k rows and the v rows in their
+    slots (none for slot -1), the same bits as kv_cache_write after the unfused kernel;
+    q and k come out as they do without it."""
+    gen = torch.Generator().manual_seed(rotary_dim + fp8)
+    tokens, heads, kv_heads, head_dim, block_size, blocks = 6, 4, 2, 128, 4, 5
+    qkv, q, k = qkv_views(gen, tokens, heads, kv_heads, head_dim, dtype)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    q_weight, k_weight = rand(gen, head_dim, dtype=dtype), rand(gen, head_dim, dtype=dtype)
+    rope = rotary_cos_sin_cache(rotary_dim, 64, device=DEVICE)
+    positions = torch.randperm(64, generator=gen)[:tokens].to(DEVICE)
+    slots = torch.tensor([7, -1, 0, 19, -1, 12], device=DEVICE)
+    cache_dtype, scales = (FP8_KV_DTYPE, (0.05, 0.02)) if fp8 else (dtype, (1.0, 1.0))
+    fill = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen)
+    want_cache = fill.to(DEVICE).to(cache_dtype)
+    got_cache = want_cache.clone()
+    plain = qkv.clone()
+    pq, pk = plain[:, :heads * head_dim].view_as(q), \
+        plain[:, heads * head_dim:(heads + kv_heads) * head_dim].view_as(k)
+    pv = plain[:, (heads + kv_heads) * head_dim:].view_as(v)
+    qk_norm_rotary(positions, pq, pk, q_weight, k_weight, EPS, rope)
+    kv_cache_write(pk, pv, want_cache, slots, scales)
+
+    got_q, got_k = qk_norm_rotary(positions, q, k, q_weight, k_weight, EPS, rope, v=v,
+                                  kv_cache=got_cache, slot_mapping=slots, kv_scales=scales)
+    assert torch.equal(got_q, pq) and torch.equal(got_k, pk)
+    assert torch.equal(as_bytes(got_cache), as_bytes(want_cache))
+
+
+def test_refuses_a_cache_write_without_its_pieces():
+    gen = torch.Generator().manual_seed(0)
+    _, q, k = qkv_views(gen, 2, 4, 2, 64, torch.float32)
+    w = torch.ones(64, device=DEVICE)
+    rope = rotary_cos_sin_cache(64, 8, device=DEVICE)
+    positions = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    cache = torch.zeros(2, 3, 4, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        qk_norm_rotary(positions, q, k, w, w, EPS, rope, v=k.clone(), kv_cache=cache)
+    with pytest.raises(ValueError, match="kv_cache"):
+        qk_norm_rotary(positions, q, k, w, w, EPS, rope, v=k.clone(), kv_cache=cache[:, :, :, :1],
+                       slot_mapping=torch.zeros(2, dtype=torch.long, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

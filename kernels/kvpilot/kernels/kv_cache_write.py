@@ -20,6 +20,15 @@ FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # E4M3's largest finite value
 
 
 @jit
+def cache_value(x, scale, KV_FP8: tl.constexpr, dtype: tl.constexpr):
+    """Gives rows `x` (the model's dtype) as a cache of `dtype` stores them: x / scale
+    saturated to E4M3 for fp8, else a plain cast."""
+    if KV_FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+    return x.to(dtype)
+
+
+@jit
 def _kv_cache_write_kernel(
     k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
     stride_kt, stride_vt, stride_kv, stride_slot, k_scale, v_scale,
@@ -33,12 +42,10 @@ def _kv_cache_write_kernel(
     mask = offs < ROW
     k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
-    if KV_FP8:
-        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
     dst = cache_ptr + slot * stride_slot + offs
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    cache_dtype: tl.constexpr = cache_ptr.dtype.element_ty
+    tl.store(dst, cache_value(k, k_scale, KV_FP8, cache_dtype), mask=mask)
+    tl.store(dst + stride_kv, cache_value(v, v_scale, KV_FP8, cache_dtype), mask=mask)
 
 
 def kv_cache_write(

@@ -22,5 +22,7 @@ class AttentionBackend(Protocol):
         scale: float,
         # (k, v) scales of an fp8 cache: it stores k / k_scale and v / v_scale
         kv_scales: tuple[float, float] = (1.0, 1.0),
+        # the caller cached this step's k, v already (a fused kernel before attention)
+        kv_written: bool = False,
     ) -> torch.Tensor:  # [T, num_heads, head_dim], causal within each sequence
         ...

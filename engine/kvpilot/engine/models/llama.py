@@ -82,16 +82,22 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        kv_written = False
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             if self.qk_norm_rope is not None and isinstance(rope, KernelRope):
-                # one launch instead of three; the same bits as the three
+                # one launch instead of four: q/k norms, rotary and the KV-cache write, with
+                # the same bits as the four
                 q, k = self.qk_norm_rope(rope.positions, q, k, self.q_norm.weight,
-                                         self.k_norm.weight, self.q_norm.eps, rope.cos_sin)
+                                         self.k_norm.weight, self.q_norm.eps, rope.cos_sin,
+                                         v=v, kv_cache=kv_cache, slot_mapping=meta.slot_mapping,
+                                         kv_scales=self.kv_scales)
+                kv_written = True
             else:
                 q, k = rope.apply(self.q_norm(q), self.k_norm(k))
         else:
             q, k = rope.apply(q, k)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales,
+                              kv_written=kv_written)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
