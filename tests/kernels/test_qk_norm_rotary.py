@@ -78,10 +78,12 @@ def test_matches_reference_and_unfused_kernels(tokens, heads, kv_heads, head_dim
     assert torch.equal(qkv[:, v_cols:], before[:, v_cols:])
 
 
+@pytest.mark.parametrize("heads_per_program", [1, 3])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotary_dim", [128, 64])
-def test_writing_the_kv_cache_gives_what_kv_cache_write_gives(rotary_dim, dtype, fp8):
+def test_writing_the_kv_cache_gives_what_kv_cache_write_gives(rotary_dim, dtype, fp8,
+                                                             heads_per_program):
     """With the cache, the kernel also stores the finished k rows and the v rows in their
     slots (none for slot -1), the same bits as kv_cache_write after the unfused kernel;
     q and k come out as they do without it."""
@@ -105,7 +107,8 @@ def test_writing_the_kv_cache_gives_what_kv_cache_write_gives(rotary_dim, dtype,
     kv_cache_write(pk, pv, want_cache, slots, scales)
 
     got_q, got_k = qk_norm_rotary(positions, q, k, q_weight, k_weight, EPS, rope, v=v,
-                                  kv_cache=got_cache, slot_mapping=slots, kv_scales=scales)
+                                  kv_cache=got_cache, slot_mapping=slots, kv_scales=scales,
+                                  heads_per_program=heads_per_program)
     assert torch.equal(got_q, pq) and torch.equal(got_k, pk)
     assert torch.equal(as_bytes(got_cache), as_bytes(want_cache))
 
