@@ -122,7 +122,7 @@ def _qk_norm_rotary_kernel(
                 t, h, positions_ptr, q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr,
                 cache_row, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, n_cols, eps,
                 k_scale, store_cache, NUM_HEADS, HEAD_DIM, HALF, IS_NEOX, KV_FP8)
-        elif WRITE_KV:
+        elif WRITE_KV:  # noqa: SIM102 (a constexpr branch, resolved when compiling)
             if (h < NUM_HEADS + 2 * NUM_KV_HEADS) & (slot >= 0):  # a v head: copied
                 v = tl.load(v_ptr + t * stride_vt + (h - NUM_HEADS - NUM_KV_HEADS) * stride_vh
                             + offs)
