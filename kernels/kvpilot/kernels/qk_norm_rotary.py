@@ -110,7 +110,8 @@ def _qk_norm_rotary_kernel(
     if WRITE_KV:
         slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     # heads 0..NUM_HEADS-1 are q's, then k's, then (WRITE_KV) v's, HEADS_PER_PROGRAM a program
-    for i in tl.static_range(HEADS_PER_PROGRAM):
+    # unrolled, so the heads' loads are in flight together (triton's stub types it NoReturn)
+    for i in tl.static_range(HEADS_PER_PROGRAM):  # pyright: ignore[reportGeneralTypeIssues]
         h = tl.program_id(1) * HEADS_PER_PROGRAM + i
         # the head's row of the cache: K for a k head, V (past the K half) for a v head
         cache_row = cache_ptr + slot * stride_slot + ((h - NUM_HEADS) % NUM_KV_HEADS) * HEAD_DIM
