@@ -69,12 +69,13 @@ def bucket(n: int, max_num_seqs: int = 256) -> int:
     return next(b for b in batch_buckets(max_num_seqs) if b >= n)
 
 
-def variants() -> dict[str, Callable[[int], dict]]:
-    """Gives each launch variant as: padded batch size -> paged_decode_attention kwargs."""
+def variants(max_model_len: int = MAX_MODEL_LEN) -> dict[str, Callable[[int], dict]]:
+    """Gives each launch variant as: padded batch size -> paged_decode_attention kwargs
+    (the split count as the engine's graphs fix it, from max_model_len)."""
     from kvpilot.kernels.paged_decode_attention import default_num_splits
 
     def engine(size: int) -> dict:
-        return {"num_splits": default_num_splits(size, KV_HEADS, MAX_MODEL_LEN)}
+        return {"num_splits": default_num_splits(size, KV_HEADS, max_model_len)}
 
     def at_least(n: int) -> Callable[[int], dict]:
         return lambda size: {"num_splits": max(n, engine(size)["num_splits"])}
@@ -136,13 +137,13 @@ def main() -> None:
     # room for the largest step's blocks, placed at random among half again as many
     num_blocks = max(sum(-(-n // BLOCK) for n in lens) for _, lens in plan) * 3 // 2
     laid_out = None
-    if args.layout == "engine" and not args.uniform:
+    if args.layout == "engine" and not args.uniform and not args.smoke:
         laid_out = engine_tables(args.seed, plan)
         num_blocks = 1 + max(b for rows in laid_out.values() for r in rows for b in r)
     caches = [torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
               for _ in range(1 if args.smoke else CACHES)]
     scale = HEAD_DIM ** -0.5
-    table = variants()
+    table = variants(256 if args.smoke else MAX_MODEL_LEN)  # smoke: fewer splits to interpret
     kernels = dict.fromkeys(table, paged_decode_attention)
     if args.before_kernel:  # the launcher of another commit, same arguments less `order`
         table = {"before": table["row order"], **table}

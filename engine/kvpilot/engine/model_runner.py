@@ -232,7 +232,7 @@ class ModelRunner:
     def run(self, step: StepInputs, prev_tokens: torch.Tensor | None = None,
             kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Runs an unpacked step: block copies, patches, forward; gives its logits rows
-        (float32, [rows, vocab] on tensor-parallel rank 0)."""
+        (model dtype, [rows, vocab] on tensor-parallel rank 0)."""
         caches = self.kv_caches if kv_caches is None else kv_caches
         input_ids = self._prepare(step, prev_tokens, caches)
         hidden = self.forward(input_ids, step.positions, step.meta, caches)
