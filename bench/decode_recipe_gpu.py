@@ -122,6 +122,7 @@ def main() -> None:
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
+    from e2e_gpu import copy_bandwidth
 
     from kvpilot.kernels.paged_decode_attention import paged_decode_attention
 
@@ -153,20 +154,7 @@ def main() -> None:
         kernels["other kernel, longest-first"] = load_kernel(args.other_kernel)
     results: dict[str, dict] = {name: {"s": 0.0, "steps": {}} for name in table}
     total_bytes = 0.0
-    copy_gbps = 0.0
-    if not args.smoke:
-        src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(3):
-            dst.copy_(src)
-        start.record()
-        for _ in range(10):
-            dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        copy_gbps = 2 * 10 * src.numel() / start.elapsed_time(end) / 1e6
-        del src, dst
+    copy_gbps = 0.0 if args.smoke else copy_bandwidth()
     for t, lens in plan:
         n, size = len(lens), bucket(len(lens))
         need = [-(-x // BLOCK) for x in lens]

@@ -181,21 +181,20 @@ def qk_norm_rotary(
     write_kv = kv_cache is not None
     if write_kv:
         _check_cache(k, v, kv_cache, slot_mapping)
+    else:  # placeholders the kernel never reads (WRITE_KV off)
+        v, kv_cache, slot_mapping = k, k, positions
+    assert v is not None and kv_cache is not None and slot_mapping is not None
     if tokens:
         heads_per_program = heads_per_program or heads_per_program_for(tokens)
         heads = num_heads + num_kv_heads * (2 if write_kv else 1)
         _qk_norm_rotary_kernel[(tokens, triton.cdiv(heads, heads_per_program))](
-            positions, q, k, q_weight, k_weight, cos_sin_cache,
-            v if write_kv else k, kv_cache if write_kv else k,
-            slot_mapping if write_kv else positions,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            *((v.stride(0), v.stride(1)) if v is not None and write_kv else (0, 0)),
-            cos_sin_cache.stride(0), head_dim, eps,
-            *((kv_cache.stride(0), kv_cache.stride(2)) if kv_cache is not None else (0, 0)),
+            positions, q, k, q_weight, k_weight, cos_sin_cache, v, kv_cache, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos_sin_cache.stride(0), head_dim, eps, kv_cache.stride(0), kv_cache.stride(2),
             *kv_scales,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             HALF=cos_sin_cache.shape[1] // 2, IS_NEOX=is_neox, WRITE_KV=write_kv,
-            KV_FP8=write_kv and kv_cache is not None and kv_cache.dtype == FP8_KV_DTYPE,
+            KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
             HEADS_PER_PROGRAM=heads_per_program,
             num_warps=4,  # as rms_norm launches a row this long: the same reduction
         )
