@@ -80,7 +80,9 @@ def test_decode_launch_order_changes_no_output_bit(splits):
 
 @pytest.mark.parametrize(("seqs", "kv_heads", "max_len", "expected"), [
     (64, 8, 4096, 1),  # 512 programs already fill 132 SMs ~4 deep
-    (16, 8, 4096, 4),  # 128 programs: split to ~3 per SM
+    (64, 4, 4096, 1),  # 256 programs (a TP=2 shard): a program per SM, no split
+    (32, 4, 1024, 4),  # 128 programs: split to ~3 per SM
+    (16, 8, 4096, 4),
     (1, 8, 4096, 16),  # one sequence: ~3 programs per SM wanted, capped by 256-token floor
     (1, 8, 100, 1),  # short context: never a split under 256 tokens
     (256, 8, 1024, 1),

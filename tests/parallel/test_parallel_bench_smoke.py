@@ -42,11 +42,12 @@ def test_step_profile_mixed_steps_smoke(tmp_path: Path):
 
 
 def test_tp_profile_smoke(tmp_path: Path):
-    # bench/tp_profile_gpu.py: a profiled batch-1 decode per TP size, in its own process
+    # bench/tp_profile_gpu.py: a profiled decode of a batch per TP size, in its own process
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "tp_profile_gpu.py"),
-                           str(tmp_path), "--smoke", "--tp", "1"],
+                           str(tmp_path), "--smoke", "--tp", "1", "--batch", "2"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    [row] = json.loads((tmp_path / "tp_profile.json").read_text())
-    assert row["tp"] == 1 and row["tokens"] == 8 and row["gpu_busy_ms_per_token"] > 0
-    assert row["families_us_per_token"] and len(row["top"]) == 20
+    [row] = json.loads((tmp_path / "tp_profile-b2.json").read_text())
+    assert row["tp"] == 1 and row["batch"] == 2 and row["tokens"] == 8
+    assert row["gpu_busy_ms_per_step"] > 0
+    assert row["families_us_per_step"] and len(row["top"]) == 20

@@ -219,13 +219,13 @@ def test_a_failed_fused_check_keeps_the_unfused_path(caplog, fault, others, reas
 
 
 def test_setup_checks_two_shot_where_the_group_takes_it(caplog):
-    ops = FakeOps(world=4)
+    ops = FakeOps(world=8)
     with caplog.at_level(logging.INFO, "kvpilot.engine"):
-        tp = setup(ops, Agree(), world=4, capacity=1024 * KIB)
+        tp = setup(ops, Agree(), world=8, capacity=1024 * KIB)
     assert tp.symm_mem is not None and ops.ran == [ONE_SHOT, TWO_SHOT]  # no fused check
-    assert not tp.symm_mem.fused and "none fused with the norm (it runs at (2,) ranks" \
+    assert not tp.symm_mem.fused and "none fused with the norm (it runs at (2, 4) ranks" \
         in caplog.text
-    assert "one-shot below 524288 bytes, two-shot from there" in caplog.text
+    assert "one-shot below 262144 bytes, two-shot from there" in caplog.text
 
 
 @pytest.mark.parametrize(("fault", "kwargs", "agreed", "reason"), [

@@ -166,8 +166,6 @@ def rank_main(rank: int, port: int, out: str, world: int = 2) -> None:
     # fused slots as large as the largest message, so the kernel runs at every size of
     # FUSED_ROWS (200 rows: more than its programs), not only the engine's decode sizes
     symm_mem_all_reduce.FUSED_MAX_BYTES = max(SIZES)
-    # the kernel is checked at 4 ranks too, though the engine fuses at 2 only
-    symm_mem_all_reduce.FUSED_WORLD_SIZES = (2, 4)
 
     result: dict = {"errors": []}
     try:

@@ -8,22 +8,26 @@ the long one. Here one kernel does both, on a group whose GPUs read each other's
 
 1. each program writes its rows of this rank's partial sum into this rank's slot of every
    rank's buffer (peer memory over NVLink: stores go out without waiting for an answer);
-2. it signals the same program on every peer and waits for theirs (one barrier);
-3. it sums each row over its own buffer's slots in rank order, in float32, rounded to the
-   dtype as an all-reduce gives it, so every rank holds the same bits;
-4. adds the residual and normalises, with the rounding of `kvpilot.kernels.rmsnorm`
+2. it reads each row of its own buffer's slots until every element has arrived, and sums
+   them in rank order, in float32, rounded to the dtype as an all-reduce gives it, so every
+   rank holds the same bits; then it marks those slots empty again;
+3. adds the residual and normalises, with the rounding of `kvpilot.kernels.rmsnorm`
    (`normed_row`): at two ranks the result equals all-reduce + `rms_norm` bit for bit.
 
-One barrier per call, not two: each program counts its calls (`epochs`, this rank's own
-memory) and signals that count, so signals never need resetting; each buffer has two halves
-of `world` slots and a program writes the half of its call's parity, so a peer still reading
-the previous call's rows reads the other half. Why that is safe: row i is always program
-i % programs' (the grid is min(rows, programs)), so the program that writes row i in a call
-also wrote it in the last call that had row i, one count earlier (the other half); and a
-program that starts a call has passed the last call's barrier with the same program of
-every peer, which had read that call's rows before it signalled.
-The signal slots `pads[rank][program * world + peer]` are int32 counts compared by signed
-difference, so they may wrap.
+No flag, no fence (Lamport's scheme, as TensorRT-LLM's one-shot all-reduce): an empty slot
+holds a bit pattern no message holds, EMPTY16 in every 16-bit half, so the data is its own
+signal. A writer sends a bfloat16 -0.0 (0x8000) as +0.0 and a float32 with the bits
+0x80008000 (a denormal, -4.6e-41) as -0.0; the reader spins on volatile loads of its own
+memory until no element of the row reads empty (each element lands whole, so a row read
+half-written is read again). The barrier-and-signal form this replaced waited for a
+system-scope release after its stores: one NVLink round trip more per call.
+
+Why one slot per rank per row is enough with two halves: each program counts its calls
+(`epochs`, this rank's memory; every rank makes the same calls, so the counts agree) and uses
+the half of its call's parity. Row i is always program i % programs' (the grid is
+min(rows, programs)), so the rows a program reads are the rows it marks empty. A peer writes
+into a half again two calls later, which it reaches only after reading this rank's writes of
+the call between, made by a later launch than the one that emptied the half.
 """
 
 from __future__ import annotations
@@ -35,51 +39,54 @@ import triton.language as tl
 from kvpilot.kernels.jit import jit
 from kvpilot.kernels.rmsnorm import normed_row, rms_norm_ref
 
+EMPTY16 = -0x8000  # an empty slot's every 16-bit half: 0x8000, a bfloat16 -0.0
+# by element size: the integers a slot's element is read as, an empty element's bits, and
+# what a message sends in their place (-0.0 as +0.0; the float32 0x80008000 as -0.0)
+EMPTY_BITS = {2: (torch.int16, EMPTY16, 0),
+              4: (torch.int32, -0x7FFF8000, -0x80000000)}
 
-@jit
-def _meet_peers(pads, program, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """Signals `epoch` to program `program` of every peer (release: after this program's
-    stores), then waits until each peer has signalled it (acquire: before its loads). A
-    scalar atomic runs once per program."""
-    tl.debug_barrier()  # every thread's stores before the release
-    for peer in range(WORLD):
-        if peer != RANK:
-            pad = tl.load(pads + peer).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(pad + program * WORLD + RANK, epoch, sem="release", scope="sys")
-    own = tl.load(pads + RANK).to(tl.pointer_type(tl.int32)) + program * WORLD
-    for peer in range(WORLD):
-        if peer != RANK:
-            # a peer may already be one call ahead: wait for at least `epoch`
-            while tl.atomic_add(own + peer, 0, sem="acquire", scope="sys") - epoch < 0:
-                pass
-    tl.debug_barrier()  # no thread reads before the acquire
+
+def empty_slots(buffer: torch.Tensor) -> None:
+    """Marks every slot of `buffer` (a rank's fused slots, any dtype) empty."""
+    buffer.view(torch.int16).fill_(EMPTY16)
 
 
 @jit
 def _all_reduce_add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, buffers, pads, epochs,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, buffers, epochs,
     n_rows, n_cols, slot_numel, eps,
+    EMPTY: tl.constexpr, SENT_AS: tl.constexpr,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """x_ptr: the partial sum as integers of its width; EMPTY: an empty slot element's bits,
+    SENT_AS: what a message sends in their place."""
     program = tl.program_id(0)
     step = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     dtype = out_ptr.dtype.element_ty
+    bits_ty = x_ptr.dtype.element_ty
     epoch = tl.load(epochs + program) + 1
     half = (epoch % 2).to(tl.int64) * WORLD * slot_numel
     for row in range(program, n_rows, step):
         x = tl.load(x_ptr + row * n_cols + offs, mask=mask)
+        x = tl.where(x == EMPTY, SENT_AS, x).to(bits_ty)
         for rank in range(WORLD):  # this rank's slot in every rank's buffer
-            slot = tl.load(buffers + rank).to(tl.pointer_type(dtype)) + half + RANK * slot_numel
+            slot = tl.load(buffers + rank).to(tl.pointer_type(bits_ty)) + half \
+                + RANK * slot_numel
             tl.store(slot + row * n_cols + offs, x, mask=mask)
-    _meet_peers(pads, program, epoch, RANK, WORLD)
-    own = tl.load(buffers + RANK).to(tl.pointer_type(dtype)) + half
+    own = tl.load(buffers + RANK).to(tl.pointer_type(bits_ty)) + half
     for row in range(program, n_rows, step):
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for rank in range(WORLD):
-            total += tl.load(own + rank * slot_numel + row * n_cols + offs, mask=mask,
-                             other=0.0, volatile=True).to(tl.float32)
+            at = own + rank * slot_numel + row * n_cols + offs
+            part = tl.load(at, mask=mask, other=0, volatile=True)
+            while (part == EMPTY).to(tl.int32).sum(0) > 0:  # not all there yet
+                part = tl.load(at, mask=mask, other=0, volatile=True)
+            total += part.to(dtype, bitcast=True).to(tl.float32)
+        for rank in range(WORLD):  # empty again for the call after next
+            tl.store(own + rank * slot_numel + row * n_cols + offs,
+                     tl.full([BLOCK], EMPTY, bits_ty), mask=mask)
         r = tl.load(residual_ptr + row * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
         # the sum rounded as the all-reduce gives it, then the residual stream's add
         h = (total.to(dtype).to(tl.float32) + r).to(dtype)
@@ -91,25 +98,26 @@ def _all_reduce_add_rms_norm_kernel(
 
 
 def all_reduce_add_rms_norm(
-    x: torch.Tensor,  # [T, hidden], contiguous: this rank's partial sum
+    x: torch.Tensor,  # [T, hidden], contiguous: this rank's partial sum, 16 or 32 bits
     residual: torch.Tensor,  # [T, hidden], contiguous
     weight: torch.Tensor,  # [hidden]
     eps: float,
     buffers: torch.Tensor,  # int64 [world]: each rank's buffer: 2 x world slots
     slot_bytes: int,  # of each slot: at least T * hidden elements
-    pads: torch.Tensor,  # int64 [world]: each rank's signal slots, [programs * world] int32
     epochs: torch.Tensor,  # int32 [programs], this rank's: calls per program so far
     rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gives (norm(sum_ranks(x) + residual), sum_ranks(x) + residual); every rank of the group
-    calls it with the same shapes, in the same order. The slots and counts start at zero."""
+    calls it with the same shapes, in the same order. The slots start empty (`empty_slots`)
+    and the counts at zero."""
     n_rows, n_cols = x.shape
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x)
     if n_rows:
+        bits, empty, sent_as = EMPTY_BITS[x.element_size()]
         _all_reduce_add_rms_norm_kernel[(min(n_rows, epochs.numel()),)](
-            x, residual, weight, out, residual_out, buffers, pads, epochs, n_rows, n_cols,
-            slot_bytes // x.element_size(), eps,
+            x.view(bits), residual, weight, out, residual_out, buffers, epochs, n_rows, n_cols,
+            slot_bytes // x.element_size(), eps, EMPTY=empty, SENT_AS=sent_as,
             RANK=rank, WORLD=buffers.numel(), BLOCK=triton.next_power_of_2(n_cols),
             num_warps=4 if n_cols <= 2048 else 8,
         )

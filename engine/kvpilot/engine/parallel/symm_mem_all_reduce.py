@@ -14,11 +14,11 @@ rank calls every agreement whatever it found, so a refusal never leaves a peer w
 (one exception: a rank whose allocation fails before the rendezvous leaves its peers in
 the rendezvous until the store's timeout, then they fall back too).
 
-The allocation holds more than torch's buffer: 2 x world slots of up to FUSED_MAX_BYTES and a
-block of signal slots, written through raw peer addresses by kvpilot's own kernel that sums a
-row-parallel projection's output, adds the residual and normalises in one launch
-(`kvpilot.kernels.all_reduce_rmsnorm`, called from the norm after the projection), so it
-never meets torch's ops on the same bytes or signals. It is checked at start-up beside the
+The allocation holds more than torch's buffer: 2 x world slots of up to FUSED_MAX_BYTES,
+written through raw peer addresses by kvpilot's own kernel that sums a row-parallel
+projection's output, adds the residual and normalises in one launch
+(`kvpilot.kernels.all_reduce_rmsnorm`, called from the norm after the projection; its slots
+start empty and are their own signals), so it never meets torch's ops on the same bytes. It is checked at start-up beside the
 others and agreed on alone: a group whose fused check fails keeps the two-launch path
 (torch's all-reduce, then the norm kernel).
 
@@ -64,13 +64,14 @@ FUSED = "fused add-rmsnorm"  # the one-shot all-reduce fused with the norm after
 CHECK_EPS = 1e-5
 FUSED_PROGRAMS = 64  # the fused kernel's most programs (each meets its peers on its own slots)
 # the largest message the fused kernel takes (its slots' size): a 64-sequence decode step of
-# a 70B (64 x 8192 bf16). On 2 H100s in a CUDA graph it beat NCCL + the norm kernel at every
-# size from 8 KiB (6.6 vs 8.8 us) to 4 MiB (bench/results/allreduce-4xH100-2026-11-27/)
+# a 70B (64 x 8192 bf16). In a CUDA graph on H100s it beat NCCL + the norm kernel and torch's
+# one-shot + the norm kernel at every size from 8 KiB to 1 MiB, at 2 ranks (8 KiB: 5.0 us
+# against 8.8 and 10.5) and at 4 (7.6 against 11.8 and 11.1; 1 MiB: 22.2 against 20.1 and
+# 23.8), bench/results/allreduce-4xH100-2026-11-27-lamport/
 FUSED_MAX_BYTES = 1024 * 1024
-# the group sizes the fused kernel runs at: at 4 ranks on H100s it was slower than torch's
-# one-shot + the norm kernel (13.2 vs 11.1 us at 8 KiB in a graph: it signals its peers one
-# after another), so larger groups keep the two launches
-FUSED_WORLD_SIZES = (2,)
+# the group sizes the fused kernel runs at (it is measured at 2 and 4 ranks; at 8 its
+# world x message bytes of peer stores per rank are not)
+FUSED_WORLD_SIZES = (2, 4)
 
 
 class SymmMemOps(Protocol):
@@ -90,13 +91,12 @@ class SymmMemOps(Protocol):
 class TorchSymmMem:
     """torch.distributed._symmetric_memory and torch.ops.symm_mem (CUDA backend, no multicast);
     one per tensor-parallel group. `allocate` gives torch's buffer and keeps the rest of the
-    allocation for the fused kernel: [torch's | 2 x world fused slots | signal slots]."""
+    allocation for the fused kernel: [torch's | 2 x world fused slots]."""
 
     def __init__(self) -> None:
         # the fused kernel's view of the allocation (set by `allocate`): every rank's fused
-        # slots and signal slots as int64 device addresses, and this rank's call counts
+        # slots as int64 device addresses, and this rank's call counts
         self.fused_buffers: torch.Tensor | None = None
-        self.fused_pads: torch.Tensor | None = None
         self.epochs: torch.Tensor | None = None
         self.slot_bytes = 0
         self.rank = 0
@@ -115,25 +115,24 @@ class TorchSymmMem:
     def allocate(self, nbytes: int, device: torch.device, tp: TPGroup) -> torch.Tensor:
         import torch.distributed._symmetric_memory as symm_mem
 
+        from kvpilot.kernels.all_reduce_rmsnorm import empty_slots
+
         # the one- and two-shot kernels read peers' memory directly and need no multicast
         # object; keep the rendezvous from making one (the device rules keep multicast off)
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         # no fused slots for a group the kernel does not run at (FUSED_WORLD_SIZES)
         self.slot_bytes = fused_bytes(nbytes) if tp.size in FUSED_WORLD_SIZES else 0
-        pads = nbytes + 2 * tp.size * self.slot_bytes  # then int32 [programs, world]
-        buffer = symm_mem.empty(pads + FUSED_PROGRAMS * tp.size * 4, dtype=torch.uint8,
+        buffer = symm_mem.empty(nbytes + 2 * tp.size * self.slot_bytes, dtype=torch.uint8,
                                 device=device)
         handle = symm_mem.rendezvous(buffer, tp.process_group())
-        buffer[pads:].zero_()
+        empty_slots(buffer[nbytes:])
         offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]  # the same on every rank
         self.fused_buffers = torch.tensor([p + offset + nbytes for p in handle.buffer_ptrs],
                                           dtype=torch.int64, device=device)
-        self.fused_pads = torch.tensor([p + offset + pads for p in handle.buffer_ptrs],
-                                       dtype=torch.int64, device=device)
         self.epochs = torch.zeros(FUSED_PROGRAMS, dtype=torch.int32, device=device)
         self.rank = handle.rank
-        # the buffer's and signal pads' initialisation done on this GPU before the agreement
-        # after this returns, so no peer's first kernel signals into slots still being zeroed
+        # the slots emptied on this GPU before the agreement after this returns, so no peer's
+        # first kernel writes into slots still being emptied
         torch.cuda.synchronize(device)
         return buffer[:nbytes]
 
@@ -149,10 +148,9 @@ class TorchSymmMem:
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         from kvpilot.kernels.all_reduce_rmsnorm import all_reduce_add_rms_norm
 
-        assert self.fused_buffers is not None and self.fused_pads is not None \
-            and self.epochs is not None  # allocated
+        assert self.fused_buffers is not None and self.epochs is not None  # allocated
         return all_reduce_add_rms_norm(x, residual, weight, eps, self.fused_buffers,
-                                       self.slot_bytes, self.fused_pads, self.epochs, self.rank)
+                                       self.slot_bytes, self.epochs, self.rank)
 
     def finished(self, timeout_s: float) -> bool:
         """Gives whether the work queued on the current stream ends within `timeout_s` (the
