@@ -11,10 +11,13 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels.jit import jit
+from kvpilot.kernels.pdl import pdl_args, wait_for_previous
 
 
 @jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -32,7 +35,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n_cols))
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_cols, block))](
-            x2, out, x2.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4)
+            x2, out, x2.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4,
+            **pdl_args(x2))
     return out.view(*x.shape[:-1], n_cols)
 
 

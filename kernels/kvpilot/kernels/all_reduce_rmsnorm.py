@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels.jit import jit
+from kvpilot.kernels.pdl import pdl_args, wait_for_previous
 from kvpilot.kernels.rmsnorm import normed_row, rms_norm_ref
 
 EMPTY16 = -0x8000  # an empty slot's every 16-bit half: 0x8000, a bfloat16 -0.0
@@ -56,10 +57,11 @@ def _all_reduce_add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, buffers, epochs,
     n_rows, n_cols, slot_numel, eps,
     EMPTY: tl.constexpr, SENT_AS: tl.constexpr,
-    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """x_ptr: the partial sum as integers of its width; EMPTY: an empty slot element's bits,
     SENT_AS: what a message sends in their place."""
+    wait_for_previous(PDL)
     program = tl.program_id(0)
     step = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
@@ -119,7 +121,7 @@ def all_reduce_add_rms_norm(
             x.view(bits), residual, weight, out, residual_out, buffers, epochs, n_rows, n_cols,
             slot_bytes // x.element_size(), eps, EMPTY=empty, SENT_AS=sent_as,
             RANK=rank, WORLD=buffers.numel(), BLOCK=triton.next_power_of_2(n_cols),
-            num_warps=4 if n_cols <= 2048 else 8,
+            num_warps=4 if n_cols <= 2048 else 8, **pdl_args(x),
         )
     return out, residual_out
 

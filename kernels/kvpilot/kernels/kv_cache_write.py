@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kvpilot.kernels.jit import jit
 from kvpilot.kernels.kv_cache_dtype import FP8_KV_DTYPE, as_bytes, to_cache_dtype
+from kvpilot.kernels.pdl import pdl_args, wait_for_previous
 
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # E4M3's largest finite value
 
@@ -32,8 +33,9 @@ def cache_value(x, scale, KV_FP8: tl.constexpr, dtype: tl.constexpr):
 def _kv_cache_write_kernel(
     k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
     stride_kt, stride_vt, stride_kv, stride_slot, k_scale, v_scale,
-    ROW: tl.constexpr, BLOCK: tl.constexpr, KV_FP8: tl.constexpr,
+    ROW: tl.constexpr, BLOCK: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:
@@ -68,7 +70,7 @@ def kv_cache_write(
         k, v, kv_cache, slot_mapping,
         k.stride(0), v.stride(0), kv_cache.stride(0), kv_cache.stride(2), *kv_scales,
         ROW=row, BLOCK=triton.next_power_of_2(row), KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
-        num_warps=4,
+        num_warps=4, **pdl_args(k),
     )
 
 

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kvpilot.kernels.jit import jit
 from kvpilot.kernels.kv_cache_dtype import FP8_KV_DTYPE, cached_rows
+from kvpilot.kernels.pdl import pdl_args, wait_for_previous
 
 
 # Arguments that change from step to step are not specialised on (divisibility by 16,
@@ -47,7 +48,9 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: write the output, no partials to merge
     HAS_ORDER: tl.constexpr,  # the sequences' order in the launch: longest first
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     # a sequence's KV heads are neighbours in the launch order, so programs running together
     # read neighbouring bytes of each cached token (all its heads sit side by side)
     kv_head = tl.program_id(0)
@@ -114,7 +117,9 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, stride_ot, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
@@ -199,14 +204,14 @@ def paged_decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         KV_FP8=kv_cache.dtype == FP8_KV_DTYPE, DIRECT=direct,
         HAS_ORDER=order is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
     if direct:
         return out
     _decode_merge_kernel[(num_seqs, num_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        SPLITS_P2=max(16, triton.next_power_of_2(num_splits)),
+        SPLITS_P2=max(16, triton.next_power_of_2(num_splits)), **pdl_args(q),
     )
     return out
 

@@ -30,6 +30,7 @@ import triton.language as tl
 from kvpilot.kernels.jit import jit
 from kvpilot.kernels.kv_cache_dtype import FP8_KV_DTYPE
 from kvpilot.kernels.kv_cache_write import cache_value
+from kvpilot.kernels.pdl import pdl_args, wait_for_previous
 from kvpilot.kernels.rmsnorm import rms_norm_ref
 from kvpilot.kernels.rotary import (
     pair_columns,
@@ -101,8 +102,9 @@ def _qk_norm_rotary_kernel(
     stride_kv, stride_slot, k_scale, v_scale,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr, IS_NEOX: tl.constexpr, WRITE_KV: tl.constexpr, KV_FP8: tl.constexpr,
-    HEADS_PER_PROGRAM: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, HEAD_DIM)
     cache_dtype: tl.constexpr = cache_ptr.dtype.element_ty
@@ -197,6 +199,7 @@ def qk_norm_rotary(
             KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
             HEADS_PER_PROGRAM=heads_per_program,
             num_warps=4,  # as rms_norm launches a row this long: the same reduction
+            **pdl_args(q),
         )
     return q, k
 

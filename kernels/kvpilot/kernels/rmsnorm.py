@@ -15,14 +15,16 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels.jit import jit
+from kvpilot.kernels.pdl import pdl_args, wait_for_previous
 
 
 @jit
 def _rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_xt, stride_xh, num_heads, stride_r, stride_o, stride_ro, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -69,7 +71,7 @@ def rms_norm(
             x3.stride(0), x3.stride(1), x3.shape[1], res2.stride(0), out.stride(0),
             res_out.stride(0), n_cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
-            num_warps=4 if n_cols <= 2048 else 8,
+            num_warps=4 if n_cols <= 2048 else 8, **pdl_args(x3),
         )
     if residual is None:
         return out.view(shape)

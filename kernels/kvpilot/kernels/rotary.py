@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels.jit import jit
+from kvpilot.kernels.pdl import pdl_args, wait_for_previous
 
 
 @jit
@@ -54,8 +55,9 @@ def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cos_sin_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     offs_i = tl.arange(0, HALF)
@@ -92,7 +94,7 @@ def rotary_embedding(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
             NUM_HEADS=q.shape[1], NUM_KV_HEADS=k.shape[1], HALF=half,
             BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])), IS_NEOX=is_neox,
-            num_warps=4,
+            num_warps=4, **pdl_args(q),
         )
     return q, k
 

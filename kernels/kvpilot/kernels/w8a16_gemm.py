@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels.jit import Kernel, jit
+from kvpilot.kernels.pdl import pdl_args, wait_for_previous
 
 MAX_M = 64  # rows beyond which the torch path (widen, then cuBLAS) wins
 
@@ -52,14 +53,20 @@ GEMV_CONFIGS = [
 @jit
 def _w8a16_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # the first weight tile is loaded before waiting for the kernel that writes x (PDL)
+    k_ok = offs_k < K
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    wait_for_previous(PDL)
+    x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k_ok = (k0 + offs_k) < K
         x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :],
@@ -164,11 +171,12 @@ def _gemv_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     args = (x, weight, weight if scale is None else scale, out, n, k, weight.stride(0))
     if tune:
         _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-            *args, HAS_SCALE=scale is not None)
+            *args, HAS_SCALE=scale is not None, **pdl_args(x))
     else:
         block_n, block_k = block_n or 4, block_k or 256
         _w8a16_gemv_kernel[(triton.cdiv(n, block_n),)](
-            *args, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALE=scale is not None, num_warps=4)
+            *args, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALE=scale is not None, num_warps=4,
+            **pdl_args(x))
     return out
 
 
