@@ -18,11 +18,13 @@ from kernel_testing import DEVICE, DTYPES
 
 from kvpilot.kernels.all_reduce_rmsnorm import (
     EMPTY16,
+    FusedSlots,
     all_reduce_add_rms_norm,
     all_reduce_add_rms_norm_ref,
     empty_slots,
 )
 from kvpilot.kernels.rmsnorm import rms_norm
+from kvpilot.kernels.w8a16_gemm import gemv, gemv_send
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the GPU form runs in "
                                 "tests/parallel/test_symm_mem_all_reduce_gpu.py")
@@ -100,5 +102,69 @@ def test_ranks_get_the_all_reduced_norm_bit_for_bit(tmp_path: Path, world: int,
                                dtype=torch.int32)
     for r in range(world):
         assert torch.equal(saved[r][1], want_epochs)
+        buffer = shared(tmp_path / f"buffer{r}", numel, dtype).view(torch.int16)
+        assert bool((buffer == EMPTY16).all()), r
+
+
+# calls of the second test: (rows, whether the GEMV sends the row); sent and plain calls
+# interleave, so both use the halves in turn
+SENT_CALLS = ((1, True), (3, False), (1, True), (1, True), (1, False), (2, False), (1, True))
+K_IN = 40
+
+
+def projection(rank: int, call: int, rows: int, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gives rank `rank`'s GEMV input [rows, K_IN] and weight [HIDDEN, K_IN] of a call."""
+    gen = torch.Generator().manual_seed(100 * rank + call)
+    return (torch.randn(rows, K_IN, generator=gen).to(dtype),
+            (torch.randn(HIDDEN, K_IN, generator=gen) / 4).to(dtype))
+
+
+def sent_rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> None:
+    """Runs SENT_CALLS: a sending call's partial sum comes from `gemv_send`."""
+    slot = max(ROWS) * HIDDEN
+    buffers = [shared(root / f"buffer{r}", 2 * world * slot, dtype) for r in range(world)]
+    slots = FusedSlots(torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64),
+                       slot * dtype.itemsize, torch.zeros(PROGRAMS, dtype=torch.int32), rank)
+    got = []
+    for call, (rows, sent) in enumerate(SENT_CALLS):
+        a, w = projection(rank, call, rows, dtype)
+        x = gemv_send(a, w, slots) if sent else a @ w.T
+        _, residual, weight = inputs(rank, rows, call, dtype)
+        got.append(all_reduce_add_rms_norm(x, residual, weight, EPS, slots.buffers,
+                                           slots.slot_bytes, slots.epochs, rank, sent=sent))
+    torch.save(got, root / f"got{rank}.pt")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_the_gemv_sent_is_summed_as_one_the_kernel_sent(tmp_path: Path,
+                                                               dtype: torch.dtype):
+    world = 2
+    numel = 2 * world * max(ROWS) * HIDDEN
+    for r in range(world):
+        empty_slots(shared(tmp_path / f"buffer{r}", numel, dtype))
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=sent_rank_main, args=(r, world, dtype, tmp_path), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0, f"a rank process ended with {p.exitcode}"
+    got = [torch.load(tmp_path / f"got{r}.pt") for r in range(world)]
+    for call, (rows, sent) in enumerate(SENT_CALLS):
+        parts = []
+        for r in range(world):
+            a, w = projection(r, call, rows, dtype)
+            parts.append(gemv(a, w, block_n=4, block_k=256) if sent else a @ w.T)
+        _, residual, weight = inputs(0, rows, call, dtype)
+        want_out, want_residual = all_reduce_add_rms_norm_ref(parts, residual, weight, EPS)
+        total = all_reduce_add_rms_norm_ref(parts, torch.zeros_like(residual), weight, EPS)[1]
+        two_launch = rms_norm(total, weight, EPS, residual)
+        for r in range(world):
+            assert torch.equal(got[r][call][1], want_residual), (r, call)
+            assert torch.equal(got[r][call][0], two_launch[0]), (r, call)
+            torch.testing.assert_close(got[r][call][0], want_out)
+    for r in range(world):
         buffer = shared(tmp_path / f"buffer{r}", numel, dtype).view(torch.int16)
         assert bool((buffer == EMPTY16).all()), r

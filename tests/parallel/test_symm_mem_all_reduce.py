@@ -30,6 +30,7 @@ from kvpilot.engine.parallel.groups import TPGroup
 from kvpilot.engine.parallel.symm_mem_all_reduce import (
     FUSED,
     FUSED_MAX_BYTES,
+    SENT,
     AllReduceSettings,
     SymmMemAllReduce,
     check_input,
@@ -149,8 +150,8 @@ class FakeOps:
         self._reduce(TWO_SHOT, staged, x)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        self.ran.append(FUSED)
+                     eps: float, sent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ran.append(SENT if sent else FUSED)
         if self.fault == "fused-raise":
             raise RuntimeError("fused kernel failed")
         total = x.clone()
@@ -159,6 +160,10 @@ class FakeOps:
                 total += check_input(r, x.numel(), x.dtype, x.device).view(x.shape)
         h = total + residual + (self.fault == "fused-wrong")
         return F.rms_norm(h, (x.shape[-1],), weight, eps), h
+
+    def gemv_send(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        self.ran.append("gemv_send")
+        return x @ weight.T
 
     def finished(self, timeout_s: float) -> bool:
         return self.fault != "hang"
@@ -196,7 +201,7 @@ def test_setup_uses_symmetric_memory_when_every_rank_can(caplog):
     assert tp.symm_mem is not None and tp.symm_mem.capacity == 512 * KIB
     assert agree.values == [1, 1, 1, 1] and ops.ran == [ONE_SHOT, FUSED]  # each check once
     assert tp.symm_mem.fused
-    assert tp.symm_mem.calls == {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0}  # checks not counted
+    assert tp.symm_mem.calls == {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0, SENT: 0}  # checks not counted
     assert "torch symmetric memory (one-shot) for messages up to 524288 bytes (a 2-rank " \
            "group on one host, peer-to-peer, no multicast), those up to 524288 bytes before " \
            "a residual norm fused with it" in caplog.text
@@ -300,7 +305,7 @@ def test_tp_group_sends_small_tensors_through_symmetric_memory(monkeypatch):
     big, half = torch.zeros(20), torch.zeros(16, dtype=torch.float16)
     tp.all_reduce(big)
     tp.all_reduce(half)
-    assert ops.ran == [ONE_SHOT] and comm.calls == {ONE_SHOT: 1, TWO_SHOT: 0, FUSED: 0}
+    assert ops.ran == [ONE_SHOT] and comm.calls == {ONE_SHOT: 1, TWO_SHOT: 0, FUSED: 0, SENT: 0}
     assert over_nccl == [big, half]
 
 
@@ -327,6 +332,27 @@ def test_tp_group_fuses_the_norm_for_messages_up_to_the_fused_limit():
     assert ops.ran == [FUSED, FUSED] and comm.calls[FUSED] == 2
     assert TPGroup(0, 4, group=GROUP).all_reduce_add_rms_norm(  # type: ignore[arg-type]
         small, small, weight, 1e-6) is None  # no symmetric memory
+
+
+def test_a_row_the_gemv_sent_is_summed_by_the_next_fused_call():
+    ops = FakeOps()
+    comm = SymmMemAllReduce(ops, torch.zeros(64 * KIB, dtype=torch.uint8), "tp", 2)
+    x, weight = torch.ones(1, 64, dtype=FP32), torch.ones(4096, 64, dtype=FP32) / 64
+    norm = torch.ones(4096, dtype=FP32)
+    assert comm.gemv_send(x, weight) is None  # the fused kernel is not agreed on
+    comm.fused = True
+    assert comm.gemv_send(x, torch.ones(64 * KIB, 64, dtype=FP32)) is None  # above the limit
+    assert comm.gemv_send(x.half(), weight.half()) is None  # a dtype the group does not sum
+    sent = comm.gemv_send(x, weight)
+    assert sent is not None and torch.equal(sent, torch.ones(1, 4096))
+    assert comm.gemv_send(x, weight) is None  # one row in the slots at a time
+    with pytest.raises(RuntimeError, match="must be the next fused call's x"):
+        comm.add_rms_norm(sent.clone(), torch.zeros_like(sent), norm, 1e-6)
+    out = comm.add_rms_norm(sent, torch.zeros_like(sent), norm, 1e-6)
+    assert out is not None and ops.ran == ["gemv_send", SENT]
+    assert comm.calls[SENT] == 1 and comm.calls[FUSED] == 0
+    assert comm.add_rms_norm(x, x, norm[:64], 1e-6) is not None  # the next one sends its own
+    assert ops.ran[-1] == FUSED
 
 
 def test_flags():

@@ -29,7 +29,7 @@ from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm import LLM
 from kvpilot.engine.parallel.all_reduce_choice import ONE_SHOT
 from kvpilot.engine.parallel.groups import TPGroup
-from kvpilot.engine.parallel.symm_mem_all_reduce import FUSED
+from kvpilot.engine.parallel.symm_mem_all_reduce import FUSED, SENT
 
 pytestmark = pytest.mark.gpu
 KIB = 1024
@@ -124,6 +124,23 @@ def compare_fused(tp: TPGroup, rank: int) -> list[str]:
                     continue
                 if (diff := differs(got, unfused(data, residual, weight))) is not None:
                     errors.append(f"fused {name} {dtype} {rows} rows: {diff}")
+    from kvpilot.kernels.w8a16_gemm import gemv
+
+    for dtype in (torch.bfloat16, torch.float32):  # a row the GEMV sent, twice in a row
+        for call in range(3):
+            gen = torch.Generator(device="cuda").manual_seed(10 * rank + call)
+            a = torch.randn(1, 2048, dtype=dtype, device="cuda", generator=gen)
+            w = torch.randn(4096, 2048, dtype=dtype, device="cuda", generator=gen) / 32
+            gen.manual_seed(call)
+            residual = torch.randn(1, 4096, dtype=dtype, device="cuda", generator=gen)
+            weight = torch.randn(4096, dtype=dtype, device="cuda", generator=gen)
+            sent = tp.symm_mem.gemv_send(a, w)
+            if sent is None:
+                errors.append(f"gemv_send {dtype}: not taken")
+                continue
+            got = tp.all_reduce_add_rms_norm(sent, residual, weight, 1e-5)
+            if (diff := differs(got, unfused(gemv(a, w), residual, weight))) is not None:
+                errors.append(f"gemv_send {dtype} call {call}: {diff}")
     x = torch.zeros(8, 4096, dtype=torch.bfloat16, device="cuda")
     residual, weight = torch.zeros_like(x), torch.ones(4096, dtype=x.dtype, device="cuda")
     tp.all_reduce_add_rms_norm(x, residual, weight, 1e-5)  # warm up outside the capture
@@ -211,9 +228,12 @@ def test_tp2_engine_decodes_through_symm_mem_and_matches_tp1(tmp_path: Path):
     try:
         symm = llm.engine.runner.ctx.tp.symm_mem  # type: ignore[attr-defined]
         # on by default, and the decode graphs captured their all-reduces through it
-        assert symm is not None and symm.calls[ONE_SHOT] > 0 and symm.calls[FUSED] > 0
-        outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
-                                                     ignore_eos=True))
+        # (the batch-1 graph with rows its projections' GEMVs sent)
+        assert symm is not None and symm.calls[ONE_SHOT] > 0 and symm.calls[FUSED] > 0 \
+            and symm.calls[SENT] > 0
+        greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        outputs = llm.generate(batch, greedy)
+        alone = llm.generate(batch[:1], greedy)  # decodes at batch 1: the sent rows
         assert llm.get_stats().graph_steps > 0
     finally:
         llm.engine.shutdown()
@@ -221,3 +241,4 @@ def test_tp2_engine_decodes_through_symm_mem_and_matches_tp1(tmp_path: Path):
     gc.collect()
     torch.cuda.empty_cache()
     assert_top5(path, batch, [o.outputs[0].token_ids for o in outputs])
+    assert_top5(path, batch[:1], [o.outputs[0].token_ids for o in alone])

@@ -32,6 +32,8 @@ the call between, made by a later launch than the one that emptied the half.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -45,6 +47,7 @@ EMPTY16 = -0x8000  # an empty slot's every 16-bit half: 0x8000, a bfloat16 -0.0
 # what a message sends in their place (-0.0 as +0.0; the float32 0x80008000 as -0.0)
 EMPTY_BITS = {2: (torch.int16, EMPTY16, 0),
               4: (torch.int32, -0x7FFF8000, -0x80000000)}
+TL_BITS = {torch.int16: tl.int16, torch.int32: tl.int32}
 
 
 def empty_slots(buffer: torch.Tensor) -> None:
@@ -53,14 +56,40 @@ def empty_slots(buffer: torch.Tensor) -> None:
 
 
 @jit
+def send(bits, at, mask, buffers, half, slot_numel, EMPTY: tl.constexpr, SENT_AS: tl.constexpr,
+         RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Stores `bits` (a partial sum's elements as integers of their width) at offsets `at` of
+    this rank's slot in every rank's buffer, in the `half` of the call they are for."""
+    bits = tl.where(bits == EMPTY, SENT_AS, bits).to(bits.dtype)
+    for rank in range(WORLD):
+        slot = tl.load(buffers + rank).to(tl.pointer_type(bits.dtype)) + half \
+            + RANK * slot_numel
+        tl.store(slot + at, bits, mask=mask)
+
+
+@jit
+def send_first_row(values, offs, mask, buffers, epochs, slot_numel, BITS: tl.constexpr,
+                   EMPTY: tl.constexpr, SENT_AS: tl.constexpr, RANK: tl.constexpr,
+                   WORLD: tl.constexpr):
+    """Sends elements `offs` of a one-row partial sum (`values`, in its dtype) as the next
+    call's first phase would; that call then runs with SENT (`all_reduce_add_rms_norm(...,
+    sent=True)`). Called from the kernel that computes the row: its stores go out while
+    it finishes, and the all-reduce kernel only waits and sums."""
+    half = ((tl.load(epochs) + 1) % 2).to(tl.int64) * WORLD * slot_numel  # program 0's call
+    send(values.to(BITS, bitcast=True), offs, mask, buffers, half, slot_numel, EMPTY, SENT_AS,
+         RANK, WORLD)
+
+
+@jit
 def _all_reduce_add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, buffers, epochs,
     n_rows, n_cols, slot_numel, eps,
-    EMPTY: tl.constexpr, SENT_AS: tl.constexpr,
+    EMPTY: tl.constexpr, SENT_AS: tl.constexpr, SENT: tl.constexpr,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """x_ptr: the partial sum as integers of its width; EMPTY: an empty slot element's bits,
-    SENT_AS: what a message sends in their place."""
+    SENT_AS: what a message sends in their place; SENT: the rows are in the slots already
+    (`send_first_row`)."""
     wait_for_previous(PDL)
     program = tl.program_id(0)
     step = tl.num_programs(0)
@@ -70,13 +99,10 @@ def _all_reduce_add_rms_norm_kernel(
     bits_ty = x_ptr.dtype.element_ty
     epoch = tl.load(epochs + program) + 1
     half = (epoch % 2).to(tl.int64) * WORLD * slot_numel
-    for row in range(program, n_rows, step):
-        x = tl.load(x_ptr + row * n_cols + offs, mask=mask)
-        x = tl.where(x == EMPTY, SENT_AS, x).to(bits_ty)
-        for rank in range(WORLD):  # this rank's slot in every rank's buffer
-            slot = tl.load(buffers + rank).to(tl.pointer_type(bits_ty)) + half \
-                + RANK * slot_numel
-            tl.store(slot + row * n_cols + offs, x, mask=mask)
+    if not SENT:
+        for row in range(program, n_rows, step):
+            send(tl.load(x_ptr + row * n_cols + offs, mask=mask), row * n_cols + offs, mask,
+                 buffers, half, slot_numel, EMPTY, SENT_AS, RANK, WORLD)
     own = tl.load(buffers + RANK).to(tl.pointer_type(bits_ty)) + half
     for row in range(program, n_rows, step):
         total = tl.zeros([BLOCK], dtype=tl.float32)
@@ -108,10 +134,12 @@ def all_reduce_add_rms_norm(
     slot_bytes: int,  # of each slot: at least T * hidden elements
     epochs: torch.Tensor,  # int32 [programs], this rank's: calls per program so far
     rank: int,
+    sent: bool = False,  # x, one row, is in the slots already (`send_first_row`)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gives (norm(sum_ranks(x) + residual), sum_ranks(x) + residual); every rank of the group
     calls it with the same shapes, in the same order. The slots start empty (`empty_slots`)
     and the counts at zero."""
+    assert not sent or x.shape[0] == 1, "send_first_row sends one row"
     n_rows, n_cols = x.shape
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x)
@@ -119,11 +147,30 @@ def all_reduce_add_rms_norm(
         bits, empty, sent_as = EMPTY_BITS[x.element_size()]
         _all_reduce_add_rms_norm_kernel[(min(n_rows, epochs.numel()),)](
             x.view(bits), residual, weight, out, residual_out, buffers, epochs, n_rows, n_cols,
-            slot_bytes // x.element_size(), eps, EMPTY=empty, SENT_AS=sent_as,
+            slot_bytes // x.element_size(), eps, EMPTY=empty, SENT_AS=sent_as, SENT=sent,
             RANK=rank, WORLD=buffers.numel(), BLOCK=triton.next_power_of_2(n_cols),
             num_warps=4 if n_cols <= 2048 else 8, **pdl_args(x),
         )
     return out, residual_out
+
+
+@dataclass(frozen=True)
+class FusedSlots:
+    """A rank's view of the fused kernel's slots (kvpilot.engine.parallel.symm_mem_all_reduce
+    holds it): what a kernel that sends a row into them (`send_first_row`) needs."""
+
+    buffers: torch.Tensor  # int64 [world]: each rank's buffer
+    slot_bytes: int
+    epochs: torch.Tensor  # int32 [programs]: this rank's calls per program
+    rank: int
+
+    def send_args(self, dtype: torch.dtype) -> tuple[tuple, dict]:
+        """Gives the arguments of `send_first_row` for a row of `dtype`: (buffers, epochs,
+        slot_numel) and the constants."""
+        bits, empty, sent_as = EMPTY_BITS[dtype.itemsize]
+        return ((self.buffers, self.epochs, self.slot_bytes // dtype.itemsize),
+                dict(PUSH=True, PUSH_BITS=TL_BITS[bits], EMPTY=empty, SENT_AS=sent_as,
+                     RANK=self.rank, WORLD=self.buffers.numel()))
 
 
 def all_reduce_add_rms_norm_ref(

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.kernels.all_reduce_rmsnorm import FusedSlots, send_first_row
 from kvpilot.kernels.jit import Kernel, jit
 from kvpilot.kernels.pdl import pdl_args, wait_for_previous
 
@@ -53,8 +54,13 @@ GEMV_CONFIGS = [
 @jit
 def _w8a16_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn,
+    push_buffers, push_epochs, slot_numel,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
+    PUSH: tl.constexpr, PUSH_BITS: tl.constexpr, EMPTY: tl.constexpr, SENT_AS: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr,
 ):
+    """PUSH: the row is a row-parallel projection's partial sum that the fused all-reduce +
+    norm kernel sums next: also send it into every rank's slots (`send_first_row`)."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -75,7 +81,11 @@ def _w8a16_gemv_kernel(
     out = tl.sum(acc, axis=1)
     if HAS_SCALE:
         out = out * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    out = out.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_n, out, mask=n_ok)
+    if PUSH:
+        send_first_row(out, offs_n, n_ok, push_buffers, push_epochs, slot_numel, PUSH_BITS,
+                       EMPTY, SENT_AS, RANK, WORLD)
 
 
 @jit
@@ -161,23 +171,51 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
     return _gemv_into(out, x, weight, None, tune, block_n, block_k)
 
 
+NO_PUSH = dict(PUSH=False, PUSH_BITS=tl.int16, EMPTY=0, SENT_AS=0, RANK=0, WORLD=1)
+# (N, K) -> the tuned GEMV's config, for launches that send their row (never timed: a timed
+# launch would send into the peers' slots)
+_push_configs: dict[tuple[int, int], triton.Config] = {}
+
+
 def _gemv_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                scale: torch.Tensor | None, tune: bool, block_n: int | None,
-               block_k: int | None) -> torch.Tensor:
+               block_k: int | None, push: FusedSlots | None = None) -> torch.Tensor:
     """Launches the one-row GEMV into `out` [1, N] (autotuned, or with the given tiles);
-    without a `scale` the weight is the model's dtype and nothing scales the sums."""
+    without a `scale` the weight is the model's dtype and nothing scales the sums; with
+    `push` the row also goes into the fused all-reduce's slots."""
     n, k = weight.shape
-    # without a scale its pointer is never read: the weight's stands in
+    # without a scale (or push) its pointers are never read: the weight's stand in
     args = (x, weight, weight if scale is None else scale, out, n, k, weight.stride(0))
-    if tune:
-        _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-            *args, HAS_SCALE=scale is not None, **pdl_args(x))
+    sent, consts = push.send_args(out.dtype) if push is not None else ((weight, weight, 0),
+                                                                         NO_PUSH)
+    consts = dict(consts, HAS_SCALE=scale is not None, **pdl_args(x))
+    if push is not None and tune:  # the plain GEMV's tuned tiles, timed without sending
+        if (n, k) not in _push_configs:
+            _gemv_into(torch.empty_like(out), x, weight, scale, tune, None, None)
+            _push_configs[(n, k)] = _gemv_tuned.best_config  # pyright: ignore[reportAttributeAccessIssue]  (the Autotuner's last pick)
+        config = _push_configs[(n, k)]
+        _w8a16_gemv_kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
+            *args, *sent, **config.kwargs, num_warps=config.num_warps,
+            num_stages=config.num_stages, **consts)
+    elif tune:
+        _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, *sent, **consts)
     else:
         block_n, block_k = block_n or 4, block_k or 256
         _w8a16_gemv_kernel[(triton.cdiv(n, block_n),)](
-            *args, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALE=scale is not None, num_warps=4,
-            **pdl_args(x))
+            *args, *sent, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **consts)
     return out
+
+
+def gemv_send(x: torch.Tensor, weight: torch.Tensor, slots: FusedSlots) -> torch.Tensor:
+    """Gives `gemv(x, weight)` having also sent the row into `slots` for the fused all-reduce
+    + norm call that comes next on this rank (`all_reduce_add_rms_norm(..., sent=True)`)."""
+    n, k = weight.shape
+    assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1, \
+        "one dense row and a dense weight"
+    assert n * x.element_size() <= slots.slot_bytes, "the row must fit the fused slots"
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    return _gemv_into(out, x, weight, None, os.environ.get("TRITON_INTERPRET") != "1", None,
+                      None, slots)
 
 
 def one_row_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
 from torch import nn
 
 from kvpilot.engine.models.layers import FeedForward, Linear, RMSNorm
 from kvpilot.engine.models.llama import Attention
 from kvpilot.engine.models.rope import RotaryEmbedding
-from kvpilot.engine.parallel.layers import ParallelLMHead
+from kvpilot.engine.parallel.layers import ParallelLMHead, RowParallelLinear
+
+if TYPE_CHECKING:
+    from kvpilot.engine.parallel.symm_mem_all_reduce import SymmMemAllReduce
 
 
 def use_fused_kernels(model: nn.Module) -> list[str]:
@@ -39,6 +46,10 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
         elif isinstance(module, (Linear, ParallelLMHead)):  # projections and the LM head
             module.matmul = one_row_linear
             swapped.add("one_row_gemv")
+            if isinstance(module, RowParallelLinear) and not module.reduce_output \
+                    and module.tp.symm_mem is not None and module.tp.symm_mem.fused:
+                module.matmul = _sending_gemv(module.tp.symm_mem)
+                swapped.add("gemv_send")
     # q/k norm + rotary in one launch (Qwen3) where it gives the bits of the three kernels
     # it replaces; it reads the table of a kernel rope (rotary swapped above)
     rotary_dims = {m.cos_sin.shape[1] for m in model.modules()
@@ -51,3 +62,18 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
             module.qk_norm_rope = qk_norm_rotary
             swapped.add("qk_norm_rotary")
     return sorted(swapped)
+
+
+def _sending_gemv(comm: SymmMemAllReduce) -> Callable[..., torch.Tensor]:
+    """Gives a row-parallel projection's matmul whose one-row product the GEMV also sends into
+    the fused all-reduce's slots (the norm after it sums it: `sum_in_next_norm`)."""
+    from kvpilot.kernels.w8a16_gemm import USE_GEMV, one_row_linear
+
+    def matmul(x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if (USE_GEMV and bias is None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+                and x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
+                and (sent := comm.gemv_send(x, weight)) is not None):
+            return sent
+        return one_row_linear(x, weight, bias)
+    return matmul

@@ -61,6 +61,7 @@ logger = logging.getLogger("kvpilot.engine")
 CHECK_BYTES = 8192  # the start-up check's one-shot message: one decode token of 4096 bf16
 CHECK_TIMEOUT_S = 60.0  # a check all-reduce still running after this never ends
 FUSED = "fused add-rmsnorm"  # the one-shot all-reduce fused with the norm after it
+SENT = "sent by the GEMV"  # fused calls whose row the projection's GEMV sent
 CHECK_EPS = 1e-5
 FUSED_PROGRAMS = 64  # the fused kernel's most programs (each meets its peers on its own slots)
 # the largest message the fused kernel takes (its slots' size): a 64-sequence decode step of
@@ -84,7 +85,8 @@ class SymmMemOps(Protocol):
     def one_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None: ...
     def two_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None: ...
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+                     eps: float, sent: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def gemv_send(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
     def finished(self, timeout_s: float) -> bool: ...
 
 
@@ -145,12 +147,20 @@ class TorchSymmMem:
         torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", group_name, x)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, sent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         from kvpilot.kernels.all_reduce_rmsnorm import all_reduce_add_rms_norm
 
         assert self.fused_buffers is not None and self.epochs is not None  # allocated
         return all_reduce_add_rms_norm(x, residual, weight, eps, self.fused_buffers,
-                                       self.slot_bytes, self.epochs, self.rank)
+                                       self.slot_bytes, self.epochs, self.rank, sent=sent)
+
+    def gemv_send(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        from kvpilot.kernels.all_reduce_rmsnorm import FusedSlots
+        from kvpilot.kernels.w8a16_gemm import gemv_send
+
+        assert self.fused_buffers is not None and self.epochs is not None  # allocated
+        return gemv_send(x, weight, FusedSlots(self.fused_buffers, self.slot_bytes,
+                                               self.epochs, self.rank))
 
     def finished(self, timeout_s: float) -> bool:
         """Gives whether the work queued on the current stream ends within `timeout_s` (the
@@ -178,7 +188,8 @@ class SymmMemAllReduce:
         self.fused = False  # whether the ranks agreed on the fused kernel (setup_symm_mem)
         self.fused_limit = fused_bytes(self.capacity)  # the largest message it takes
         # calls made from Python (eager steps and graph captures; replays do not count)
-        self.calls = {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0}
+        self.calls = {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0, SENT: 0}
+        self.sent: torch.Tensor | None = None  # a row in the slots that add_rms_norm sums next
 
     def choose(self, x: torch.Tensor) -> str:
         """Gives the algorithm `x` takes: ONE_SHOT, TWO_SHOT, or NCCL (not through here)."""
@@ -198,13 +209,36 @@ class SymmMemAllReduce:
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Gives (norm(sum(x) + residual), sum(x) + residual) from the fused kernel, or None
         where it does not take `x`: not agreed on, not contiguous [T, hidden] rows of a dtype
-        the group sums with a residual of their shape, or more than `fused_limit` bytes."""
-        if not self.fused or x.dim() != 2 or residual.shape != x.shape \
-                or not residual.is_contiguous() or self.choose(x) == NCCL \
-                or x.numel() * x.element_size() > self.fused_limit:
+        the group sums with a residual of their shape, or more than `fused_limit` bytes. An
+        `x` that `gemv_send` gave is in the slots already: the kernel only waits and sums."""
+        if self.sent is not None:  # whatever comes next must sum it, or the slots go stale
+            if x is not self.sent or residual.shape != x.shape or not residual.is_contiguous():
+                raise RuntimeError("a row sent into the fused all-reduce's slots must be the "
+                                   "next fused call's x, with a residual of its shape")
+            self.sent = None
+            self.calls[SENT] += 1
+            return self.ops.add_rms_norm(x, residual, weight, eps, sent=True)
+        if not self.takes(x) or residual.shape != x.shape or not residual.is_contiguous():
             return None
         self.calls[FUSED] += 1
         return self.ops.add_rms_norm(x, residual, weight, eps)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Gives whether the fused kernel sums `x` (its residual aside)."""
+        return self.fused and x.dim() == 2 and self.choose(x) != NCCL \
+            and x.numel() * x.element_size() <= self.fused_limit
+
+    def gemv_send(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """Gives x @ weight.T for one row x [1, K] through the one-row GEMV, which also sends
+        the product into the fused kernel's slots, so the `add_rms_norm` call that comes next
+        only waits and sums; None where that call would not take the product (it must then
+        be the product's next fused call: a sent row that is never summed would be read as
+        the next call's)."""
+        out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)  # its layout
+        if self.sent is not None or not self.takes(out):
+            return None
+        self.sent = self.ops.gemv_send(x, weight)
+        return self.sent
 
 
 @dataclass(frozen=True)
