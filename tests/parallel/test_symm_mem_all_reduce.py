@@ -346,6 +346,9 @@ def test_a_row_the_gemv_sent_is_summed_by_the_next_fused_call():
     sent = comm.gemv_send(x, weight)
     assert sent is not None and torch.equal(sent, torch.ones(1, 4096))
     assert comm.gemv_send(x, weight) is None  # one row in the slots at a time
+    four = SymmMemAllReduce(FakeOps(world=4), torch.zeros(64 * KIB, dtype=torch.uint8), "tp", 4)
+    four.fused = True
+    assert four.gemv_send(x, weight) is None  # not at 4 ranks (SEND_WORLD_SIZES)
     with pytest.raises(RuntimeError, match="must be the next fused call's x"):
         comm.add_rms_norm(sent.clone(), torch.zeros_like(sent), norm, 1e-6)
     out = comm.add_rms_norm(sent, torch.zeros_like(sent), norm, 1e-6)
