@@ -99,7 +99,7 @@ def latency_rank(rank: int, world: int, port: int, device_type: str, sizes: list
     logging.basicConfig(level=logging.INFO, format=f"rank {rank} %(name)s: %(message)s")
     # fused slots for the largest message: the kernel is timed at every size, also above
     # the engine's FUSED_MAX_BYTES (which these timings set)
-    symm_mem_all_reduce.FUSED_MAX_BYTES = max(sizes)
+    symm_mem_all_reduce.FUSED_MAX_BYTES = dict.fromkeys((2, 4), max(sizes))
     symm_mem_all_reduce.FUSED_WORLD_SIZES = (world,)  # timed at this world size too
     ctx = init_distributed(ParallelConfig(world), Rendezvous.local(world, port), rank,
                            device_type, num_layers=1)

@@ -321,10 +321,10 @@ def test_tp_group_fuses_the_norm_for_messages_up_to_the_fused_limit():
     peers = sum(check_input(r, small.numel(), FP32, small.device) for r in (1, 2, 3))
     assert torch.equal(residual, 1 + peers.view(small.shape))  # type: ignore[union-attr]
     torch.testing.assert_close(out, F.rms_norm(residual, (4096,), weight, 1e-6))
-    assert comm.fused_limit == FUSED_MAX_BYTES == 1024 * KIB
-    limit = torch.zeros(64, 4096, dtype=FP32)  # 1 MiB: still fused
+    assert comm.fused_limit == FUSED_MAX_BYTES[4] == 512 * KIB  # at 2 ranks 1 MiB
+    limit = torch.zeros(32, 4096, dtype=FP32)  # 512 KiB: still fused
     assert tp.all_reduce_add_rms_norm(limit, limit, weight, 1e-6) is not None
-    above = torch.zeros(65, 4096, dtype=FP32)  # the norm's caller all-reduces
+    above = torch.zeros(33, 4096, dtype=FP32)  # the norm's caller all-reduces
     assert tp.all_reduce_add_rms_norm(above, above, weight, 1e-6) is None
     half = torch.zeros(2, 4096, dtype=torch.float16)  # a dtype the group does not sum
     assert tp.all_reduce_add_rms_norm(half, half, weight, 1e-6) is None

@@ -182,7 +182,7 @@ def rank_main(rank: int, port: int, out: str, world: int = 2) -> None:
 
     # fused slots as large as the largest message, so the kernel runs at every size of
     # FUSED_ROWS (200 rows: more than its programs), not only the engine's decode sizes
-    symm_mem_all_reduce.FUSED_MAX_BYTES = max(SIZES)
+    symm_mem_all_reduce.FUSED_MAX_BYTES = dict.fromkeys((2, 4), max(SIZES))
 
     result: dict = {"errors": []}
     try:

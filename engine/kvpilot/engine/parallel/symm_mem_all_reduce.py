@@ -64,12 +64,13 @@ FUSED = "fused add-rmsnorm"  # the one-shot all-reduce fused with the norm after
 SENT = "sent by the GEMV"  # fused calls whose row the projection's GEMV sent
 CHECK_EPS = 1e-5
 FUSED_PROGRAMS = 64  # the fused kernel's most programs (each meets its peers on its own slots)
-# the largest message the fused kernel takes (its slots' size): a 64-sequence decode step of
-# a 70B (64 x 8192 bf16). In a CUDA graph on H100s it beat NCCL + the norm kernel and torch's
-# one-shot + the norm kernel at every size from 8 KiB to 1 MiB, at 2 ranks (8 KiB: 5.0 us
-# against 8.8 and 10.5) and at 4 (7.6 against 11.8 and 11.1; 1 MiB: 22.2 against 20.1 and
-# 23.8), bench/results/allreduce-4xH100-2026-11-27-lamport/
-FUSED_MAX_BYTES = 1024 * 1024
+# by group size, the largest message the fused kernel takes (its slots' size). In a CUDA graph
+# on H100s (bench/results/parallel-H100-2026-11-27-lamport-pdl/call1-lamport/) it beat NCCL +
+# the norm kernel and torch's one-shot + the norm kernel at every size from 8 KiB to 1 MiB at
+# 2 ranks (8 KiB: 5.0 us against 8.8 and 10.5; 1 MiB: 11.2 against 16.3 and 18.9), and to
+# 512 KiB at 4 (8 KiB: 7.6 against 11.8 and 11.1; 512 KiB: 12.5 against 16.4 and 18.3; 1 MiB:
+# 22.2 against NCCL's 20.1). 1 MiB: a 64-sequence decode step of a 70B (64 x 8192 bf16)
+FUSED_MAX_BYTES = {2: 1024 * 1024, 4: 512 * 1024}
 # the group sizes the fused kernel runs at (it is measured at 2 and 4 ranks; at 8 its
 # world x message bytes of peer stores per rank are not)
 FUSED_WORLD_SIZES = (2, 4)
@@ -127,7 +128,7 @@ class TorchSymmMem:
         # object; keep the rendezvous from making one (the device rules keep multicast off)
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         # no fused slots for a group the kernel does not run at (FUSED_WORLD_SIZES)
-        self.slot_bytes = fused_bytes(nbytes) if tp.size in FUSED_WORLD_SIZES else 0
+        self.slot_bytes = fused_bytes(nbytes, tp.size) if tp.size in FUSED_WORLD_SIZES else 0
         buffer = symm_mem.empty(nbytes + 2 * tp.size * self.slot_bytes, dtype=torch.uint8,
                                 device=device)
         handle = symm_mem.rendezvous(buffer, tp.process_group())
@@ -190,7 +191,7 @@ class SymmMemAllReduce:
         self.group_name = group_name
         self.world_size = world_size
         self.fused = False  # whether the ranks agreed on the fused kernel (setup_symm_mem)
-        self.fused_limit = fused_bytes(self.capacity)  # the largest message it takes
+        self.fused_limit = fused_bytes(self.capacity, world_size)  # its largest message
         # calls made from Python (eager steps and graph captures; replays do not count)
         self.calls = {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0, SENT: 0}
         self.sent: torch.Tensor | None = None  # a row in the slots that add_rms_norm sums next
@@ -319,9 +320,10 @@ def setup_symm_mem(tp: TPGroup, settings: AllReduceSettings, device: torch.devic
     return replace(tp, symm_mem=comm)
 
 
-def fused_bytes(capacity: int) -> int:
-    """Gives the fused kernel's slot size for a buffer of `capacity` bytes."""
-    return min(capacity, FUSED_MAX_BYTES)
+def fused_bytes(capacity: int, world_size: int) -> int:
+    """Gives the fused kernel's slot size for a buffer of `capacity` bytes in a group of
+    `world_size` ranks (0 where it does not run)."""
+    return min(capacity, FUSED_MAX_BYTES.get(world_size, 0))
 
 
 def check_input(rank: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
