@@ -28,6 +28,10 @@ the half of its call's parity. Row i is always program i % programs' (the grid i
 min(rows, programs)), so the rows a program reads are the rows it marks empty. A peer writes
 into a half again two calls later, which it reaches only after reading this rank's writes of
 the call between, made by a later launch than the one that emptied the half.
+
+A kernel that computes a one-row partial sum can send it itself (`send_first_row`; the
+one-row GEMV does, `w8a16_gemm.gemv_send`): the call after it runs with `sent` and only waits,
+sums and normalises.
 """
 
 from __future__ import annotations
@@ -169,7 +173,7 @@ class FusedSlots:
         slot_numel) and the constants."""
         bits, empty, sent_as = EMPTY_BITS[dtype.itemsize]
         return ((self.buffers, self.epochs, self.slot_bytes // dtype.itemsize),
-                dict(PUSH=True, PUSH_BITS=TL_BITS[bits], EMPTY=empty, SENT_AS=sent_as,
+                dict(SEND=True, SEND_BITS=TL_BITS[bits], EMPTY=empty, SENT_AS=sent_as,
                      RANK=self.rank, WORLD=self.buffers.numel()))
 
 

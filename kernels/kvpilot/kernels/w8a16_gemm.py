@@ -54,12 +54,12 @@ GEMV_CONFIGS = [
 @jit
 def _w8a16_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn,
-    push_buffers, push_epochs, slot_numel,
+    send_buffers, send_epochs, slot_numel,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
-    PUSH: tl.constexpr, PUSH_BITS: tl.constexpr, EMPTY: tl.constexpr, SENT_AS: tl.constexpr,
+    SEND: tl.constexpr, SEND_BITS: tl.constexpr, EMPTY: tl.constexpr, SENT_AS: tl.constexpr,
     RANK: tl.constexpr, WORLD: tl.constexpr,
 ):
-    """PUSH: the row is a row-parallel projection's partial sum that the fused all-reduce +
+    """SEND: the row is a row-parallel projection's partial sum that the fused all-reduce +
     norm kernel sums next: also send it into every rank's slots (`send_first_row`)."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,8 +83,8 @@ def _w8a16_gemv_kernel(
         out = out * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     out = out.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_n, out, mask=n_ok)
-    if PUSH:
-        send_first_row(out, offs_n, n_ok, push_buffers, push_epochs, slot_numel, PUSH_BITS,
+    if SEND:
+        send_first_row(out, offs_n, n_ok, send_buffers, send_epochs, slot_numel, SEND_BITS,
                        EMPTY, SENT_AS, RANK, WORLD)
 
 
@@ -171,29 +171,29 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
     return _gemv_into(out, x, weight, None, tune, block_n, block_k)
 
 
-NO_PUSH = dict(PUSH=False, PUSH_BITS=tl.int16, EMPTY=0, SENT_AS=0, RANK=0, WORLD=1)
+NO_SEND = dict(SEND=False, SEND_BITS=tl.int16, EMPTY=0, SENT_AS=0, RANK=0, WORLD=1)
 # (N, K) -> the tuned GEMV's config, for launches that send their row (never timed: a timed
 # launch would send into the peers' slots)
-_push_configs: dict[tuple[int, int], triton.Config] = {}
+_send_configs: dict[tuple[int, int], triton.Config] = {}
 
 
 def _gemv_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                scale: torch.Tensor | None, tune: bool, block_n: int | None,
-               block_k: int | None, push: FusedSlots | None = None) -> torch.Tensor:
+               block_k: int | None, send: FusedSlots | None = None) -> torch.Tensor:
     """Launches the one-row GEMV into `out` [1, N] (autotuned, or with the given tiles);
     without a `scale` the weight is the model's dtype and nothing scales the sums; with
-    `push` the row also goes into the fused all-reduce's slots."""
+    `send` the row also goes into the fused all-reduce's slots."""
     n, k = weight.shape
-    # without a scale (or push) its pointers are never read: the weight's stand in
+    # without a scale (or send) its pointers are never read: the weight's stand in
     args = (x, weight, weight if scale is None else scale, out, n, k, weight.stride(0))
-    sent, consts = push.send_args(out.dtype) if push is not None else ((weight, weight, 0),
-                                                                         NO_PUSH)
+    sent, consts = send.send_args(out.dtype) if send is not None else ((weight, weight, 0),
+                                                                         NO_SEND)
     consts = dict(consts, HAS_SCALE=scale is not None, **pdl_args(x))
-    if push is not None and tune:  # the plain GEMV's tuned tiles, timed without sending
-        if (n, k) not in _push_configs:
+    if send is not None and tune:  # the plain GEMV's tuned tiles, timed without sending
+        if (n, k) not in _send_configs:
             _gemv_into(torch.empty_like(out), x, weight, scale, tune, None, None)
-            _push_configs[(n, k)] = _gemv_tuned.best_config  # pyright: ignore[reportAttributeAccessIssue]  (the Autotuner's last pick)
-        config = _push_configs[(n, k)]
+            _send_configs[(n, k)] = _gemv_tuned.best_config  # pyright: ignore[reportAttributeAccessIssue]  (the Autotuner's last pick)
+        config = _send_configs[(n, k)]
         _w8a16_gemv_kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
             *args, *sent, **config.kwargs, num_warps=config.num_warps,
             num_stages=config.num_stages, **consts)

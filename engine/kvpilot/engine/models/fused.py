@@ -73,6 +73,7 @@ def _sending_gemv(comm: SymmMemAllReduce) -> Callable[..., torch.Tensor]:
                bias: torch.Tensor | None = None) -> torch.Tensor:
         if (USE_GEMV and bias is None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
                 and x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
+                and weight.dtype in (torch.bfloat16, torch.float16)  # as one_row_linear's
                 and (sent := comm.gemv_send(x, weight)) is not None):
             return sent
         return one_row_linear(x, weight, bias)
