@@ -10,6 +10,7 @@ seeing peers' stores over NVLink element by element), which only the GPU tests e
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -67,21 +68,29 @@ def rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> None:
     torch.save((got, epochs), root / f"got{rank}.pt")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("world", [2, 4])
-def test_ranks_get_the_all_reduced_norm_bit_for_bit(tmp_path: Path, world: int,
-                                                    dtype: torch.dtype):
+def run_ranks(target: Callable[[int, int, torch.dtype, Path], None], world: int,
+              dtype: torch.dtype, root: Path) -> int:
+    """Runs `target` as `world` rank processes over empty buffer files in `root`; gives the
+    buffers' element count."""
     numel = 2 * world * max(ROWS) * HIDDEN
     for r in range(world):  # the files exist, empty, before any rank maps them
-        empty_slots(shared(tmp_path / f"buffer{r}", numel, dtype))
+        empty_slots(shared(root / f"buffer{r}", numel, dtype))
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, world, dtype, tmp_path), daemon=True)
+    procs = [ctx.Process(target=target, args=(r, world, dtype, root), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=300)
         assert p.exitcode == 0, f"a rank process ended with {p.exitcode}"
+    return numel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_get_the_all_reduced_norm_bit_for_bit(tmp_path: Path, world: int,
+                                                    dtype: torch.dtype):
+    numel = run_ranks(rank_main, world, dtype, tmp_path)
     saved = [torch.load(tmp_path / f"got{r}.pt") for r in range(world)]
     got = [outputs for outputs, _ in saved]
     for call, rows in enumerate(ROWS):
@@ -139,17 +148,7 @@ def sent_rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> Non
 @pytest.mark.parametrize(("world", "dtype"), [(2, DTYPES[0]), (2, DTYPES[1]), (4, DTYPES[0])])
 def test_a_row_the_gemv_sent_is_summed_as_one_the_kernel_sent(tmp_path: Path, world: int,
                                                                dtype: torch.dtype):
-    numel = 2 * world * max(ROWS) * HIDDEN
-    for r in range(world):
-        empty_slots(shared(tmp_path / f"buffer{r}", numel, dtype))
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=sent_rank_main, args=(r, world, dtype, tmp_path), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0, f"a rank process ended with {p.exitcode}"
+    numel = run_ranks(sent_rank_main, world, dtype, tmp_path)
     got = [torch.load(tmp_path / f"got{r}.pt") for r in range(world)]
     for call, (rows, sent) in enumerate(SENT_CALLS):
         parts = []
