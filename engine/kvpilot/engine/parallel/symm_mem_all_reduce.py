@@ -18,9 +18,9 @@ The allocation holds more than torch's buffer: 2 x world slots of up to FUSED_MA
 written through raw peer addresses by kvpilot's own kernel that sums a row-parallel
 projection's output, adds the residual and normalises in one launch
 (`kvpilot.kernels.all_reduce_rmsnorm`, called from the norm after the projection; its slots
-start empty and are their own signals), so it never meets torch's ops on the same bytes. It is checked at start-up beside the
-others and agreed on alone: a group whose fused check fails keeps the two-launch path
-(torch's all-reduce, then the norm kernel).
+start empty and are their own signals), so it never meets torch's ops on the same bytes.
+It is checked at start-up beside the others and agreed on alone: a group whose fused check
+fails keeps the two-launch path (torch's all-reduce, then the norm kernel).
 
 Under CUDA graph capture the ops are captured like any kernel: the buffer's address and
 its peers' are fixed at start-up, and each call's launch reads them from the handle.
@@ -63,7 +63,7 @@ CHECK_TIMEOUT_S = 60.0  # a check all-reduce still running after this never ends
 FUSED = "fused add-rmsnorm"  # the one-shot all-reduce fused with the norm after it
 SENT = "sent by the GEMV"  # fused calls whose row the projection's GEMV sent
 CHECK_EPS = 1e-5
-FUSED_PROGRAMS = 64  # the fused kernel's most programs (each meets its peers on its own slots)
+FUSED_PROGRAMS = 64  # the fused kernel's most programs (each waits on its own rows' slots)
 # by group size, the largest message the fused kernel takes (its slots' size). In a CUDA graph
 # on H100s (bench/results/parallel-H100-2026-11-27-lamport-pdl/call1-lamport/) it beat NCCL +
 # the norm kernel and torch's one-shot + the norm kernel at every size from 8 KiB to 1 MiB at
