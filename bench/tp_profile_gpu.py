@@ -5,8 +5,8 @@ greedy sequences (128-token prompts) for 64 steps; a second run, after a warm-up
 torch.profiler (CUDA kernels of rank 0, the driver's GPU, graph replays included). Reports per
 step (the batch's prefill included, spread over the steps): the wall clock, rank 0's GPU busy
 time, and the GPU time per kernel family and of the top kernels. A TP=2 step that costs more
-than half a TP=1 step shows which kernels do not shrink with the shard; a wall clock well
-above the busy time, a host that keeps the GPU waiting.
+than half a TP=1 step shows which kernels do not shrink with the shard. The wall clock runs
+under the profiler, whose own cost inflates it: time steps with bench/parallel_gpu.py.
 
     python3 bench/tp_profile_gpu.py OUT [--tp 1,2] [--batch 64]
     .venv/bin/python bench/tp_profile_gpu.py /tmp/out --smoke   # CPU, a tiny model, gloo
@@ -73,11 +73,12 @@ def profile_tp(tp: int, batch: int, smoke: bool) -> dict:
         families[family(name, TP_FAMILIES)] += sum(times) / tokens
     top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:20]
     busy = busy_ms([(e.time_range.start, e.time_range.end) for e in events])
-    return {"tp": tp, "batch": batch, "tokens": tokens, "wall_ms_per_step": round(wall_ms / tokens, 3),
+    return {"tp": tp, "batch": batch, "tokens": tokens,
+            "wall_ms_per_step": round(wall_ms / tokens, 3),
             "gpu_busy_ms_per_step": round(busy / tokens, 3),
             "kernels_per_step": round(len(events) / tokens, 1),
             "families_us_per_step": {k: round(v, 1) for k, v in
-                                      sorted(families.items(), key=lambda kv: -kv[1])},
+                                     sorted(families.items(), key=lambda kv: -kv[1])},
             "top": [{"name": n[:90], "per_step": round(len(t) / tokens, 2),
                      "us_mean": round(sum(t) / len(t), 2),
                      "us_per_step": round(sum(t) / tokens, 1)} for n, t in top]}
