@@ -61,13 +61,16 @@ def load_model(config: ModelConfig, load_format: str, device: torch.device | str
         load_safetensors(model, Path(checkpoint), progress_bar=tp.is_first)
     if quant is not None and not prequantized:
         quantize_linears(model, quant.method)
+    swapped: list[str] = []
     if fused_kernels:
-        use_fused_kernels(model)
+        swapped = use_fused_kernels(model)
     elif fused_kernels is None and device.type == "cuda":
         try:
-            use_fused_kernels(model)
+            swapped = use_fused_kernels(model)
         except ImportError as exc:  # e.g. a CUDA build without Triton: torch ops still work
             logger.warning("fused kernels unavailable (%s); the model runs torch ops", exc)
+    if swapped and tp.is_first:
+        logger.info("fused kernels: %s", ", ".join(swapped))
     return model.eval().requires_grad_(False)
 
 
