@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import torch
-from graph_timing import graph_us
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2] / p) for p in ("tests/kernels", "tests")]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / p) for p in ("bench", "tests/kernels", "tests")]
 from paged_fixtures import random_paged_cache  # noqa: E402
+from w8a16_gemv_gpu import graph_time_us  # noqa: E402
 
 from kvpilot.kernels.paged_decode_attention import (  # noqa: E402
     default_num_splits,
@@ -32,10 +33,9 @@ def time_splits(batch: int, heads: int, kv_heads: int, ctx: int, splits: int) ->
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
 
-    def layers() -> None:
-        for _ in range(LAYERS):
-            paged_decode_attention(q, cache, tables, seq_lens, 0.088, splits, out=out)
-    return graph_us(layers, LAYERS)
+    return graph_time_us(
+        lambda _: paged_decode_attention(q, cache, tables, seq_lens, 0.088, splits, out=out),
+        calls=LAYERS)
 
 
 def main() -> None:

@@ -58,14 +58,13 @@ def rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> None:
     """Maps every rank's buffer, runs the calls of ROWS, saves what it got."""
     slot = max(ROWS) * HIDDEN
     buffers = [shared(root / f"buffer{r}", 2 * world * slot, dtype) for r in range(world)]
-    buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-    epochs = torch.zeros(PROGRAMS, dtype=torch.int32)
+    slots = FusedSlots(torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64),
+                       slot * dtype.itemsize, torch.zeros(PROGRAMS, dtype=torch.int32), rank)
     got = []
     for call, rows in enumerate(ROWS):
         x, residual, weight = inputs(rank, rows, call, dtype)
-        got.append(all_reduce_add_rms_norm(x, residual, weight, EPS, buffer_table,
-                                           slot * dtype.itemsize, epochs, rank))
-    torch.save((got, epochs), root / f"got{rank}.pt")
+        got.append(all_reduce_add_rms_norm(x, residual, weight, EPS, slots))
+    torch.save((got, slots.epochs), root / f"got{rank}.pt")
 
 
 def run_ranks(target: Callable[[int, int, torch.dtype, Path], None], world: int,
@@ -140,8 +139,7 @@ def sent_rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> Non
         a, w = projection(rank, call, rows, dtype)
         x = gemv_send(a, w, slots) if sent else a @ w.T
         _, residual, weight = inputs(rank, rows, call, dtype)
-        got.append(all_reduce_add_rms_norm(x, residual, weight, EPS, slots.buffers,
-                                           slots.slot_bytes, slots.epochs, rank, sent=sent))
+        got.append(all_reduce_add_rms_norm(x, residual, weight, EPS, slots, sent=sent))
     torch.save(got, root / f"got{rank}.pt")
 
 

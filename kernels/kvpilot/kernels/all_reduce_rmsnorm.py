@@ -129,35 +129,6 @@ def _all_reduce_add_rms_norm_kernel(
     tl.store(epochs + program, epoch)
 
 
-def all_reduce_add_rms_norm(
-    x: torch.Tensor,  # [T, hidden], contiguous: this rank's partial sum, 16 or 32 bits
-    residual: torch.Tensor,  # [T, hidden], contiguous
-    weight: torch.Tensor,  # [hidden]
-    eps: float,
-    buffers: torch.Tensor,  # int64 [world]: each rank's buffer: 2 x world slots
-    slot_bytes: int,  # of each slot: at least T * hidden elements
-    epochs: torch.Tensor,  # int32 [programs], this rank's: calls per program so far
-    rank: int,
-    sent: bool = False,  # x, one row, is in the slots already (`send_first_row`)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gives (norm(sum_ranks(x) + residual), sum_ranks(x) + residual); every rank of the group
-    calls it with the same shapes, in the same order. The slots start empty (`empty_slots`)
-    and the counts at zero."""
-    assert not sent or x.shape[0] == 1, "send_first_row sends one row"
-    n_rows, n_cols = x.shape
-    out = torch.empty_like(x)
-    residual_out = torch.empty_like(x)
-    if n_rows:
-        bits, empty, sent_as = EMPTY_BITS[x.element_size()]
-        _all_reduce_add_rms_norm_kernel[(min(n_rows, epochs.numel()),)](
-            x.view(bits), residual, weight, out, residual_out, buffers, epochs, n_rows, n_cols,
-            slot_bytes // x.element_size(), eps, EMPTY=empty, SENT_AS=sent_as, SENT=sent,
-            RANK=rank, WORLD=buffers.numel(), BLOCK=triton.next_power_of_2(n_cols),
-            num_warps=4 if n_cols <= 2048 else 8, **pdl_args(x),
-        )
-    return out, residual_out
-
-
 @dataclass(frozen=True)
 class FusedSlots:
     """A rank's view of the fused kernel's slots (kvpilot.engine.parallel.symm_mem_all_reduce
@@ -175,6 +146,33 @@ class FusedSlots:
         return ((self.buffers, self.epochs, self.slot_bytes // dtype.itemsize),
                 dict(SEND=True, SEND_BITS=TL_BITS[bits], EMPTY=empty, SENT_AS=sent_as,
                      RANK=self.rank, WORLD=self.buffers.numel()))
+
+
+def all_reduce_add_rms_norm(
+    x: torch.Tensor,  # [T, hidden], contiguous: this rank's partial sum, 16 or 32 bits
+    residual: torch.Tensor,  # [T, hidden], contiguous
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    slots: FusedSlots,  # this rank's view of the group's slots (each of T * hidden elements+)
+    sent: bool = False,  # x, one row, is in the slots already (`send_first_row`)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gives (norm(sum_ranks(x) + residual), sum_ranks(x) + residual); every rank of the group
+    calls it with the same shapes, in the same order. The slots start empty (`empty_slots`)
+    and the counts at zero."""
+    assert not sent or x.shape[0] == 1, "send_first_row sends one row"
+    n_rows, n_cols = x.shape
+    out = torch.empty_like(x)
+    residual_out = torch.empty_like(x)
+    if n_rows:
+        bits, empty, sent_as = EMPTY_BITS[x.element_size()]
+        _all_reduce_add_rms_norm_kernel[(min(n_rows, slots.epochs.numel()),)](
+            x.view(bits), residual, weight, out, residual_out, slots.buffers, slots.epochs,
+            n_rows, n_cols, slots.slot_bytes // x.element_size(), eps, EMPTY=empty,
+            SENT_AS=sent_as, SENT=sent, RANK=slots.rank, WORLD=slots.buffers.numel(),
+            BLOCK=triton.next_power_of_2(n_cols),
+            num_warps=4 if n_cols <= 2048 else 8, **pdl_args(x),
+        )
+    return out, residual_out
 
 
 def all_reduce_add_rms_norm_ref(

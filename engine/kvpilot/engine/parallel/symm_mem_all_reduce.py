@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from kvpilot.engine.contracts.rendezvous import Rendezvous
     from kvpilot.engine.models.config import ModelConfig
     from kvpilot.engine.parallel.distributed import RankContext
+    from kvpilot.kernels.all_reduce_rmsnorm import FusedSlots
 
 logger = logging.getLogger("kvpilot.engine")
 CHECK_BYTES = 8192  # the start-up check's one-shot message: one decode token of 4096 bf16
@@ -101,12 +102,8 @@ class TorchSymmMem:
     allocation for the fused kernel: [torch's | 2 x world fused slots]."""
 
     def __init__(self) -> None:
-        # the fused kernel's view of the allocation (set by `allocate`): every rank's fused
-        # slots as int64 device addresses, and this rank's call counts
-        self.fused_buffers: torch.Tensor | None = None
-        self.epochs: torch.Tensor | None = None
-        self.slot_bytes = 0
-        self.rank = 0
+        # the fused kernel's view of the allocation (set by `allocate`)
+        self.slots: FusedSlots | None = None
 
     def missing(self) -> list[str]:
         return [op for op in OPS if not hasattr(torch.ops.symm_mem, op)]
@@ -122,22 +119,23 @@ class TorchSymmMem:
     def allocate(self, nbytes: int, device: torch.device, tp: TPGroup) -> torch.Tensor:
         import torch.distributed._symmetric_memory as symm_mem
 
-        from kvpilot.kernels.all_reduce_rmsnorm import empty_slots
+        from kvpilot.kernels.all_reduce_rmsnorm import FusedSlots, empty_slots
 
         # the one- and two-shot kernels read peers' memory directly and need no multicast
         # object; keep the rendezvous from making one (the device rules keep multicast off)
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         # no fused slots for a group the kernel does not run at (FUSED_WORLD_SIZES)
-        self.slot_bytes = fused_bytes(nbytes, tp.size) if tp.size in FUSED_WORLD_SIZES else 0
-        buffer = symm_mem.empty(nbytes + 2 * tp.size * self.slot_bytes, dtype=torch.uint8,
+        slot_bytes = fused_bytes(nbytes, tp.size) if tp.size in FUSED_WORLD_SIZES else 0
+        buffer = symm_mem.empty(nbytes + 2 * tp.size * slot_bytes, dtype=torch.uint8,
                                 device=device)
         handle = symm_mem.rendezvous(buffer, tp.process_group())
         empty_slots(buffer[nbytes:])
         offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]  # the same on every rank
-        self.fused_buffers = torch.tensor([p + offset + nbytes for p in handle.buffer_ptrs],
-                                          dtype=torch.int64, device=device)
-        self.epochs = torch.zeros(FUSED_PROGRAMS, dtype=torch.int32, device=device)
-        self.rank = handle.rank
+        self.slots = FusedSlots(
+            torch.tensor([p + offset + nbytes for p in handle.buffer_ptrs], dtype=torch.int64,
+                         device=device),
+            slot_bytes, torch.zeros(FUSED_PROGRAMS, dtype=torch.int32, device=device),
+            handle.rank)
         # the slots emptied on this GPU before the agreement after this returns, so no peer's
         # first kernel writes into slots still being emptied
         torch.cuda.synchronize(device)
@@ -155,17 +153,14 @@ class TorchSymmMem:
                      eps: float, sent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         from kvpilot.kernels.all_reduce_rmsnorm import all_reduce_add_rms_norm
 
-        assert self.fused_buffers is not None and self.epochs is not None  # allocated
-        return all_reduce_add_rms_norm(x, residual, weight, eps, self.fused_buffers,
-                                       self.slot_bytes, self.epochs, self.rank, sent=sent)
+        assert self.slots is not None  # allocated
+        return all_reduce_add_rms_norm(x, residual, weight, eps, self.slots, sent=sent)
 
     def gemv_send(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        from kvpilot.kernels.all_reduce_rmsnorm import FusedSlots
         from kvpilot.kernels.w8a16_gemm import gemv_send
 
-        assert self.fused_buffers is not None and self.epochs is not None  # allocated
-        return gemv_send(x, weight, FusedSlots(self.fused_buffers, self.slot_bytes,
-                                               self.epochs, self.rank))
+        assert self.slots is not None  # allocated
+        return gemv_send(x, weight, self.slots)
 
     def finished(self, timeout_s: float) -> bool:
         """Gives whether the work queued on the current stream ends within `timeout_s` (the
@@ -239,7 +234,7 @@ class SymmMemAllReduce:
         only waits and sums; None where that call would not take the product (it must then
         be the product's next fused call: a sent row that is never summed would be read as
         the next call's)."""
-        out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)  # its layout
+        out = torch.empty(1, weight.shape[0], dtype=x.dtype, device="meta")  # its layout
         if self.world_size not in SEND_WORLD_SIZES or self.sent is not None \
                 or not self.takes(out):
             return None
