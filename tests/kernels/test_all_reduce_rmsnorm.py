@@ -54,12 +54,19 @@ def shared(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
 
 
-def rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> None:
-    """Maps every rank's buffer, runs the calls of ROWS, saves what it got."""
+def mapped_slots(rank: int, world: int, dtype: torch.dtype, root: Path
+                 ) -> tuple[FusedSlots, list[torch.Tensor]]:
+    """Gives rank `rank`'s view of every rank's buffer file, and the mapped buffers."""
     slot = max(ROWS) * HIDDEN
     buffers = [shared(root / f"buffer{r}", 2 * world * slot, dtype) for r in range(world)]
-    slots = FusedSlots(torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64),
-                       slot * dtype.itemsize, torch.zeros(PROGRAMS, dtype=torch.int32), rank)
+    return FusedSlots(torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64),
+                      slot * dtype.itemsize, torch.zeros(PROGRAMS, dtype=torch.int32),
+                      rank), buffers
+
+
+def rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> None:
+    """Maps every rank's buffer, runs the calls of ROWS, saves what it got."""
+    slots, _buffers = mapped_slots(rank, world, dtype, root)  # the maps live to the end
     got = []
     for call, rows in enumerate(ROWS):
         x, residual, weight = inputs(rank, rows, call, dtype)
@@ -130,10 +137,7 @@ def projection(rank: int, call: int, rows: int, dtype: torch.dtype
 
 def sent_rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> None:
     """Runs SENT_CALLS: a sending call's partial sum comes from `gemv_send`."""
-    slot = max(ROWS) * HIDDEN
-    buffers = [shared(root / f"buffer{r}", 2 * world * slot, dtype) for r in range(world)]
-    slots = FusedSlots(torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64),
-                       slot * dtype.itemsize, torch.zeros(PROGRAMS, dtype=torch.int32), rank)
+    slots, _buffers = mapped_slots(rank, world, dtype, root)  # the maps live to the end
     got = []
     for call, (rows, sent) in enumerate(SENT_CALLS):
         a, w = projection(rank, call, rows, dtype)
