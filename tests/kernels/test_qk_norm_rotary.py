@@ -13,6 +13,7 @@ from kvpilot.kernels.qk_norm_rotary import (
     matches_unfused_bits,
     qk_norm_rotary,
     qk_norm_rotary_ref,
+    rotary_kv_write,
     supports_qk_norm_rotary,
 )
 from kvpilot.kernels.rmsnorm import rms_norm
@@ -108,6 +109,38 @@ def test_writing_the_kv_cache_gives_what_kv_cache_write_gives(rotary_dim, dtype,
     got_q, got_k = qk_norm_rotary(positions, q, k, q_weight, k_weight, EPS, rope, v=v,
                                   kv_cache=got_cache, slot_mapping=slots, kv_scales=scales,
                                   heads_per_program=heads_per_program)
+    assert torch.equal(got_q, pq) and torch.equal(got_k, pk)
+    assert torch.equal(as_bytes(got_cache), as_bytes(want_cache))
+
+
+@pytest.mark.parametrize(("rotary_dim", "dtype", "fp8", "heads_per_program"), [
+    (128, DTYPES[0], False, 1), (64, DTYPES[-1], False, 3), (128, DTYPES[-1], True, 2),
+    (32, DTYPES[0], True, 1),
+])
+def test_rotary_kv_write_gives_rotary_then_kv_cache_write(rotary_dim, dtype, fp8,
+                                                          heads_per_program):
+    """Without norms (Llama): rotary_embedding then kv_cache_write, the same bits, partial
+    rotary's tail cached as it is."""
+    gen = torch.Generator().manual_seed(rotary_dim + fp8)
+    tokens, heads, kv_heads, head_dim, block_size, blocks = 6, 4, 2, 128, 4, 5
+    qkv, q, k = qkv_views(gen, tokens, heads, kv_heads, head_dim, dtype)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    rope = rotary_cos_sin_cache(rotary_dim, 64, device=DEVICE)
+    positions = torch.randperm(64, generator=gen)[:tokens].to(DEVICE)
+    slots = torch.tensor([7, -1, 0, 19, -1, 12], device=DEVICE)
+    cache_dtype, scales = (FP8_KV_DTYPE, (0.05, 0.02)) if fp8 else (dtype, (1.0, 1.0))
+    fill = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen)
+    want_cache = fill.to(DEVICE).to(cache_dtype)
+    got_cache = want_cache.clone()
+    plain = qkv.clone()
+    pq, pk = plain[:, :heads * head_dim].view_as(q), \
+        plain[:, heads * head_dim:(heads + kv_heads) * head_dim].view_as(k)
+    pv = plain[:, (heads + kv_heads) * head_dim:].view_as(v)
+    rotary_embedding(positions, pq, pk, rope)
+    kv_cache_write(pk, pv, want_cache, slots, scales)
+
+    got_q, got_k = rotary_kv_write(positions, q, k, rope, v, got_cache, slots, scales,
+                                   heads_per_program=heads_per_program)
     assert torch.equal(got_q, pq) and torch.equal(got_k, pk)
     assert torch.equal(as_bytes(got_cache), as_bytes(want_cache))
 

@@ -61,26 +61,28 @@ def _model(path, dtype="float32", device="cpu"):
     return load_model(config, "auto", device, fused_kernels=False)
 
 
-@pytest.mark.parametrize(("family", "head_dim", "fused"), [
-    ("qwen3", 64, True),
-    ("qwen3", 128, True),
-    ("qwen3", 32, False),  # one warp's row: rms_norm's bits are not reproducible
-    ("qwen3", 48, False),  # no power of two: rotary (and so the fusion) stays unfused
-    ("llama", None, False),  # no q/k norm
-    ("mixtral", None, False),
+@pytest.mark.parametrize(("family", "head_dim", "fused", "rope_kv"), [
+    ("qwen3", 64, True, False),
+    ("qwen3", 128, True, False),
+    ("qwen3", 32, False, False),  # one warp's row: rms_norm's bits are not reproducible
+    ("qwen3", 48, False, False),  # no power of two: rotary (and so the fusion) stays unfused
+    ("llama", None, False, True),  # no q/k norm: rotary + the KV write
+    ("mixtral", None, False, True),
 ])
 def test_only_qk_norm_models_get_the_fused_qk_norm_rotary(tiny_checkpoints, qwen3_checkpoints,
-                                                          family, head_dim, fused):
+                                                          family, head_dim, fused, rope_kv):
     from kvpilot.engine.models.llama import Attention
-    from kvpilot.kernels.qk_norm_rotary import qk_norm_rotary
+    from kvpilot.kernels.qk_norm_rotary import qk_norm_rotary, rotary_kv_write
 
     model = _model(qwen3_checkpoints(head_dim) if head_dim else tiny_checkpoints(family))
     swapped = use_fused_kernels(model)
     assert "rms_norm" in swapped
     assert ("rotary" in swapped) == (head_dim != 48)
     assert ("qk_norm_rotary" in swapped) == fused
+    assert ("rotary_kv_write" in swapped) == rope_kv
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     assert layers and all((m.qk_norm_rope is qk_norm_rotary) == fused for m in layers)
+    assert all((m.rope_kv_write is rotary_kv_write) == rope_kv for m in layers)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -140,3 +142,41 @@ def test_fused_qk_norm_rotary_gives_the_logits_of_the_unfused_kernels(qwen3_chec
     assert not calls
     for got, want in zip(torch_rope, unfused, strict=True):
         assert ((got - want).abs().max() / want.abs().max()).item() < tol
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_rotary_kv_write_gives_the_logits_of_the_unfused_kernels(tiny_checkpoints, dtype):
+    """Llama through paged steps: rotary and the KV write as one launch per layer give the
+    bits of the rotary kernel then the backend's own write."""
+    import torch
+    from helpers.paged import BlockAllocation, step_logits
+
+    from kvpilot.engine.models.llama import Attention
+
+    seq_lens, steps = [9, 4, 13], [[5, 4, 6], [1, 0, 7], [3, 0, 0]]
+    alloc = BlockAllocation.shuffled(seq_lens, block_size=4, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    device = _device()
+    if dtype == "bfloat16" and device == "cpu":
+        pytest.skip("Triton's interpreter gets bf16 arithmetic wrong")
+    model = _model(tiny_checkpoints("llama"), dtype, device)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in seq_lens]
+    assert "rotary_kv_write" in use_fused_kernels(model)
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    seam = layers[0].rope_kv_write
+    assert seam is not None
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape[0])
+        return seam(*args, **kwargs)
+
+    for attn in layers:
+        attn.rope_kv_write = counted
+    fused = step_logits(model, prompts, alloc, steps, device)
+    assert calls == [sum(s) for s in steps for _ in layers]  # one launch per layer and step
+    for attn in layers:  # back to the rotary kernel and the backend's KV write
+        attn.rope_kv_write = None
+    unfused = step_logits(model, prompts, alloc, steps, device)
+    for got, want in zip(fused, unfused, strict=True):
+        assert torch.equal(got, want)

@@ -19,6 +19,9 @@ Given the layer's paged KV cache and the step's slot mapping, it also caches the
 K/V rows (what `kv_cache_write.kv_cache_write` does, same bits, fp8 included): each k head
 stores its finished row to the cache as well, and the v heads' rows are copied. The
 attention backend is then told not to write them again: one launch per layer fewer.
+
+`rotary_kv_write` runs the same kernel without the norms, for layers that have none
+(Llama's): the rotary kernel and the KV-cache write in one launch, with their bits.
 """
 
 from __future__ import annotations
@@ -45,10 +48,10 @@ def _norm_rotate_head(
     t, h, positions_ptr, q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, cache_row,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, n_cols, eps, k_scale,
     store_cache, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    IS_NEOX: tl.constexpr, KV_FP8: tl.constexpr,
+    IS_NEOX: tl.constexpr, KV_FP8: tl.constexpr, NORM: tl.constexpr,
 ):
-    """Norms and rotates q head `h` (or k head h - NUM_HEADS) of token `t` in place; a k
-    row goes to `cache_row` as well where `store_cache`."""
+    """Norms (NORM) and rotates q head `h` (or k head h - NUM_HEADS) of token `t` in place;
+    a k row goes to `cache_row` as well where `store_cache`."""
     offs = tl.arange(0, HEAD_DIM)
     cache_dtype: tl.constexpr = cache_row.dtype.element_ty
     if h < NUM_HEADS:
@@ -59,20 +62,22 @@ def _norm_rotate_head(
         w_ptr = k_weight_ptr
     dtype = row.dtype.element_ty
 
-    # the statistics exactly as _rmsnorm_kernel computes them (same tile, same sum)
     x = tl.load(row + offs).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    rstd = 1.0
+    if NORM:  # the statistics exactly as _rmsnorm_kernel computes them (same tile, same sum)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
 
     # the rotated pairs, each normed and rounded as rms_norm stores it, then rotated as
     # _rotary_kernel does; every store depends on rstd, so all of the row is read first
     offs_i = tl.arange(0, HALF)
     first, second = pair_columns(offs_i, HALF, IS_NEOX)
-    x1 = tl.load(row + first).to(tl.float32)
-    x2 = tl.load(row + second).to(tl.float32)
-    w1 = tl.load(w_ptr + first).to(tl.float32)
-    w2 = tl.load(w_ptr + second).to(tl.float32)
-    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    n1 = tl.load(row + first).to(tl.float32)
+    n2 = tl.load(row + second).to(tl.float32)
+    if NORM:
+        w1 = tl.load(w_ptr + first).to(tl.float32)
+        w2 = tl.load(w_ptr + second).to(tl.float32)
+        n1 = ((n1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        n2 = ((n2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_i).to(tl.float32)
@@ -83,14 +88,16 @@ def _norm_rotate_head(
         tl.store(cache_row + first, cache_value(o1.to(dtype), k_scale, KV_FP8, cache_dtype))
         tl.store(cache_row + second, cache_value(o2.to(dtype), k_scale, KV_FP8, cache_dtype))
 
-    if 2 * HALF < HEAD_DIM:  # partial rotary: the rest is only normalised
+    if 2 * HALF < HEAD_DIM:  # partial rotary: the rest is only normalised (NORM), or kept
         tail = offs >= 2 * HALF
-        w = tl.load(w_ptr + offs, mask=tail, other=0.0).to(tl.float32)
-        normed = (x * rstd).to(dtype).to(tl.float32)
-        tl.store(row + offs, (normed * w).to(dtype), mask=tail)
+        if NORM:
+            w = tl.load(w_ptr + offs, mask=tail, other=0.0).to(tl.float32)
+            normed = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype)
+            tl.store(row + offs, normed, mask=tail)
+        else:
+            normed = x.to(dtype)
         if store_cache:
-            tl.store(cache_row + offs,
-                     cache_value((normed * w).to(dtype), k_scale, KV_FP8, cache_dtype),
+            tl.store(cache_row + offs, cache_value(normed, k_scale, KV_FP8, cache_dtype),
                      mask=tail)
 
 
@@ -102,7 +109,7 @@ def _qk_norm_rotary_kernel(
     stride_kv, stride_slot, k_scale, v_scale,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr, IS_NEOX: tl.constexpr, WRITE_KV: tl.constexpr, KV_FP8: tl.constexpr,
-    HEADS_PER_PROGRAM: tl.constexpr, PDL: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     t = tl.program_id(0)
@@ -124,7 +131,7 @@ def _qk_norm_rotary_kernel(
             _norm_rotate_head(
                 t, h, positions_ptr, q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr,
                 cache_row, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, n_cols, eps,
-                k_scale, store_cache, NUM_HEADS, HEAD_DIM, HALF, IS_NEOX, KV_FP8)
+                k_scale, store_cache, NUM_HEADS, HEAD_DIM, HALF, IS_NEOX, KV_FP8, NORM)
         elif WRITE_KV:  # noqa: SIM102 (a constexpr branch, resolved when compiling)
             if (h < NUM_HEADS + 2 * NUM_KV_HEADS) & (slot >= 0):  # a v head: copied
                 v = tl.load(v_ptr + t * stride_vt + (h - NUM_HEADS - NUM_KV_HEADS) * stride_vh
@@ -178,6 +185,38 @@ def qk_norm_rotary(
     k and v rows into the cache, as `kv_cache_write` would after it. Raises ValueError for
     shapes the kernel cannot handle."""
     _check(positions, q, k, q_weight, k_weight, cos_sin_cache)
+    return _launch(positions, q, k, q_weight, k_weight, eps, cos_sin_cache, is_neox, v,
+                   kv_cache, slot_mapping, kv_scales, heads_per_program)
+
+
+def rotary_kv_write(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, num_heads, head_dim], head_dim contiguous (may be a qkv view)
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim], likewise
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+    kv_scales: tuple[float, float] = (1.0, 1.0),
+    is_neox: bool = True,
+    heads_per_program: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gives (q, k) rotated in place, having written the rotated k and v rows into the cache:
+    `rotary_embedding` then `kv_cache_write` in one launch, with their bits (a layer without
+    q/k norms, Llama's). Raises ValueError for shapes the kernel cannot handle."""
+    _check(positions, q, k, None, None, cos_sin_cache)
+    return _launch(positions, q, k, None, None, 0.0, cos_sin_cache, is_neox, v, kv_cache,
+                   slot_mapping, kv_scales, heads_per_program)
+
+
+def _launch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+            cos_sin_cache: torch.Tensor, is_neox: bool, v: torch.Tensor | None,
+            kv_cache: torch.Tensor | None, slot_mapping: torch.Tensor | None,
+            kv_scales: tuple[float, float], heads_per_program: int | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches the kernel: norms where the weights are given, the cache written where it
+    is."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     write_kv = kv_cache is not None
@@ -185,7 +224,11 @@ def qk_norm_rotary(
         _check_cache(k, v, kv_cache, slot_mapping)
     else:  # placeholders the kernel never reads (WRITE_KV off)
         v, kv_cache, slot_mapping = k, k, positions
+    norm = q_weight is not None and k_weight is not None
+    if not norm:  # placeholders the kernel never reads (NORM off)
+        q_weight = k_weight = cos_sin_cache
     assert v is not None and kv_cache is not None and slot_mapping is not None
+    assert q_weight is not None and k_weight is not None
     if tokens:
         heads_per_program = heads_per_program or heads_per_program_for(tokens)
         heads = num_heads + num_kv_heads * (2 if write_kv else 1)
@@ -197,7 +240,7 @@ def qk_norm_rotary(
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             HALF=cos_sin_cache.shape[1] // 2, IS_NEOX=is_neox, WRITE_KV=write_kv,
             KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
-            HEADS_PER_PROGRAM=heads_per_program,
+            HEADS_PER_PROGRAM=heads_per_program, NORM=norm,
             num_warps=4,  # as rms_norm launches a row this long: the same reduction
             **pdl_args(q),
         )
@@ -230,8 +273,9 @@ def _check_cache(k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor
                          f"T={k.shape[0]}")
 
 
-def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-           k_weight: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+           q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+           cos_sin_cache: torch.Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"q and k must be [T, heads, head_dim]: got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}")
@@ -246,9 +290,9 @@ def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: 
     if q.dtype != k.dtype:
         raise ValueError(f"q ({q.dtype}) and k ({k.dtype}) must share a dtype")
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if w.shape != (head_dim,) or w.stride(0) != 1:
+        if w is not None and (w.shape != (head_dim,) or w.stride(0) != 1):
             raise ValueError(f"{name} {tuple(w.shape)} must be a contiguous [{head_dim}]")
-    if q_weight.dtype != k_weight.dtype:
+    if q_weight is not None and k_weight is not None and q_weight.dtype != k_weight.dtype:
         raise ValueError(f"q_weight ({q_weight.dtype}) and k_weight ({k_weight.dtype}) "
                          "must share a dtype")
     if not _power_of_two(head_dim):

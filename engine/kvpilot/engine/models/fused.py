@@ -25,6 +25,7 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
     from kvpilot.kernels.qk_norm_rotary import (
         matches_unfused_bits,
         qk_norm_rotary,
+        rotary_kv_write,
         supports_qk_norm_rotary,
     )
     from kvpilot.kernels.rmsnorm import rms_norm
@@ -54,13 +55,19 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
     # it replaces; it reads the table of a kernel rope (rotary swapped above)
     rotary_dims = {m.cos_sin.shape[1] for m in model.modules()
                    if isinstance(m, RotaryEmbedding) and m.kernel is not None}
+    # likewise rotary + the KV-cache write where a layer has no q/k norms (Llama)
     for module in model.modules():
-        if isinstance(module, Attention) and module.q_norm is not None \
-                and module.k_norm is not None and module.q_norm.eps == module.k_norm.eps \
-                and matches_unfused_bits(module.head_dim) and rotary_dims \
-                and all(supports_qk_norm_rotary(module.head_dim, dim) for dim in rotary_dims):
+        if not isinstance(module, Attention) or not rotary_dims or not all(
+                supports_qk_norm_rotary(module.head_dim, dim) for dim in rotary_dims):
+            continue
+        if module.q_norm is not None and module.k_norm is not None \
+                and module.q_norm.eps == module.k_norm.eps \
+                and matches_unfused_bits(module.head_dim):
             module.qk_norm_rope = qk_norm_rotary
             swapped.add("qk_norm_rotary")
+        elif module.q_norm is None and module.k_norm is None:
+            module.rope_kv_write = rotary_kv_write
+            swapped.add("rotary_kv_write")
     return sorted(swapped)
 
 

@@ -70,6 +70,9 @@ class Attention(nn.Module):
         # kvpilot.kernels.qk_norm_rotary.qk_norm_rotary; set by `fused.use_fused_kernels`
         # (qk_norm layers only) and used when the step's rope is a KernelRope
         self.qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        # without q/k norms: rotary + the KV-cache write in one kernel, with the signature of
+        # kvpilot.kernels.qk_norm_rotary.rotary_kv_write (set and used likewise)
+        self.rope_kv_write: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self.scale = self.head_dim ** -0.5
         # an fp8 KV cache's per-layer (k, v) scales; 1.0: no calibrated scales are read yet
         self.kv_scales = (1.0, 1.0)
@@ -94,6 +97,10 @@ class Attention(nn.Module):
                 kv_written = True
             else:
                 q, k = rope.apply(self.q_norm(q), self.k_norm(k))
+        elif self.rope_kv_write is not None and isinstance(rope, KernelRope):
+            q, k = self.rope_kv_write(rope.positions, q, k, rope.cos_sin, v, kv_cache,
+                                      meta.slot_mapping, self.kv_scales)
+            kv_written = True
         else:
             q, k = rope.apply(q, k)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales,
