@@ -25,7 +25,7 @@ from kvpilot.kernels.all_reduce_rmsnorm import (
     empty_slots,
 )
 from kvpilot.kernels.rmsnorm import rms_norm
-from kvpilot.kernels.w8a16_gemm import gemv, gemv_send
+from kvpilot.kernels.w8a16_gemm import gemm_send, gemv, gemv_send, skinny_linear
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the GPU form runs in "
                                 "tests/parallel/test_symm_mem_all_reduce_gpu.py")
@@ -121,10 +121,19 @@ def test_ranks_get_the_all_reduced_norm_bit_for_bit(tmp_path: Path, world: int,
         assert bool((buffer == EMPTY16).all()), r
 
 
-# calls of the second test: (rows, whether the GEMV sends the row); sent and plain calls
-# interleave, so both use the halves in turn
-SENT_CALLS = ((1, True), (3, False), (1, True), (1, True), (1, False), (2, False), (1, True))
+# calls of the second test: (rows, whether the projection sends its rows: the GEMV one, the
+# tiled kernel more); sent and plain calls interleave, so both use the halves in turn, and
+# rows beyond the fused kernel's programs share a program's count. Before calls 2 and 8 the
+# programs' counts differ in parity: a sender must take each row's half from its program
+SENT_CALLS = ((1, True), (3, True), (1, False), (5, True), (2, True), (1, True), (3, False),
+              (2, True), (1, True))
 K_IN = 40
+TILES = dict(block_n=16, block_k=64)  # the tiled kernel's in the interpreter
+
+
+def sent_product(a: torch.Tensor, w: torch.Tensor, slots: FusedSlots) -> torch.Tensor:
+    """Gives a @ w.T having sent it into `slots`: the GEMV for one row, else the tiled kernel."""
+    return gemv_send(a, w, slots) if a.shape[0] == 1 else gemm_send(a, w, slots, **TILES)
 
 
 def projection(rank: int, call: int, rows: int, dtype: torch.dtype
@@ -136,27 +145,31 @@ def projection(rank: int, call: int, rows: int, dtype: torch.dtype
 
 
 def sent_rank_main(rank: int, world: int, dtype: torch.dtype, root: Path) -> None:
-    """Runs SENT_CALLS: a sending call's partial sum comes from `gemv_send`."""
+    """Runs SENT_CALLS: a sending call's partial sum comes from `sent_product`."""
     slots, _buffers = mapped_slots(rank, world, dtype, root)  # the maps live to the end
     got = []
     for call, (rows, sent) in enumerate(SENT_CALLS):
         a, w = projection(rank, call, rows, dtype)
-        x = gemv_send(a, w, slots) if sent else a @ w.T
+        x = sent_product(a, w, slots) if sent else a @ w.T
         _, residual, weight = inputs(rank, rows, call, dtype)
         got.append(all_reduce_add_rms_norm(x, residual, weight, EPS, slots, sent=sent))
     torch.save(got, root / f"got{rank}.pt")
 
 
 @pytest.mark.parametrize(("world", "dtype"), [(2, DTYPES[0]), (2, DTYPES[1]), (4, DTYPES[0])])
-def test_a_row_the_gemv_sent_is_summed_as_one_the_kernel_sent(tmp_path: Path, world: int,
-                                                               dtype: torch.dtype):
+def test_rows_a_projection_sent_are_summed_as_ones_the_kernel_sent(tmp_path: Path, world: int,
+                                                                   dtype: torch.dtype):
     numel = run_ranks(sent_rank_main, world, dtype, tmp_path)
     got = [torch.load(tmp_path / f"got{r}.pt") for r in range(world)]
     for call, (rows, sent) in enumerate(SENT_CALLS):
         parts = []
         for r in range(world):
             a, w = projection(r, call, rows, dtype)
-            parts.append(gemv(a, w, block_n=4, block_k=256) if sent else a @ w.T)
+            if not sent:
+                parts.append(a @ w.T)
+            else:
+                parts.append(gemv(a, w, block_n=4, block_k=256) if rows == 1
+                             else skinny_linear(a, w, **TILES))
         _, residual, weight = inputs(0, rows, call, dtype)
         want_out, want_residual = all_reduce_add_rms_norm_ref(parts, residual, weight, EPS)
         total = all_reduce_add_rms_norm_ref(parts, torch.zeros_like(residual), weight, EPS)[1]

@@ -161,8 +161,8 @@ class FakeOps:
         h = total + residual + (self.fault == "fused-wrong")
         return F.rms_norm(h, (x.shape[-1],), weight, eps), h
 
-    def gemv_send(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        self.ran.append("gemv_send")
+    def linear_send(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        self.ran.append("linear_send")
         return x @ weight.T
 
     def finished(self, timeout_s: float) -> bool:
@@ -334,25 +334,27 @@ def test_tp_group_fuses_the_norm_for_messages_up_to_the_fused_limit():
         small, small, weight, 1e-6) is None  # no symmetric memory
 
 
-def test_a_row_the_gemv_sent_is_summed_by_the_next_fused_call():
+def test_rows_a_projection_sent_are_summed_by_the_next_fused_call():
     ops = FakeOps()
     comm = SymmMemAllReduce(ops, torch.zeros(64 * KIB, dtype=torch.uint8), "tp", 2)
     x, weight = torch.ones(1, 64, dtype=FP32), torch.ones(4096, 64, dtype=FP32) / 64
     norm = torch.ones(4096, dtype=FP32)
-    assert comm.gemv_send(x, weight) is None  # the fused kernel is not agreed on
+    assert comm.linear_send(x, weight) is None  # the fused kernel is not agreed on
     comm.fused = True
-    assert comm.gemv_send(x, torch.ones(64 * KIB, 64, dtype=FP32)) is None  # above the limit
-    assert comm.gemv_send(x.half(), weight.half()) is None  # a dtype the group does not sum
-    sent = comm.gemv_send(x, weight)
+    assert comm.linear_send(x, torch.ones(64 * KIB, 64, dtype=FP32)) is None  # above the limit
+    assert comm.linear_send(x.half(), weight.half()) is None  # a dtype the group does not sum
+    assert comm.linear_send(x.expand(65, 64), weight) is None  # more rows than the tiled kernel's
+    assert comm.linear_send(x[:0], weight) is None  # no rows
+    sent = comm.linear_send(x, weight)
     assert sent is not None and torch.equal(sent, torch.ones(1, 4096))
-    assert comm.gemv_send(x, weight) is None  # one row in the slots at a time
+    assert comm.linear_send(x, weight) is None  # one product in the slots at a time
     four = SymmMemAllReduce(FakeOps(world=4), torch.zeros(64 * KIB, dtype=torch.uint8), "tp", 4)
     four.fused = True
-    assert four.gemv_send(x, weight) is None  # not at 4 ranks (SEND_WORLD_SIZES)
+    assert four.linear_send(x, weight) is None  # not at 4 ranks (SEND_WORLD_SIZES)
     with pytest.raises(RuntimeError, match="must be the next fused call's x"):
         comm.add_rms_norm(sent.clone(), torch.zeros_like(sent), norm, 1e-6)
     out = comm.add_rms_norm(sent, torch.zeros_like(sent), norm, 1e-6)
-    assert out is not None and ops.ran == ["gemv_send", SENT]
+    assert out is not None and ops.ran == ["linear_send", SENT]
     assert comm.calls[SENT] == 1 and comm.calls[FUSED] == 0
     assert comm.add_rms_norm(x, x, norm[:64], 1e-6) is not None  # the next one sends its own
     assert ops.ran[-1] == FUSED

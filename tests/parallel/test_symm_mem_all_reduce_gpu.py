@@ -29,7 +29,7 @@ from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm import LLM
 from kvpilot.engine.parallel.all_reduce_choice import ONE_SHOT
 from kvpilot.engine.parallel.groups import TPGroup
-from kvpilot.engine.parallel.symm_mem_all_reduce import FUSED, SENT
+from kvpilot.engine.parallel.symm_mem_all_reduce import FUSED, SEND_WORLD_SIZES, SENT
 
 pytestmark = pytest.mark.gpu
 KIB = 1024
@@ -124,23 +124,26 @@ def compare_fused(tp: TPGroup, rank: int) -> list[str]:
                     continue
                 if (diff := differs(got, unfused(data, residual, weight))) is not None:
                     errors.append(f"fused {name} {dtype} {rows} rows: {diff}")
-    from kvpilot.kernels.w8a16_gemm import gemv
+    from kvpilot.kernels.w8a16_gemm import gemv, skinny_linear
 
-    for dtype in (torch.bfloat16, torch.float32):  # a row the GEMV sent, twice in a row
-        for call in range(3):
+    # rows the projection sent (the GEMV one, the tiled kernel more), several calls in a row,
+    # at the group sizes that send
+    for dtype in (torch.bfloat16, torch.float32) if tp.size in SEND_WORLD_SIZES else ():
+        for call, rows in enumerate((1, 1, 5, 64, 1, 16, 16)):
             gen = torch.Generator(device="cuda").manual_seed(10 * rank + call)
-            a = torch.randn(1, 2048, dtype=dtype, device="cuda", generator=gen)
+            a = torch.randn(rows, 2048, dtype=dtype, device="cuda", generator=gen)
             w = torch.randn(4096, 2048, dtype=dtype, device="cuda", generator=gen) / 32
             gen.manual_seed(call)
-            residual = torch.randn(1, 4096, dtype=dtype, device="cuda", generator=gen)
+            residual = torch.randn(rows, 4096, dtype=dtype, device="cuda", generator=gen)
             weight = torch.randn(4096, dtype=dtype, device="cuda", generator=gen)
-            sent = tp.symm_mem.gemv_send(a, w)
+            sent = tp.symm_mem.linear_send(a, w)
             if sent is None:
-                errors.append(f"gemv_send {dtype}: not taken")
+                errors.append(f"linear_send {dtype} {rows} rows: not taken")
                 continue
             got = tp.all_reduce_add_rms_norm(sent, residual, weight, 1e-5)
-            if (diff := differs(got, unfused(gemv(a, w), residual, weight))) is not None:
-                errors.append(f"gemv_send {dtype} call {call}: {diff}")
+            product = gemv(a, w) if rows == 1 else skinny_linear(a, w)
+            if (diff := differs(got, unfused(product, residual, weight))) is not None:
+                errors.append(f"linear_send {dtype} call {call} ({rows} rows): {diff}")
     x = torch.zeros(8, 4096, dtype=torch.bfloat16, device="cuda")
     residual, weight = torch.zeros_like(x), torch.ones(4096, dtype=x.dtype, device="cuda")
     tp.all_reduce_add_rms_norm(x, residual, weight, 1e-5)  # warm up outside the capture

@@ -29,9 +29,11 @@ min(rows, programs)), so the rows a program reads are the rows it marks empty. A
 into a half again two calls later, which it reaches only after reading this rank's writes of
 the call between, made by a later launch than the one that emptied the half.
 
-A kernel that computes a one-row partial sum can send it itself (`send_first_row`; the
-one-row GEMV does, `w8a16_gemm.gemv_send`): the call after it runs with `sent` and only waits,
-sums and normalises.
+A kernel that computes the partial sum can send it itself (`send_first_row`, `send_rows`;
+the one-row GEMV and the few-row GEMM do, `w8a16_gemm.gemv_send` and `gemm_send`): its stores
+go out while its other programs still read weights, and the call after it runs with `sent`
+and only waits, sums and normalises. A sender takes each row's half from the count of the
+program that reads the row, as that program's own first phase would.
 """
 
 from __future__ import annotations
@@ -85,6 +87,19 @@ def send_first_row(values, offs, mask, buffers, epochs, slot_numel, BITS: tl.con
 
 
 @jit
+def send_rows(values, offs_m, offs_n, mask, n_cols, buffers, epochs, programs, slot_numel,
+              BITS: tl.constexpr, EMPTY: tl.constexpr, SENT_AS: tl.constexpr,
+              RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Sends a tile of a partial sum [rows, n_cols] (`values` [len(offs_m), len(offs_n)] in its
+    dtype) as the next call's first phase would, that call having `programs` programs (row i
+    is program i % programs'); it then runs with SENT."""
+    epoch = tl.load(epochs + offs_m % programs)  # padding rows too: masked off below
+    half = ((epoch + 1) % 2).to(tl.int64) * WORLD * slot_numel
+    send(values.to(BITS, bitcast=True), half[:, None] + offs_m[:, None] * n_cols
+         + offs_n[None, :], mask, buffers, 0, slot_numel, EMPTY, SENT_AS, RANK, WORLD)
+
+
+@jit
 def _all_reduce_add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, buffers, epochs,
     n_rows, n_cols, slot_numel, eps,
@@ -132,16 +147,21 @@ def _all_reduce_add_rms_norm_kernel(
 @dataclass(frozen=True)
 class FusedSlots:
     """A rank's view of the fused kernel's slots (kvpilot.engine.parallel.symm_mem_all_reduce
-    holds it): what a kernel that sends a row into them (`send_first_row`) needs."""
+    holds it): what a kernel that sends rows into them (`send_first_row`, `send_rows`)
+    needs."""
 
     buffers: torch.Tensor  # int64 [world]: each rank's buffer
     slot_bytes: int
     epochs: torch.Tensor  # int32 [programs]: this rank's calls per program
     rank: int
 
+    def programs(self, rows: int) -> int:
+        """Gives the fused kernel's programs for a message of `rows` rows."""
+        return min(rows, self.epochs.numel())
+
     def send_args(self, dtype: torch.dtype) -> tuple[tuple, dict]:
-        """Gives the arguments of `send_first_row` for a row of `dtype`: (buffers, epochs,
-        slot_numel) and the constants."""
+        """Gives the arguments of `send_first_row` and `send_rows` for rows of `dtype`:
+        (buffers, epochs, slot_numel) and the constants."""
         bits, empty, sent_as = EMPTY_BITS[dtype.itemsize]
         return ((self.buffers, self.epochs, self.slot_bytes // dtype.itemsize),
                 dict(SEND=True, SEND_BITS=TL_BITS[bits], EMPTY=empty, SENT_AS=sent_as,
@@ -154,18 +174,17 @@ def all_reduce_add_rms_norm(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     slots: FusedSlots,  # this rank's view of the group's slots (each of T * hidden elements+)
-    sent: bool = False,  # x, one row, is in the slots already (`send_first_row`)
+    sent: bool = False,  # x is in the slots already (`send_first_row`, `send_rows`)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gives (norm(sum_ranks(x) + residual), sum_ranks(x) + residual); every rank of the group
     calls it with the same shapes, in the same order. The slots start empty (`empty_slots`)
     and the counts at zero."""
-    assert not sent or x.shape[0] == 1, "send_first_row sends one row"
     n_rows, n_cols = x.shape
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x)
     if n_rows:
         bits, empty, sent_as = EMPTY_BITS[x.element_size()]
-        _all_reduce_add_rms_norm_kernel[(min(n_rows, slots.epochs.numel()),)](
+        _all_reduce_add_rms_norm_kernel[(slots.programs(n_rows),)](
             x.view(bits), residual, weight, out, residual_out, slots.buffers, slots.epochs,
             n_rows, n_cols, slots.slot_bytes // x.element_size(), eps, EMPTY=empty,
             SENT_AS=sent_as, SENT=sent, RANK=slots.rank, WORLD=slots.buffers.numel(),

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpilot.kernels.all_reduce_rmsnorm import FusedSlots, send_first_row
+from kvpilot.kernels.all_reduce_rmsnorm import FusedSlots, send_first_row, send_rows
 from kvpilot.kernels.jit import Kernel, jit
 from kvpilot.kernels.pdl import pdl_args, wait_for_previous
 
@@ -42,6 +42,14 @@ TUNED_CONFIGS = [
     (16, 256, 4, 6), (32, 256, 4, 6), (32, 128, 4, 8), (32, 512, 4, 5), (64, 128, 4, 6),
 ]
 
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the same kernel with a 16-bit weight and 2 to
+# MAX_M rows (`skinny_linear`): what its autotuner picked over a wider table at the TP=1, 2
+# and 4 shards of Llama-3-8B's projections at 16 to 64 rows on an H100
+# (bench/kernels/skinny_gemm_gpu.py)
+SKINNY_CONFIGS = [
+    (16, 128, 2, 6), (16, 128, 4, 6), (16, 256, 4, 4), (32, 128, 4, 4), (32, 128, 4, 6),
+    (32, 256, 4, 3), (32, 256, 4, 4), (128, 128, 8, 3),
+]
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the one-row GEMV
 GEMV_CONFIGS = [
@@ -92,14 +100,23 @@ def _w8a16_gemv_kernel(
 def _w8a16_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K,
     stride_xm, stride_wn, stride_om,
+    send_buffers, send_epochs, slot_numel, send_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
+    SEND: tl.constexpr, SEND_BITS: tl.constexpr, EMPTY: tl.constexpr, SENT_AS: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr,
 ):
+    """Without HAS_SCALE the weight is 16-bit (the model's dtype) and nothing scales the
+    sums (`skinny_linear`). SEND: the rows are a row-parallel projection's partial sum that
+    the fused all-reduce + norm kernel (of `send_programs` programs) sums next: also send
+    them into every rank's slots (`send_rows`)."""
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok, n_ok = offs_m < M, offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    wait_for_previous(PDL)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + offs_k) < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
@@ -107,10 +124,14 @@ def _w8a16_kernel(
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
-    out = acc * scale[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    out = acc.to(out_ptr.dtype.element_ty)
+    mask = m_ok[:, None] & n_ok[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
+    if SEND:
+        send_rows(out, offs_m, offs_n, mask, N, send_buffers, send_epochs, send_programs,
+                  slot_numel, SEND_BITS, EMPTY, SENT_AS, RANK, WORLD)
 
 
 def _tuned(kernel: Kernel, table: list[tuple[int, int, int, int]], key: list[str]) -> Kernel:
@@ -121,6 +142,7 @@ def _tuned(kernel: Kernel, table: list[tuple[int, int, int, int]], key: list[str
 
 
 _w8a16_tuned = _tuned(_w8a16_kernel, TUNED_CONFIGS, ["N", "K", "BLOCK_M"])
+_skinny_tuned = _tuned(_w8a16_kernel, SKINNY_CONFIGS, ["N", "K", "BLOCK_M"])
 _gemv_tuned = _tuned(_w8a16_gemv_kernel, GEMV_CONFIGS, ["N", "K"])
 # the one-row GEMV (8-bit weights here, 16-bit ones in `one_row_linear`) is used unless
 # KVPILOT_W8A16_GEMV=0 (for side-by-side benchmarks)
@@ -136,7 +158,7 @@ def w8a16_gemm(
 ) -> torch.Tensor:
     """Gives x @ (weight * scale[:, None]).T [M, N] in x's dtype; the tile sizes are autotuned
     on a GPU unless both `block_n` and `block_k` are given (always in the interpreter)."""
-    rows, k = x.shape
+    rows = x.shape[0]
     n = weight.shape[0]
     assert rows <= MAX_M, f"{rows} rows: the torch path takes batches above {MAX_M}"
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be dense"
@@ -146,15 +168,7 @@ def w8a16_gemm(
     tune = (block_n is None or block_k is None) and os.environ.get("TRITON_INTERPRET") != "1"
     if rows == 1 and USE_GEMV:
         return _gemv_into(out, x, weight, scale, tune, block_n, block_k)
-    args = (x, weight, scale, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0))
-    block_m = max(16, triton.next_power_of_2(rows))
-    if tune:
-        _w8a16_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, BLOCK_M=block_m)
-    else:
-        block_n, block_k = block_n or 16, block_k or 256
-        _w8a16_kernel[(triton.cdiv(n, block_n),)](*args, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                  BLOCK_K=block_k, num_warps=4)
-    return out
+    return _gemm_into(out, x, weight, scale, tune, block_n, block_k)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
@@ -172,9 +186,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
 
 
 NO_SEND = dict(SEND=False, SEND_BITS=tl.int16, EMPTY=0, SENT_AS=0, RANK=0, WORLD=1)
-# (N, K) -> the tuned GEMV's config, for launches that send their row (never timed: a timed
-# launch would send into the peers' slots)
-_send_configs: dict[tuple[int, int], triton.Config] = {}
+# (N, K) of the GEMV, (N, K, BLOCK_M, 16-bit) of the tiled kernel -> its tuned config, for
+# launches that send their rows (never timed: a timed launch would send into the peers' slots)
+_send_configs: dict[tuple, triton.Config] = {}
 
 
 def _gemv_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -204,6 +218,70 @@ def _gemv_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         _w8a16_gemv_kernel[(triton.cdiv(n, block_n),)](
             *args, *sent, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **consts)
     return out
+
+
+def _gemm_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+               scale: torch.Tensor | None, tune: bool, block_n: int | None,
+               block_k: int | None, send: FusedSlots | None = None) -> torch.Tensor:
+    """Launches the tiled kernel into `out` [M, N] (autotuned over TUNED_CONFIGS with a
+    `scale`, else SKINNY_CONFIGS; or with the given tiles); with `send` the rows also go
+    into the fused all-reduce's slots."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    block_m = max(16, triton.next_power_of_2(rows))
+    args = (x, weight, weight if scale is None else scale, out, rows, n, k, x.stride(0),
+            weight.stride(0), out.stride(0))
+    if send is not None:
+        (buffers, epochs, slot_numel), consts = send.send_args(out.dtype)
+        sent = (buffers, epochs, slot_numel, send.programs(rows))
+    else:
+        sent, consts = (weight, weight, 0, 1), NO_SEND
+    consts = dict(consts, BLOCK_M=block_m, HAS_SCALE=scale is not None, **pdl_args(x))
+    tuned = _skinny_tuned if scale is None else _w8a16_tuned
+    if send is not None and tune:  # the plain kernel's tuned tiles, timed without sending
+        key = (n, k, block_m, scale is None)
+        if key not in _send_configs:
+            _gemm_into(torch.empty_like(out), x, weight, scale, tune, None, None)
+            _send_configs[key] = tuned.best_config  # pyright: ignore[reportAttributeAccessIssue]  (the Autotuner's last pick)
+        config = _send_configs[key]
+        _w8a16_kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
+            *args, *sent, **config.kwargs, num_warps=config.num_warps,
+            num_stages=config.num_stages, **consts)
+    elif tune:
+        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, *sent, **consts)
+    else:
+        block_n, block_k = block_n or 16, block_k or 256
+        _w8a16_kernel[(triton.cdiv(n, block_n),)](*args, *sent, BLOCK_N=block_n,
+                                                  BLOCK_K=block_k, num_warps=4, **consts)
+    return out
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
+                  block_k: int | None = None) -> torch.Tensor:
+    """Gives x @ weight.T [M, N] for 2 to MAX_M rows x [M, K] and a 16-bit weight [N, K] (the
+    model's dtype) through the tiled kernel. The tile sizes are autotuned on a GPU unless
+    both `block_n` and `block_k` are given (always in the interpreter)."""
+    rows, k = x.shape
+    assert 1 < rows <= MAX_M and weight.shape[1] == k, f"2 to {MAX_M} rows of {k} columns"
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be dense"
+    out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+    tune = (block_n is None or block_k is None) and os.environ.get("TRITON_INTERPRET") != "1"
+    return _gemm_into(out, x, weight, None, tune, block_n, block_k)
+
+
+def gemm_send(x: torch.Tensor, weight: torch.Tensor, slots: FusedSlots,
+              block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
+    """Gives `skinny_linear(x, weight)` having also sent the rows into `slots` for the fused
+    all-reduce + norm call that comes next on this rank (`all_reduce_add_rms_norm(...,
+    sent=True)`). Tiles as `skinny_linear`'s (the send itself is never timed)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    assert 1 < rows <= MAX_M and weight.shape[1] == k, f"2 to {MAX_M} rows of {k} columns"
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be dense"
+    assert rows * n * x.element_size() <= slots.slot_bytes, "the rows must fit the fused slots"
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    tune = (block_n is None or block_k is None) and os.environ.get("TRITON_INTERPRET") != "1"
+    return _gemm_into(out, x, weight, None, tune, block_n, block_k, slots)
 
 
 def gemv_send(x: torch.Tensor, weight: torch.Tensor, slots: FusedSlots) -> torch.Tensor:

@@ -49,8 +49,8 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
             swapped.add("one_row_gemv")
             if isinstance(module, RowParallelLinear) and not module.reduce_output \
                     and module.tp.symm_mem is not None and module.tp.symm_mem.fused:
-                module.matmul = _sending_gemv(module.tp.symm_mem)
-                swapped.add("gemv_send")
+                module.matmul = _sending_linear(module.tp.symm_mem)
+                swapped.add("linear_send")
     # q/k norm + rotary in one launch (Qwen3) where it gives the bits of the three kernels
     # it replaces; it reads the table of a kernel rope (rotary swapped above)
     rotary_dims = {m.cos_sin.shape[1] for m in model.modules()
@@ -71,17 +71,18 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
     return sorted(swapped)
 
 
-def _sending_gemv(comm: SymmMemAllReduce) -> Callable[..., torch.Tensor]:
-    """Gives a row-parallel projection's matmul whose one-row product the GEMV also sends into
-    the fused all-reduce's slots (the norm after it sums it: `sum_in_next_norm`)."""
+def _sending_linear(comm: SymmMemAllReduce) -> Callable[..., torch.Tensor]:
+    """Gives a row-parallel projection's matmul whose product, for 1 to `w8a16_gemm.MAX_M` rows,
+    its kernel also sends into the fused all-reduce's slots (the norm after it sums it:
+    `sum_in_next_norm`): the one-row GEMV, or the few-row tiled GEMM in cuBLAS's place."""
     from kvpilot.kernels.w8a16_gemm import USE_GEMV, one_row_linear
 
     def matmul(x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        if (USE_GEMV and bias is None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+        if (USE_GEMV and bias is None and x.is_cuda and x.dim() == 2
                 and x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
                 and weight.dtype in (torch.bfloat16, torch.float16)  # as one_row_linear's
-                and (sent := comm.gemv_send(x, weight)) is not None):
+                and (sent := comm.linear_send(x, weight)) is not None):
             return sent
         return one_row_linear(x, weight, bias)
     return matmul

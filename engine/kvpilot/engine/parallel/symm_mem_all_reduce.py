@@ -62,7 +62,7 @@ logger = logging.getLogger("kvpilot.engine")
 CHECK_BYTES = 8192  # the start-up check's one-shot message: one decode token of 4096 bf16
 CHECK_TIMEOUT_S = 60.0  # a check all-reduce still running after this never ends
 FUSED = "fused add-rmsnorm"  # the one-shot all-reduce fused with the norm after it
-SENT = "sent by the GEMV"  # fused calls whose row the projection's GEMV sent
+SENT = "sent by the projection"  # fused calls whose rows the projection's kernel sent
 CHECK_EPS = 1e-5
 FUSED_PROGRAMS = 64  # the fused kernel's most programs (each waits on its own rows' slots)
 # by group size, the largest message the fused kernel takes (its slots' size). In a CUDA graph
@@ -75,9 +75,10 @@ FUSED_MAX_BYTES = {2: 1024 * 1024, 4: 512 * 1024}
 # the group sizes the fused kernel runs at (it is measured at 2 and 4 ranks; at 8 its
 # world x message bytes of peer stores per rank are not)
 FUSED_WORLD_SIZES = (2, 4)
-# the group sizes where a one-row GEMV sends its product into the slots itself (`gemv_send`):
-# GPU-tested at 2 ranks, where TP=2 batch-1 went from 1.58x to 1.60x TP=1's speed (Llama-3-8B
-# shape, H100s; two calls, each ratio within one); at 4 it has run in the interpreter only
+# the group sizes where a projection's kernel sends its product into the slots itself
+# (`linear_send`): GPU-tested at 2 ranks, where the one-row GEMV's send took TP=2 batch-1 from
+# 1.58x to 1.60x TP=1's speed (Llama-3-8B shape, H100s; two calls, each ratio within one); at
+# 4 it has run in the interpreter only
 SEND_WORLD_SIZES = (2,)
 
 
@@ -92,7 +93,7 @@ class SymmMemOps(Protocol):
     def two_shot(self, staged: torch.Tensor, x: torch.Tensor, group_name: str) -> None: ...
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float, sent: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def gemv_send(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def linear_send(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
     def finished(self, timeout_s: float) -> bool: ...
 
 
@@ -156,11 +157,12 @@ class TorchSymmMem:
         assert self.slots is not None  # allocated
         return all_reduce_add_rms_norm(x, residual, weight, eps, self.slots, sent=sent)
 
-    def gemv_send(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        from kvpilot.kernels.w8a16_gemm import gemv_send
+    def linear_send(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        from kvpilot.kernels.w8a16_gemm import gemm_send, gemv_send
 
         assert self.slots is not None  # allocated
-        return gemv_send(x, weight, self.slots)
+        send = gemv_send if x.shape[0] == 1 else gemm_send
+        return send(x, weight, self.slots)
 
     def finished(self, timeout_s: float) -> bool:
         """Gives whether the work queued on the current stream ends within `timeout_s` (the
@@ -189,7 +191,7 @@ class SymmMemAllReduce:
         self.fused_limit = fused_bytes(self.capacity, world_size)  # its largest message
         # calls made from Python (eager steps and graph captures; replays do not count)
         self.calls = {ONE_SHOT: 0, TWO_SHOT: 0, FUSED: 0, SENT: 0}
-        self.sent: torch.Tensor | None = None  # a row in the slots that add_rms_norm sums next
+        self.sent: torch.Tensor | None = None  # rows in the slots that add_rms_norm sums next
 
     def choose(self, x: torch.Tensor) -> str:
         """Gives the algorithm `x` takes: ONE_SHOT, TWO_SHOT, or NCCL (not through here)."""
@@ -210,11 +212,11 @@ class SymmMemAllReduce:
         """Gives (norm(sum(x) + residual), sum(x) + residual) from the fused kernel, or None
         where it does not take `x`: not agreed on, not contiguous [T, hidden] rows of a dtype
         the group sums with a residual of their shape, or more than `fused_limit` bytes. An
-        `x` that `gemv_send` gave is in the slots already: the kernel only waits and sums."""
+        `x` that `linear_send` gave is in the slots already: the kernel only waits and sums."""
         if self.sent is not None:  # whatever comes next must sum it, or the slots go stale
             if x is not self.sent or residual.shape != x.shape or not residual.is_contiguous():
-                raise RuntimeError("a row sent into the fused all-reduce's slots must be the "
-                                   "next fused call's x, with a residual of its shape")
+                raise RuntimeError("rows sent into the fused all-reduce's slots must be the "
+                                   "next fused call's x, with a residual of their shape")
             self.sent = None
             self.calls[SENT] += 1
             return self.ops.add_rms_norm(x, residual, weight, eps, sent=True)
@@ -228,17 +230,20 @@ class SymmMemAllReduce:
         return self.fused and x.dim() == 2 and self.choose(x) != NCCL \
             and x.numel() * x.element_size() <= self.fused_limit
 
-    def gemv_send(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        """Gives x @ weight.T for one row x [1, K] through the one-row GEMV, which also sends
-        the product into the fused kernel's slots, so the `add_rms_norm` call that comes next
-        only waits and sums; None where that call would not take the product (it must then
-        be the product's next fused call: a sent row that is never summed would be read as
-        the next call's)."""
-        out = torch.empty(1, weight.shape[0], dtype=x.dtype, device="meta")  # its layout
+    def linear_send(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """Gives x @ weight.T for 1 to `w8a16_gemm.MAX_M` rows x [M, K] through a kernel that also
+        sends the product into the fused kernel's slots (the one-row GEMV, the few-row tiled
+        GEMM), so the `add_rms_norm` call that comes next only waits and sums; None where
+        that call would not take the product (it must then be the product's next fused
+        call: rows sent and never summed would be read as the next call's)."""
+        from kvpilot.kernels.w8a16_gemm import MAX_M
+
+        rows = x.shape[0]
+        out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device="meta")  # its layout
         if self.world_size not in SEND_WORLD_SIZES or self.sent is not None \
-                or not self.takes(out):
+                or not 0 < rows <= MAX_M or not self.takes(out):
             return None
-        self.sent = self.ops.gemv_send(x, weight)
+        self.sent = self.ops.linear_send(x, weight)
         return self.sent
 
 
