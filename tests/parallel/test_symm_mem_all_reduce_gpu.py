@@ -29,7 +29,7 @@ from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.llm import LLM
 from kvpilot.engine.parallel.all_reduce_choice import ONE_SHOT
 from kvpilot.engine.parallel.groups import TPGroup
-from kvpilot.engine.parallel.symm_mem_all_reduce import FUSED, SEND_WORLD_SIZES, SENT
+from kvpilot.engine.parallel.symm_mem_all_reduce import SEND_WORLD_SIZES, SENT
 
 pytestmark = pytest.mark.gpu
 KIB = 1024
@@ -230,13 +230,12 @@ def test_tp2_engine_decodes_through_symm_mem_and_matches_tp1(tmp_path: Path):
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
     try:
         symm = llm.engine.runner.ctx.tp.symm_mem  # type: ignore[attr-defined]
-        # on by default, and the decode graphs captured their all-reduces through it
-        # (the batch-1 graph with rows its projections' GEMVs sent)
-        assert symm is not None and symm.calls[ONE_SHOT] > 0 and symm.calls[FUSED] > 0 \
-            and symm.calls[SENT] > 0
+        # on by default, and the decode graphs captured their all-reduces through it: at
+        # up to 64 rows (here every graph's) the projections' kernels sent their rows
+        assert symm is not None and symm.calls[ONE_SHOT] > 0 and symm.calls[SENT] > 0
         greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outputs = llm.generate(batch, greedy)
-        alone = llm.generate(batch[:1], greedy)  # decodes at batch 1: the sent rows
+        alone = llm.generate(batch[:1], greedy)  # decodes at batch 1: the GEMV's sent row
         assert llm.get_stats().graph_steps > 0
     finally:
         llm.engine.shutdown()

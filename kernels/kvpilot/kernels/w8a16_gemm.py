@@ -186,8 +186,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
 
 
 NO_SEND = dict(SEND=False, SEND_BITS=tl.int16, EMPTY=0, SENT_AS=0, RANK=0, WORLD=1)
-# (N, K) of the GEMV, (N, K, BLOCK_M, 16-bit) of the tiled kernel -> its tuned config, for
-# launches that send their rows (never timed: a timed launch would send into the peers' slots)
+# (N, K, dtypes) of the GEMV, (N, K, BLOCK_M, dtypes) of the tiled kernel -> its tuned config,
+# for launches that send their rows (never timed: a timed launch would send into the peers'
+# slots). The dtypes keep a bfloat16 pick's tiles from a float32 launch they do not fit.
 _send_configs: dict[tuple, triton.Config] = {}
 
 
@@ -204,10 +205,11 @@ def _gemv_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                                                          NO_SEND)
     consts = dict(consts, HAS_SCALE=scale is not None, **pdl_args(x))
     if send is not None and tune:  # the plain GEMV's tuned tiles, timed without sending
-        if (n, k) not in _send_configs:
+        key = (n, k, x.dtype, weight.dtype)  # as the autotuner keys it
+        if key not in _send_configs:
             _gemv_into(torch.empty_like(out), x, weight, scale, tune, None, None)
-            _send_configs[(n, k)] = _gemv_tuned.best_config  # pyright: ignore[reportAttributeAccessIssue]  (the Autotuner's last pick)
-        config = _send_configs[(n, k)]
+            _send_configs[key] = _gemv_tuned.best_config  # pyright: ignore[reportAttributeAccessIssue]  (the Autotuner's last pick)
+        config = _send_configs[key]
         _w8a16_gemv_kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
             *args, *sent, **config.kwargs, num_warps=config.num_warps,
             num_stages=config.num_stages, **consts)
@@ -239,7 +241,7 @@ def _gemm_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     consts = dict(consts, BLOCK_M=block_m, HAS_SCALE=scale is not None, **pdl_args(x))
     tuned = _skinny_tuned if scale is None else _w8a16_tuned
     if send is not None and tune:  # the plain kernel's tuned tiles, timed without sending
-        key = (n, k, block_m, scale is None)
+        key = (n, k, block_m, x.dtype, weight.dtype)  # as the autotuner keys it
         if key not in _send_configs:
             _gemm_into(torch.empty_like(out), x, weight, scale, tune, None, None)
             _send_configs[key] = tuned.best_config  # pyright: ignore[reportAttributeAccessIssue]  (the Autotuner's last pick)
