@@ -7,7 +7,13 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, rel_err, tolerance
 
-from kvpilot.kernels.w8a16_gemm import gemv, one_row_linear, w8a16_gemm, w8a16_gemm_ref
+from kvpilot.kernels.w8a16_gemm import (
+    gemv,
+    one_row_linear,
+    skinny_linear,
+    w8a16_gemm,
+    w8a16_gemm_ref,
+)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -58,6 +64,22 @@ def test_the_gemv_takes_a_16_bit_weight(n, k, dtype):
     out = gemv(x, weight, block_k=128)
     assert out.shape == (1, n) and out.dtype == dtype
     assert rel_err(out, (x.float() @ weight.float().t()).to(dtype)) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n", "k"), [(2, 48, 64), (17, 50, 300), (64, 96, 256)])
+def test_the_tiled_kernel_takes_a_16_bit_weight(rows, n, k, dtype):
+    """A row-parallel projection's 2 to 64 rows that send (`gemm_send`): the same kernel
+    without a scale; autotuned on a GPU, the default tiles in the interpreter."""
+    gen = torch.Generator().manual_seed(rows + n + k)
+    x = torch.randn(rows, k, generator=gen).to(dtype=dtype, device=DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype=dtype, device=DEVICE)
+    out = skinny_linear(x, weight)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    assert rel_err(out, (x.float() @ weight.float().t()).to(dtype)) < tolerance(dtype)
+    for wrong in (1, 65):  # the GEMV's one row; beyond MAX_M
+        with pytest.raises(AssertionError, match="rows"):
+            skinny_linear(x[:1].expand(wrong, k), weight)
 
 
 def test_one_row_linear_is_f_linear_off_its_case():
