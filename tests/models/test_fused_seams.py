@@ -12,10 +12,12 @@ from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.fused import use_fused_kernels
 from kvpilot.engine.models.layers import Linear
 from kvpilot.engine.models.loader import load_model
-from kvpilot.kernels.w8a16_gemm import one_row_linear
+from kvpilot.kernels.w8a16_gemm import decode_linear, one_row_linear
 
 
-def test_every_projection_and_the_lm_head_get_the_one_row_gemv(tiny_checkpoints):
+def test_every_projection_and_the_lm_head_get_the_decode_matmuls(tiny_checkpoints):
+    """The projections: the one-row GEMV and the tiled kernel up to 64 rows; the LM head: the
+    GEMV (the tiled kernel is not measured on a vocabulary-wide weight)."""
     import torch
 
     config = ModelConfig.from_engine_args(EngineArgs(model=str(tiny_checkpoints("llama"))),
@@ -24,8 +26,10 @@ def test_every_projection_and_the_lm_head_get_the_one_row_gemv(tiny_checkpoints)
     projections = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                    if isinstance(m, Linear)}
     assert projections == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
-    assert "one_row_gemv" in use_fused_kernels(model)
-    assert all(m.matmul is one_row_linear for m in model.modules() if isinstance(m, Linear))
+    assert {"one_row_gemv", "tiled_gemm"} <= set(use_fused_kernels(model))
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            assert m.matmul is (one_row_linear if name == "lm_head" else decode_linear), name
 
 
 def _device() -> str:

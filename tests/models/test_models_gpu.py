@@ -66,8 +66,9 @@ def test_fused_kernels_track_torch_ops_in_bf16(tiny_checkpoints, family):
     config = ModelConfig.from_engine_args(EngineArgs(model=str(path)), torch.device("cuda"))
     plain = load_model(config, "auto", "cuda", fused_kernels=False)
     fused = load_model(config, "auto", "cuda")  # default on CUDA
-    assert use_fused_kernels(load_model(config, "auto", "cuda", fused_kernels=False)) == [
-        "one_row_gemv", "rms_norm", "rotary", "silu_and_mul"]
+    # (the fused rotary kernels join these where the head sizes allow)
+    assert {"one_row_gemv", "tiled_gemm", "rms_norm", "rotary", "silu_and_mul"} <= set(
+        use_fused_kernels(load_model(config, "auto", "cuda", fused_kernels=False)))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in SEQ_LENS]
     for got, want in zip(paged_logits(fused, prompts, "cuda"), paged_logits(plain, prompts, "cuda"),

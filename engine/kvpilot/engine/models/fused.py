@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 
 
 def use_fused_kernels(model: nn.Module) -> list[str]:
-    """Swaps RMSNorm (+ residual add), SiLU-and-mul, rotary and the projections' one-row
-    matmul for fused kernels in place, and gives qk_norm attention layers (Qwen3) q/k norm
-    and rotary in one kernel; gives the names of the seams it swapped."""
+    """Swaps RMSNorm (+ residual add), SiLU-and-mul, rotary and the projections' (1 to 64 rows)
+    and the LM head's (one row) matmul for Triton kernels in place, and gives qk_norm
+    attention layers (Qwen3) q/k norm and rotary in one kernel, Llama rotary and the KV write;
+    gives the names of the seams it swapped."""
     from kvpilot.kernels.activation import silu_and_mul
     from kvpilot.kernels.qk_norm_rotary import (
         matches_unfused_bits,
@@ -30,10 +31,10 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
     )
     from kvpilot.kernels.rmsnorm import rms_norm
     from kvpilot.kernels.rotary import rotary_embedding, supports_rotary_dim
-    from kvpilot.kernels.w8a16_gemm import one_row_linear
+    from kvpilot.kernels.w8a16_gemm import decode_linear, one_row_linear
 
     swapped: set[str] = set()
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, RMSNorm):
             module.kernel = rms_norm
             swapped.add("rms_norm")
@@ -44,9 +45,13 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
         elif isinstance(module, FeedForward):
             module.act = silu_and_mul
             swapped.add("silu_and_mul")
-        elif isinstance(module, (Linear, ParallelLMHead)):  # projections and the LM head
-            module.matmul = one_row_linear
+        elif isinstance(module, ParallelLMHead) or (isinstance(module, Linear)
+                                                    and name.rsplit(".", 1)[-1] == "lm_head"):
+            module.matmul = one_row_linear  # the tiled kernel is not measured on it
             swapped.add("one_row_gemv")
+        elif isinstance(module, Linear):  # the projections
+            module.matmul = decode_linear
+            swapped.update(("one_row_gemv", "tiled_gemm"))
             if isinstance(module, RowParallelLinear) and not module.reduce_output \
                     and module.tp.symm_mem is not None and module.tp.symm_mem.fused:
                 module.matmul = _sending_linear(module.tp.symm_mem)
@@ -75,14 +80,14 @@ def _sending_linear(comm: SymmMemAllReduce) -> Callable[..., torch.Tensor]:
     """Gives a row-parallel projection's matmul whose product, for 1 to `w8a16_gemm.MAX_M` rows,
     its kernel also sends into the fused all-reduce's slots (the norm after it sums it:
     `sum_in_next_norm`): the one-row GEMV, or the few-row tiled GEMM in cuBLAS's place."""
-    from kvpilot.kernels.w8a16_gemm import USE_GEMV, one_row_linear
+    from kvpilot.kernels.w8a16_gemm import USE_GEMV, decode_linear
 
     def matmul(x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         if (USE_GEMV and bias is None and x.is_cuda and x.dim() == 2
                 and x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
-                and weight.dtype in (torch.bfloat16, torch.float16)  # as one_row_linear's
+                and weight.dtype in (torch.bfloat16, torch.float16)  # as decode_linear's
                 and (sent := comm.linear_send(x, weight)) is not None):
             return sent
-        return one_row_linear(x, weight, bias)
+        return decode_linear(x, weight, bias)
     return matmul
