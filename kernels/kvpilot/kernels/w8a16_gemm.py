@@ -18,6 +18,12 @@ work a memory-bound kernel cannot hide when the weight is 8-bit. The GEMV multip
 widened tile by the row in registers, keeps a [BLOCK_N, BLOCK_K] float32 accumulator and
 sums it once at the end; narrow BLOCK_N gives the [4096, K] layers enough programs to
 keep every SM reading.
+
+Both kernels also take a 16-bit weight (the model's dtype) without a scale: a bf16 model's
+decode projections run on them (`decode_linear`: the GEMV for one row, the tiled kernel,
+autotuned over SKINNY_CONFIGS, for 2 to MAX_M), and under tensor parallelism a row-parallel
+projection's kernel can also send its product into the fused all-reduce's slots
+(`gemv_send`, `gemm_send`; `kvpilot.kernels.all_reduce_rmsnorm`).
 """
 
 from __future__ import annotations
@@ -262,16 +268,20 @@ def _gemm_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
-                  block_k: int | None = None) -> torch.Tensor:
+                  block_k: int | None = None, send: FusedSlots | None = None) -> torch.Tensor:
     """Gives x @ weight.T [M, N] for 2 to MAX_M rows x [M, K] and a 16-bit weight [N, K] (the
-    model's dtype) through the tiled kernel. The tile sizes are autotuned on a GPU unless
-    both `block_n` and `block_k` are given (always in the interpreter)."""
+    model's dtype) through the tiled kernel; with `send`, see `gemm_send`. The tile sizes are
+    autotuned on a GPU unless both `block_n` and `block_k` are given (always in the
+    interpreter)."""
     rows, k = x.shape
+    n = weight.shape[0]
     assert 1 < rows <= MAX_M and weight.shape[1] == k, f"2 to {MAX_M} rows of {k} columns"
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be dense"
-    out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+    assert send is None or rows * n * x.element_size() <= send.slot_bytes, \
+        "the rows must fit the fused slots"
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     tune = (block_n is None or block_k is None) and os.environ.get("TRITON_INTERPRET") != "1"
-    return _gemm_into(out, x, weight, None, tune, block_n, block_k)
+    return _gemm_into(out, x, weight, None, tune, block_n, block_k, send)
 
 
 def gemm_send(x: torch.Tensor, weight: torch.Tensor, slots: FusedSlots,
@@ -279,14 +289,7 @@ def gemm_send(x: torch.Tensor, weight: torch.Tensor, slots: FusedSlots,
     """Gives `skinny_linear(x, weight)` having also sent the rows into `slots` for the fused
     all-reduce + norm call that comes next on this rank (`all_reduce_add_rms_norm(...,
     sent=True)`). Tiles as `skinny_linear`'s (the send itself is never timed)."""
-    rows, k = x.shape
-    n = weight.shape[0]
-    assert 1 < rows <= MAX_M and weight.shape[1] == k, f"2 to {MAX_M} rows of {k} columns"
-    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be dense"
-    assert rows * n * x.element_size() <= slots.slot_bytes, "the rows must fit the fused slots"
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    tune = (block_n is None or block_k is None) and os.environ.get("TRITON_INTERPRET") != "1"
-    return _gemm_into(out, x, weight, None, tune, block_n, block_k, slots)
+    return skinny_linear(x, weight, block_n, block_k, send=slots)
 
 
 def gemv_send(x: torch.Tensor, weight: torch.Tensor, slots: FusedSlots) -> torch.Tensor:
