@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, ON_GPU, rel_err, tolerance
@@ -32,6 +34,44 @@ def qkv_views(gen, tokens, heads, kv_heads, head_dim, dtype):
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     return qkv, q, k
+
+
+@dataclass
+class CacheCase:
+    """q/k/v as views of one qkv buffer; a rotary table, positions and slots (two of them -1);
+    a filled cache twice (`want` for the unfused kernels, `got` for the fused one); and
+    plain copies of q/k/v for the unfused kernels."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    rope: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    scales: tuple[float, float]
+    want_cache: torch.Tensor
+    got_cache: torch.Tensor
+    pq: torch.Tensor
+    pk: torch.Tensor
+    pv: torch.Tensor
+
+
+def cache_case(gen, rotary_dim, dtype, fp8, heads=4, kv_heads=2, head_dim=128) -> CacheCase:
+    tokens, block_size, blocks = 6, 4, 5
+    qkv, q, k = qkv_views(gen, tokens, heads, kv_heads, head_dim, dtype)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    rope = rotary_cos_sin_cache(rotary_dim, 64, device=DEVICE)
+    positions = torch.randperm(64, generator=gen)[:tokens].to(DEVICE)
+    slots = torch.tensor([7, -1, 0, 19, -1, 12], device=DEVICE)
+    cache_dtype, scales = (FP8_KV_DTYPE, (0.05, 0.02)) if fp8 else (dtype, (1.0, 1.0))
+    fill = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen)
+    want_cache = fill.to(DEVICE).to(cache_dtype)
+    plain = qkv.clone()
+    pq, pk = plain[:, :heads * head_dim].view_as(q), \
+        plain[:, heads * head_dim:(heads + kv_heads) * head_dim].view_as(k)
+    pv = plain[:, (heads + kv_heads) * head_dim:].view_as(v)
+    return CacheCase(q, k, v, rope, positions, slots, scales, want_cache, want_cache.clone(),
+                     pq, pk, pv)
 
 
 def unfused(positions, q, k, q_weight, k_weight, cache, is_neox):
@@ -88,29 +128,16 @@ def test_writing_the_kv_cache_gives_what_kv_cache_write_gives(rotary_dim, dtype,
     slots (none for slot -1), the same bits as kv_cache_write after the unfused kernel;
     q and k come out as they do without it."""
     gen = torch.Generator().manual_seed(rotary_dim + fp8)
-    tokens, heads, kv_heads, head_dim, block_size, blocks = 6, 4, 2, 128, 4, 5
-    qkv, q, k = qkv_views(gen, tokens, heads, kv_heads, head_dim, dtype)
-    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
-    q_weight, k_weight = rand(gen, head_dim, dtype=dtype), rand(gen, head_dim, dtype=dtype)
-    rope = rotary_cos_sin_cache(rotary_dim, 64, device=DEVICE)
-    positions = torch.randperm(64, generator=gen)[:tokens].to(DEVICE)
-    slots = torch.tensor([7, -1, 0, 19, -1, 12], device=DEVICE)
-    cache_dtype, scales = (FP8_KV_DTYPE, (0.05, 0.02)) if fp8 else (dtype, (1.0, 1.0))
-    fill = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen)
-    want_cache = fill.to(DEVICE).to(cache_dtype)
-    got_cache = want_cache.clone()
-    plain = qkv.clone()
-    pq, pk = plain[:, :heads * head_dim].view_as(q), \
-        plain[:, heads * head_dim:(heads + kv_heads) * head_dim].view_as(k)
-    pv = plain[:, (heads + kv_heads) * head_dim:].view_as(v)
-    qk_norm_rotary(positions, pq, pk, q_weight, k_weight, EPS, rope)
-    kv_cache_write(pk, pv, want_cache, slots, scales)
+    c = cache_case(gen, rotary_dim, dtype, fp8)
+    q_weight, k_weight = rand(gen, 128, dtype=dtype), rand(gen, 128, dtype=dtype)
+    qk_norm_rotary(c.positions, c.pq, c.pk, q_weight, k_weight, EPS, c.rope)
+    kv_cache_write(c.pk, c.pv, c.want_cache, c.slots, c.scales)
 
-    got_q, got_k = qk_norm_rotary(positions, q, k, q_weight, k_weight, EPS, rope, v=v,
-                                  kv_cache=got_cache, slot_mapping=slots, kv_scales=scales,
-                                  heads_per_program=heads_per_program)
-    assert torch.equal(got_q, pq) and torch.equal(got_k, pk)
-    assert torch.equal(as_bytes(got_cache), as_bytes(want_cache))
+    got_q, got_k = qk_norm_rotary(c.positions, c.q, c.k, q_weight, k_weight, EPS, c.rope, v=c.v,
+                                  kv_cache=c.got_cache, slot_mapping=c.slots,
+                                  kv_scales=c.scales, heads_per_program=heads_per_program)
+    assert torch.equal(got_q, c.pq) and torch.equal(got_k, c.pk)
+    assert torch.equal(as_bytes(c.got_cache), as_bytes(c.want_cache))
 
 
 @pytest.mark.parametrize(("rotary_dim", "dtype", "fp8", "heads_per_program"), [
@@ -122,27 +149,14 @@ def test_rotary_kv_write_gives_rotary_then_kv_cache_write(rotary_dim, dtype, fp8
     """Without norms (Llama): rotary_embedding then kv_cache_write, the same bits, partial
     rotary's tail cached as it is."""
     gen = torch.Generator().manual_seed(rotary_dim + fp8)
-    tokens, heads, kv_heads, head_dim, block_size, blocks = 6, 4, 2, 128, 4, 5
-    qkv, q, k = qkv_views(gen, tokens, heads, kv_heads, head_dim, dtype)
-    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
-    rope = rotary_cos_sin_cache(rotary_dim, 64, device=DEVICE)
-    positions = torch.randperm(64, generator=gen)[:tokens].to(DEVICE)
-    slots = torch.tensor([7, -1, 0, 19, -1, 12], device=DEVICE)
-    cache_dtype, scales = (FP8_KV_DTYPE, (0.05, 0.02)) if fp8 else (dtype, (1.0, 1.0))
-    fill = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen)
-    want_cache = fill.to(DEVICE).to(cache_dtype)
-    got_cache = want_cache.clone()
-    plain = qkv.clone()
-    pq, pk = plain[:, :heads * head_dim].view_as(q), \
-        plain[:, heads * head_dim:(heads + kv_heads) * head_dim].view_as(k)
-    pv = plain[:, (heads + kv_heads) * head_dim:].view_as(v)
-    rotary_embedding(positions, pq, pk, rope)
-    kv_cache_write(pk, pv, want_cache, slots, scales)
+    c = cache_case(gen, rotary_dim, dtype, fp8)
+    rotary_embedding(c.positions, c.pq, c.pk, c.rope)
+    kv_cache_write(c.pk, c.pv, c.want_cache, c.slots, c.scales)
 
-    got_q, got_k = rotary_kv_write(positions, q, k, rope, v, got_cache, slots, scales,
-                                   heads_per_program=heads_per_program)
-    assert torch.equal(got_q, pq) and torch.equal(got_k, pk)
-    assert torch.equal(as_bytes(got_cache), as_bytes(want_cache))
+    got_q, got_k = rotary_kv_write(c.positions, c.q, c.k, c.rope, c.v, c.got_cache, c.slots,
+                                   c.scales, heads_per_program=heads_per_program)
+    assert torch.equal(got_q, c.pq) and torch.equal(got_k, c.pk)
+    assert torch.equal(as_bytes(c.got_cache), as_bytes(c.want_cache))
 
 
 def test_refuses_a_cache_write_without_its_pieces():

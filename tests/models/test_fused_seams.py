@@ -65,6 +65,23 @@ def _model(path, dtype="float32", device="cpu"):
     return load_model(config, "auto", device, fused_kernels=False)
 
 
+def _paged_case(path, dtype: str):
+    """Gives (model, prompts, allocation, steps, device) of the paged-steps tests: three
+    prompts in prefill chunks, then decode rows mixed with a chunk."""
+    import torch
+    from helpers.paged import BlockAllocation
+
+    seq_lens, steps = [9, 4, 13], [[5, 4, 6], [1, 0, 7], [3, 0, 0]]
+    alloc = BlockAllocation.shuffled(seq_lens, block_size=4, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    device = _device()
+    if dtype == "bfloat16" and device == "cpu":
+        pytest.skip("Triton's interpreter gets bf16 arithmetic wrong")
+    model = _model(path, dtype, device)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in seq_lens]
+    return model, prompts, alloc, steps, device
+
+
 @pytest.mark.parametrize(("family", "head_dim", "fused", "rope_kv"), [
     ("qwen3", 64, True, False),
     ("qwen3", 128, True, False),
@@ -94,19 +111,12 @@ def test_fused_qk_norm_rotary_gives_the_logits_of_the_unfused_kernels(qwen3_chec
     """Qwen3 through paged steps (prefill chunks, then decode rows mixed with a chunk): one
     fused launch per layer gives the bits of q_norm, k_norm and rotary as three kernels."""
     import torch
-    from helpers.paged import BlockAllocation, step_logits
+    from helpers.paged import step_logits
 
     from kvpilot.engine.models.llama import Attention
     from kvpilot.kernels.rmsnorm import rms_norm
 
-    seq_lens, steps = [9, 4, 13], [[5, 4, 6], [1, 0, 7], [3, 0, 0]]
-    alloc = BlockAllocation.shuffled(seq_lens, block_size=4, seed=3)
-    gen = torch.Generator().manual_seed(5)
-    device = _device()
-    if dtype == "bfloat16" and device == "cpu":
-        pytest.skip("Triton's interpreter gets bf16 arithmetic wrong")
-    model = _model(qwen3_checkpoints(64), dtype, device)
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in seq_lens]
+    model, prompts, alloc, steps, device = _paged_case(qwen3_checkpoints(64), dtype)
     assert "qk_norm_rotary" in use_fused_kernels(model)
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     fused_seam = layers[0].qk_norm_rope
@@ -153,18 +163,11 @@ def test_rotary_kv_write_gives_the_logits_of_the_unfused_kernels(tiny_checkpoint
     """Llama through paged steps: rotary and the KV write as one launch per layer give the
     bits of the rotary kernel then the backend's own write."""
     import torch
-    from helpers.paged import BlockAllocation, step_logits
+    from helpers.paged import step_logits
 
     from kvpilot.engine.models.llama import Attention
 
-    seq_lens, steps = [9, 4, 13], [[5, 4, 6], [1, 0, 7], [3, 0, 0]]
-    alloc = BlockAllocation.shuffled(seq_lens, block_size=4, seed=3)
-    gen = torch.Generator().manual_seed(5)
-    device = _device()
-    if dtype == "bfloat16" and device == "cpu":
-        pytest.skip("Triton's interpreter gets bf16 arithmetic wrong")
-    model = _model(tiny_checkpoints("llama"), dtype, device)
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in seq_lens]
+    model, prompts, alloc, steps, device = _paged_case(tiny_checkpoints("llama"), dtype)
     assert "rotary_kv_write" in use_fused_kernels(model)
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     seam = layers[0].rope_kv_write

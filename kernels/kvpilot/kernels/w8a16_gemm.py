@@ -29,6 +29,7 @@ projection's kernel can also send its product into the fused all-reduce's slots
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -213,21 +214,10 @@ def _gemv_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     sent, consts = send.send_args(out.dtype) if send is not None else ((weight, weight, 0),
                                                                          NO_SEND)
     consts = dict(consts, HAS_SCALE=scale is not None, **pdl_args(x))
-    if send is not None and tune:  # the plain GEMV's tuned tiles, timed without sending
-        key = (n, k, x.dtype, weight.dtype)  # as the autotuner keys it
-        if key not in _send_configs:
-            _gemv_into(torch.empty_like(out), x, weight, scale, tune, None, None)
-            _send_configs[key] = _gemv_tuned.best_config  # pyright: ignore[reportAttributeAccessIssue]  (the Autotuner's last pick)
-        config = _send_configs[key]
-        _w8a16_gemv_kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
-            *args, *sent, **config.kwargs, num_warps=config.num_warps,
-            num_stages=config.num_stages, **consts)
-    elif tune:
-        _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, *sent, **consts)
-    else:
-        block_n, block_k = block_n or 4, block_k or 256
-        _w8a16_gemv_kernel[(triton.cdiv(n, block_n),)](
-            *args, *sent, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **consts)
+    _launch(_w8a16_gemv_kernel, _gemv_tuned, n, (*args, *sent), consts, tune,
+            (block_n or 4, block_k or 256),
+            (n, k, x.dtype, weight.dtype) if send is not None else None,  # as tuned is keyed
+            lambda: _gemv_into(torch.empty_like(out), x, weight, scale, tune, None, None))
     return out
 
 
@@ -248,23 +238,34 @@ def _gemm_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     else:
         sent, consts = (weight, weight, 0, 1), NO_SEND
     consts = dict(consts, BLOCK_M=block_m, HAS_SCALE=scale is not None, **pdl_args(x))
-    tuned = _skinny_tuned if scale is None else _w8a16_tuned
-    if send is not None and tune:  # the plain kernel's tuned tiles, timed without sending
-        key = (n, k, block_m, x.dtype, weight.dtype)  # as the autotuner keys it
-        if key not in _send_configs:
-            _gemm_into(torch.empty_like(out), x, weight, scale, tune, None, None)
-            _send_configs[key] = tuned.best_config  # pyright: ignore[reportAttributeAccessIssue]  (the Autotuner's last pick)
-        config = _send_configs[key]
-        _w8a16_kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
-            *args, *sent, **config.kwargs, num_warps=config.num_warps,
-            num_stages=config.num_stages, **consts)
-    elif tune:
-        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, *sent, **consts)
-    else:
-        block_n, block_k = block_n or 16, block_k or 256
-        _w8a16_kernel[(triton.cdiv(n, block_n),)](*args, *sent, BLOCK_N=block_n,
-                                                  BLOCK_K=block_k, num_warps=4, **consts)
+    _launch(_w8a16_kernel, _skinny_tuned if scale is None else _w8a16_tuned, n, (*args, *sent),
+            consts, tune, (block_n or 16, block_k or 256),
+            (n, k, block_m, x.dtype, weight.dtype) if send is not None else None,
+            lambda: _gemm_into(torch.empty_like(out), x, weight, scale, tune, None, None))
     return out
+
+
+def _launch(kernel: Kernel, tuned: Kernel, n: int, args: tuple, consts: dict, tune: bool,
+            tiles: tuple[int, int], send_key: tuple | None,
+            tune_plain: Callable[[], object]) -> None:
+    """Launches `kernel` (one program per BLOCK_N of the N columns): through its autotuner
+    `tuned` when `tune`, else with `tiles` (BLOCK_N, BLOCK_K). A launch that sends (a
+    `send_key`) is never timed, as a timed launch would send into the peers' slots: it takes
+    the tiles `tuned` picked for the plain launch of the same key, which `tune_plain` runs
+    once."""
+    if send_key is not None and tune:
+        if send_key not in _send_configs:
+            tune_plain()
+            _send_configs[send_key] = tuned.best_config  # pyright: ignore[reportAttributeAccessIssue]  (the Autotuner's last pick)
+        config = _send_configs[send_key]
+        kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
+            *args, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages,
+            **consts)
+    elif tune:
+        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **consts)
+    else:
+        kernel[(triton.cdiv(n, tiles[0]),)](*args, BLOCK_N=tiles[0], BLOCK_K=tiles[1],
+                                            num_warps=4, **consts)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
