@@ -29,7 +29,7 @@ from step_profile_gpu import busy_ms
 FAMILIES = (
     ("decode attention", ("_decode_split", "_decode_merge")),
     ("prefill attention", ("_prefill_kernel",)),
-    ("GEMM", ("nvjet", "gemm", "cutlass", "sm90_xmma", "gemv")),
+    ("GEMM", ("nvjet", "gemm", "cutlass", "sm90_xmma", "gemv", "w8a16")),
     ("norm", ("rmsnorm",)),
     ("rotary / KV write", ("rotary", "rope", "kv_cache_write", "reshape_and_cache")),
     ("activation", ("silu", "act_and_mul", "activation")),

@@ -305,13 +305,22 @@ def gemv_send(x: torch.Tensor, weight: torch.Tensor, slots: FusedSlots) -> torch
                       None, slots)
 
 
+def takes_16_bit(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Gives whether a kernel here computes x @ weight.T for a 16-bit weight: dense [M, K]
+    CUDA rows and a dense weight of x's dtype (bfloat16 or float16), one row through the
+    GEMV (unless KVPILOT_W8A16_GEMV=0), 2 to MAX_M through the tiled kernel (unless
+    KVPILOT_TILED_GEMM=0)."""
+    rows = x.shape[0]
+    return ((USE_GEMV and rows == 1) or (USE_TILED and 1 < rows <= MAX_M)) and x.is_cuda \
+        and x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1 \
+        and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
+
+
 def one_row_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` whose one-row CUDA case with a 16-bit weight goes through `gemv` (unless
     KVPILOT_W8A16_GEMV=0); every other case is F.linear itself."""
-    if (USE_GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
-            and weight.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1
-            and x.dtype == weight.dtype):
+    if x.shape[0] == 1 and takes_16_bit(x, weight):
         out = gemv(x, weight)
         return out if bias is None else out + bias
     return torch.nn.functional.linear(x, weight, bias)
@@ -323,9 +332,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor,
     the tiled kernel (`skinny_linear`, unless KVPILOT_TILED_GEMM=0): a decode step's
     projections. At batch 64 it gave the Llama-3-8B shape 3.4% more throughput than cuBLAS on
     one H100 (bench/tiled_tp1_gpu.py)."""
-    if (USE_TILED and x.is_cuda and x.dim() == 2 and 1 < x.shape[0] <= MAX_M
-            and x.stride(1) == 1 and weight.stride(1) == 1
-            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype):
+    if x.shape[0] > 1 and takes_16_bit(x, weight):
         out = skinny_linear(x, weight)
         return out if bias is None else out + bias
     return one_row_linear(x, weight, bias)

@@ -80,16 +80,13 @@ def _sending_linear(comm: SymmMemAllReduce) -> Callable[..., torch.Tensor]:
     """Gives a row-parallel projection's matmul whose product, for 1 to `w8a16_gemm.MAX_M` rows,
     its kernel also sends into the fused all-reduce's slots (the norm after it sums it:
     `sum_in_next_norm`): the one-row GEMV, or the few-row tiled GEMM in cuBLAS's place."""
-    from kvpilot.kernels.w8a16_gemm import USE_GEMV, USE_TILED, decode_linear
+    from kvpilot.kernels.w8a16_gemm import decode_linear, takes_16_bit
 
     def matmul(x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        # the switches that keep cuBLAS for side-by-side runs keep it here too
-        if ((USE_GEMV if x.shape[0] == 1 else USE_TILED) and bias is None and x.is_cuda
-                and x.dim() == 2
-                and x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
-                and weight.dtype in (torch.bfloat16, torch.float16)  # as decode_linear's
-                and (sent := comm.linear_send(x, weight)) is not None):
+        # decode_linear's cases (its switches keep cuBLAS here too), where the group sends
+        if bias is None and takes_16_bit(x, weight) \
+                and (sent := comm.linear_send(x, weight)) is not None:
             return sent
         return decode_linear(x, weight, bias)
     return matmul
