@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -45,6 +46,13 @@ from kvpilot.kernels.paged_prefill_attention import (
     TMA_BY_DEFAULT,
     default_tiles,
     paged_prefill_attention,
+)
+from kvpilot.kernels.prefill_attention_gluon import (
+    L2_BYTES,
+    Q_BUFFERS,
+    STAGES,
+    gluon_prefill_attention,
+    gluon_prefill_ok,
 )
 
 BF16 = torch.bfloat16
@@ -172,15 +180,50 @@ def sdpa_baselines(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return rows, ref
 
 
-# the prefill kernels: the pointer kernel and the TMA kernel (Hopper on), each with the tiles
-# its sweep tries
-PREFILL_KERNELS = {"pointer": {"use_tma": False}, "tma": {"use_tma": True}}
-SWEEP_TILES = {"pointer": list(itertools.product((128,), (32, 64), (4, 8), (3, 4))),
-               "tma": list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)))}
+# the prefill kernels: the pointer kernel, the TMA kernel (Hopper on) and the Gluon kernel
+# (Hopper, no cached prefix), each with the configurations its sweep tries: tiles (block_m,
+# block_n, warps, stages) for the Triton kernels, (query buffers, K/V stages, MiB of K/V per
+# L2 group) for the Gluon one
+PREFILL_KERNELS = ("pointer", "tma", "gluon")
+SWEEP = {"pointer": list(itertools.product((128,), (32, 64), (4, 8), (3, 4))),
+         "tma": list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))),
+         "gluon": [(1, 3, 10), (2, 2, 10), (1, 3, 16), (1, 3, 24)]}
+
+
+def gluon_runs_here() -> bool:
+    """Whether this device takes the Gluon kernel (a probe with bf16 d128 tensors)."""
+    if not torch.cuda.is_available():
+        return False
+    x = torch.empty(1, 1, 128, dtype=BF16, device="cuda")
+    return gluon_prefill_ok(x, x, x, max_prefix_len=0)
 
 
 def default_kernel() -> str:
-    return "tma" if TMA_BY_DEFAULT else "pointer"
+    """The kernel the launcher takes for a batch with no cached prefix."""
+    return "gluon" if gluon_runs_here() else "tma" if TMA_BY_DEFAULT else "pointer"
+
+
+def config(kernel: str, values: tuple[int, ...]) -> dict:
+    """A sweep row's configuration, named."""
+    keys = ("q_buffers", "stages", "l2_mib") if kernel == "gluon" else (
+        "block_m", "block_n", "warps", "stages")
+    return {"kernel": kernel} | dict(zip(keys, values, strict=True))
+
+
+def default_config(kernel: str, head_dim: int) -> dict:
+    """The configuration the launcher runs `kernel` with."""
+    if kernel == "gluon":
+        return config(kernel, (Q_BUFFERS, STAGES, L2_BYTES >> 20))
+    return config(kernel, default_tiles(head_dim, tma=kernel != "pointer"))
+
+
+def describe(row: dict) -> str:
+    """A sweep row's configuration in words."""
+    if row["kernel"] == "gluon":
+        return (f"gluon q_buffers={row['q_buffers']} stages={row['stages']} "
+                f"l2_mib={row['l2_mib']}")
+    return (f"{row['kernel']} block_m={row['block_m']} block_n={row['block_n']} "
+            f"warps={row['warps']} stages={row['stages']}")
 
 
 def prefill_case(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int,
@@ -209,36 +252,35 @@ def prefill_case(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: i
     sdpa_ms = fastest["ms"]
     rows = []
     for kernel in kernels:
-        tiles = SWEEP_TILES[kernel] if sweep else [default_tiles(head_dim,
-                                                                  tma=kernel != "pointer")]
-        for bm, bn, warps, stages in tiles:
-            if bm % bn:
+        for c in [config(kernel, values) for values in SWEEP[kernel]] if sweep else [
+                default_config(kernel, head_dim)]:
+            if kernel == "gluon":
+                run = functools.partial(gluon_prefill_attention, q, k, v, starts, tokens, scale,
+                                        q_buffers=c["q_buffers"], stages=c["stages"],
+                                        l2_bytes=c["l2_mib"] << 20)
+            elif c["block_m"] % c["block_n"]:
                 continue
-            config = {"kernel": kernel, "block_m": bm, "block_n": bn, "warps": warps,
-                      "stages": stages}
-
-            def run(bm=bm, bn=bn, warps=warps, stages=stages, kernel=kernel):
-                return paged_prefill_attention(q, k, v, cache, tables, starts, seq_lens, tokens,
-                                               scale, block_m=bm, block_n=bn, num_warps=warps,
-                                               num_stages=stages, **PREFILL_KERNELS[kernel])
+            else:
+                run = functools.partial(
+                    paged_prefill_attention, q, k, v, cache, tables, starts, seq_lens, tokens,
+                    scale, block_m=c["block_m"], block_n=c["block_n"], num_warps=c["warps"],
+                    num_stages=c["stages"], use_tma=kernel == "tma", use_gluon=False)
             try:
                 err = rel_err(run(), ref)
                 ms = median_ms(run) if err < 2e-2 else float("nan")
             except Exception as exc:
-                rows.append(config | {"error": str(exc)[:120]})
+                rows.append(c | {"error": str(exc)[:120]})
                 continue
-            rows.append(config | {"rel_err_vs_sdpa": err, "ms": ms, "tflops": flops / ms / 1e9,
-                                  "of_sdpa": sdpa_ms / ms})
+            rows.append(c | {"rel_err_vs_sdpa": err, "ms": ms, "tflops": flops / ms / 1e9,
+                             "of_sdpa": sdpa_ms / ms})
         done = [r for r in rows if r["kernel"] == kernel and "ms" in r and r["ms"] == r["ms"]]
         print(f"prefill B={batch} N={tokens} {heads}q/{kv_heads}kv {kernel}: best "
               f"{max((r['of_sdpa'] for r in done), default=float('nan')):.3f} of "
               f"{fastest['backend']} ({len(done)} configs ran)", flush=True)
     timed = [r for r in rows if r.get("ms", float("nan")) == r.get("ms")]
     best = min(timed, key=lambda r: r["ms"])
-    bm, bn, warps, stages = default_tiles(head_dim, tma=default_kernel() != "pointer")
-    launcher = next((r for r in timed if (r["kernel"], r["block_m"], r["block_n"], r["warps"],
-                                          r["stages"]) == (default_kernel(), bm, bn, warps,
-                                                           stages)), None)
+    default = describe(default_config(default_kernel(), head_dim))
+    launcher = next((r for r in timed if describe(r) == default), None)
     return {"batch": batch, "tokens": tokens, "heads": heads, "kv_heads": kv_heads,
             "head_dim": head_dim, "flops": flops, "sdpa_backends": backends,
             "sdpa_fastest": fastest["backend"], "sdpa_ms": sdpa_ms,
@@ -266,8 +308,7 @@ def markdown(result: dict) -> str:
                      f"{p['kv_heads']}kv d{p['head_dim']} causal | {b['tflops']:.0f} TFLOP/s "
                      f"({b['ms']:.2f} ms) | SDPA {p['sdpa_fastest']} (fastest) "
                      f"{p['sdpa_tflops']:.0f} TFLOP/s | {b['of_sdpa']:.2f} | >= 1.0 | "
-                     f"{b['kernel']} block_m={b['block_m']} block_n={b['block_n']} "
-                     f"warps={b['warps']} stages={b['stages']} |")
+                     f"{describe(b)} |")
     lines += ["", "Every SDPA backend, TFLOP/s (GQA: how it ran):", ""]
     for p in result["prefill"]:
         said = ", ".join(f"{r['backend']} {r['tflops']:.0f} ({r['gqa']})" if "ms" in r
@@ -283,7 +324,8 @@ def markdown(result: dict) -> str:
         r = p["launcher_default"]
         if r:
             lines.append(f"- prefill B={p['batch']} N={p['tokens']} {p['heads']}q/"
-                         f"{p['kv_heads']}kv: {r['of_sdpa']:.2f} of the fastest SDPA")
+                         f"{p['kv_heads']}kv: {r['of_sdpa']:.2f} of the fastest SDPA "
+                         f"({describe(r)})")
     return "\n".join(lines) + "\n"
 
 
@@ -292,13 +334,16 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--smoke", action="store_true",
                         help="CPU (TRITON_INTERPRET=1): one tiny prefill shape, no decode")
-    parser.add_argument("--prefill-kernels", default="pointer,tma",
-                        help=f"comma-separated, of {', '.join(PREFILL_KERNELS)}")
+    parser.add_argument("--prefill-kernels", default=None,
+                        help=f"comma-separated, of {', '.join(PREFILL_KERNELS)} (default: those "
+                             "this device runs)")
     parser.add_argument("--no-decode", action="store_true", help="prefill only")
     parser.add_argument("--defaults-only", action="store_true",
                         help="prefill: each kernel at the launcher's default tiles, no sweep")
     args = parser.parse_args()
-    kernels = tuple(args.prefill_kernels.split(","))
+    kernels = tuple(args.prefill_kernels.split(",")) if args.prefill_kernels else (
+        ("pointer", "tma", "gluon") if gluon_runs_here() else ("pointer",) if args.smoke
+        else ("pointer", "tma"))
     if unknown := set(kernels) - set(PREFILL_KERNELS):
         parser.error(f"--prefill-kernels: unknown {sorted(unknown)}; "
                      f"choose from {', '.join(PREFILL_KERNELS)}")

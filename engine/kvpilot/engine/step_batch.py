@@ -193,9 +193,13 @@ def unpack_step(header: StepHeader, buf: torch.Tensor, host: np.ndarray | None) 
         max_seq_len=h.max_seq_len,
         num_decode_tokens=h.num_decodes,
         decode_order=buf[at.order:at.order + h.num_decodes] if h.num_decodes else None,
-        query_lens_cpu=None if host is None else np.diff(host[3 * t2:3 * t2 + n + 1]).tolist(),
-        seq_lens_cpu=None if host is None else host[at.lens:at.lens + n].tolist(),
     )
+    if host is not None:
+        query_lens, seq_lens = np.diff(host[3 * t2:3 * t2 + n + 1]), host[at.lens:at.lens + n]
+        meta.query_lens_cpu, meta.seq_lens_cpu = query_lens.tolist(), seq_lens.tolist()
+        # the prefill kernel's sequences come after the decode rows
+        prefixes = seq_lens[h.num_decodes:] - query_lens[h.num_decodes:]
+        meta.max_prefix_len = int(prefixes.max(initial=0))
     return StepInputs(
         header=h, input_ids=buf[:total], positions=buf[t2:t2 + total], meta=meta,
         rows=None if h.num_rows == h.num_tokens else buf[at.rows:at.copies],

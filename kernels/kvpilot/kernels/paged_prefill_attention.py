@@ -22,6 +22,11 @@ wrong output; bench/results/attention-H100-2026-11-27-tma/.) A descriptor's tile
 token into the next sequence's rows (or past the tensor's end, which reads zeros): those
 columns are masked like the pointer kernel's, and rows past the sequence are never
 stored. The cached prefix is read by the same gathering loop as the pointer kernel.
+
+A batch whose sequences have no cached prefix goes, on Hopper, to a third kernel written in
+Gluon (`prefill_attention_gluon`: warp-specialised, persistent, FlashAttention-3's layout),
+when the caller says so through `max_prefix_len=0`: the launcher cannot see the lengths
+without a device sync.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ import triton.language as tl
 
 from kvpilot.kernels.jit import jit
 from kvpilot.kernels.kv_cache_dtype import FP8_KV_DTYPE, cached_rows
+
+try:  # Gluon's Hopper API (Triton 3.6 on); with an older Triton the Triton kernels serve all
+    from kvpilot.kernels import prefill_attention_gluon as _gluon
+except (ImportError, AttributeError):  # pragma: no cover
+    _gluon = None
 
 LOG2E = 1.4426950408889634
 
@@ -284,8 +294,23 @@ def paged_prefill_attention(
     num_stages: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),  # (k, v) dequantisation scales of an fp8 cache
     use_tma: bool | None = None,  # None: where tma_layout_ok says the descriptors can be made
+    max_prefix_len: int | None = None,  # the longest cached prefix in the batch (None: unknown)
+    use_gluon: bool | None = None,  # None: where gluon_prefill_ok says the Gluon kernel runs
 ) -> torch.Tensor:
-    """Gives the causal attention output [T, num_heads, head_dim] of every new token."""
+    """Gives the causal attention output [T, num_heads, head_dim] of every new token.
+
+    A batch with no cached prefix (`max_prefix_len` 0) on Hopper runs the warp-specialised
+    Gluon kernel of `prefill_attention_gluon` where `gluon_prefill_ok` holds; the tile and
+    TMA arguments are then unused."""
+    gluon_ok = _gluon is not None and _gluon.gluon_prefill_ok(q, k, v, max_prefix_len)
+    if use_gluon and not gluon_ok:
+        raise ValueError("use_gluon: needs Triton 3.6+ (Gluon), a Hopper GPU (compute capability "
+                         "9.x), fp16/bf16 q/k/v with head_dim 64 or 128 whose heads are "
+                         "contiguous within a token (16-byte aligned rows), no cached prefix "
+                         "(max_prefix_len=0), and no CUDA-graph capture")
+    if gluon_ok and use_gluon is not False and _gluon is not None:
+        return _gluon.gluon_prefill_attention(q, k, v, query_start_loc, max_query_len, scale,
+                                              out=out)
     num_heads, head_dim = q.shape[1], q.shape[2]
     if use_tma is None:
         # not under CUDA-graph capture: the descriptors' scratch is freed after the launch

@@ -34,6 +34,9 @@ class AttentionMetadata:
     # host copies, so backends avoid device syncs when building loops
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # the longest cached prefix among the sequences after the decode rows (None: unknown); 0
+    # lets the prefill launcher take its no-prefix kernel
+    max_prefix_len: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -53,5 +53,6 @@ class TritonAttentionBackend:
             paged_prefill_attention(q, k, v, kv_cache, meta.block_tables[num_decodes:],
                                     meta.query_start_loc[num_decodes:],
                                     meta.seq_lens[num_decodes:], meta.max_query_len, scale,
-                                    out=out, kv_scales=kv_scales)
+                                    out=out, kv_scales=kv_scales,
+                                    max_prefix_len=meta.max_prefix_len)
         return out

@@ -1,0 +1,158 @@
+"""The Gluon prefill kernel (Hopper): compiled for sm_90a on any machine, which kernel the launcher
+takes, and its output against the torch reference on an H100."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_testing import ON_GPU, rel_err, tolerance
+
+from kvpilot.kernels import prefill_attention_gluon as gluon_kernel
+from kvpilot.kernels.paged_prefill_attention import (
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+)
+from kvpilot.kernels.prefill_attention_gluon import MAX_REGS, gluon_prefill_ok
+
+HERE = Path(__file__).parent
+H100_SHARED_BYTES = 227 * 1024  # the most one block may ask for on compute capability 9.0
+on_hopper = pytest.mark.skipif(
+    not (ON_GPU and torch.cuda.get_device_capability()[0] == 9),
+    reason="needs a Hopper GPU (compute capability 9.x) with compiled Triton")
+
+
+def test_kernel_compiles_for_hopper_within_its_budget():
+    """Triton compiles the warp-specialised kernel for sm_90a here, no GPU needed: every case the
+    GPU tests run fits an H100's shared memory, issues warpgroup MMAs, reallocates registers
+    between its partitions and spills nothing."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(HERE / "gluon_compile.py")], capture_output=True,
+                          text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(cases) == 3
+    for case in cases:
+        assert 0 < case["shared"] <= H100_SHARED_BYTES, case
+        assert case["cubin"] > 0 and case["wgmma"] > 0 and case["setmaxnreg"], case
+        if "stack" in case:  # (cuobjdump comes with Triton's CUDA tools)
+            assert case["stack"] == case["local"] == 0 and case["reg"] <= MAX_REGS, case
+
+
+def _qkv(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+         device: str = "cpu", fused: bool = True):
+    """q, k, v as the engine's: views of one [tokens, (heads + 2 kv_heads) * head_dim] tensor."""
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim).to(dtype=dtype, device=device)
+    if not fused:
+        qkv = qkv.clone()
+        return (qkv[:, :heads].contiguous(), qkv[:, heads:heads + kv_heads].contiguous(),
+                qkv[:, heads + kv_heads:].contiguous())
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    return q, k, v
+
+
+def test_gluon_prefill_ok_says_which_batches_it_takes():
+    hopper = (9, 0)
+    q, k, v = _qkv(8, 4, 2, 128, torch.bfloat16)
+    assert gluon_prefill_ok(q, k, v, 0, hopper)
+    assert gluon_prefill_ok(*_qkv(8, 4, 4, 64, torch.float16), 0, hopper)
+    assert not gluon_prefill_ok(q, k, v, 0)  # CPU tensors
+    assert not gluon_prefill_ok(q, k, v, 0, (8, 0))  # no warpgroup MMA before Hopper
+    assert not gluon_prefill_ok(q, k, v, 0, (10, 0))  # nor on Blackwell (tcgen05)
+    assert not gluon_prefill_ok(q, k, v, None, hopper)  # the prefixes unknown
+    assert not gluon_prefill_ok(q, k, v, 16, hopper)  # a cached prefix
+    assert not gluon_prefill_ok(*_qkv(8, 4, 2, 128, torch.float32), 0, hopper)
+    assert not gluon_prefill_ok(*_qkv(8, 4, 2, 256, torch.bfloat16), 0, hopper)
+    heads_outermost = q.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not gluon_prefill_ok(heads_outermost, k, v, 0, hopper)
+
+
+def test_use_gluon_refuses_what_it_cannot_run():
+    q, k, v = _qkv(4, 2, 2, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"use_gluon: needs .* no cached prefix"):
+        paged_prefill_attention(q, k, v, torch.zeros(2, 1, 8, 2, 128), torch.zeros(1, 1).int(),
+                                torch.tensor([0, 4]).int(), torch.tensor([4]).int(), 4, 1.0,
+                                max_prefix_len=0, use_gluon=True)
+
+
+def _case(query_lens, heads, kv_heads, head_dim, dtype, decode_rows=0, fused=True, seed=0):
+    """Gives (q, k, v, starts, max_query_len) of a no-prefix batch on the GPU; `decode_rows`
+    leading rows belong to no prefill sequence (the engine's decode rows come first)."""
+    torch.manual_seed(seed)
+    total = decode_rows + sum(query_lens)
+    q, k, v = _qkv(total, heads, kv_heads, head_dim, dtype, "cuda", fused)
+    starts = torch.tensor([decode_rows + s for s in [0, *torch.tensor(query_lens).cumsum(0)]],
+                          dtype=torch.int32, device="cuda")
+    return q, k, v, starts, max(query_lens)
+
+
+def _reference(q, k, v, starts, query_lens, head_dim):
+    cache = torch.zeros(2, 1, 16, k.shape[1], head_dim, dtype=q.dtype, device="cuda")
+    tables = torch.zeros(len(query_lens), 1, dtype=torch.int32, device="cuda")
+    lens = torch.tensor(query_lens, dtype=torch.int32, device="cuda")
+    return paged_prefill_attention_ref(q, k, v, cache, tables, starts, lens, head_dim**-0.5)
+
+
+# (query_lens, heads, kv_heads, head_dim): every tile shape at a sequence's end (1 row, a
+# half tile, 64 +- 1, a full tile +- 1), long sequences, GQA groups of 1, 4 and 8
+CASES = [
+    ([1, 63, 64, 65, 127, 128, 129, 200, 1000, 2049], 4, 4, 128),
+    ([1, 63, 64, 65, 127, 128, 129, 200, 1000, 2049], 8, 2, 128),
+    ([300, 5, 1024, 77], 16, 2, 64),
+]
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("query_lens", "heads", "kv_heads", "head_dim"), CASES)
+def test_gluon_prefill_matches_reference(query_lens, heads, kv_heads, head_dim, dtype):
+    """Through the launcher, which takes the Gluon kernel for a no-prefix batch on its own;
+    rows before the first sequence (decode rows) are never written."""
+    q, k, v, starts, max_len = _case(query_lens, heads, kv_heads, head_dim, dtype, decode_rows=3)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    assert gluon_prefill_ok(q, k, v, max_prefix_len=0)
+    paged_prefill_attention(q, k, v, torch.zeros(2, 1, 16, kv_heads, head_dim, device="cuda"),
+                            torch.zeros(len(query_lens), 1, dtype=torch.int32, device="cuda"),
+                            starts, torch.tensor(query_lens, dtype=torch.int32, device="cuda"),
+                            max_len, head_dim**-0.5, out=out, max_prefix_len=0)
+    assert out[:3].isnan().all()
+    ref = _reference(q, k, v, starts, query_lens, head_dim)
+    assert rel_err(out[3:], ref[3:]) < tolerance(dtype)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize(("programs", "q_buffers", "stages", "l2_bytes"),
+                         [(5, 1, 3, 10 << 20), (3, 2, 2, 1), (7, 1, 2, 64 << 20)])
+def test_gluon_prefill_schedules(programs, q_buffers, stages, l2_bytes):
+    """Few programs (each takes many tiles: the rings wrap many times), other buffer counts,
+    and L2 groups of one pair and of every pair; q/k/v in separate tensors."""
+    query_lens = [129, 1, 700, 64, 333]
+    q, k, v, starts, max_len = _case(query_lens, 8, 2, 128, torch.bfloat16, fused=False, seed=1)
+    out = gluon_kernel.gluon_prefill_attention(q, k, v, starts, max_len, 128**-0.5,
+                                               q_buffers=q_buffers, stages=stages,
+                                               l2_bytes=l2_bytes, programs=programs)
+    ref = _reference(q, k, v, starts, query_lens, 128)
+    assert rel_err(out, ref) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_launcher_takes_gluon_only_without_a_prefix(monkeypatch):
+    calls = []
+    real = gluon_kernel.gluon_prefill_attention
+    monkeypatch.setattr(gluon_kernel, "gluon_prefill_attention",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, starts, max_len = _case([100, 30], 4, 2, 128, torch.bfloat16)
+    args = (q, k, v, torch.zeros(2, 1, 16, 2, 128, dtype=q.dtype, device="cuda"),
+            torch.zeros(2, 1, dtype=torch.int32, device="cuda"), starts,
+            torch.tensor([100, 30], dtype=torch.int32, device="cuda"), max_len, 128**-0.5)
+    for max_prefix_len in (None, 0):
+        paged_prefill_attention(*args, max_prefix_len=max_prefix_len)
+    assert calls == [1]
