@@ -84,9 +84,10 @@ def test_build_batch_matches_reference(runner, specs, decode_only):
             meta.block_tables.dtype) == (torch.int32,) * 3
     assert meta.max_query_len == max(len(e.token_ids) for e in entries)
     assert meta.seq_lens_cpu == want["seq_lens"]
-    # the longest cached prefix among the prefill kernel's sequences (those after the decodes)
-    assert meta.max_prefix_len == max([e.start_pos for e in entries[packed.header.num_decodes:]],
-                                      default=0)
+    # the longest cached prefix among the prefill kernel's sequences (those after the decodes),
+    # known to a rank without the host copy too (it travels in the header)
+    prefix = max([e.start_pos for e in entries[packed.header.num_decodes:]], default=0)
+    assert meta.max_prefix_len == unpack_step(packed.header, buf, None).meta.max_prefix_len == prefix
     # the decode rows' launch order: longest context first, ties in row order
     decodes = packed.header.num_decodes
     order = sorted(range(decodes), key=lambda i: -want["seq_lens"][i])

@@ -45,7 +45,7 @@ def compile_case(head_dim: int, group: int, dtype: str) -> dict:
     constants = {"GROUP": group, "HEAD_DIM": head_dim, "NUM_STAGES": kernel.STAGES,
                  "Q_BUFS": kernel.Q_BUFFERS}
     compiled = triton.compile(
-        GluonASTSource(kernel._prefill_kernel, signature, constants),  # pyright: ignore[reportArgumentType]
+        GluonASTSource(kernel._prefill_kernel, signature, constants),
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": 4, "maxnreg": kernel.MAX_REGS})
     ptx = compiled.asm["ptx"]
@@ -60,7 +60,9 @@ def compile_case(head_dim: int, group: int, dtype: str) -> dict:
             usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name],
                                    capture_output=True, text=True, check=True).stdout
         for name in ("REG", "STACK", "LOCAL"):
-            result[name.lower()] = int(re.search(rf"\b{name}:(\d+)", usage).group(1))  # pyright: ignore[reportOptionalMemberAccess]
+            found = re.search(rf"\b{name}:(\d+)", usage)
+            assert found, usage
+            result[name.lower()] = int(found.group(1))
     return result
 
 

@@ -45,6 +45,7 @@ class StepHeader:
     max_seq_len: int
     num_decodes: int
     num_prev_tokens: int  # length of the sampled-token tensor the patches read
+    max_prefix_len: int  # the longest cached prefix among the sequences after the decodes
 
     @classmethod
     def stop(cls) -> StepHeader:
@@ -144,7 +145,7 @@ def pack_step(entries: list[BatchEntry], copies: list[tuple[int, int]], block_si
     num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else n
     header = StepHeader(STEP, total, n, max_blocks, len(patched), len(rows), len(copies),
                         int(query_lens.max()), int(seq_lens.max()), num_decodes,
-                        num_prev_tokens)
+                        num_prev_tokens, int(starts[num_decodes:].max(initial=0)))
     at = _Offsets.of(header)
     host, host_tensor = staging.host(at.size)
     t2 = at.t2
@@ -193,13 +194,10 @@ def unpack_step(header: StepHeader, buf: torch.Tensor, host: np.ndarray | None) 
         max_seq_len=h.max_seq_len,
         num_decode_tokens=h.num_decodes,
         decode_order=buf[at.order:at.order + h.num_decodes] if h.num_decodes else None,
+        query_lens_cpu=None if host is None else np.diff(host[3 * t2:3 * t2 + n + 1]).tolist(),
+        seq_lens_cpu=None if host is None else host[at.lens:at.lens + n].tolist(),
+        max_prefix_len=h.max_prefix_len,  # from the header: every rank knows it
     )
-    if host is not None:
-        query_lens, seq_lens = np.diff(host[3 * t2:3 * t2 + n + 1]), host[at.lens:at.lens + n]
-        meta.query_lens_cpu, meta.seq_lens_cpu = query_lens.tolist(), seq_lens.tolist()
-        # the prefill kernel's sequences come after the decode rows
-        prefixes = seq_lens[h.num_decodes:] - query_lens[h.num_decodes:]
-        meta.max_prefix_len = int(prefixes.max(initial=0))
     return StepInputs(
         header=h, input_ids=buf[:total], positions=buf[t2:t2 + total], meta=meta,
         rows=None if h.num_rows == h.num_tokens else buf[at.rows:at.copies],

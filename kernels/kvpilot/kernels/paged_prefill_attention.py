@@ -302,15 +302,16 @@ def paged_prefill_attention(
     A batch with no cached prefix (`max_prefix_len` 0) on Hopper runs the warp-specialised
     Gluon kernel of `prefill_attention_gluon` where `gluon_prefill_ok` holds; the tile and
     TMA arguments are then unused."""
-    gluon_ok = _gluon is not None and _gluon.gluon_prefill_ok(q, k, v, max_prefix_len)
-    if use_gluon and not gluon_ok:
+    gluon = _gluon if _gluon is not None and _gluon.gluon_prefill_ok(
+        q, k, v, max_prefix_len) else None
+    if use_gluon and gluon is None:
         raise ValueError("use_gluon: needs Triton 3.6+ (Gluon), a Hopper GPU (compute capability "
-                         "9.x), fp16/bf16 q/k/v with head_dim 64 or 128 whose heads are "
-                         "contiguous within a token (16-byte aligned rows), no cached prefix "
-                         "(max_prefix_len=0), and no CUDA-graph capture")
-    if gluon_ok and use_gluon is not False and _gluon is not None:
-        return _gluon.gluon_prefill_attention(q, k, v, query_start_loc, max_query_len, scale,
-                                              out=out)
+                         "9.x), KVPILOT_GLUON_PREFILL not 0, fp16/bf16 q/k/v with head_dim 64 "
+                         "or 128 whose heads are contiguous within a token (16-byte aligned "
+                         "rows), no cached prefix (max_prefix_len=0), and no CUDA-graph capture")
+    if gluon is not None and use_gluon is not False:
+        return gluon.gluon_prefill_attention(q, k, v, query_start_loc, max_query_len, scale,
+                                             out=out)
     num_heads, head_dim = q.shape[1], q.shape[2]
     if use_tma is None:
         # not under CUDA-graph capture: the descriptors' scratch is freed after the launch

@@ -35,7 +35,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
     # the longest cached prefix among the sequences after the decode rows (None: unknown); 0
-    # lets the prefill launcher take its no-prefix kernel
+    # lets the prefill launcher take its no-prefix kernel (step_batch.py puts it in the header)
     max_prefix_len: int | None = None
 
     @property
