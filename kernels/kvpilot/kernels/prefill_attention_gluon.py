@@ -72,7 +72,7 @@ def _jit(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
 LOG2E = 1.4426950408889634
 # KVPILOT_GLUON_PREFILL=0 keeps every prefill on the Triton kernels (an A/B switch)
 ENABLED = os.environ.get("KVPILOT_GLUON_PREFILL", "1") != "0"
-HEAD_DIMS = (64, 128)  # the head sizes run on an H100 (tests/kernels/test_prefill_attention_gluon.py)
+HEAD_DIMS = (64, 128)  # the head sizes tested on an H100 (test_prefill_attention_gluon.py)
 HALF = 64  # query rows per consumer warpgroup (one 64-row warpgroup MMA)
 BLOCK_N = 128  # keys per K/V block
 # One query buffer and three K/V stages fill 224 KiB of shared memory; with that, 10 MiB of
@@ -82,12 +82,13 @@ Q_BUFFERS, STAGES, L2_BYTES = 1, 3, 10 << 20
 CONSUMER_REGS, LOADER_REGS, MAX_REGS = 240, 24, 168  # per thread: 2 x 128 x 240 + 128 x 24 fit
 
 
-def gluon_prefill_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_prefix_len: int | None,
-                     capability: tuple[int, int] | None = None) -> bool:
+def gluon_prefill_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     max_prefix_len: int | None, capability: tuple[int, int] | None = None) -> bool:
     """Whether this kernel takes the batch: a Hopper GPU (compute capability 9.x: `capability`,
-    else q's device's, unless KVPILOT_GLUON_PREFILL=0; a CPU tensor never), 16-bit q/k/v with a tested head size, no sequence
-    with a cached prefix (`max_prefix_len` 0; None: unknown), heads contiguous in a token and
-    16-byte aligned rows (TMA), and no CUDA-graph capture under way (untested there)."""
+    else q's device's, unless KVPILOT_GLUON_PREFILL=0; a CPU tensor never), 16-bit q/k/v with
+    a tested head size, no sequence with a cached prefix (`max_prefix_len` 0; None: unknown),
+    heads contiguous in a token and 16-byte aligned rows (TMA), and no CUDA-graph capture under
+    way (untested there)."""
     if capability is None:
         if not (ENABLED and q.is_cuda):
             return False
@@ -105,6 +106,7 @@ def gluon_prefill_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_pref
 _HALF, _BLOCK_N = gl.constexpr(HALF), gl.constexpr(BLOCK_N)
 _CONSUMER_REGS, _LOADER_REGS = gl.constexpr(CONSUMER_REGS), gl.constexpr(LOADER_REGS)
 
+
 @_jit
 def _barriers(n: gl.constexpr, count: gl.constexpr):
     """Gives `n` mbarriers, each completing a phase after `count` arrivals."""
@@ -112,6 +114,7 @@ def _barriers(n: gl.constexpr, count: gl.constexpr):
     for i in gl.static_range(n):
         mbarrier.init(bars.index(i), count=count)
     return bars
+
 
 @_jit
 def _tile(t, sched, BLOCK_M: gl.constexpr):
@@ -131,6 +134,7 @@ def _tile(t, sched, BLOCK_M: gl.constexpr):
     n_blocks = gl.where(m0 < q_len, (gl.minimum(m0 + BLOCK_M, q_len) + _BLOCK_N - 1) // _BLOCK_N,
                         0)
     return head, m0, q_start, q_len, n_blocks
+
 
 @_jit
 def _load_partition(descs, bufs, bars, sched, out, GROUP: gl.constexpr,
@@ -168,6 +172,7 @@ def _load_partition(descs, bufs, bars, sched, out, GROUP: gl.constexpr,
                 c += 1
             qi += 1
 
+
 @_jit
 def _softmax(s, m_i, l_i, rows, cols, qk_scale, MASK: gl.constexpr):
     """One online-softmax step over a block of scores (base-2, the scale in the FMA)."""
@@ -178,6 +183,7 @@ def _softmax(s, m_i, l_i, rows, cols, qk_scale, MASK: gl.constexpr):
     alpha = gl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
+
 @_jit
 def _scores(s, m_i, l_i, rows, cols, j, row0, qk_scale):
     """`_softmax` of block j, masked where the block reaches right of the first row."""
@@ -186,6 +192,7 @@ def _scores(s, m_i, l_i, rows, cols, j, row0, qk_scale):
     else:
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols, qk_scale, False)
     return p, alpha, m_i, l_i
+
 
 @_jit
 def _consume(bufs, bars, sched, out, W: gl.constexpr, HEAD_DIM: gl.constexpr):
@@ -261,12 +268,14 @@ def _consume(bufs, bars, sched, out, W: gl.constexpr, HEAD_DIM: gl.constexpr):
                 + head * stride_oh + o_cols[None, :]
             gl.store(ptrs, o.to(dtype), mask=(o_rows < q_len)[:, None])
 
+
 # the worker partitions share one signature (Gluon's rule): the second consumer and the
 # loader take the same arguments
 @_jit
 def _consume_second(descs, bufs, bars, sched, out, GROUP: gl.constexpr,
                     HEAD_DIM: gl.constexpr):
     _consume(bufs, bars, sched, out, 1, HEAD_DIM)
+
 
 # the batch's sizes change every step and the sequence offsets are a slice past the decode
 # rows: no specialisation on them, or each new value class is a fresh compile mid-serving
