@@ -72,6 +72,14 @@ def test_gluon_prefill_ok_says_which_batches_it_takes():
     assert not gluon_prefill_ok(heads_outermost, k, v, 0, hopper)
 
 
+def test_gluon_prefill_ok_never_on_rocm(monkeypatch):
+    """ROCm's torch reports an MI300X as compute capability 9.4: not a Hopper."""
+    q, k, v = _qkv(8, 4, 2, 128, torch.bfloat16)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert not gluon_prefill_ok(q, k, v, 0, (9, 4))
+    assert not gluon_prefill_ok(q, k, v, 0, (9, 0))
+
+
 def test_use_gluon_refuses_what_it_cannot_run():
     q, k, v = _qkv(4, 2, 2, 128, torch.bfloat16)
     with pytest.raises(ValueError, match=r"use_gluon: needs .* no cached prefix"):

@@ -84,11 +84,13 @@ CONSUMER_REGS, LOADER_REGS, MAX_REGS = 240, 24, 168  # per thread: 2 x 128 x 240
 
 def gluon_prefill_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      max_prefix_len: int | None, capability: tuple[int, int] | None = None) -> bool:
-    """Whether this kernel takes the batch: a Hopper GPU (compute capability 9.x: `capability`,
-    else q's device's, unless KVPILOT_GLUON_PREFILL=0; a CPU tensor never), 16-bit q/k/v with
-    a tested head size, no sequence with a cached prefix (`max_prefix_len` 0; None: unknown),
-    heads contiguous in a token and 16-byte aligned rows (TMA), and no CUDA-graph capture under
-    way (untested there)."""
+    """Whether this kernel takes the batch: an NVIDIA Hopper GPU (compute capability 9.x:
+    `capability`, else q's device's, unless KVPILOT_GLUON_PREFILL=0; a CPU tensor never; never
+    under ROCm, whose 9.x is AMD's), 16-bit q/k/v with a tested head size, no sequence with a
+    cached prefix (`max_prefix_len` 0; None: unknown), heads contiguous in a token and 16-byte
+    aligned rows (TMA), and no CUDA-graph capture under way (untested there)."""
+    if torch.version.hip is not None:  # ROCm reports its GPUs as 9.x too (MI300X: 9.4)
+        return False
     if capability is None:
         if not (ENABLED and q.is_cuda):
             return False
