@@ -12,7 +12,8 @@ b) prefill: causal FLOPs (4 * B * H * N^2 * D / 2) over the median time, at
    it, else K/V repeated to every head before timing (the repeat is not timed).
 
 Every variant is checked against a reference before it is timed; a small sweep
-over tile sizes, warps, stages and split counts keeps the best. Writes
+over tile sizes, warps, stages and split counts (for the Gluon prefill kernel: query
+buffers, K/V stages, L2 group size) keeps the best. Writes
 `attention.json` and `attention.md` to the folder given by --out.
 
     python bench/kernels/attention_bench.py --out bench/results
