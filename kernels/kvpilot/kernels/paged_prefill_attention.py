@@ -37,6 +37,7 @@ import triton.language as tl
 
 from kvpilot.kernels.jit import jit
 from kvpilot.kernels.kv_cache_dtype import FP8_KV_DTYPE, cached_rows
+from kvpilot.kernels.tma_rows import tma_rows_ok
 
 try:  # Gluon's Hopper API (Triton 3.6 on); with an older Triton the Triton kernels serve all
     from kvpilot.kernels import prefill_attention_gluon as _gluon
@@ -258,17 +259,14 @@ def default_tiles(head_dim: int, elem_size: int = 2, tma: bool = False
 # 0.77 / 0.74 in the same call (bench/results/attention-H100-2026-11-27-tma/); the pointer
 # kernel serves every other case
 TMA_BY_DEFAULT = True
-_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned base addresses and strides
 
 
 def tma_layout_ok(q: torch.Tensor, *kv: torch.Tensor) -> bool:
-    """Whether the TMA kernel can read `q`, `k`, `v`: compute capability 9.0 or newer, heads contiguous within each token (2-D [tokens, heads * head_dim] views), and
-    16-byte aligned token strides and base addresses."""
+    """Whether the TMA kernel can read `q`, `k`, `v`: compute capability 9.0 or newer and
+    `tma_rows_ok` (heads contiguous within a token, 16-byte aligned rows)."""
     if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
         return False  # (CPU tensors reach a kernel only under Triton's interpreter)
-    return all(x.stride(2) == 1 and x.stride(1) == x.shape[2]
-               and (x.stride(0) * x.element_size()) % _ALIGN == 0
-               and x.data_ptr() % _ALIGN == 0 for x in (q, *kv))
+    return tma_rows_ok(q, *kv)
 
 
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:

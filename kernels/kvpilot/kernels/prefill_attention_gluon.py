@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kvpilot.kernels.jit import Kernel
+from kvpilot.kernels.tma_rows import tma_rows_ok
 
 # Triton 3.7 renamed the TMA load (the GPU image runs 3.6)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -97,10 +98,7 @@ def gluon_prefill_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         capability = torch.cuda.get_device_capability(q.device)
     return (capability[0] == 9 and max_prefix_len == 0
             and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
-            and q.shape[2] in HEAD_DIMS
-            and all(x.stride(2) == 1 and x.stride(1) == x.shape[2]
-                    and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
-                    for x in (q, k, v))
+            and q.shape[2] in HEAD_DIMS and tma_rows_ok(q, k, v)
             and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
@@ -311,6 +309,15 @@ def _num_sms(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def _smem_layouts(head_dim: int, dtype: torch.dtype) -> tuple[gl.NVMMASharedLayout, ...]:
+    """The swizzled shared-memory layouts of a query half-tile and a K/V block (computed once
+    per head size and dtype, not per launch)."""
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([HALF, head_dim], element),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], element))
+
+
 def gluon_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                             out: torch.Tensor | None = None, q_buffers: int = Q_BUFFERS,
@@ -327,9 +334,7 @@ def gluon_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if num_seqs == 0 or max_query_len == 0:
         return out
     assert out.stride(2) == 1, "out's head_dim must be dense"
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for([HALF, head_dim], dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], dtype)
+    q_layout, kv_layout = _smem_layouts(head_dim, q.dtype)
 
     def descriptor(x: torch.Tensor, rows: int, layout) -> TensorDescriptor:
         flat = x.view(tokens, x.shape[1] * head_dim)  # heads contiguous: one 2-D row per token
