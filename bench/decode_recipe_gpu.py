@@ -83,6 +83,15 @@ def variants(max_model_len: int = MAX_MODEL_LEN) -> dict[str, Callable[[int], di
     def ordered(**extra) -> Callable[[int], dict]:
         return lambda s: {**engine(s), "longest_first": True, **extra}
 
+    def split_under(programs_per_sm: int) -> Callable[[int], dict]:
+        """two splits (at least) while the batch gives fewer programs than that per SM"""
+        def kwargs(size: int) -> dict:
+            splits = engine(size)["num_splits"]
+            if size * KV_HEADS < programs_per_sm * 132:
+                splits = max(2, splits)
+            return {"num_splits": splits, "longest_first": True}
+        return kwargs
+
     return {
         "row order": engine,
         "longest-first": ordered(),
@@ -90,6 +99,9 @@ def variants(max_model_len: int = MAX_MODEL_LEN) -> dict[str, Callable[[int], di
         "longest-first, 2 stages": ordered(num_stages=2),
         "longest-first, 4 stages": ordered(num_stages=4),
         "longest-first, splits >= 2": lambda s: {**at_least(2)(s), "longest_first": True},
+        "longest-first, 2 splits under 2 programs an SM": split_under(2),
+        "longest-first, 2 splits under 3 programs an SM": split_under(3),
+        "longest-first, 2 splits under 4 programs an SM": split_under(4),
     }
 
 

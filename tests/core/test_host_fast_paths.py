@@ -50,9 +50,9 @@ def runner():
                                                  num_kv_blocks=64, block_size=4)).runner
 
 
-entry_st = st.tuples(st.integers(0, 20), st.integers(1, 9), st.sampled_from(["last", "all",
-                                                                             "none"]),
-                     st.booleans())
+# starts: half of them 0 (fresh prompts beside cached prefixes), the rest 1 to 20
+entry_st = st.tuples(st.one_of(st.just(0), st.integers(1, 20)), st.integers(1, 9),
+                     st.sampled_from(["last", "all", "none"]), st.booleans())
 
 
 @settings(max_examples=40, deadline=None)
@@ -84,10 +84,12 @@ def test_build_batch_matches_reference(runner, specs, decode_only):
             meta.block_tables.dtype) == (torch.int32,) * 3
     assert meta.max_query_len == max(len(e.token_ids) for e in entries)
     assert meta.seq_lens_cpu == want["seq_lens"]
-    # the longest cached prefix among the prefill kernel's sequences (those after the decodes),
+    # the prefill sequences (those after the decodes) up to the last one with a cached prefix,
     # known to a rank without the host copy too (it travels in the header)
-    prefix = max([e.start_pos for e in entries[packed.header.num_decodes:]], default=0)
-    assert meta.max_prefix_len == unpack_step(packed.header, buf, None).meta.max_prefix_len == prefix
+    starts = [e.start_pos for e in entries[packed.header.num_decodes:]]
+    prefixed = max((i + 1 for i, start in enumerate(starts) if start > 0), default=0)
+    assert meta.prefixed_prefills == unpack_step(packed.header, buf, None).meta.prefixed_prefills \
+        == prefixed
     # the decode rows' launch order: longest context first, ties in row order
     decodes = packed.header.num_decodes
     order = sorted(range(decodes), key=lambda i: -want["seq_lens"][i])

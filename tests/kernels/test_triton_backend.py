@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.paged import BlockAllocation
@@ -12,10 +14,14 @@ from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
 
 
 def make_step(query_lens, prefix_lens, block_size, seed):
-    """Gives (allocation, metadata on DEVICE) of one step over shuffled blocks."""
+    """Gives (allocation, metadata on DEVICE) of one step over shuffled blocks, with the count
+    of prefill sequences up to the last one with a prefix as `pack_step` gives it."""
     seq_lens = [q + p for q, p in zip(query_lens, prefix_lens, strict=True)]
     alloc = BlockAllocation.shuffled(seq_lens, block_size, seed=seed)
-    return alloc, alloc.step(seq_lens, query_lens, DEVICE)
+    meta = alloc.step(seq_lens, query_lens, DEVICE)
+    prefixes = prefix_lens[meta.num_decode_tokens:]
+    prefixed = max((i + 1 for i, p in enumerate(prefixes) if p > 0), default=0)
+    return alloc, dataclasses.replace(meta, prefixed_prefills=prefixed)
 
 
 # (query_lens, prefix_lens, heads, kv_heads, head_dim, block_size): decodes first
@@ -24,6 +30,9 @@ CASES = [
     ([7], [0], 4, 4, 64, 8),  # one fresh prompt, ratio 1
     ([1, 1, 12, 5], [9, 31, 0, 8], 8, 1, 64, 8),  # mixed, chunked prefill onto a prefix
     ([1, 20], [63, 4], 16, 2, 128, 16),  # ratio 8, head_dim 128
+    # a chunk continuing a prompt, then fresh prompts: two prefill launches where the
+    # no-prefix (Gluon) kernel runs
+    ([1, 9, 30, 17], [12, 20, 0, 0], 8, 2, 128, 16),
 ]
 
 
@@ -47,3 +56,39 @@ def test_triton_backend_matches_torch_backend(query_lens, prefix_lens, heads, kv
     got = TritonAttentionBackend(num_sms=4).forward(q, k, v, cache, meta, head_dim**-0.5)
     assert torch.equal(cache, cache_ref)  # the same slots were written with the same values
     assert rel_err(got, want) < tolerance(dtype)
+
+
+@pytest.mark.parametrize(("prefixed", "gluon", "launches"), [
+    (1, True, [(1, None), (2, 0)]),  # the continued chunk, then the fresh prompts apart
+    (1, False, [(3, None)]),  # no faster kernel for the fresh ones: one launch
+    (0, True, [(3, 0)]),  # no prefix at all
+    (3, True, [(3, None)]),  # the last sequence has a prefix: all read the cache
+    (None, True, [(3, None)]),  # unknown: as if all had one
+])
+def test_prefill_launches_split_after_the_last_prefixed_sequence(monkeypatch, prefixed, gluon,
+                                                                 launches):
+    from kvpilot.engine.attention import triton_backend
+
+    query_lens, prefix_lens = [1, 9, 30, 17], [12, 20, 0, 0]
+    alloc, meta = make_step(query_lens, prefix_lens, 16, seed=3)
+    meta = dataclasses.replace(meta, prefixed_prefills=prefixed)
+    calls = []
+    launcher = triton_backend.paged_prefill_attention
+
+    def spy(*args, **kwargs):
+        calls.append((args[6].shape[0], kwargs["max_prefix_len"]))  # (sequences, prefix)
+        return launcher(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "paged_prefill_attention", spy)
+    monkeypatch.setattr(triton_backend, "no_prefix_kernel_ok", lambda q, k, v: gluon)
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=DEVICE)
+
+    cache = rand(2, alloc.num_blocks, 16, 2, 64)
+    q, k, v = rand(57, 8, 64), rand(57, 2, 64), rand(57, 2, 64)
+    want = TorchAttentionBackend().forward(q, k, v, cache.clone(), meta, 0.125)
+    got = TritonAttentionBackend(num_sms=4).forward(q, k, v, cache, meta, 0.125)
+    assert calls == launches
+    assert rel_err(got, want) < tolerance(torch.float32)

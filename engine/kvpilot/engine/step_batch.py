@@ -45,7 +45,9 @@ class StepHeader:
     max_seq_len: int
     num_decodes: int
     num_prev_tokens: int  # length of the sampled-token tensor the patches read
-    max_prefix_len: int  # the longest cached prefix among the sequences after the decodes
+    # the sequences after the decodes up to the last one with a cached prefix: the prefill
+    # kernel that reads prefixes takes these, the no-prefix kernel the ones after them
+    prefixed_prefills: int
 
     @classmethod
     def stop(cls) -> StepHeader:
@@ -143,9 +145,10 @@ def pack_step(entries: list[BatchEntry], copies: list[tuple[int, int]], block_si
         elif e.logits == "all":
             rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
     num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else n
+    prefixed = np.flatnonzero(starts[num_decodes:])
     header = StepHeader(STEP, total, n, max_blocks, len(patched), len(rows), len(copies),
                         int(query_lens.max()), int(seq_lens.max()), num_decodes,
-                        num_prev_tokens, int(starts[num_decodes:].max(initial=0)))
+                        num_prev_tokens, int(prefixed[-1]) + 1 if prefixed.size else 0)
     at = _Offsets.of(header)
     host, host_tensor = staging.host(at.size)
     t2 = at.t2
@@ -196,7 +199,7 @@ def unpack_step(header: StepHeader, buf: torch.Tensor, host: np.ndarray | None) 
         decode_order=buf[at.order:at.order + h.num_decodes] if h.num_decodes else None,
         query_lens_cpu=None if host is None else np.diff(host[3 * t2:3 * t2 + n + 1]).tolist(),
         seq_lens_cpu=None if host is None else host[at.lens:at.lens + n].tolist(),
-        max_prefix_len=h.max_prefix_len,  # from the header: every rank knows it
+        prefixed_prefills=h.prefixed_prefills,  # from the header: every rank knows it
     )
     return StepInputs(
         header=h, input_ids=buf[:total], positions=buf[t2:t2 + total], meta=meta,

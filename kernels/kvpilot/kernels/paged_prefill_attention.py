@@ -275,6 +275,13 @@ def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def no_prefix_kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Gives whether `paged_prefill_attention` takes a batch of these q/k/v with no cached
+    prefix (`max_prefix_len=0`) through the Gluon kernel: a caller with sequences of both
+    kinds then gains by launching the ones without a prefix as a batch of their own."""
+    return _gluon is not None and _gluon.gluon_prefill_ok(q, k, v, 0)
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k: torch.Tensor,  # [T, num_kv_heads, head_dim], the step's new keys

@@ -34,9 +34,11 @@ class AttentionMetadata:
     # host copies, so backends avoid device syncs when building loops
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
-    # the longest cached prefix among the sequences after the decode rows (None: unknown); 0
-    # lets the prefill launcher take its no-prefix kernel (step_batch.py puts it in the header)
-    max_prefix_len: int | None = None
+    # how many sequences after the decode rows lead up to the last one with a cached prefix
+    # (None: unknown, as if all): those after have none, and the backend hands them to the
+    # prefill launcher as a batch of their own, which its no-prefix kernel takes
+    # (step_batch.py puts the count in the header)
+    prefixed_prefills: int | None = None
 
     @property
     def num_seqs(self) -> int:

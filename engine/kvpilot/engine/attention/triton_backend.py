@@ -15,7 +15,10 @@ import torch
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.kernels.kv_cache_write import kv_cache_write
 from kvpilot.kernels.paged_decode_attention import default_num_splits, paged_decode_attention
-from kvpilot.kernels.paged_prefill_attention import paged_prefill_attention
+from kvpilot.kernels.paged_prefill_attention import (
+    no_prefix_kernel_ok,
+    paged_prefill_attention,
+)
 
 
 class TritonAttentionBackend:
@@ -48,11 +51,29 @@ class TritonAttentionBackend:
                                    order=order if order is not None
                                    and order.shape[0] == num_decodes else None)
         if num_decodes < num_tokens:
-            # query_start_loc holds absolute row offsets, so the prefill kernel takes the
-            # remaining sequences' slice and indexes the full q/k/v/out
-            paged_prefill_attention(q, k, v, kv_cache, meta.block_tables[num_decodes:],
-                                    meta.query_start_loc[num_decodes:],
-                                    meta.seq_lens[num_decodes:], meta.max_query_len, scale,
-                                    out=out, kv_scales=kv_scales,
-                                    max_prefix_len=meta.max_prefix_len)
+            self._prefill(q, k, v, kv_cache, meta, scale, kv_scales, num_decodes, out)
         return out
+
+    @staticmethod
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float, kv_scales: tuple[float, float],
+                 num_decodes: int, out: torch.Tensor) -> None:
+        """Runs prefill attention over the sequences after the decode rows, in up to two
+        launches: those up to the last one with a cached prefix (a chunk continuing a prompt,
+        a prefix-cache hit), then the rest as a batch with no prefix, which the launcher gives
+        its faster no-prefix kernel where that runs (else one launch takes them all)."""
+        end, prefixed = meta.num_seqs, meta.prefixed_prefills
+        if prefixed is None:  # unknown: every sequence may have a prefix
+            split = end
+        elif prefixed == 0:
+            split = num_decodes
+        else:  # two launches only where the second takes the faster kernel
+            split = num_decodes + prefixed if no_prefix_kernel_ok(q, k, v) else end
+        for first, last, prefix in ((num_decodes, split, None), (split, end, 0)):
+            if first < last:
+                # query_start_loc holds absolute row offsets, so the kernels take their
+                # sequences' slices and index the full q/k/v/out
+                paged_prefill_attention(q, k, v, kv_cache, meta.block_tables[first:last],
+                                        meta.query_start_loc[first:last + 1],
+                                        meta.seq_lens[first:last], meta.max_query_len, scale,
+                                        out=out, kv_scales=kv_scales, max_prefix_len=prefix)
