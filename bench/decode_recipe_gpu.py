@@ -99,9 +99,7 @@ def variants(max_model_len: int = MAX_MODEL_LEN) -> dict[str, Callable[[int], di
         "longest-first, 2 stages": ordered(num_stages=2),
         "longest-first, 4 stages": ordered(num_stages=4),
         "longest-first, splits >= 2": lambda s: {**at_least(2)(s), "longest_first": True},
-        "longest-first, 2 splits under 2 programs an SM": split_under(2),
         "longest-first, 2 splits under 3 programs an SM": split_under(3),
-        "longest-first, 2 splits under 4 programs an SM": split_under(4),
     }
 
 
