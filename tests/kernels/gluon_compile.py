@@ -1,5 +1,6 @@
-"""Compiles the Gluon prefill kernel for an H100 (sm_90a) without a GPU; prints one JSON line per
-case: shared memory, and the cubin's registers, stack and local memory (spills).
+"""Compiles the Gluon prefill kernel for an H100 (sm_90a) without a GPU, specialised as a launch
+on the engine's tensors would be; prints one JSON line per case: shared memory, the PTX's
+global-store widths, and the cubin's registers, stack and local memory (spills).
 
 Run as a script, without TRITON_INTERPRET (the interpreter cannot compile Gluon):
 `python tests/kernels/gluon_compile.py`. tests/kernels/test_prefill_attention_gluon.py runs it.
@@ -33,6 +34,17 @@ def descriptor(shape: list[int], dtype: str) -> str:
     return f"tensordesc<{dtype}[{', '.join(map(str, shape))}],{layout!r}>"
 
 
+def launch_attrs() -> dict:
+    """The divisibility a launch gives the output's pointer and strides (the engine's output is
+    16-byte aligned and its strides are the model's heads x head_dim, multiples of 16), less
+    what the kernel asks not to specialise: what decides its stores' width."""
+    fn = kernel._prefill_kernel
+    names = [param.name for param in fn.params]
+    kept = [param.name for param in fn.params if not param.do_not_specialize]
+    return {(names.index(name),): [["tt.divisibility", 16]]
+            for name in ("out_ptr", "stride_ot", "stride_oh") if name in kept}
+
+
 def compile_case(head_dim: int, group: int, dtype: str) -> dict:
     signature = {
         "q_desc": descriptor([kernel.HALF, head_dim], dtype),
@@ -45,13 +57,15 @@ def compile_case(head_dim: int, group: int, dtype: str) -> dict:
     constants = {"GROUP": group, "HEAD_DIM": head_dim, "NUM_STAGES": kernel.STAGES,
                  "Q_BUFS": kernel.Q_BUFFERS}
     compiled = triton.compile(
-        GluonASTSource(kernel._prefill_kernel, signature, constants),
+        GluonASTSource(kernel._prefill_kernel, signature, constants, launch_attrs()),
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": 4, "maxnreg": kernel.MAX_REGS})
     ptx = compiled.asm["ptx"]
     result = {"head_dim": head_dim, "group": group, "dtype": dtype,
               "shared": compiled.metadata.shared, "cubin": len(compiled.asm.get("cubin", b"")),
-              "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": "setmaxnreg" in ptx}
+              "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": "setmaxnreg" in ptx,
+              # the output's global stores, by width (b16: one element per instruction)
+              "stores": sorted(set(re.findall(r"st\.global\.(?:v\d\.)?b\d+", ptx)))}
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if cuobjdump.exists():
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
