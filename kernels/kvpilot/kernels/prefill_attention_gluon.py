@@ -281,7 +281,8 @@ def _consume_second(descs, bufs, bars, sched, out, GROUP: gl.constexpr,
 # rows: no specialisation on them, or each new value class is a fresh compile mid-serving.
 # The output's strides stay specialised (a model's, fixed): divisible by 16 they let each
 # thread store its two adjacent columns at once (st.global.b32, 64 stores a tile row block
-# instead of 128 b16 ones); unspecialised, the kernel ran 0.83-0.98x cuDNN, not 1.01-1.05x
+# instead of 128 b16 ones); unspecialised, the kernel ran at 0.83-0.96x the fastest SDPA
+# backend on an H100, specialised at 0.95-1.04x (bench/results/issue21-H100-2026-11-28/)
 @_jit(do_not_specialize=["num_seqs", "num_m", "group"],
       do_not_specialize_on_alignment=["qsl_ptr"])
 def _prefill_kernel(q_desc, k_desc, v_desc, qsl_ptr, out_ptr, stride_ot, stride_oh,
