@@ -33,6 +33,9 @@ pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the GPU form runs in "
 HIDDEN, EPS = 48, 1e-6
 ROWS = (1, 5, 3, 4, 1, 2)  # calls in a row, some with more rows than programs
 PROGRAMS = 2
+# what every rank process imports, loaded once by the forkserver the ranks fork from
+RANK_IMPORTS = ["torch", "triton", "kvpilot.kernels.all_reduce_rmsnorm",
+                "kvpilot.kernels.w8a16_gemm", __name__]  # this module: the ranks' targets
 
 
 def inputs(rank: int, rows: int, call: int, dtype: torch.dtype
@@ -81,7 +84,10 @@ def run_ranks(target: Callable[[int, int, torch.dtype, Path], None], world: int,
     numel = 2 * world * max(ROWS) * HIDDEN
     for r in range(world):  # the files exist, empty, before any rank maps them
         empty_slots(shared(root / f"buffer{r}", numel, dtype))
-    ctx = multiprocessing.get_context("spawn")
+    # Fresh processes, forked from a server that imported torch, Triton and the kernels once
+    # (a spawned rank re-imports them: ~2.5 s of a test's CPU per rank on a 2-core box)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_IMPORTS)
     procs = [ctx.Process(target=target, args=(r, world, dtype, root), daemon=True)
              for r in range(world)]
     for p in procs:

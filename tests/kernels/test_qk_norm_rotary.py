@@ -88,7 +88,9 @@ def unfused(positions, q, k, q_weight, k_weight, cache, is_neox):
     (5, 8, 2, 128, 128),  # Qwen3's head_dim
     (3, 4, 4, 128, 64),  # partial rotary: dims 64.. only normed
     (4, 2, 1, 64, 16),  # a quarter rotated
-    (33, 6, 3, 64, 64),  # head counts that are not powers of two
+    # head counts that are not powers of two; past 16 tokens two heads a program (9 heads: the
+    # last program's second is past the end)
+    (17, 6, 3, 64, 64),
     (2, 2, 1, 256, 256),  # two elements a thread
     (3, 4, 2, 32, 32),  # one warp's row: on a GPU near rms_norm's bits, not on them
 ])
