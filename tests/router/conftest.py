@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from router_fake_engine import FakeEngine, serving
+import uvicorn
+from router_fake_engine import FakeEngine, serving, stop_all
 
 from kvpilot.engine.contracts.router_args import RouterArgs
 from kvpilot.engine.router.app import build_app
@@ -17,16 +18,18 @@ from kvpilot.engine.router.app import build_app
 async def fleet() -> AsyncIterator[Callable[..., Any]]:
     """Gives `start(engines, late=None, **router_args) -> (router_url, {name: engine_url})`."""
     stack = contextlib.AsyncExitStack()
+    servers: list[uvicorn.Server] = []
 
     async def start(engines: list[FakeEngine], late: Callable[[dict[str, str]], dict] | None = None,
                     **router_kwargs: Any) -> tuple[str, dict[str, str]]:
-        urls = {e.name: await stack.enter_async_context(serving(e.app())) for e in engines}
+        urls = {e.name: await stack.enter_async_context(serving(e.app(), servers)) for e in engines}
         router_kwargs.update(late(urls) if late else {})  # args that depend on the ports
         spec = ",".join(f"{e.role}={urls[e.name]}" for e in engines)
         router_kwargs.setdefault("refresh_interval", 0.1)
         args = RouterArgs(instances=spec, **router_kwargs)
-        router_url = await stack.enter_async_context(serving(build_app(args)))
+        router_url = await stack.enter_async_context(serving(build_app(args), servers))
         return router_url, urls
 
     async with stack:
         yield start
+        stop_all(servers)  # together, then the stack awaits each

@@ -111,12 +111,15 @@ class FakeEngine:
 
 
 @contextlib.asynccontextmanager
-async def serving(app: Any) -> AsyncIterator[str]:
-    """Runs `app` on a free 127.0.0.1 port; gives its base URL."""
+async def serving(app: Any, servers: list[uvicorn.Server] | None = None) -> AsyncIterator[str]:
+    """Runs `app` on a free 127.0.0.1 port; gives its base URL. Given `servers`, adds its
+    server there, so a fixture of several can ask them all to stop at once (see `stop_all`)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    if servers is not None:
+        servers.append(server)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():
@@ -128,6 +131,14 @@ async def serving(app: Any) -> AsyncIterator[str]:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
         sock.close()
+
+
+def stop_all(servers: list[uvicorn.Server]) -> None:
+    """Asks every server to stop; `serving` then awaits each. A uvicorn server stops at its
+    next 0.1 s tick and polls its closing connections every 0.1 s: one after another, a
+    fleet's four took ~0.5 s of every test's teardown."""
+    for server in servers:
+        server.should_exit = True
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
-from router_fake_engine import FakeEngine, serving
+import uvicorn
+from router_fake_engine import FakeEngine, serving, stop_all
 from test_router_app import COMPLETION, served_by
 
 from kvpilot.engine.contracts.lora import lora_root_hash
@@ -97,16 +98,19 @@ async def lora_fleet() -> AsyncIterator[tuple[Router, str, dict[str, str], list[
     engines = [FakeEngine("holder", max_lora=2, running_loras=["sql"], adapters=["sql", "law"]),
                FakeEngine("free", max_lora=2, running_loras=["med"], adapters=["sql", "med", "fin"]),
                FakeEngine("full", max_lora=1, running_loras=["law"], adapters=["sql", "law"])]
+    servers: list[uvicorn.Server] = []
     async with contextlib.AsyncExitStack() as stack:
-        urls = {e.name: await stack.enter_async_context(serving(e.app())) for e in engines}
+        urls = {e.name: await stack.enter_async_context(serving(e.app(), servers))
+                for e in engines}
         app = build_app(RouterArgs(instances=",".join(urls.values()), policy="least-load",
                                    refresh_interval=0.05, lora_affinity_margin=3))
-        router_url = await stack.enter_async_context(serving(app))
+        router_url = await stack.enter_async_context(serving(app, servers))
         router: Router = app.state.router
         await until(lambda: len(router.fleet.available(("both",))) == 3 and all(
             i.lora is not None and i.adapters for i in router.fleet.instances.values()),
             "every replica scraped, its gauge and /v1/models read")
         yield router, router_url, urls, engines
+        stop_all(servers)  # together, then the stack awaits each
 
 
 async def send(client: httpx.AsyncClient, model: str, urls: dict[str, str]) -> str:
