@@ -159,13 +159,16 @@ def test_the_cache_job_fills_the_claim_once_and_engine_pods_only_wait(tmp_path: 
         spec = model_spec(url, revision=OLD, cache={"size": "1Gi"})
         job = cache_job_pod(spec)["containers"][0]
         wait = engine_pod(spec)["initContainers"][0]
-        waiting = start(wait, dirs(tmp_path, "engine-0"))  # scheduled before the Job finished
+        # scheduled before the Job finished; polling every 0.5 s through `kvpilot fetch`'s
+        # --interval, not the rendered command's default 10 s
+        polling = {**wait, "command": [*wait["command"], "--interval", "0.5"]}
+        waiting = start(polling, dirs(tmp_path, "engine-0"))
         time.sleep(0.5)
         assert waiting.poll() is None
         code, out, err = run(job, dirs(tmp_path, "job"))
         assert code == 0, out + err
         served = len(state.log)
-        assert waiting.wait(timeout=60) == 0  # polls every 10 s by default
+        assert waiting.wait(timeout=60) == 0
         for replica in range(2):  # replicas and restarts after the fill: no wait, no download
             code, out, err = run(wait, dirs(tmp_path, f"engine-{replica + 1}"))
             assert code == 0 and f"is in {tmp_path / 'weights'}" in out, out + err
