@@ -12,6 +12,7 @@ from paged_fixtures import random_paged_cache
 from kvpilot.kernels.paged_prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
+    tma_layout_ok,
 )
 
 
@@ -81,6 +82,19 @@ def test_prefill_tma_matches_reference(query_lens, prefix_lens, heads, kv_heads,
 def test_prefill_tma_refuses_a_layout_without_contiguous_heads():
     q = torch.zeros(4, 2, 16).transpose(0, 1).contiguous().transpose(0, 1)  # heads outermost
     with pytest.raises(ValueError, match=r"use_tma: .*heads are contiguous within a token"):
+        paged_prefill_attention(q, q, q, torch.zeros(2, 1, 8, 2, 16), torch.zeros(1, 1).int(),
+                                torch.tensor([0, 4]).int(), torch.tensor([4]).int(), 4, 1.0,
+                                use_tma=True)
+
+
+def test_prefill_tma_never_on_rocm(monkeypatch):
+    """ROCm's torch reports an MI300X as compute capability 9.4: the pointer kernel serves it,
+    and asking for TMA there is a ValueError."""
+    q = torch.zeros(4, 2, 16)
+    assert tma_layout_ok(q, q, q)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert not tma_layout_ok(q, q, q)
+    with pytest.raises(ValueError, match=r"use_tma: needs an NVIDIA GPU \(not ROCm\)"):
         paged_prefill_attention(q, q, q, torch.zeros(2, 1, 8, 2, 16), torch.zeros(1, 1).int(),
                                 torch.tensor([0, 4]).int(), torch.tensor([4]).int(), 4, 1.0,
                                 use_tma=True)

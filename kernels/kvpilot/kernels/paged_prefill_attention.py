@@ -262,8 +262,12 @@ TMA_BY_DEFAULT = True
 
 
 def tma_layout_ok(q: torch.Tensor, *kv: torch.Tensor) -> bool:
-    """Whether the TMA kernel can read `q`, `k`, `v`: compute capability 9.0 or newer and
-    `tma_rows_ok` (heads contiguous within a token, 16-byte aligned rows)."""
+    """Whether the TMA kernel can read `q`, `k`, `v`: an NVIDIA GPU of compute capability 9.0
+    or newer (never under ROCm, whose torch reports an MI300X as 9.4: the kernel's tensor
+    descriptors have not run on AMD GPUs) and `tma_rows_ok` (heads contiguous within a token,
+    16-byte aligned rows)."""
+    if torch.version.hip is not None:
+        return False
     if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
         return False  # (CPU tensors reach a kernel only under Triton's interpreter)
     return tma_rows_ok(q, *kv)
@@ -323,7 +327,8 @@ def paged_prefill_attention(
         use_tma = TMA_BY_DEFAULT and q.is_cuda and tma_layout_ok(q, k, v) \
             and not torch.cuda.is_current_stream_capturing()
     elif use_tma and not tma_layout_ok(q, k, v):
-        raise ValueError("use_tma: needs a CUDA device of compute capability 9.0 or newer and "
+        raise ValueError("use_tma: needs an NVIDIA GPU (not ROCm) of compute capability 9.0 or "
+                         "newer and "
                          "q/k/v whose heads are contiguous within a token, with 16-byte "
                          "aligned token strides and base addresses")
     tiles = default_tiles(head_dim, q.element_size(), use_tma)
