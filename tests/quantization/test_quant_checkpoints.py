@@ -21,7 +21,11 @@ from test_quant_accuracy import BOUNDS, prompt_logits
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.loader import load_model
-from kvpilot.engine.quantization.config import resolve_quantization
+from kvpilot.engine.quantization.config import (
+    check_device,
+    resolve_kv_cache_dtype,
+    resolve_quantization,
+)
 
 # (method, scale strategy, config.json layout)
 CASES = [("fp8", "channel", "fp8"), ("fp8", "tensor", "fp8"),
@@ -140,3 +144,20 @@ def test_unread_scales_refused_naming_them(extra, tiny_checkpoints, tmp_path):
     save_file(tensors, str(file), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"{extra}'.*scales are not read"):
         load_model(config_of(dst), "auto", "cpu")
+
+
+def test_fp8_refused_on_rocm_naming_the_flag(monkeypatch):
+    """ROCm's torch reports an MI300X as compute capability 9.4, past fp8's 8.9, but its fp8
+    is E4M3FNUZ, not the OCP E4M3 the kernels and the cache use: fp8 weights and an fp8 KV
+    cache are refused there, before any CUDA call, with the flag to change."""
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' has not run on ROCm.*"
+                                         r"--kv-cache-dtype auto"):
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda)
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda) is torch.bfloat16
+    fp8 = resolve_quantization("fp8", {}, "LlamaForCausalLM")
+    with pytest.raises(ValueError, match=r"quantization='fp8' has not run on ROCm.*"
+                                         r"--quantization int8"):
+        check_device(fp8, cuda)
+    check_device(resolve_quantization("int8", {}, "LlamaForCausalLM"), cuda)  # not fp8: allowed

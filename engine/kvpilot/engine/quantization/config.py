@@ -106,12 +106,21 @@ def _check_ignored(key: str, ignored: list[str]) -> None:
                          f"left unquantised here: {_FIX}")
 
 
+# why fp8 is refused on AMD GPUs: the kernels and the cache use OCP's E4M3 (float8_e4m3fn),
+# while an MI300X's (gfx942) fp8 units compute E4M3FNUZ, and none of it has run on one
+ROCM_FP8 = ("has not run on ROCm GPUs (the kernels use OCP E4M3, float8_e4m3fn; an MI300X's "
+            "fp8 is E4M3FNUZ)")
+
+
 def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype,
                            device: torch.device) -> torch.dtype:
     """Gives the KV cache's dtype for `--kv-cache-dtype` (auto: the model's); raises
-    ValueError on a GPU whose kernels cannot load fp8 (compute capability below 8.9)."""
+    ValueError on a GPU whose kernels cannot load fp8 (compute capability below 8.9, or an
+    AMD GPU: see `ROCM_FP8`)."""
     if choice == "auto":
         return model_dtype
+    if device.type == "cuda" and torch.version.hip is not None:
+        raise ValueError(f"kv_cache_dtype='fp8' {ROCM_FP8}: use --kv-cache-dtype auto")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(f"kv_cache_dtype='fp8' needs compute capability 8.9+ (H100, L4), "
                          f"not {torch.cuda.get_device_name(device)}: use --kv-cache-dtype auto")
@@ -122,6 +131,9 @@ def check_device(quant: QuantConfig | None, device: torch.device) -> None:
     """Raises ValueError when `device` cannot run the format (fp8 needs FP8 tensor cores)."""
     if quant is None or quant.method.name != "fp8":
         return
+    if device.type == "cuda" and torch.version.hip is not None:
+        raise ValueError(f"quantization='fp8' {ROCM_FP8}: use --quantization int8 or serve "
+                         "the model unquantised")
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         name = device.type if device.type != "cuda" else torch.cuda.get_device_name(device)
         raise ValueError(f"quantization='fp8' needs a GPU with FP8 tensor cores (compute "
