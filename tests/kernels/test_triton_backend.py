@@ -61,12 +61,15 @@ def test_triton_backend_matches_torch_backend(query_lens, prefix_lens, heads, kv
 @pytest.mark.parametrize(("prefixed", "gluon", "launches"), [
     (1, True, [(1, None), (2, 0)]),  # the continued chunk, then the fresh prompts apart
     (1, False, [(3, None)]),  # no faster kernel for the fresh ones: one launch
-    (0, True, [(3, 0)]),  # no prefix at all
+    (0, True, [(3, 0)]),  # the header says no sequence has a prefix: one launch at 0
     (3, True, [(3, None)]),  # the last sequence has a prefix: all read the cache
     (None, True, [(3, None)]),  # unknown: as if all had one
 ])
 def test_prefill_launches_split_after_the_last_prefixed_sequence(monkeypatch, prefixed, gluon,
                                                                  launches):
+    """Which sequences each prefill launch gets, for the header's count and whether the
+    no-prefix kernel runs (float32: the launches themselves take the Triton kernels, which
+    read any prefix, so the output matches the torch backend in every case)."""
     from kvpilot.engine.attention import triton_backend
 
     query_lens, prefix_lens = [1, 9, 30, 17], [12, 20, 0, 0]
