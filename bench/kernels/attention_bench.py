@@ -46,6 +46,7 @@ from kvpilot.kernels.paged_decode_attention import (
 from kvpilot.kernels.paged_prefill_attention import (
     TMA_BY_DEFAULT,
     default_tiles,
+    no_prefix_kernel_ok,
     paged_prefill_attention,
 )
 from kvpilot.kernels.prefill_attention_gluon import (
@@ -53,7 +54,6 @@ from kvpilot.kernels.prefill_attention_gluon import (
     Q_BUFFERS,
     STAGES,
     gluon_prefill_attention,
-    gluon_prefill_ok,
 )
 
 BF16 = torch.bfloat16
@@ -192,11 +192,12 @@ SWEEP = {"pointer": list(itertools.product((128,), (32, 64), (4, 8), (3, 4))),
 
 
 def gluon_runs_here() -> bool:
-    """Whether this device takes the Gluon kernel (a probe with bf16 d128 tensors)."""
+    """Whether the launcher takes the Gluon kernel on this device (its own test, on a bf16
+    d128 probe with no cached prefix)."""
     if not torch.cuda.is_available():
         return False
     x = torch.empty(1, 1, 128, dtype=BF16, device="cuda")
-    return gluon_prefill_ok(x, x, x, max_prefix_len=0)
+    return no_prefix_kernel_ok(x, x, x)
 
 
 def default_kernel() -> str:

@@ -279,11 +279,17 @@ def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def _gluon_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 max_prefix_len: int | None) -> bool:
+    """Whether the Gluon kernel is importable and `gluon_prefill_ok` holds for the batch."""
+    return _gluon is not None and _gluon.gluon_prefill_ok(q, k, v, max_prefix_len)
+
+
 def no_prefix_kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Gives whether `paged_prefill_attention` takes a batch of these q/k/v with no cached
     prefix (`max_prefix_len=0`) through the Gluon kernel: a caller with sequences of both
     kinds then gains by launching the ones without a prefix as a batch of their own."""
-    return _gluon is not None and _gluon.gluon_prefill_ok(q, k, v, 0)
+    return _gluon_takes(q, k, v, 0)
 
 
 def paged_prefill_attention(
@@ -311,8 +317,7 @@ def paged_prefill_attention(
     A batch with no cached prefix (`max_prefix_len` 0) on Hopper runs the warp-specialised
     Gluon kernel of `prefill_attention_gluon` where `gluon_prefill_ok` holds; the tile and
     TMA arguments are then unused."""
-    gluon = _gluon if _gluon is not None and _gluon.gluon_prefill_ok(
-        q, k, v, max_prefix_len) else None
+    gluon = _gluon if _gluon_takes(q, k, v, max_prefix_len) else None
     if use_gluon and gluon is None:
         raise ValueError("use_gluon: needs Triton 3.6+ (Gluon), a Hopper GPU (compute capability "
                          "9.x), KVPILOT_GLUON_PREFILL not 0, fp16/bf16 q/k/v with head_dim 64 "
