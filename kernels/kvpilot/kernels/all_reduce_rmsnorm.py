@@ -116,6 +116,7 @@ def _all_reduce_add_rms_norm_kernel(
     mask = offs < n_cols
     dtype = out_ptr.dtype.element_ty
     bits_ty = x_ptr.dtype.element_ty
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     epoch = tl.load(epochs + program) + 1
     half = (epoch % 2).to(tl.int64) * WORLD * slot_numel
     if not SENT:
@@ -139,7 +140,7 @@ def _all_reduce_add_rms_norm_kernel(
         h = (total.to(dtype).to(tl.float32) + r).to(dtype)
         tl.store(residual_out_ptr + row * n_cols + offs, h, mask=mask)
         tl.store(out_ptr + row * n_cols + offs,
-                 normed_row(h.to(tl.float32), weight_ptr, offs, mask, n_cols, eps, dtype),
+                 normed_row(h.to(tl.float32), w, n_cols, eps, dtype),
                  mask=mask)
     tl.store(epochs + program, epoch)
 

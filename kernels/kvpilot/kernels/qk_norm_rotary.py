@@ -45,21 +45,25 @@ from kvpilot.kernels.rotary import (
 
 @jit
 def _norm_rotate_head(
-    t, h, positions_ptr, q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, cache_row,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, n_cols, eps, k_scale,
+    t, h, q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cache_row, cos, sin, weights,
+    stride_qt, stride_qh, stride_kt, stride_kh, n_cols, eps, k_scale,
     store_cache, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     IS_NEOX: tl.constexpr, KV_FP8: tl.constexpr, NORM: tl.constexpr,
 ):
     """Norms (NORM) and rotates q head `h` (or k head h - NUM_HEADS) of token `t` in place;
-    a k row goes to `cache_row` as well where `store_cache`."""
+    a k row goes to `cache_row` as well where `store_cache`. `cos`, `sin` (the token's) and
+    `weights` (the q and k weights' pair columns, `_pair_weights`) come loaded."""
     offs = tl.arange(0, HEAD_DIM)
     cache_dtype: tl.constexpr = cache_row.dtype.element_ty
+    q_w1, q_w2, k_w1, k_w2 = weights
     if h < NUM_HEADS:
         row = q_ptr + t * stride_qt + h * stride_qh
         w_ptr = q_weight_ptr
+        w1, w2 = q_w1, q_w2
     else:
         row = k_ptr + t * stride_kt + (h - NUM_HEADS) * stride_kh
         w_ptr = k_weight_ptr
+        w1, w2 = k_w1, k_w2
     dtype = row.dtype.element_ty
 
     x = tl.load(row + offs).to(tl.float32)
@@ -74,13 +78,8 @@ def _norm_rotate_head(
     n1 = tl.load(row + first).to(tl.float32)
     n2 = tl.load(row + second).to(tl.float32)
     if NORM:
-        w1 = tl.load(w_ptr + first).to(tl.float32)
-        w2 = tl.load(w_ptr + second).to(tl.float32)
         n1 = ((n1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         n2 = ((n2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    pos = tl.load(positions_ptr + t).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_i).to(tl.float32)
     o1, o2 = rotate_pair(n1, n2, cos, sin)
     tl.store(row + first, o1.to(dtype))
     tl.store(row + second, o2.to(dtype))
@@ -102,6 +101,20 @@ def _norm_rotate_head(
 
 
 @jit
+def _pair_weights(q_weight_ptr, k_weight_ptr, first, second, HALF: tl.constexpr,
+                  NORM: tl.constexpr):
+    """Gives the q and k norm weights at the rotated pairs' columns as float32 (zeros when
+    there is no NORM)."""
+    if NORM:
+        return (tl.load(q_weight_ptr + first).to(tl.float32),
+                tl.load(q_weight_ptr + second).to(tl.float32),
+                tl.load(k_weight_ptr + first).to(tl.float32),
+                tl.load(k_weight_ptr + second).to(tl.float32))
+    zero = tl.zeros([HALF], dtype=tl.float32)
+    return zero, zero, zero, zero
+
+
+@jit
 def _qk_norm_rotary_kernel(
     positions_ptr, q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr,
     v_ptr, cache_ptr, slot_mapping_ptr,
@@ -118,6 +131,15 @@ def _qk_norm_rotary_kernel(
     slot = -1
     if WRITE_KV:
         slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    # the token's position, cos/sin and the norm weights are loaded once for all the
+    # program's heads, before the first head's row is summed: their loads are then in flight
+    # with the row's, not a round trip (position, then cos/sin) after the sum
+    offs_i = tl.arange(0, HALF)
+    first, second = pair_columns(offs_i, HALF, IS_NEOX)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_i).to(tl.float32)
+    weights = _pair_weights(q_weight_ptr, k_weight_ptr, first, second, HALF, NORM)
     # heads 0..NUM_HEADS-1 are q's, then k's, then (WRITE_KV) v's, HEADS_PER_PROGRAM a program
     # unrolled, so the heads' loads are in flight together (triton's stub types it NoReturn)
     for i in tl.static_range(HEADS_PER_PROGRAM):  # pyright: ignore[reportGeneralTypeIssues]
@@ -129,9 +151,9 @@ def _qk_norm_rotary_kernel(
             if WRITE_KV:
                 store_cache = (h >= NUM_HEADS) & (slot >= 0)
             _norm_rotate_head(
-                t, h, positions_ptr, q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr,
-                cache_row, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, n_cols, eps,
-                k_scale, store_cache, NUM_HEADS, HEAD_DIM, HALF, IS_NEOX, KV_FP8, NORM)
+                t, h, q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cache_row, cos, sin, weights,
+                stride_qt, stride_qh, stride_kt, stride_kh, n_cols, eps, k_scale, store_cache,
+                NUM_HEADS, HEAD_DIM, HALF, IS_NEOX, KV_FP8, NORM)
         elif WRITE_KV:  # noqa: SIM102 (a constexpr branch, resolved when compiling)
             if (h < NUM_HEADS + 2 * NUM_KV_HEADS) & (slot >= 0):  # a v head: copied
                 v = tl.load(v_ptr + t * stride_vt + (h - NUM_HEADS - NUM_KV_HEADS) * stride_vh

@@ -28,6 +28,8 @@ def _rmsnorm_kernel(
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
+    # the weight is loaded with the row, not after the row's sum (a round trip fewer)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # rows of a [T, heads, d] view (Qwen3's per-head q/k norm on a slice of the fused qkv
     # output) are read in place, saving the copy a reshape would make
     x_row = x_ptr + (row // num_heads) * stride_xt + (row % num_heads) * stride_xh
@@ -38,17 +40,18 @@ def _rmsnorm_kernel(
         h = (x + r).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_ro + offs, h, mask=mask)
         x = h.to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, normed_row(x, weight_ptr, offs, mask, n_cols, eps,
-                                                         out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs,
+             normed_row(x, w, n_cols, eps, out_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
-def normed_row(x, weight_ptr, offs, mask, n_cols, eps, DTYPE: tl.constexpr):
-    """Gives weight * x / rms(x) in `DTYPE` for one float32 row `x` (zero past `mask`), the
-    normalised row rounded to `DTYPE` before the weight multiplies it, as HF's module does."""
+def normed_row(x, w, n_cols, eps, DTYPE: tl.constexpr):
+    """Gives w * x / rms(x) in `DTYPE` for one float32 row `x` (zero past the row's end) and
+    its float32 weight `w` (loaded by the caller before the row's sum, so that its load is
+    in flight with the row's), the normalised row rounded to `DTYPE` before the weight
+    multiplies it, as HF's module does."""
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
     normed = (x * rstd).to(DTYPE).to(tl.float32)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return (normed * w).to(DTYPE)
 
 
