@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.kernels.graph_inputs import DecodeInputs, copy_decode_inputs
 
 if TYPE_CHECKING:
     from kvpilot.engine.contracts.args import EngineArgs
@@ -57,8 +58,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         # the decode kernel's launch order: a step's rows get its order, the padding rows
         # their own index, so the whole is a permutation of the bucket's rows
-        self.identity = torch.arange(n, dtype=torch.long, device=device)
-        self.decode_order = self.identity.clone()
+        self.decode_order = torch.arange(n, dtype=torch.long, device=device)
+        self.inputs = DecodeInputs(self.input_ids, self.positions, self.slot_mapping,
+                                   self.seq_lens, self.decode_order, self.block_tables)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0  # steps served by a graph (tests and benchmarks read it)
@@ -110,18 +112,11 @@ class DecodeGraphs:
         """Gives the hidden states [n, hidden] of an n-sequence decode step, run by a graph."""
         n = input_ids.shape[0]
         size = next(b for b in self.buckets if b >= n)
-        width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:size].fill_(-1)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:size].fill_(0)
-        order = meta.decode_order
-        self.decode_order[:n].copy_(order if order is not None and order.shape[0] == n
-                                    else self.identity[:n])
-        self.decode_order[n:size].copy_(self.identity[n:size])  # a larger step's rows left there
-        self.block_tables[:n, :width].copy_(meta.block_tables)
+        # the step's rows and the padding rows' slot -1, length 0 and own launch index (a
+        # larger step's rows are left there) in one launch, not nine copies
+        copy_decode_inputs(
+            DecodeInputs(input_ids, positions, meta.slot_mapping, meta.seq_lens,
+                         meta.decode_order, meta.block_tables), self.inputs, size)
         self.graphs[size].replay()
         self.num_replays += 1
         return self.outputs[size][:n]
