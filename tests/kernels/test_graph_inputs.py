@@ -11,14 +11,14 @@ from kvpilot.kernels.graph_inputs import DecodeInputs, copy_decode_inputs, decod
 BUCKET, MAX_BLOCKS = 24, 40
 
 
-def graph_buffers(seed: int) -> DecodeInputs:
+def graph_buffers(seed: int, max_blocks: int = MAX_BLOCKS) -> DecodeInputs:
     """A graph's buffers holding an earlier, larger step's rows (what a replay writes over)."""
     g = torch.Generator().manual_seed(seed)
 
     def ints(*shape, dtype=torch.long):
         return torch.randint(0, 1000, shape, generator=g).to(dtype).to(DEVICE)
     return DecodeInputs(ints(BUCKET), ints(BUCKET), ints(BUCKET), ints(BUCKET, dtype=torch.int32),
-                        ints(BUCKET), ints(BUCKET, MAX_BLOCKS, dtype=torch.int32))
+                        ints(BUCKET), ints(BUCKET, max_blocks, dtype=torch.int32))
 
 
 def step(n: int, width: int, order: str, seed: int) -> DecodeInputs:
@@ -33,16 +33,17 @@ def step(n: int, width: int, order: str, seed: int) -> DecodeInputs:
                         buf[5 * n:].view(n, width).to(torch.int32))
 
 
-@pytest.mark.parametrize(("n", "size", "width", "order"), [
-    (1, 1, 1, "given"),
-    (5, 8, 7, "given"),  # padding rows, a narrower table than the buffer's
-    (5, 8, 7, "none"),
-    (7, 8, MAX_BLOCKS, "stale"),
-    (24, 24, 3, "given"),  # a full bucket
+@pytest.mark.parametrize(("n", "size", "width", "order", "max_blocks"), [
+    (1, 1, 1, "given", MAX_BLOCKS),
+    (5, 8, 7, "given", MAX_BLOCKS),  # padding rows, a narrower table than the buffer's
+    (5, 8, 7, "none", MAX_BLOCKS),
+    (7, 8, MAX_BLOCKS, "stale", MAX_BLOCKS),
+    (24, 24, 3, "given", MAX_BLOCKS),  # a full bucket
+    (3, 4, 1500, "given", 1600),  # rows wider than the kernel's 1024-column tile: two tiles
 ])
-def test_copy_matches_torch_copies(n, size, width, order):
+def test_copy_matches_torch_copies(n, size, width, order, max_blocks):
     src = step(n, width, order, seed=n + width)
-    got, want = graph_buffers(1), graph_buffers(1)
+    got, want = graph_buffers(1, max_blocks), graph_buffers(1, max_blocks)
     copy_decode_inputs(src, got, size)
     decode_inputs_ref(src, want, size)
     for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "order", "block_tables"):
