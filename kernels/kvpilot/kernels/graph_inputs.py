@@ -35,8 +35,11 @@ class DecodeInputs:
     block_tables: torch.Tensor
 
 
-# the step's sizes change every step: no specialisation on them (a fresh compile each)
-@jit(do_not_specialize=["n", "width", "stride_src_bt"])
+# the step's sizes and where its rows sit in the step's buffer change every step: no
+# specialisation on them or on the source pointers' alignment (each new class a fresh compile)
+@jit(do_not_specialize=["n", "width", "stride_src_bt"],
+     do_not_specialize_on_alignment=["ids_src", "pos_src", "slot_src", "len_src", "order_src",
+                                     "bt_src"])
 def _decode_inputs_kernel(
     ids_src, pos_src, slot_src, len_src, order_src, bt_src,
     ids_dst, pos_dst, slot_dst, len_dst, order_dst, bt_dst,
