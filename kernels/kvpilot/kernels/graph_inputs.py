@@ -85,21 +85,28 @@ def copy_decode_inputs(src: DecodeInputs, dst: DecodeInputs, size: int) -> None:
     if src.block_tables.stride(1) != 1 or dst.block_tables.stride(1) != 1:
         raise ValueError("block tables need dense rows")
     assert dst.order is not None, "the graph's buffers hold a launch order"
-    has_order = src.order is not None and src.order.shape[0] == n
     if not dst.input_ids.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         decode_inputs_ref(src, dst, size)
         return
     if size == 0:
         return
+    order = _step_order(src)
     _decode_inputs_kernel[(size,)](
         src.input_ids, src.positions, src.slot_mapping, src.seq_lens,
-        src.order if has_order else src.seq_lens, src.block_tables,
+        src.seq_lens if order is None else order, src.block_tables,
         dst.input_ids, dst.positions, dst.slot_mapping, dst.seq_lens, dst.order,
         dst.block_tables, n, width, src.block_tables.stride(0), dst.block_tables.stride(0),
-        HAS_ORDER=has_order,
+        HAS_ORDER=order is not None,
         BLOCK=min(1024, triton.next_power_of_2(max(1, dst.block_tables.shape[1]))),
         num_warps=1,
     )
+
+
+def _step_order(src: DecodeInputs) -> torch.Tensor | None:
+    """Gives the step's launch order, or None where it has none of its n rows (a stale order
+    of another step's length counts as none): each row is then launched in its own place."""
+    order = src.order
+    return order if order is not None and order.shape[0] == src.block_tables.shape[0] else None
 
 
 def decode_inputs_ref(src: DecodeInputs, dst: DecodeInputs, size: int) -> None:
@@ -113,7 +120,7 @@ def decode_inputs_ref(src: DecodeInputs, dst: DecodeInputs, size: int) -> None:
     dst.seq_lens[n:size].fill_(0)
     assert dst.order is not None
     identity = torch.arange(size, dtype=dst.order.dtype, device=dst.order.device)
-    order = src.order if src.order is not None and src.order.shape[0] == n else identity[:n]
-    dst.order[:n].copy_(order)
+    order = _step_order(src)
+    dst.order[:n].copy_(identity[:n] if order is None else order)
     dst.order[n:size].copy_(identity[n:size])
     dst.block_tables[:n, :width].copy_(src.block_tables)

@@ -333,8 +333,7 @@ def paged_prefill_attention(
             and not torch.cuda.is_current_stream_capturing()
     elif use_tma and not tma_layout_ok(q, k, v):
         raise ValueError("use_tma: needs an NVIDIA GPU (not ROCm) of compute capability 9.0 or "
-                         "newer and "
-                         "q/k/v whose heads are contiguous within a token, with 16-byte "
+                         "newer and q/k/v whose heads are contiguous within a token, with 16-byte "
                          "aligned token strides and base addresses")
     tiles = default_tiles(head_dim, q.element_size(), use_tma)
     block_m, block_n = block_m or tiles[0], block_n or tiles[1]
