@@ -1,6 +1,6 @@
 """Compiles the Gluon prefill kernel for an H100 (sm_90a) without a GPU, specialised as a launch
 on the engine's tensors would be; prints one JSON line per case: shared memory, the PTX's
-global-store widths, and the cubin's registers, stack and local memory (spills).
+global-store widths, whether whole tiles leave by TMA, and the cubin's registers, stack and local memory (spills).
 
 Run as a script, without TRITON_INTERPRET (the interpreter cannot compile Gluon):
 `python tests/kernels/gluon_compile.py`. tests/kernels/test_prefill_attention_gluon.py runs it.
@@ -50,12 +50,13 @@ def compile_case(head_dim: int, group: int, dtype: str) -> dict:
         "q_desc": descriptor([kernel.HALF, head_dim], dtype),
         "k_desc": descriptor([kernel.BLOCK_N, head_dim], dtype),
         "v_desc": descriptor([kernel.BLOCK_N, head_dim], dtype),
-        "qsl_ptr": "*i32", "out_ptr": f"*{dtype}", "stride_ot": "i32", "stride_oh": "i32",
+        "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
+        "o_desc": descriptor([kernel.HALF, head_dim], dtype), "stride_ot": "i32", "stride_oh": "i32",
         "qk_scale": "fp32", "num_heads": "i32", "num_seqs": "i32", "num_m": "i32", "group": "i32",
         "GROUP": "constexpr", "HEAD_DIM": "constexpr", "NUM_STAGES": "constexpr",
-        "Q_BUFS": "constexpr"}
+        "Q_BUFS": "constexpr", "TMA_STORE": "constexpr"}
     constants = {"GROUP": group, "HEAD_DIM": head_dim, "NUM_STAGES": kernel.STAGES,
-                 "Q_BUFS": kernel.Q_BUFFERS}
+                 "Q_BUFS": kernel.Q_BUFFERS, "TMA_STORE": True}
     compiled = triton.compile(
         GluonASTSource(kernel._prefill_kernel, signature, constants, launch_attrs()),
         target=GPUTarget("cuda", 90, 32),
@@ -65,7 +66,8 @@ def compile_case(head_dim: int, group: int, dtype: str) -> dict:
               "shared": compiled.metadata.shared, "cubin": len(compiled.asm.get("cubin", b"")),
               "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": "setmaxnreg" in ptx,
               # the output's global stores, by width (b16: one element per instruction)
-              "stores": sorted(set(re.findall(r"st\.global\.(?:v\d\.)?b\d+", ptx)))}
+              "stores": sorted(set(re.findall(r"st\.global\.(?:v\d\.)?b\d+", ptx))),
+              "tma_store": "cp.async.bulk.tensor.2d.global.shared" in ptx}
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if cuobjdump.exists():
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:

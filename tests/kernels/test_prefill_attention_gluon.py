@@ -32,7 +32,8 @@ def test_kernel_compiles_for_hopper_within_its_budget():
     GPU tests run fits an H100's shared memory, issues warpgroup MMAs, reallocates registers
     between its partitions, spills nothing, and stores two output columns an instruction (its
     output strides specialised: unspecialised, one column at a time ran the kernel at 0.83-0.96x
-    of what it did, bench/results/issue21-H100-2026-11-28/)."""
+    of what it did, bench/results/issue21-H100-2026-11-28/) where a partial half-tile ends a
+    sequence, and whole half-tiles leave by TMA."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(HERE / "gluon_compile.py")], capture_output=True,
                           text=True, timeout=900, env=env)
@@ -42,7 +43,7 @@ def test_kernel_compiles_for_hopper_within_its_budget():
     for case in cases:
         assert 0 < case["shared"] <= H100_SHARED_BYTES, case
         assert case["cubin"] > 0 and case["wgmma"] > 0 and case["setmaxnreg"], case
-        assert case["stores"] == ["st.global.b32"], case
+        assert case["stores"] == ["st.global.b32"] and case["tma_store"], case
         if "stack" in case:  # (cuobjdump comes with Triton's CUDA tools)
             assert case["stack"] == case["local"] == 0 and case["reg"] <= MAX_REGS, case
 
@@ -151,6 +152,25 @@ def test_gluon_prefill_schedules(programs, q_buffers, stages, l2_bytes):
                                                l2_bytes=l2_bytes, programs=programs)
     ref = _reference(q, k, v, starts, query_lens, 128)
     assert rel_err(out, ref) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("tma_rows", [True, False])
+def test_gluon_prefill_writes_only_its_rows(tma_rows):
+    """Whole half-tiles leave by TMA where the output's rows allow a descriptor, the rest (and
+    every row of an output whose heads are not contiguous) by masked stores: either way each
+    sequence's rows are written, and nothing around them (the decode rows before, the padding
+    columns of a strided output)."""
+    query_lens = [64, 1, 128, 65, 257, 192]
+    q, k, v, starts, max_len = _case(query_lens, 8, 2, 128, torch.bfloat16, decode_rows=5)
+    width = 128 if tma_rows else 136  # heads 136 apart: no TMA descriptor over the rows
+    out = torch.full((q.shape[0], 8, width), float("nan"), dtype=q.dtype, device="cuda")
+    gluon_kernel.gluon_prefill_attention(q, k, v, starts, max_len, 128**-0.5,
+                                         out=out[..., :128])
+    ref = _reference(q, k, v, starts, query_lens, 128)
+    assert out[:5].isnan().all() and out[..., 128:].isnan().all()
+    assert rel_err(out[5:, :, :128], ref[5:]) < tolerance(torch.bfloat16)
 
 
 @pytest.mark.gpu

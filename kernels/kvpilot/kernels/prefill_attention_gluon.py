@@ -19,7 +19,11 @@ a kernel say which warps do what, and this one is laid out the way FlashAttentio
 - the grid is **persistent** (one program per SM). Tiles are taken in groups of
   (sequence, head) pairs whose K/V fit `L2_BYTES` together, each group's longest (most
   masked-in) tiles first. Every program then reads K/V that its neighbours have just
-  brought into L2, and short diagonal tiles fill the tail.
+  brought into L2, and short diagonal tiles fill the tail;
+- a warpgroup's finished output half-tile leaves through its query buffer, free once the
+  tile's last scores are in: written to shared memory with `stmatrix`, then one TMA store
+  of whole rows. Stored from registers instead, with the MMA layout's two adjacent columns a
+  thread, the output took 7% of the kernel's time at N=2048 (14% at N=1024).
 
 The batch is the flat layout of `paged_prefill_attention`, restricted to sequences with no
 cached prefix: sequence b's queries, keys and values are rows query_start_loc[b] to
@@ -27,7 +31,8 @@ query_start_loc[b+1] of q, k, v ([tokens, heads, head_dim], heads contiguous in 
 read through TMA descriptors over [tokens, heads * head_dim]. A descriptor tile may run into
 the next sequence's rows (or past the tensor's end, which reads zeros): those keys lie right
 of every stored row's diagonal and are masked by causality alone, and rows past a sequence
-are never stored.
+are never stored: a half-tile that ends a sequence part-way is stored from registers,
+masked, as is every row of an output whose heads are not contiguous.
 
 On an H100 it ran at 1.05 / 1.02 / 1.01x the fastest of torch's SDPA backends at issue 21's
 shapes (B=8 N=4096 MHA and 32/8 GQA, B=16 N=2048 GQA, d128 causal; 0.99-1.05 across three
@@ -48,6 +53,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -60,6 +66,7 @@ from kvpilot.kernels.tma_rows import tma_rows_ok
 
 # Triton 3.7 renamed the TMA load (the GPU image runs 3.6)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 def _jit(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
@@ -76,10 +83,11 @@ ENABLED = os.environ.get("KVPILOT_GLUON_PREFILL", "1") != "0"
 HEAD_DIMS = (64, 128)  # the head sizes tested on an H100 (test_prefill_attention_gluon.py)
 HALF = 64  # query rows per consumer warpgroup (one 64-row warpgroup MMA)
 BLOCK_N = 128  # keys per K/V block
-# One query buffer and three K/V stages fill 224 KiB of shared memory; with that, 10 MiB of
-# K/V per group of tiles gave the best of the configurations swept on an H100
-# (bench/results/attention-H100-2026-11-27-gluon/).
-Q_BUFFERS, STAGES, L2_BYTES = 1, 3, 10 << 20
+# Two query buffers and two K/V stages fill 192 KiB of shared memory; with the output stored
+# through the query buffer, they beat one buffer and three stages (224 KiB) at every shape
+# of issue 21 on an H100, and with them 10 MiB of K/V per group of tiles beat 16 MiB
+# (bench/results/issue21-H100-2026-11-28c/).
+Q_BUFFERS, STAGES, L2_BYTES = 2, 2, 10 << 20
 CONSUMER_REGS, LOADER_REGS, MAX_REGS = 240, 24, 168  # per thread: 2 x 128 x 240 + 128 x 24 fit
 
 
@@ -199,7 +207,7 @@ def _consume(bufs, bars, sched, out, W: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Consumer warpgroup W: query rows W * 64 to W * 64 + 63 of each tile."""
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
-    out_ptr, stride_ot, stride_oh, qk_scale = out
+    out_ptr, o_desc, stride_ot, stride_oh, qk_scale, TMA_STORE = out
     num_stages: gl.constexpr = k_smem.type.shape[0]
     q_buffers: gl.constexpr = q_smem.type.shape[0] // 2
     dtype: gl.constexpr = q_smem.dtype
@@ -258,15 +266,23 @@ def _consume(bufs, bars, sched, out, W: gl.constexpr, HEAD_DIM: gl.constexpr):
             acc = warpgroup_mma(p_op, v_smem.index(st), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, p_op))[0]
             mbarrier.arrive(v_empty.index(st), count=1)
-            mbarrier.arrive(q_empty.index(b), count=1)
             c += 1
             qi += 1
-            o = acc / gl.convert_layout(l_i, o_row_layout)[:, None]
-            o_rows = row0 + gl.arange(0, _HALF, layout=o_row_layout)
-            o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            ptrs = out_ptr + (q_start + o_rows).to(gl.int64)[:, None] * stride_ot \
-                + head * stride_oh + o_cols[None, :]
-            gl.store(ptrs, o.to(dtype), mask=(o_rows < q_len)[:, None])
+            o = (acc / gl.convert_layout(l_i, o_row_layout)[:, None]).to(dtype)
+            if TMA_STORE and row0 + _HALF <= q_len:
+                # a whole half-tile leaves through its query buffer, free since the tile's last
+                # scores: one TMA store of full rows, done reading before the loader refills it
+                q.store(o)
+                fence_async_shared()
+                _tma_store(o_desc, [q_start + row0, head * HEAD_DIM], q)
+                tma.store_wait(0)
+            else:  # rows past the sequence's end belong to the next one: a masked store
+                o_rows = row0 + gl.arange(0, _HALF, layout=o_row_layout)
+                o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                ptrs = out_ptr + (q_start + o_rows).to(gl.int64)[:, None] * stride_ot \
+                    + head * stride_oh + o_cols[None, :]
+                gl.store(ptrs, o, mask=(o_rows < q_len)[:, None])
+            mbarrier.arrive(q_empty.index(b), count=1)
 
 
 # the worker partitions share one signature (Gluon's rule): the second consumer and the
@@ -285,10 +301,10 @@ def _consume_second(descs, bufs, bars, sched, out, GROUP: gl.constexpr,
 # backend on an H100, specialised at 0.95-1.04x (bench/results/issue21-H100-2026-11-28/)
 @_jit(do_not_specialize=["num_seqs", "num_m", "group"],
       do_not_specialize_on_alignment=["qsl_ptr"])
-def _prefill_kernel(q_desc, k_desc, v_desc, qsl_ptr, out_ptr, stride_ot, stride_oh,
+def _prefill_kernel(q_desc, k_desc, v_desc, qsl_ptr, out_ptr, o_desc, stride_ot, stride_oh,
                     qk_scale, num_heads, num_seqs, num_m, group, GROUP: gl.constexpr,
                     HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    Q_BUFS: gl.constexpr):
+                    Q_BUFS: gl.constexpr, TMA_STORE: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, _HALF, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -300,7 +316,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, qsl_ptr, out_ptr, stride_ot, stride_
     descs = (q_desc, k_desc, v_desc)
     bufs = (q_smem, k_smem, v_smem)
     sched = (qsl_ptr, num_heads, num_seqs, num_m, group)
-    out = (out_ptr, stride_ot, stride_oh, qk_scale)
+    out = (out_ptr, o_desc, stride_ot, stride_oh, qk_scale, TMA_STORE)
     gl.warp_specialize([
         (_consume, (bufs, bars, sched, out, 0, HEAD_DIM)),
         (_consume_second, (descs, bufs, bars, sched, out, GROUP, HEAD_DIM)),
@@ -352,10 +368,13 @@ def gluon_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group = max(1, min(num_heads * num_seqs, int(l2_bytes // kv_bytes_per_head)))
     tiles = num_heads * num_seqs * num_m
     grid = (min(tiles, programs or _num_sms(q.device.index or 0)),)
+    q_desc = descriptor(q, HALF, q_layout)
+    # the output leaves by TMA where its rows allow a descriptor (else q's stands in, unread)
+    tma_store = tma_rows_ok(out)
     _prefill_kernel[grid](
-        descriptor(q, HALF, q_layout), descriptor(k, BLOCK_N, kv_layout),
-        descriptor(v, BLOCK_N, kv_layout), query_start_loc, out, out.stride(0), out.stride(1),
-        scale * LOG2E, num_heads, num_seqs, num_m, group,
+        q_desc, descriptor(k, BLOCK_N, kv_layout), descriptor(v, BLOCK_N, kv_layout),
+        query_start_loc, out, descriptor(out, HALF, q_layout) if tma_store else q_desc,
+        out.stride(0), out.stride(1), scale * LOG2E, num_heads, num_seqs, num_m, group,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, NUM_STAGES=stages, Q_BUFS=q_buffers,
-        num_warps=4, maxnreg=MAX_REGS)
+        TMA_STORE=tma_store, num_warps=4, maxnreg=MAX_REGS)
     return out
