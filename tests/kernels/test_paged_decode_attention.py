@@ -10,13 +10,10 @@ from kernel_testing import DEVICE, DTYPES, rel_err, tolerance
 from paged_fixtures import random_paged_cache
 
 from kvpilot.kernels.paged_decode_attention import (
-    DecodePrologue,
     default_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
-from kvpilot.kernels.qk_norm_rotary import QKNormRope, qk_norm_rotary
-from kvpilot.kernels.rotary import rotary_cos_sin_cache
 
 # (seq_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, block_n)
 CASES = [
@@ -79,56 +76,6 @@ def test_decode_launch_order_changes_no_output_bit(splits):
         ordered = paged_decode_attention(q, cache, tables, seq_lens, 0.3, num_splits=splits,
                                          block_n=16, order=order.to(DEVICE))
         assert torch.equal(ordered, plain)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "ordered"),
-                         [(4, 2, 64, False), (2, 2, 128, True)])
-def test_prologue_gives_the_bits_of_qk_norm_rotary_then_attention(heads, kv_heads, head_dim,
-                                                                  ordered, dtype):
-    """A Qwen3 decode step's q/k norms, rotary and KV write inside decode attention: the same
-    output, q/k rows and cache, bit for bit, as `qk_norm_rotary` launched before it; a padded
-    row (length 0, slot -1) caches nothing."""
-    lens = [9, 40, 0, 23, 17]
-    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
-    cache, tables = random_paged_cache(lens, kv_heads, head_dim, 8, dtype, DEVICE, gen)
-    qkv = torch.randn(len(lens), heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
-    weights = (1 + torch.randn(2, head_dim, generator=gen) / 4).to(dtype=dtype, device=DEVICE)
-    norm = QKNormRope(torch.tensor([max(n - 1, 0) for n in lens], device=DEVICE),
-                      weights[0], weights[1], 1e-6, rotary_cos_sin_cache(head_dim, 64, device=DEVICE))
-    slots = torch.tensor([int(tables[i, (n - 1) // 8]) * 8 + (n - 1) % 8 if n else -1
-                          for i, n in enumerate(lens)], device=DEVICE)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    order = torch.tensor([1, 3, 4, 0, 2], device=DEVICE) if ordered else None
-    runs = []
-    for fused in (False, True):
-        rows, kv = qkv.to(DEVICE).clone(), cache.clone()
-        q, k, v = rows.split([heads, kv_heads, kv_heads], dim=1)
-        if fused:
-            out = paged_decode_attention(q, kv, tables, seq_lens, 0.3, num_splits=1, order=order,
-                                         prologue=DecodePrologue(norm, k, v, slots))
-        else:
-            qk_norm_rotary(norm.positions, q, k, norm.q_weight, norm.k_weight, norm.eps,
-                           norm.cos_sin, v=v, kv_cache=kv, slot_mapping=slots)
-            out = paged_decode_attention(q, kv, tables, seq_lens, 0.3, num_splits=1, order=order)
-        runs.append((out, rows, kv))
-    (out, rows, kv), (fused_out, fused_rows, fused_kv) = runs
-    assert torch.equal(fused_out, out) and torch.equal(fused_rows, rows)
-    assert torch.equal(fused_kv.nan_to_num(7.0), kv.nan_to_num(7.0))
-    assert not torch.equal(kv.nan_to_num(7.0), cache.nan_to_num(7.0))  # the step was cached
-
-
-def test_prologue_needs_one_split():
-    q = torch.zeros(1, 2, 64, device=DEVICE)
-    cache = torch.zeros(2, 1, 8, 1, 64, device=DEVICE)
-    norm = QKNormRope(torch.zeros(1, dtype=torch.long, device=DEVICE), q[0, 0], q[0, 0], 1e-6,
-                      rotary_cos_sin_cache(64, 8, device=DEVICE))
-    prologue = DecodePrologue(norm, q[:, :1], q[:, 1:], torch.zeros(1, dtype=torch.long,
-                                                                      device=DEVICE))
-    with pytest.raises(AssertionError, match="one split"):
-        paged_decode_attention(q, cache, torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
-                               torch.ones(1, dtype=torch.int32, device=DEVICE), 1.0,
-                               num_splits=2, prologue=prologue)
 
 
 @pytest.mark.parametrize(("seqs", "kv_heads", "max_len", "expected"), [

@@ -9,11 +9,8 @@ import torch
 from helpers.paged import BlockAllocation
 from kernel_testing import DEVICE, DTYPES, rel_err, tolerance
 
-from kvpilot.engine.attention.backend import QKNormStep
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
 from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
-from kvpilot.kernels.qk_norm_rotary import QKNormRope, qk_norm_rotary
-from kvpilot.kernels.rotary import rotary_cos_sin_cache
 
 
 def make_step(query_lens, prefix_lens, block_size, seed):
@@ -97,49 +94,4 @@ def test_prefill_launches_split_after_the_last_prefixed_sequence(monkeypatch, pr
     want = TorchAttentionBackend().forward(q, k, v, cache.clone(), meta, 0.125)
     got = TritonAttentionBackend(num_sms=4).forward(q, k, v, cache, meta, 0.125)
     assert calls == launches
-    assert rel_err(got, want) < tolerance(torch.float32)
-
-
-@pytest.mark.parametrize(("query_lens", "prefix_lens", "num_sms", "in_kernel"), [
-    ([1, 1, 1], [0, 300, 520], 4, True),  # decode only, one split: inside the decode kernel
-    ([1, 1, 1], [0, 300, 520], 64, False),  # decode only, in 3 splits: qk_norm_rotary first
-    ([1, 1, 12], [9, 31, 0], 4, False),  # a prefill in the step: qk_norm_rotary first
-])
-def test_qk_norm_step_runs_in_the_decode_kernel_or_before_it(monkeypatch, query_lens,
-                                                             prefix_lens, num_sms, in_kernel):
-    """A Qwen3 layer's q/k norms, rotary and KV write (`QKNormStep`): in the decode kernel's
-    prologue where the step is decode rows in one split, else run first; the q/k rows and
-    the cache are the torch backend's (which always runs it first), bit for bit, and the
-    output matches."""
-    from kvpilot.engine.attention import triton_backend
-
-    prologues = []
-    launcher = triton_backend.paged_decode_attention
-
-    def spy(*args, **kwargs):
-        prologues.append(kwargs["prologue"] is not None)
-        return launcher(*args, **kwargs)
-
-    monkeypatch.setattr(triton_backend, "paged_decode_attention", spy)
-    alloc, meta = make_step(query_lens, prefix_lens, 16, seed=5)
-    gen = torch.Generator().manual_seed(5)
-    total, heads, kv_heads = sum(query_lens), 8, 2
-    cache = torch.randn(2, alloc.num_blocks, 16, kv_heads, 64, generator=gen).to(DEVICE)
-    qkv = torch.randn(total, heads + 2 * kv_heads, 64, generator=gen).to(DEVICE)
-    positions = torch.tensor([p + i for q, p in zip(query_lens, prefix_lens, strict=True)
-                              for i in range(q)], device=DEVICE)
-    weights = (1 + torch.randn(2, 64, generator=gen) / 4).to(DEVICE)
-    norm = QKNormRope(positions, weights[0], weights[1], 1e-6,
-                      rotary_cos_sin_cache(64, 1024, device=DEVICE))
-    runs = []
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend(num_sms=num_sms)):
-        rows, kv = qkv.clone(), cache.clone()
-        q, k, v = rows.split([heads, kv_heads, kv_heads], dim=1)
-        out = backend.forward(q, k, v, kv, meta, 0.125,
-                              qk_norm=QKNormStep(qk_norm_rotary, norm))
-        runs.append((out, rows, kv))
-    (want, want_rows, want_kv), (got, rows, kv) = runs
-    assert prologues == [in_kernel]
-    assert torch.equal(rows, want_rows) and torch.equal(kv, want_kv)
-    assert not torch.equal(kv, cache)  # the step's k, v were cached
     assert rel_err(got, want) < tolerance(torch.float32)

@@ -19,16 +19,9 @@ engine packs that order with each step, `kvpilot.engine.step_batch`): over the r
 that moved KV 5% faster (0.91 -> 0.96 of copy bandwidth, bench/decode_recipe_gpu.py).
 An fp8 (E4M3) cache is widened to float32 and multiplied by its per-layer scale
 right after each load.
-
-With a `DecodePrologue` (one split), each program first does `qk_norm_rotary`'s work for
-its own rows: it norms and rotates its group's q heads and its k head in place and caches
-the step's k and v (`qk_norm_rotary.norm_rotate_group`, the same bits), then attends. A
-Qwen3 decode step thus runs one launch a layer fewer.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,7 +30,6 @@ import triton.language as tl
 from kvpilot.kernels.jit import jit
 from kvpilot.kernels.kv_cache_dtype import FP8_KV_DTYPE, cached_rows
 from kvpilot.kernels.pdl import pdl_args, wait_for_previous
-from kvpilot.kernels.qk_norm_rotary import QKNormRope, norm_rotate_group
 
 
 # Arguments that change from step to step are not specialised on (divisibility by 16,
@@ -51,17 +43,12 @@ def _decode_split_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kv, stride_slot,
     stride_bt, k_scale, v_scale,
-    # the prologue's (PROLOGUE): the step's raw k and v, norm weights, rotary table
-    k_ptr, v_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, n_cols, eps,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: write the output, no partials to merge
     HAS_ORDER: tl.constexpr,  # the sequences' order in the launch: longest first
     PDL: tl.constexpr,
-    PROLOGUE: tl.constexpr,  # q/k norms, rotary and the KV write first (DIRECT only)
-    HALF: tl.constexpr, IS_NEOX: tl.constexpr,  # the prologue's rotary
 ):
     wait_for_previous(PDL)
     # a sequence's KV heads are neighbours in the launch order, so programs running together
@@ -71,13 +58,6 @@ def _decode_split_kernel(
     if HAS_ORDER:
         seq = tl.load(order_ptr + seq)
     split = tl.program_id(2)
-    if PROLOGUE:  # this program alone reads and writes these rows: no other split exists
-        norm_rotate_group(
-            seq, kv_head, positions_ptr, slot_mapping_ptr, q_ptr, k_ptr, v_ptr, q_weight_ptr,
-            k_weight_ptr, cos_sin_ptr, cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-            stride_vt, stride_vh, stride_cs, n_cols, eps, stride_kv, stride_slot, k_scale,
-            v_scale, NUM_KV_HEADS * GROUP, GROUP, HEAD_DIM, HALF, IS_NEOX, KV_FP8)
-        tl.debug_barrier()  # its rows stored before any thread reads them back
     seq_len = tl.load(seq_lens_ptr + seq)
     # split length rounded up to whole tiles so that tiles never straddle splits
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -174,17 +154,6 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     return max(1, min(want, triton.cdiv(max_seq_len, 256), 64))
 
 
-@dataclass(frozen=True)
-class DecodePrologue:
-    """`qk_norm_rotary`'s work on this step's rows, left to decode attention: q (the
-    launcher's) and `k` are the raw projections, and the step's k, `v` are not cached yet."""
-
-    norm: QKNormRope
-    k: torch.Tensor  # [B, num_kv_heads, head_dim], head_dim contiguous
-    v: torch.Tensor  # [B, num_kv_heads, head_dim], head_dim contiguous
-    slot_mapping: torch.Tensor  # [B] int64, -1: not cached
-
-
 def paged_decode_attention(
     q: torch.Tensor,  # [B, num_heads, head_dim], one query token per sequence
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -198,17 +167,13 @@ def paged_decode_attention(
     num_stages: int = 3,
     kv_scales: tuple[float, float] = (1.0, 1.0),  # (k, v) dequantisation scales of an fp8 cache
     order: torch.Tensor | None = None,  # [B] a permutation of the rows: the launch order
-    prologue: DecodePrologue | None = None,
 ) -> torch.Tensor:
     """Gives the attention output [B, num_heads, head_dim] of each sequence's one query token.
 
     ``order`` lists the rows in the order their programs start, best longest context first:
     programs are handed to the SMs in launch order, so when the longest contexts start first
     the short ones fill in behind them, instead of one long sequence running on alone at
-    the end of the launch while the other SMs idle.
-
-    With a `prologue` (one split and 4 warps, where its norms reduce as `qk_norm_rotary`'s),
-    the programs norm and rotate q and k in place and cache k and v first."""
+    the end of the launch while the other SMs idle."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -221,18 +186,6 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     direct = num_splits == 1
-    assert prologue is None or (direct and num_warps == 4), \
-        "the prologue runs in one split of 4-warp programs"
-    if prologue is None:  # placeholders the kernel never reads (PROLOGUE off)
-        k = v = q
-        q_weight = k_weight = cos_sin = q
-        positions = slots = seq_lens
-        eps, half, neox = 0.0, 1, True
-    else:
-        k, v, slots, norm = prologue.k, prologue.v, prologue.slot_mapping, prologue.norm
-        q_weight, k_weight, cos_sin, positions = (norm.q_weight, norm.k_weight, norm.cos_sin,
-                                                  norm.positions)
-        eps, half, neox = norm.eps, cos_sin.shape[1] // 2, norm.is_neox
     if direct:  # stage 1 writes `out`: the partials' pointers are never read
         mid_o = mid_lse = out
     else:
@@ -246,13 +199,11 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(2),
         block_tables.stride(0), *kv_scales,
-        k, v, q_weight, k_weight, cos_sin, positions, slots, k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), cos_sin.stride(0), head_dim, eps,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         KV_FP8=kv_cache.dtype == FP8_KV_DTYPE, DIRECT=direct,
-        HAS_ORDER=order is not None, PROLOGUE=prologue is not None, HALF=half, IS_NEOX=neox,
+        HAS_ORDER=order is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
     if direct:

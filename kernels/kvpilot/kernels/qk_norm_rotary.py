@@ -22,16 +22,9 @@ attention backend is then told not to write them again: one launch per layer few
 
 `rotary_kv_write` runs the same kernel without the norms, for layers that have none
 (Llama's): the rotary kernel and the KV-cache write in one launch, with their bits.
-
-`norm_rotate_group` is the same work for one token and one KV head's group (its q heads,
-the k head, the v row to the cache), as a function a kernel calls: decode attention does it
-for its own rows before it reads the cache (`paged_decode_attention.DecodePrologue`), which
-saves this kernel's launch in a decode step.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -167,54 +160,6 @@ def _qk_norm_rotary_kernel(
                             + offs)
                 tl.store(cache_row + stride_kv + offs,
                          cache_value(v, v_scale, KV_FP8, cache_dtype))
-
-
-@jit
-def norm_rotate_group(
-    t, kv_head, positions_ptr, slot_mapping_ptr, q_ptr, k_ptr, v_ptr, q_weight_ptr,
-    k_weight_ptr, cos_sin_ptr, cache_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, n_cols, eps,
-    stride_kv, stride_slot, k_scale, v_scale,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr, IS_NEOX: tl.constexpr, KV_FP8: tl.constexpr,
-):
-    """Norms and rotates token `t`'s q heads of KV head `kv_head`'s group and that k head in
-    place, and caches the k and v rows (slot -1: not cached): the kernel's work for those
-    heads, with its arithmetic, hence its bits in a 4-warp program (`n_cols`: head_dim, a
-    run-time value as the kernel's, so that the mean divides alike)."""
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    offs_i = tl.arange(0, HALF)
-    first, second = pair_columns(offs_i, HALF, IS_NEOX)
-    pos = tl.load(positions_ptr + t).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_i).to(tl.float32)
-    weights = _pair_weights(q_weight_ptr, k_weight_ptr, first, second, HALF, True)
-    cache_row = cache_ptr + slot * stride_slot + kv_head * HEAD_DIM
-    for i in tl.static_range(GROUP + 1):  # pyright: ignore[reportGeneralTypeIssues]
-        # the group's q heads, then its k head (heads past NUM_HEADS are k's)
-        h = kv_head * GROUP + i if i < GROUP else NUM_HEADS + kv_head
-        _norm_rotate_head(
-            t, h, q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cache_row, cos, sin, weights,
-            stride_qt, stride_qh, stride_kt, stride_kh, n_cols, eps, k_scale,
-            (i == GROUP) & (slot >= 0), NUM_HEADS, HEAD_DIM, HALF, IS_NEOX, KV_FP8, True)
-    if slot >= 0:
-        offs = tl.arange(0, HEAD_DIM)
-        v = tl.load(v_ptr + t * stride_vt + kv_head * stride_vh + offs)
-        tl.store(cache_row + stride_kv + offs,
-                 cache_value(v, v_scale, KV_FP8, cache_ptr.dtype.element_ty))
-
-
-@dataclass(frozen=True)
-class QKNormRope:
-    """A Qwen3 layer's q/k norm weights and its step's rotary table: what `qk_norm_rotary`
-    takes besides q, k and the cache."""
-
-    positions: torch.Tensor  # [T] int
-    q_weight: torch.Tensor  # [head_dim]
-    k_weight: torch.Tensor  # [head_dim]
-    eps: float
-    cos_sin: torch.Tensor  # [max_position, rotary_dim]
-    is_neox: bool = True
 
 
 def _power_of_two(n: int) -> bool:

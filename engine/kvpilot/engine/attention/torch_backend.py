@@ -16,7 +16,6 @@ from itertools import accumulate
 import torch
 from torch.nn import functional as F
 
-from kvpilot.engine.attention.backend import QKNormStep
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.kernels.kv_cache_dtype import as_bytes, from_cache_dtype, to_cache_dtype
 
@@ -51,12 +50,9 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scales: tuple[float, float] = (1.0, 1.0),
-                kv_written: bool = False, qk_norm: QKNormStep | None = None) -> torch.Tensor:
+                kv_written: bool = False) -> torch.Tensor:
         """Gives the attention output [T, num_heads, head_dim] after caching this step's k, v
-        (unless the caller has: `kv_written`; `qk_norm` runs first and caches them)."""
-        if qk_norm is not None:
-            q, k = qk_norm.run(q, k, v, kv_cache, meta, kv_scales)
-            kv_written = True
+        (unless the caller has: `kv_written`)."""
         if not kv_written:
             write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scales)
         plan = self._plan_for(meta, kv_cache.shape[2])

@@ -6,29 +6,19 @@ once per KV head for the whole GQA group; the rest of the batch goes through
 the prefill kernel, which attends to each sequence's cached prefix and its new
 tokens. Every launch shape is a function of host-side sizes only (no device
 syncs), so one decode step can be captured in a CUDA graph.
-
-A step of decode rows only, in one split, takes a Qwen3 layer's q/k norms, rotary and KV
-write (`QKNormStep`) into the decode kernel itself (`DecodePrologue`): one launch a layer
-fewer, the same bits. Every other step runs `qk_norm_rotary` first.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvpilot.engine.attention.backend import QKNormStep
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.kernels.kv_cache_write import kv_cache_write
-from kvpilot.kernels.paged_decode_attention import (
-    DecodePrologue,
-    default_num_splits,
-    paged_decode_attention,
-)
+from kvpilot.kernels.paged_decode_attention import default_num_splits, paged_decode_attention
 from kvpilot.kernels.paged_prefill_attention import (
     no_prefix_kernel_ok,
     paged_prefill_attention,
 )
-from kvpilot.kernels.qk_norm_rotary import qk_norm_rotary
 
 
 class TritonAttentionBackend:
@@ -42,35 +32,24 @@ class TritonAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scales: tuple[float, float] = (1.0, 1.0),
-                kv_written: bool = False, qk_norm: QKNormStep | None = None) -> torch.Tensor:
+                kv_written: bool = False) -> torch.Tensor:
         """Gives the attention output [T, num_heads, head_dim] after caching this step's k, v
-        (unless the caller has: `kv_written`; `qk_norm` caches them, in the decode kernel
-        where it can)."""
-        num_tokens = q.shape[0]
-        # a batch of only single-token queries is all decode even if the runner did not say so
-        num_decodes = num_tokens if meta.max_query_len == 1 else meta.num_decode_tokens
-        splits = default_num_splits(num_decodes, kv_cache.shape[3], meta.max_seq_len,
-                                    self.num_sms) if num_decodes else 0
-        prologue = None
-        if qk_norm is not None:
-            # the decode kernel's prologue is the kernel's own work, with its bits: only for
-            # the kernel itself (not another seam), decode rows only, in one split
-            if qk_norm.kernel is qk_norm_rotary and num_decodes == num_tokens and splits == 1:
-                prologue = DecodePrologue(qk_norm.norm, k, v, meta.slot_mapping)
-            else:
-                q, k = qk_norm.run(q, k, v, kv_cache, meta, kv_scales)
-            kv_written = True
+        (unless the caller has: `kv_written`)."""
         if not kv_written:
             kv_cache_write(k, v, kv_cache, meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)
+        num_tokens = q.shape[0]
+        # a batch of only single-token queries is all decode even if the runner did not say so
+        num_decodes = num_tokens if meta.max_query_len == 1 else meta.num_decode_tokens
         if num_decodes:
+            splits = default_num_splits(num_decodes, kv_cache.shape[3], meta.max_seq_len,
+                                        self.num_sms)
             order = meta.decode_order
             paged_decode_attention(q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
                                    meta.seq_lens[:num_decodes], scale, num_splits=splits,
                                    out=out[:num_decodes], kv_scales=kv_scales,
                                    order=order if order is not None
-                                   and order.shape[0] == num_decodes else None,
-                                   prologue=prologue)
+                                   and order.shape[0] == num_decodes else None)
         if num_decodes < num_tokens:
             self._prefill(q, k, v, kv_cache, meta, scale, kv_scales, num_decodes, out)
         return out

@@ -19,7 +19,7 @@ from typing import TypeAlias
 import torch
 from torch import nn
 
-from kvpilot.engine.attention.backend import AttentionBackend, QKNormStep
+from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.layers import (
@@ -41,7 +41,6 @@ from kvpilot.engine.parallel.layers import (
     vocab_embedding,
 )
 from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
-from kvpilot.kernels.qk_norm_rotary import QKNormRope
 
 # builds one layer's feed-forward block (dense MLP or mixture of experts) for a TP rank
 MakeMLP: TypeAlias = Callable[[ModelConfig, TPGroup], FeedForward]
@@ -87,15 +86,15 @@ class Attention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         kv_written = False
-        qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             if self.qk_norm_rope is not None and isinstance(rope, KernelRope):
                 # one launch instead of four: q/k norms, rotary and the KV-cache write, with
-                # the same bits as the four; the backend runs it (in its decode kernel, where
-                # that saves the launch)
-                qk_norm = QKNormStep(self.qk_norm_rope, QKNormRope(
-                    rope.positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                    rope.cos_sin))
+                # the same bits as the four
+                q, k = self.qk_norm_rope(rope.positions, q, k, self.q_norm.weight,
+                                         self.k_norm.weight, self.q_norm.eps, rope.cos_sin,
+                                         v=v, kv_cache=kv_cache, slot_mapping=meta.slot_mapping,
+                                         kv_scales=self.kv_scales)
+                kv_written = True
             else:
                 q, k = rope.apply(self.q_norm(q), self.k_norm(k))
         elif self.rope_kv_write is not None and isinstance(rope, KernelRope):
@@ -105,7 +104,7 @@ class Attention(nn.Module):
         else:
             q, k = rope.apply(q, k)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales,
-                              kv_written=kv_written, qk_norm=qk_norm)
+                              kv_written=kv_written)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
