@@ -34,9 +34,9 @@ of every stored row's diagonal and are masked by causality alone, and rows past 
 are never stored: a half-tile that ends a sequence part-way is stored from registers,
 masked, as is every row of an output whose heads are not contiguous.
 
-On an H100 it ran at 1.05 / 1.02 / 1.01x the fastest of torch's SDPA backends at issue 21's
-shapes (B=8 N=4096 MHA and 32/8 GQA, B=16 N=2048 GQA, d128 causal; 0.99-1.05 across three
-calls; bench/results/attention-H100-2026-11-27-gluon/). Tested there in bf16 and fp16 at
+On an H100 it ran at 1.06 / 1.06 / 1.03x the fastest of torch's SDPA backends at issue 21's
+shapes (B=8 N=4096 MHA and 32/8 GQA, B=16 N=2048 GQA, d128 causal; 1.06 / 1.07 / 1.03 on
+another; bench/results/issue21-H100-2026-11-28c/). Tested there in bf16 and fp16 at
 head_dim 64 and 128; elsewhere `gluon_prefill_ok` says no and `paged_prefill_attention` runs
 its Triton kernels. Needs Triton 3.6 or later (Gluon's Hopper API).
 """
