@@ -1,6 +1,7 @@
 """Compiles the Gluon prefill kernel for an H100 (sm_90a) without a GPU, specialised as a launch
 on the engine's tensors would be; prints one JSON line per case: shared memory, the PTX's
-global-store widths, whether whole tiles leave by TMA, and the cubin's registers, stack and local memory (spills).
+global-store widths, whether whole tiles leave by TMA, and the cubin's registers, stack and
+local memory (spills).
 
 Run as a script, without TRITON_INTERPRET (the interpreter cannot compile Gluon):
 `python tests/kernels/gluon_compile.py`. tests/kernels/test_prefill_attention_gluon.py runs it.
@@ -51,7 +52,8 @@ def compile_case(head_dim: int, group: int, dtype: str) -> dict:
         "k_desc": descriptor([kernel.BLOCK_N, head_dim], dtype),
         "v_desc": descriptor([kernel.BLOCK_N, head_dim], dtype),
         "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
-        "o_desc": descriptor([kernel.HALF, head_dim], dtype), "stride_ot": "i32", "stride_oh": "i32",
+        "o_desc": descriptor([kernel.HALF, head_dim], dtype),
+        "stride_ot": "i32", "stride_oh": "i32",
         "qk_scale": "fp32", "num_heads": "i32", "num_seqs": "i32", "num_m": "i32", "group": "i32",
         "GROUP": "constexpr", "HEAD_DIM": "constexpr", "NUM_STAGES": "constexpr",
         "Q_BUFS": "constexpr", "TMA_STORE": "constexpr"}
