@@ -58,6 +58,7 @@ def first_seen_shapes(step, chunk: int, vocab: int) -> dict[str, float]:
 
     rng = random.Random(5)
     sizes = [size for size in range(1, 4 * chunk + 1) if size != chunk]  # chunk: warmed
+    sizes = rng.sample(sizes, min(len(sizes), 48))  # bounded: an eager step can take 40 ms
     walls: dict[str, list[float]] = {"first": [], "repeat": []}
     for kind in walls:
         rng.shuffle(sizes)
@@ -98,7 +99,8 @@ def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
         engine = LLMEngine.from_engine_args(EngineArgs(
             model=str(model_dir(Path(root), shape)), load_format="dummy",
             device="cpu" if smoke else "cuda", dtype="float32" if smoke else "bfloat16",
-            tensor_parallel_size=tp, max_model_len=1024, max_num_seqs=max(batch, 8),
+            tensor_parallel_size=tp, max_num_seqs=batch + 8,  # room for the chunks
+            max_model_len=max(1024, 256 + 6 * steps + 64 + 8 * chunk),
             gpu_memory_utilization=0.85, kv_cache_memory="64MiB" if smoke else None,
             quantization=quantization or "none"))
         try:

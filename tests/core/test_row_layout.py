@@ -9,6 +9,7 @@ every kind of request gives the same tokens and logprobs as the plain engine.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -64,15 +65,19 @@ def test_the_layout_follows_the_captured_graphs_and_the_weight_bytes(monkeypatch
     assert RowLayout.of(report).max_rows == 0
 
 
-def run(seed: int, async_scheduling: str, layout: RowLayout | None) -> tuple[dict, int]:
+def run(seed: int, async_scheduling: str, layout: RowLayout | None,
+        on_engine: Callable[[LLMEngine], None] | None = None) -> tuple[dict, int]:
     """Runs a mixed-load seed's requests (test_engine_mixed_load's draw); gives each
-    request's tokens, logprobs and prompt logprobs, and how many steps ran as rows."""
+    request's tokens, logprobs and prompt logprobs, and how many steps ran as rows.
+    `on_engine` sees the engine once it is built."""
     torch.manual_seed(0)  # the unseeded rows draw the same noise in both runs
     rng = random.Random(seed)
     engine = LLMEngine.from_engine_args(EngineArgs(
         async_scheduling=async_scheduling, model="tiny-llama", num_kv_blocks=40, block_size=4,
         max_num_batched_tokens=32, enable_prefix_caching=True, enable_chunked_prefill=True,
         max_model_len=256, max_num_seqs=8))
+    if on_engine is not None:
+        on_engine(engine)
     expanded = 0
     if layout is not None:
         engine.rows = layout

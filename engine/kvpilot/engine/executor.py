@@ -39,6 +39,9 @@ class ModelExecutor(Protocol):
     def num_graph_steps(self) -> int: ...
 
     @property
+    def num_piecewise_steps(self) -> int: ...
+
+    @property
     def num_eager_steps(self) -> int: ...
 
     def execute(self, entries: list[BatchEntry], copies: list[tuple[int, int]],

@@ -42,6 +42,7 @@ from kvpilot.engine.row_layout import RowLayout
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kvpilot.engine.spec_decode.proposers import Drafts
 from kvpilot.engine.spec_decode.spec_decoder import SpecDecoder, VerifyItem, make_spec_decoder
+from kvpilot.engine.step_times import StepTimes
 from kvpilot.engine.structured.bitmask import apply_token_bitmask
 from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
 
@@ -154,7 +155,8 @@ class LLMEngine:
         # of the last step, for the slow-iteration log: phase -> seconds, and its batch
         self._phases: dict[str, float] = {}
         self._last_plan: SchedulerOutput | None = None
-        self._last_eager = False  # whether the last step's forward ran eagerly (no graph)
+        self._last_mode = ""  # how the last step's forward ran: graph, piecewise or eager
+        self.step_times = StepTimes()  # engine step wall times by that mode (/metrics)
         self._host_sampling: set[str] = set()  # live request ids that need host sampling
         self._readback = PinnedReadback(engine_args.max_num_seqs)  # sampled ids to the host
         self._grammars: GrammarMatchers | None = None  # on the first structured request
@@ -334,6 +336,14 @@ class LLMEngine:
         call: this call returns the outputs of the previous step, computed by
         the host while the GPU runs this one.
         """
+        started = time.perf_counter()
+        self._last_mode = ""
+        results = self._step()
+        if self._last_mode:
+            self.step_times.observe(self._last_mode, time.perf_counter() - started)
+        return results
+
+    def _step(self) -> list[EngineCoreOutput]:
         results, self._pending = self._pending, []
         if self.batch_queue is not None:
             self._step_pipelined(self.batch_queue, results)
@@ -371,11 +381,13 @@ class LLMEngine:
                 mask = self._fill_first(plan, entries, flight)
         # the slow-step log tells the batch's own forward from what led up to it
         phases["prepare"], start = clock() - start, clock()
-        eager_steps = self.runner.num_eager_steps
-        logits = self.runner.execute(run_entries, plan.block_copies,
-                                     flight.tokens if flight is not None else None)
+        runner = self.runner
+        before = (runner.num_graph_steps, runner.num_piecewise_steps)
+        logits = runner.execute(run_entries, plan.block_copies,
+                                flight.tokens if flight is not None else None)
         phases["forward"], start = clock() - start, clock()
-        self._last_eager = self.runner.num_eager_steps != eager_steps
+        self._last_mode = "graph" if runner.num_graph_steps != before[0] else (
+            "piecewise" if runner.num_piecewise_steps != before[1] else "eager")
         if launch_async:
             self._step_async(plan, entries, logits, flight, results, constrained, mask)
             return results
@@ -432,7 +444,7 @@ class LLMEngine:
             share = -(-self.scheduler.num_unfinished // queue.executor.max_concurrent_batches)
             plan = self.scheduler.schedule(queue.busy, max(share, 1))
             if not plan.is_empty:
-                self._last_plan, self._last_eager = plan, True  # pipeline stages: no graphs
+                self._last_plan, self._last_mode = plan, "eager"  # pipeline stages: no graphs
                 queue.submit(plan, self._entries(plan))
                 if queue.has_room:
                     return
@@ -804,7 +816,7 @@ class LLMEngine:
         phases = ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self._phases.items())
         plan = self._last_plan
         batch = (f"{len(plan.scheduled)} seqs, {sum(n for _, n in plan.scheduled)} tokens, "
-                 f"{'eager' if self._last_eager else 'graph'}, "
+                 f"{self._last_mode or 'no forward'}, "
                  f"{len(plan.block_copies)} block copies") if plan else "no batch"
         return f"GPU wait {self._gpu_wait_s * 1e3:.1f} ms [{phases} ms; {batch}]"
 
@@ -837,7 +849,10 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             graph_steps=self.runner.num_graph_steps,
+            piecewise_steps=self.runner.num_piecewise_steps,
             eager_steps=self.runner.num_eager_steps,
+            step_seconds={mode: list(c) for mode, c in self.step_times.counts.items()},
+            step_seconds_sum=dict(self.step_times.sums),
         )
         if self.spec is not None:
             c = self.spec.counters

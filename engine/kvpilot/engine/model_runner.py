@@ -26,6 +26,7 @@ from kvpilot.engine.device import StagingBuffer, limit_host_threads
 from kvpilot.engine.lora.layers import LoRAModel
 from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
 from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
+from kvpilot.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs, piecewise_mode
 from kvpilot.engine.startup_log import LoadReport
 from kvpilot.engine.step_batch import PackedStep, StepInputs, pack_step, unpack_step
 from kvpilot.kernels.kv_cache_dtype import as_bytes
@@ -117,9 +118,12 @@ class ModelRunner:
         kv_heads = tp.kv_heads(model_config.num_kv_heads)
         self.num_kv_heads = kv_heads.stop - kv_heads.start  # this rank's
         self.decode_graphs: DecodeGraphs | None = None  # set once the KV cache exists
+        self.mixed_graphs: PiecewiseGraphs | None = None  # likewise: mixed steps' pieces
         self._staging = StagingBuffer(device)  # the packed step's host buffer
-        # forwards run by a CUDA graph and eagerly (prefill and mixed steps, CPU, start-up)
+        # forwards run by a decode graph, by piecewise graphs (mixed steps) and eagerly
+        # (longer steps, pipeline stages, CPU, start-up)
         self.num_graph_steps = 0
+        self.num_piecewise_steps = 0
         self.num_eager_steps = 0
         self.num_blocks = self._num_kv_blocks()
         if agree_num_blocks is not None:
@@ -131,7 +135,28 @@ class ModelRunner:
                                                        model_config.max_model_len)
             if self.decode_graphs is not None:
                 self._warm_logits(args.max_num_seqs)
+            self.mixed_graphs = self._capture_mixed_graphs()
         self.graph_seconds = time.perf_counter() - started
+
+    def _capture_mixed_graphs(self) -> PiecewiseGraphs | None:
+        """Gives the mixed steps' piecewise graphs (`piecewise_graphs`), or None where they do
+        not apply: KVPILOT_PIECEWISE_GRAPHS=0, --enforce-eager, a mixture of experts (its
+        captured path runs every expert on every token), or CPU unless the variable is 1."""
+        from kvpilot.engine.models.llama import MLP
+
+        mode = piecewise_mode(self.device)
+        decoder = self.model.model
+        if mode == "off" or self.args.enforce_eager or not all(
+                isinstance(layer.mlp, MLP) for layer in decoder.decoder_layers()):
+            return None
+        if mode == "replay" and self.decode_graphs is None:
+            return None  # the torch attention backend syncs with the host
+        graphs = PiecewiseGraphs(
+            self.model, self.kv_caches, min(MAX_TOKENS, self.args.max_num_batched_tokens),
+            self.config.dtype, self.device, replay=mode == "replay",
+            prologue=self.lora.group_tokens if self.lora is not None else None)
+        graphs.capture()
+        return graphs
 
     @torch.inference_mode()
     def _warm_logits(self, max_rows: int) -> None:
@@ -220,11 +245,16 @@ class ModelRunner:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Gives the hidden states of one flat batch (decode steps replay a CUDA graph)."""
+        """Gives the hidden states of one flat batch (decode steps replay a CUDA graph, mixed
+        steps of up to MAX_TOKENS tokens their piecewise graphs)."""
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_replay(meta, kv_caches):
             self.num_graph_steps += 1
             return graphs.replay(input_ids, positions, meta)
+        mixed = self.mixed_graphs
+        if mixed is not None and mixed.can_run(input_ids.shape[0], kv_caches):
+            self.num_piecewise_steps += 1
+            return mixed.run(input_ids, positions, meta)
         self.num_eager_steps += 1
         return self.model(input_ids, positions, kv_caches, meta)
 
@@ -291,9 +321,11 @@ class ModelRunner:
         """Keeps nothing: a single-rank runner has no processes to lose between steps."""
 
     def release_graphs(self) -> None:
-        """Frees the captured decode graphs; later decode steps run eagerly."""
+        """Frees the captured graphs; later steps run eagerly."""
         if self.decode_graphs is not None:
             self.decode_graphs.release()
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.release()
 
     def shutdown(self) -> None:
         """Stops nothing: a single-rank runner has no processes of its own."""

@@ -24,5 +24,8 @@ class AttentionBackend(Protocol):
         kv_scales: tuple[float, float] = (1.0, 1.0),
         # the caller cached this step's k, v already (a fused kernel before attention)
         kv_written: bool = False,
-    ) -> torch.Tensor:  # [T, num_heads, head_dim], causal within each sequence
+        # where the output goes ([T, num_heads, head_dim]; None: a new tensor): a piecewise
+        # graph reads it from a fixed address
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim] (`out` when given), causal within each sequence
         ...

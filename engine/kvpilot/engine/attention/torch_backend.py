@@ -50,13 +50,14 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scales: tuple[float, float] = (1.0, 1.0),
-                kv_written: bool = False) -> torch.Tensor:
-        """Gives the attention output [T, num_heads, head_dim] after caching this step's k, v
-        (unless the caller has: `kv_written`)."""
+                kv_written: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gives the attention output [T, num_heads, head_dim] (in `out` when given) after
+        caching this step's k, v (unless the caller has: `kv_written`)."""
         if not kv_written:
             write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scales)
         plan = self._plan_for(meta, kv_cache.shape[2])
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         for group in plan.decode_groups:
             out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale, kv_scales)
         for seq, start, num_q in plan.prefills:

@@ -32,12 +32,13 @@ class TritonAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scales: tuple[float, float] = (1.0, 1.0),
-                kv_written: bool = False) -> torch.Tensor:
-        """Gives the attention output [T, num_heads, head_dim] after caching this step's k, v
-        (unless the caller has: `kv_written`)."""
+                kv_written: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gives the attention output [T, num_heads, head_dim] (in `out` when given) after
+        caching this step's k, v (unless the caller has: `kv_written`)."""
         if not kv_written:
             kv_cache_write(k, v, kv_cache, meta.slot_mapping, kv_scales)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         num_tokens = q.shape[0]
         # a batch of only single-token queries is all decode even if the runner did not say so
         num_decodes = num_tokens if meta.max_query_len == 1 else meta.num_decode_tokens

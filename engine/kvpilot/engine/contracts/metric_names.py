@@ -38,10 +38,16 @@ REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
 
 NUM_WAITING_PROMPT_TOKENS = "kvpilot_num_waiting_prompt_tokens"
 DRAINING = "kvpilot_draining"
-# forwards by how they ran: a CUDA-graph replay (pure decode batches) or eagerly; every eager
-# step while others decode stretches their inter-token latency
+# forwards by how they ran: a decode graph's replay (pure decode batches), piecewise graphs
+# (mixed steps of up to 512 tokens) or eagerly; every eager step while others decode
+# stretches their inter-token latency
 MODEL_STEPS = "kvpilot_model_steps"
 MODE_LABEL = "mode"
+# the engine's step time (host wall clock of one engine step: schedule, launch, and the wait
+# for the step before it under async scheduling) by the mode of its forward
+ENGINE_STEP_SECONDS = "kvpilot_engine_step_seconds"
+STEP_SECONDS_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015,
+                        0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 1.0)
 # host-memory KV tier (--kv-offload-gb, a decode engine's landed KV): blocks by what happened
 # to them (saved, loaded, failed checksum, dropped when full, evicted LRU), and its usage
 KV_OFFLOAD_BLOCKS = "kvpilot_kv_offload_blocks"

@@ -85,8 +85,13 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens computed (hits excluded)
     generation_tokens: int = 0
-    graph_steps: int = 0  # forwards replayed by a CUDA graph
-    eager_steps: int = 0  # forwards run eagerly (prefill and mixed steps, CPU)
+    graph_steps: int = 0  # forwards replayed by a decode graph
+    piecewise_steps: int = 0  # mixed steps run by piecewise graphs, attention between them
+    eager_steps: int = 0  # forwards run eagerly (longer steps, pipeline stages, CPU)
+    # engine step times by forward mode: per STEP_SECONDS_BUCKETS bound, then +Inf, the
+    # steps that fell there (not cumulative), and their sum of seconds
+    step_seconds: dict[str, list[int]] = field(default_factory=dict)
+    step_seconds_sum: dict[str, float] = field(default_factory=dict)
     # speculative decoding (vLLM's spec_decode counters); the list is empty without it
     spec_decode_num_drafts: int = 0  # verifications that had drafts
     spec_decode_num_draft_tokens: int = 0

@@ -128,12 +128,12 @@ class LoRAModel:
                 if not isinstance(linear, nn.Linear):  # an MoE block has no dense MLP
                     continue
                 self._add_seam(index, linear, projections, max_loras, max_rank, device, dtype)
-        mapping = self.mapping
+        # args[0]: the step's input ids (piecewise graphs call group_tokens themselves)
+        model.register_forward_pre_hook(lambda _module, args: self.group_tokens(args[0].shape[0]))
 
-        def group_tokens(_module: nn.Module, args: tuple) -> None:
-            mapping.group(args[0].shape[0], max_loras)  # args[0]: the step's input ids
-
-        model.register_forward_pre_hook(group_tokens)
+    def group_tokens(self, num_tokens: int) -> None:
+        """Groups a forward's tokens by adapter slot, first thing in the forward."""
+        self.mapping.group(num_tokens, self.max_loras)
 
     def _add_seam(self, layer: int, linear: nn.Linear, projections: tuple[str, ...],
                   slots: int, rank: int, device: torch.device, dtype: torch.dtype) -> None:

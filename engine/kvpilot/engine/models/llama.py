@@ -13,7 +13,7 @@ first stage, the final norm and LM head on the last; `forward_stage` runs them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TypeAlias
 
 import torch
@@ -46,8 +46,22 @@ from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
 MakeMLP: TypeAlias = Callable[[ModelConfig, TPGroup], FeedForward]
 
 
+@dataclass
+class AttentionInputs:
+    """One layer's q [T, heads, d], k and v [T, kv_heads, d] for its attention backend, and
+    whether k and v are in the KV cache already (a fused kernel wrote them)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_written: bool
+
+
 class Attention(nn.Module):
-    """Grouped-query self-attention over the paged cache (this rank's heads)."""
+    """Grouped-query self-attention over the paged cache (this rank's heads), in two halves
+    around the attention backend's call: `project` (q, k, v, norms, rotary, maybe the KV
+    write) and `output` (the output projection); the decoder layer calls the backend between
+    them, and a mixed step's piecewise graphs end and begin there (`piecewise_graphs`)."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
@@ -77,9 +91,11 @@ class Attention(nn.Module):
         # an fp8 KV cache's per-layer (k, v) scales; 1.0: no calibrated scales are read yet
         self.kv_scales = (1.0, 1.0)
 
-    def forward(self, rope: StepRope, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """Gives the attention output [T, hidden] for hidden states `x` [T, hidden]."""
+    def project(self, rope: StepRope, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> AttentionInputs:
+        """Gives what the attention backend takes for `x` [T, hidden]: q, k, v (normed and
+        rotated), and whether a fused kernel already wrote k, v into `kv_cache` (only
+        `meta.slot_mapping` is read)."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -103,9 +119,11 @@ class Attention(nn.Module):
             kv_written = True
         else:
             q, k = rope.apply(q, k)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales,
-                              kv_written=kv_written)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return AttentionInputs(q, k, v, kv_written)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Gives the output projection [T, hidden] of the attention output [T, heads, d]."""
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(FeedForward):
@@ -149,12 +167,26 @@ class DecoderLayer(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """Gives (this layer's output, the residual stream it has not added in yet)."""
+        step, stream = self.attention_inputs(rope, x, residual, kv_cache, meta)
+        attn = self.self_attn
+        out = backend.forward(step.q, step.k, step.v, kv_cache, meta, attn.scale,
+                              attn.kv_scales, kv_written=step.kv_written)
+        return self.finish(out, stream)
+
+    def attention_inputs(self, rope: StepRope, x: torch.Tensor, residual: torch.Tensor | None,
+                         kv_cache: torch.Tensor, meta: AttentionMetadata
+                         ) -> tuple[AttentionInputs, torch.Tensor]:
+        """Gives the layer up to its attention: (the backend's inputs, the residual stream)."""
         if residual is None:
             stream, h = x, self.input_layernorm(x)
         else:
             h, stream = self.input_layernorm(x, residual)
-        h = self.self_attn(rope, h, kv_cache, meta, backend)
-        h, stream = self.post_attention_layernorm(h, stream)
+        return self.self_attn.project(rope, h, kv_cache, meta), stream
+
+    def finish(self, out: torch.Tensor, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gives the layer after its attention output `out` [T, heads, d]: (its output, the
+        residual stream it has not added in yet)."""
+        h, stream = self.post_attention_layernorm(self.self_attn.output(out), stream)
         return self.mlp(h), stream
 
 

@@ -89,6 +89,10 @@ class MultiRankExecutor:
         return self.runner.num_graph_steps
 
     @property
+    def num_piecewise_steps(self) -> int:
+        return self.runner.num_piecewise_steps
+
+    @property
     def num_eager_steps(self) -> int:
         return self.runner.num_eager_steps
 

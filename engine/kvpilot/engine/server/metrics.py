@@ -17,9 +17,15 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -93,8 +99,18 @@ class _StatsCollector(Collector):
         steps = CounterMetricFamily(names.MODEL_STEPS, "model forwards, by graph replay or eager",
                                     labels=[*label, names.MODE_LABEL])
         steps.add_metric([*value, "graph"], float(stats.graph_steps))
+        steps.add_metric([*value, "piecewise"], float(stats.piecewise_steps))
         steps.add_metric([*value, "eager"], float(stats.eager_steps))
         yield steps
+        step_times = HistogramMetricFamily(
+            names.ENGINE_STEP_SECONDS, "engine step wall time by the mode of its forward",
+            labels=[*label, names.MODE_LABEL])
+        for mode, counts in stats.step_seconds.items():
+            bounds = [*map(str, names.STEP_SECONDS_BUCKETS), "+Inf"]
+            step_times.add_metric([*value, mode], list(zip(bounds, accumulate(counts),
+                                                           strict=True)),
+                                  stats.step_seconds_sum.get(mode, 0.0))
+        yield step_times
         offload = CounterMetricFamily(names.KV_OFFLOAD_BLOCKS, "host-tier KV blocks by what "
                                       "happened to them", labels=[*label, names.OP_LABEL])
         for op, number in (("saved", stats.kv_offload_saved_blocks),

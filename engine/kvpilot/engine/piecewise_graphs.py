@@ -1,0 +1,254 @@
+"""Mixed steps as piecewise CUDA graphs: the layers between attentions replay, attention runs.
+
+A step that mixes decodes with a prompt chunk (or a prompt tail, or a speculative
+verify) cannot replay a decode graph (`cuda_graphs`): its attention depends on the
+step's sequences, not only on its size. Run eagerly, the forward is bound by the host
+(hundreds of launches from Python, 10-20x a graph replay of the same batch on an
+H200). Everything outside attention, though, depends on the token count alone. So a
+step of T tokens runs the graphs of the smallest captured bucket >= T, one graph per
+stretch between two attentions (vLLM's piecewise mode):
+
+    piece 0:   embed, rotary, layer 0's input norm, qkv, q/k norms, rotary (+ KV write)
+    attention: layer 0 (eager: the backend launches for this step's sequences)
+    piece i:   layer i-1's o_proj, norm, MLP; layer i up to its attention
+    ...
+    piece L:   layer L-1 after its attention, the final norm
+
+The pieces read fixed buffers: the step's ids, positions and KV slots are copied in
+(padding rows get slot -1, so they write no KV, and keep the stale ids and positions
+of an earlier step: every row is computed on its own, so a padding row never reaches
+a real one); each attention reads its piece's q/k/v and writes one shared output
+buffer that the next piece reads. The LM head runs outside, as for decode graphs.
+
+Every piece holds its q/k/v (the eager attention reads them at fixed addresses), so a
+bucket costs about T x layers x (q + k + v) bytes of GPU memory; the start-up log says
+how much. On CPU there are no graphs: `replay=False` calls the pieces themselves on
+the same buffers each step, so the tests run the same path (padding, fixed buffers,
+attention between pieces) as a GPU does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvpilot.engine.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kvpilot.engine.models.llama import AttentionInputs, LlamaForCausalLM
+    from kvpilot.engine.models.rope import StepRope
+
+# "0": mixed steps run eagerly (the layout before, for side-by-side runs); "1": also on CPU,
+# where the pieces are called rather than replayed (the tests' way onto the GPU's path)
+ENV = "KVPILOT_PIECEWISE_GRAPHS"
+# the largest bucket: steps of more tokens run eagerly (their GEMMs outweigh the host's
+# launch time) unless --max-num-batched-tokens is lower
+MAX_TOKENS = 512
+# the captured token counts (then MAX_TOKENS, or the budget when lower): dense where a few
+# padded rows cost the most relative to the step
+BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512)
+
+# (q/k/v of every layer, the final hidden states) of one bucket's capture
+Captured = tuple[list["AttentionInputs"], torch.Tensor]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Gives the captured token counts up to `max_tokens` (its last one is `max_tokens`)."""
+    sizes = [n for n in BUCKETS if n < max_tokens]
+    return [*sizes, max_tokens]
+
+
+@dataclass
+class _Bucket:
+    """One token count's pieces: their graphs (none when called, not replayed), what each
+    attention reads, and the final hidden states."""
+
+    size: int
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    attention: list[AttentionInputs] = field(default_factory=list)
+    hidden: torch.Tensor | None = None
+
+
+class PiecewiseGraphs:
+    """Holds one bucket of pieces per token count and the fixed buffers they read."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor],
+                 max_tokens: int, dtype: torch.dtype, device: torch.device, replay: bool,
+                 prologue: Callable[[int], None] | None = None) -> None:
+        self.model = model
+        self.layers = model.model.decoder_layers()
+        self.kv_caches = kv_caches
+        self.replay = replay
+        self.prologue = prologue  # run first in piece 0 with the token count (LoRA's grouping)
+        self.buckets = {n: _Bucket(n) for n in token_buckets(max_tokens)}
+        self.max_tokens = max_tokens
+        attn = self.layers[0].self_attn
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
+        self.attn_out = torch.zeros(max_tokens, attn.num_heads, attn.head_dim, dtype=dtype,
+                                    device=device)
+        self.num_runs = 0  # steps served (tests and benchmarks read it)
+
+    # ---- the pieces ----------------------------------------------------------------------
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        """Gives the metadata the pieces read: only the KV slots (the fused KV write); the
+        attention between pieces gets the step's own."""
+        empty = self.slot_mapping[:0].to(torch.int32)
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:size], query_start_loc=empty,
+                                 seq_lens=empty, block_tables=empty.view(0, 0),
+                                 max_query_len=0, max_seq_len=0)
+
+    def _first(self, size: int, meta: AttentionMetadata
+               ) -> tuple[StepRope, AttentionInputs, torch.Tensor]:
+        """Gives piece 0's (rotary, layer 0's attention inputs, residual stream)."""
+        if self.prologue is not None:
+            self.prologue(size)
+        decoder = self.model.model
+        assert decoder.embed_tokens is not None  # a single stage
+        x = decoder.embed_tokens(self.input_ids[:size])
+        rope = decoder.rotary(self.positions[:size], x.dtype)
+        step, stream = self.layers[0].attention_inputs(rope, x, None, self.kv_caches[0], meta)
+        return rope, step, stream
+
+    def _middle(self, i: int, size: int, rope: StepRope, stream: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[AttentionInputs, torch.Tensor]:
+        """Gives piece i's (layer i's attention inputs, residual stream)."""
+        x, stream = self.layers[i - 1].finish(self.attn_out[:size], stream)
+        return self.layers[i].attention_inputs(rope, x, stream, self.kv_caches[i], meta)
+
+    def _last(self, size: int, stream: torch.Tensor) -> torch.Tensor:
+        """Gives the last piece's final hidden states [size, hidden]."""
+        norm = self.model.model.norm
+        assert norm is not None  # a single stage
+        x, stream = self.layers[-1].finish(self.attn_out[:size], stream)
+        return norm(x, stream)[0]
+
+    def _pieces(self, bucket: _Bucket, record: Callable[[], AbstractContextManager[object]],
+                attention: Callable[[int, AttentionInputs], None] | None = None
+                ) -> tuple[list[AttentionInputs], torch.Tensor]:
+        """Runs every piece of `bucket` once, each inside `record()` (a graph's capture, or
+        nothing), and `attention(layer, inputs)` between them where given; gives what each
+        attention reads and the final hidden states."""
+        size, meta = bucket.size, self._meta(bucket.size)
+        with record():
+            rope, step, stream = self._first(size, meta)
+        steps = [step]
+        for i in range(1, len(self.layers)):
+            if attention is not None:
+                attention(i - 1, step)
+            with record():
+                step, stream = self._middle(i, size, rope, stream, meta)
+            steps.append(step)
+        if attention is not None:
+            attention(len(self.layers) - 1, step)
+        with record():
+            hidden = self._last(size, stream)
+        return steps, hidden
+
+    # ---- capture and run -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Records every bucket's pieces (largest first, one memory pool), after a warm-up
+        run of each bucket (Triton compiles, cuBLAS picks its kernels); with `replay` off,
+        records nothing."""
+        if not self.replay:
+            return
+        recorder = _Recorder()
+        for bucket in sorted(self.buckets.values(), key=lambda b: -b.size):
+            self._pieces(bucket, nullcontext)  # warm-up
+            torch.cuda.synchronize()
+            recorder.graphs = []
+            bucket.attention, bucket.hidden = self._pieces(bucket, recorder.record)
+            bucket.graphs = recorder.graphs
+        torch.cuda.synchronize()
+
+    def memory_bytes(self) -> int:
+        """Gives the GPU memory the buckets' q/k/v hold (the start-up log's number)."""
+        return sum(t.untyped_storage().nbytes() for b in self.buckets.values()
+                   for s in b.attention[:1] for t in (s.q,)) * len(self.layers)
+
+    def release(self) -> None:
+        """Frees the captured graphs; later mixed steps run eagerly."""
+        if self.replay:
+            torch.cuda.synchronize()
+        for bucket in self.buckets.values():
+            for graph in bucket.graphs:
+                graph.reset()
+        self.buckets = {}
+
+    def can_run(self, num_tokens: int, kv_caches: list[torch.Tensor]) -> bool:
+        """Gives whether a step of `num_tokens` tokens over `kv_caches` fits a bucket."""
+        return bool(self.buckets) and num_tokens <= self.max_tokens \
+            and kv_caches is self.kv_caches
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """Gives the hidden states [n, hidden] of an n-token step: the bucket's pieces, and
+        between them each layer's attention over the step's own sequences."""
+        n = input_ids.shape[0]
+        bucket = self.buckets[next(size for size in self.buckets if size >= n)]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[n:bucket.size].fill_(-1)
+        self.num_runs += 1
+        backend, out = self.model.attn_backend, self.attn_out[:n]
+
+        def attention(layer: int, step: AttentionInputs) -> None:
+            attn = self.layers[layer].self_attn
+            backend.forward(step.q[:n], step.k[:n], step.v[:n], self.kv_caches[layer], meta,
+                            attn.scale, attn.kv_scales, kv_written=step.kv_written, out=out)
+
+        if not self.replay:  # the same pieces, called
+            return self._pieces(bucket, nullcontext, attention)[1][:n]
+        for layer, (graph, step) in enumerate(zip(bucket.graphs, bucket.attention,
+                                                  strict=False)):
+            graph.replay()
+            attention(layer, step)
+        bucket.graphs[-1].replay()
+        assert bucket.hidden is not None
+        return bucket.hidden[:n]
+
+
+class _Recorder:
+    """Records pieces into CUDA graphs that share one memory pool, on a side stream."""
+
+    def __init__(self) -> None:
+        self.side = torch.cuda.Stream()
+        self.first: torch.cuda.CUDAGraph | None = None  # its pool is every graph's
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+
+    @contextmanager
+    def record(self) -> Iterator[None]:
+        """Records what runs inside into a new graph (without torch.cuda.graph's garbage
+        collection and cache flush on entry: a second a bucket with the model loaded)."""
+        graph = torch.cuda.CUDAGraph()
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            graph.capture_begin(pool=self.first.pool() if self.first is not None else None)
+            try:
+                yield
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(self.side)
+        self.first = self.first or graph
+        self.graphs.append(graph)
+
+
+def piecewise_mode(device: torch.device) -> str:
+    """Gives how mixed steps run on `device`: "replay" (CUDA graphs), "call" (the pieces
+    called: CPU with KVPILOT_PIECEWISE_GRAPHS=1) or "off"."""
+    value = os.environ.get(ENV, "")
+    if value == "0":
+        return "off"
+    if device.type == "cuda":
+        return "replay"
+    return "call" if value == "1" else "off"
