@@ -84,7 +84,7 @@ def run_shape(shape: str, mode: str, args: argparse.Namespace, tmp: Path) -> dic
     if args.smoke:
         config, flags = TINY, {"device": "cpu", "max_model_len": 256, "max_num_seqs": 16,
                                "num_kv_blocks": 128}
-        lengths, requests = (8, 24), 8
+        lengths, requests = (8, 24), 24
     else:
         from e2e_gpu import LLAMA3_8B, QWEN3_0_6B
 
@@ -102,7 +102,15 @@ def run_shape(shape: str, mode: str, args: argparse.Namespace, tmp: Path) -> dic
     out: dict[str, Any] = {"shape": shape, "piecewise": mode, "flags": flags}
     with kvpilot_serve(path, flags, 2, tmp / f"serve-{shape}-{mode}.log") as (base, proc):
         burst = as_samples(*recipe(min(256, requests), *lengths, vocab, seed=0))
-        load(base, burst[:16], math.inf, args.clients, proc)  # warm: first requests after ready
+        # the first request after ready, alone, then the same kind again once warm
+        first = load(base, burst[:1], math.inf, 1, proc)
+        load(base, burst[1:17], math.inf, args.clients, proc)
+        again = load(base, burst[17:18], math.inf, 1, proc)
+        out["first_request"] = {"ttft_ms": first["mean_ttft_ms"],
+                                "warm_ttft_ms": again["mean_ttft_ms"],
+                                "ratio": first["mean_ttft_ms"] / max(again["mean_ttft_ms"], 1e-9),
+                                "prompt_tokens": [first["total_input_tokens"],
+                                                  again["total_input_tokens"]]}
         before = step_histograms(base)
         saturated = load(base, burst, math.inf, args.clients, proc)
         out["rate_inf"] = row(saturated, delta(step_histograms(base), before))
@@ -134,6 +142,12 @@ def markdown(results: list[dict[str, Any]], header: str) -> str:
                 f"{x['itl_p50_ms']:.2f} | {x['itl_p99_ms']:.2f} | {x['itl_p99_over_p50']:.2f} | "
                 f"{x['tpot_p50_ms']:.2f} | {x['tpot_p99_ms']:.2f} | "
                 f"{x['tpot_p99_over_p50']:.2f} | {x['ttft_p99_ms']:.0f} | {steps} |")
+    lines += ["", "First request after ready (alone) against a later one (alone, warm): "
+              + "; ".join(f"{r['shape']} piecewise {r['piecewise']}: TTFT "
+                          f"{r['first_request']['ttft_ms']:.1f} ms vs "
+                          f"{r['first_request']['warm_ttft_ms']:.1f} ms "
+                          f"({r['first_request']['ratio']:.2f}x; prompts "
+                          f"{r['first_request']['prompt_tokens']} tokens)" for r in results)]
     return "\n".join(lines) + "\n"
 
 

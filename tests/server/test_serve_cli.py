@@ -106,7 +106,9 @@ def test_start_up_logs_every_phase(caplog: pytest.LogCaptureFixture):
     assert lines[3] == (f"KV cache: 64 blocks x 16 tokens = 1024 tokens, "
                         f"{64 * per_block / 2**30:.2f} GiB (sized by --num-kv-blocks 64)")
     assert lines[4] == "CUDA graphs: none (CPU)"
-    assert lines[5].startswith("engine ready in ") and lines[5].endswith(
+    assert lines[5] == ("warm-up: skipped (a CPU engine compiles nothing: --warmup on runs it "
+                        "anyway)")
+    assert lines[6].startswith("engine ready in ") and lines[6].endswith(
         "max_model_len=4096, max_num_seqs=256")
 
 
@@ -141,7 +143,8 @@ def test_sizes_are_per_rank_with_tensor_parallelism(caplog: pytest.LogCaptureFix
         "weights: 1073741824 bytes (1.00 GiB, safetensors) per rank (rank 0 of 2) loaded in 1.50s",
         "KV cache: 100 blocks x 16 tokens = 1600 tokens, 0.10 GiB per rank (rank 0 of 2) "
         "(sized by --num-kv-blocks 100)",
-        "CUDA graphs: captured 3 decode batch sizes (1..4) per rank (rank 0 of 2) in 0.25s",
+        "CUDA graphs: captured 3 decode batch sizes (1..4) (mixed steps eager) per rank "
+        "(rank 0 of 2) in 0.25s",
     ]
 
 

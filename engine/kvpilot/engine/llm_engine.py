@@ -41,10 +41,16 @@ from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.row_layout import RowLayout
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kvpilot.engine.spec_decode.proposers import Drafts
-from kvpilot.engine.spec_decode.spec_decoder import SpecDecoder, VerifyItem, make_spec_decoder
+from kvpilot.engine.spec_decode.spec_decoder import (
+    SpecDecodeCounters,
+    SpecDecoder,
+    VerifyItem,
+    make_spec_decoder,
+)
 from kvpilot.engine.step_times import StepTimes
 from kvpilot.engine.structured.bitmask import apply_token_bitmask
 from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
+from kvpilot.engine.warmup import PathLog, mark_cold, request_paths, step_paths, warm_up
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
@@ -157,6 +163,11 @@ class LLMEngine:
         self._last_plan: SchedulerOutput | None = None
         self._last_mode = ""  # how the last step's forward ran: graph, piecewise or eager
         self.step_times = StepTimes()  # engine step wall times by that mode (/metrics)
+        self.paths = PathLog()  # code paths run: the warm-up's, and any first used after it
+        # whether the step being built has a prompt with nothing cached before it, and one
+        # (or a verify) continuing a cached prefix: its prefill kernels (`_entries` sets them)
+        self._prefills = (False, False)
+        self._steps_before = (0, 0, 0)  # the runner's step counts when the warm-up ended
         self._host_sampling: set[str] = set()  # live request ids that need host sampling
         self._readback = PinnedReadback(engine_args.max_num_seqs)  # sampled ids to the host
         self._grammars: GrammarMatchers | None = None  # on the first structured request
@@ -194,6 +205,8 @@ class LLMEngine:
                      "CPU" if device.type != "cuda" else "--enforce-eager or the torch "
                      "attention backend", args.tensor_parallel_size * args.pipeline_parallel_size)
         engine = cls(args, model_config, tokenizer, runner, draft)
+        log.log_warmup(warm_up(engine) if args.warmup == "on" or (
+            args.warmup == "auto" and device.type == "cuda") else mark_cold(engine))
         if device.type == "cuda":
             engine.freeze_gc_heap()
         log.log_ready(time.perf_counter() - started, model_config.max_model_len,
@@ -258,6 +271,7 @@ class LLMEngine:
             self._pending.append(self.outputs.build(request))
             return
         self.requests[request_id] = request
+        self.paths.use(request_paths(params, lora_name is not None))
         if needs_host_sampling(params):
             self._host_sampling.add(request_id)
         else:  # a grammar masks its verify rows (`_mask_verify_rows`)
@@ -386,8 +400,11 @@ class LLMEngine:
         logits = runner.execute(run_entries, plan.block_copies,
                                 flight.tokens if flight is not None else None)
         phases["forward"], start = clock() - start, clock()
-        self._last_mode = "graph" if runner.num_graph_steps != before[0] else (
+        mode = self._last_mode = "graph" if runner.num_graph_steps != before[0] else (
             "piecewise" if runner.num_piecewise_steps != before[1] else "eager")
+        # rows in a decode graph ran no prefill kernel (`row_layout`)
+        self.paths.use(step_paths(mode, *(self._prefills if mode != "graph" else (False, False)),
+                                  bool(drafts)))
         if launch_async:
             self._step_async(plan, entries, logits, flight, results, constrained, mask)
             return results
@@ -446,6 +463,7 @@ class LLMEngine:
             if not plan.is_empty:
                 self._last_plan, self._last_mode = plan, "eager"  # pipeline stages: no graphs
                 queue.submit(plan, self._entries(plan))
+                self.paths.use(step_paths("eager", *self._prefills, False))
                 if queue.has_room:
                     return
         if queue.batches:
@@ -555,6 +573,7 @@ class LLMEngine:
         # this loop and the ones after it run once per sequence per step (256 at full batch):
         # plain attribute reads, no per-sequence helper calls where one line does
         block_id_array = self.kv.block_id_array
+        fresh = cached = False
         for seq, num_new in plan.scheduled:
             request = seq.request
             metrics = request.metrics
@@ -576,6 +595,9 @@ class LLMEngine:
             entries.append(entry)
             if start < num_prompt:
                 self.prompt_tokens += min(end, num_prompt) - start
+            if num_new > 1:
+                fresh, cached = fresh or start == 0, cached or start > 0
+        self._prefills = (fresh, cached)
         return entries
 
     @staticmethod
@@ -806,6 +828,21 @@ class LLMEngine:
 
     # ---- stats and seams ------------------------------------------------------------------
 
+    def reset_after_warmup(self) -> None:
+        """Puts the engine back as it was before the warm-up's requests (all finished): an
+        empty prefix cache and event log, counters and step times at zero."""
+        self.kv.pool.reset_prefix_cache()  # (its "cleared" event tells the router so)
+        self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
+        self.prompt_tokens = self.generation_tokens = 0
+        self.scheduler.num_preemptions = 0
+        self.step_times = StepTimes()
+        runner = self.runner
+        self._steps_before = (runner.num_graph_steps, runner.num_piecewise_steps,
+                              runner.num_eager_steps)
+        if self.spec is not None:
+            per_pos = self.spec.counters.num_accepted_tokens_per_pos
+            self.spec.counters = SpecDecodeCounters(num_accepted_tokens_per_pos=[0] * len(per_pos))
+
     @property
     def kv_events(self) -> KVEventLog:
         """Gives the prefix cache's event log (blocks stored/evicted) that GET /kv_events reads."""
@@ -848,9 +885,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
-            graph_steps=self.runner.num_graph_steps,
-            piecewise_steps=self.runner.num_piecewise_steps,
-            eager_steps=self.runner.num_eager_steps,
+            graph_steps=self.runner.num_graph_steps - self._steps_before[0],
+            piecewise_steps=self.runner.num_piecewise_steps - self._steps_before[1],
+            eager_steps=self.runner.num_eager_steps - self._steps_before[2],
             step_seconds={mode: list(c) for mode, c in self.step_times.counts.items()},
             step_seconds_sum=dict(self.step_times.sums),
         )

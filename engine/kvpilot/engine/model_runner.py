@@ -185,11 +185,13 @@ class ModelRunner:
 
     def load_report(self) -> LoadReport:
         """Gives what this rank loaded and sized while starting (the start-up log's numbers)."""
-        graphs = self.decode_graphs
+        graphs, mixed = self.decode_graphs, self.mixed_graphs
         return LoadReport(sum(p.numel() * p.element_size() for p in self.model.parameters()),
                           self.load_seconds, self.num_blocks, self.block_size,
                           self.bytes_per_block, tuple(graphs.buckets) if graphs else None,
-                          self.graph_seconds)
+                          self.graph_seconds,
+                          tuple(mixed.buckets) if mixed is not None and mixed.replay else (),
+                          mixed.memory_bytes() if mixed is not None else 0)
 
     def _new_caches(self, num_blocks: int) -> list[torch.Tensor]:
         cfg = self.config

@@ -3,7 +3,7 @@
 A platform engineer reading a pod's log during the minutes before /health answers sees
 the model, dtype and device first, then the topology the engine accepted (ranks, nodes,
 how the experts are split), the weights (bytes and seconds), the KV cache (blocks, tokens,
-bytes, where the budget came from), CUDA graphs, and the total. With tensor parallelism
+bytes, where the budget came from), CUDA graphs, the warm-up, and the total. With tensor parallelism
 the sizes are rank 0's (the driver's), said as per rank.
 """
 
@@ -23,6 +23,18 @@ GIB = 2**30
 
 
 @dataclass(frozen=True)
+class WarmupReport:
+    """What the warm-up ran (`engine.warmup`): requests, steps, seconds, the code paths."""
+
+    requests: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    max_prefill_tokens: int = 0
+    paths: frozenset[str] = frozenset()
+    skipped: str = ""  # why it did not run ("" when it ran)
+
+
+@dataclass(frozen=True)
 class LoadReport:
     """What one rank loaded and sized while starting: rank 0's with tensor parallelism."""
 
@@ -34,6 +46,9 @@ class LoadReport:
     graph_sizes: tuple[int, ...] | None
     """Decode batch sizes captured as CUDA graphs; None: none captured."""
     graph_seconds: float
+    mixed_graph_tokens: tuple[int, ...] = ()
+    """Token counts of the mixed steps' piecewise graphs (none: mixed steps run eagerly)."""
+    mixed_graph_bytes: int = 0  # GPU memory the piecewise graphs' q/k/v hold
 
 
 def gib(num_bytes: int) -> str:
@@ -85,8 +100,22 @@ def log_load(report: LoadReport, load_format: str, kv_budget: str, why_no_graphs
     if sizes is None:
         logger.info("CUDA graphs: none (%s)", why_no_graphs)
     else:
-        logger.info("CUDA graphs: captured %d decode batch sizes (%d..%d)%s in %.2fs",
-                    len(sizes), min(sizes), max(sizes), rank, report.graph_seconds)
+        tokens = report.mixed_graph_tokens
+        mixed = (f" and {len(tokens)} mixed-step token counts ({min(tokens)}..{max(tokens)}, "
+                 f"piecewise, {gib(report.mixed_graph_bytes)} of q/k/v)") if tokens else \
+            " (mixed steps eager)"
+        logger.info("CUDA graphs: captured %d decode batch sizes (%d..%d)%s%s in %.2fs",
+                    len(sizes), min(sizes), max(sizes), mixed, rank, report.graph_seconds)
+
+
+def log_warmup(report: WarmupReport) -> None:
+    """Logs what the warm-up ran before the engine said ready (or why it did not)."""
+    if report.skipped:
+        logger.info("warm-up: skipped (%s)", report.skipped)
+        return
+    logger.info("warm-up: %d requests in %d steps, %.2fs: prefill up to %d tokens; %s",
+                report.requests, report.steps, report.seconds, report.max_prefill_tokens,
+                ", ".join(sorted(report.paths)))
 
 
 def log_ready(seconds: float, max_model_len: int, max_num_seqs: int) -> None:

@@ -23,6 +23,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ASYNC_SCHEDULING = ("auto", "on", "off")
+WARMUP_MODES = ("auto", "on", "off")
 QUANTIZATIONS = ("none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 KV_TRANSPORTS = ("tcp", "nixl")  # how a decode engine pulls KV (kv_transfer/nixl_agent.py)
@@ -99,6 +100,10 @@ class EngineArgs:
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS,
         "help": "auto: triton on CUDA, torch elsewhere"})
     enforce_eager: bool = field(default=False, metadata={"help": "disable CUDA graphs"})
+    warmup: str = field(default="auto", metadata={"choices": WARMUP_MODES,
+        "help": "run every code path real traffic takes (prefill widths, the sampler's, "
+                "structured outputs, speculative verifies) before saying ready, so no first "
+                "request waits for a compile; auto: on CUDA"})
     async_scheduling: str = field(default="auto", metadata={"choices": ASYNC_SCHEDULING,
         "help": "schedule and launch step n+1 while the GPU runs step n (one step of lag on "
                 "stop checks); auto: on for CUDA. While any live request has penalties, "

@@ -1,0 +1,120 @@
+"""Ready means warm (`engine.warmup`): the warm-up runs every code path real traffic takes,
+then leaves the engine as it found it.
+
+The check is the engine's own path log: after the warm-up, a path first used by a real
+request is logged as cold. A table of every kind of request a user sends must find none;
+and taking any one request out of the warm-up must leave a path cold (so the table is
+sharp enough to notice a path the warm-up stops covering). On CPU nothing compiles, but
+the paths are the engine's, decided on the host, the same as on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kvpilot.engine import warmup
+from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
+from kvpilot.engine.llm_engine import LLMEngine
+
+ARGS = dict(model="tiny-llama", num_kv_blocks=96, block_size=4, max_num_batched_tokens=32,
+            max_model_len=256, max_num_seqs=8, warmup="on")
+SCHEMA = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}})
+
+
+def traffic() -> list[tuple[str, list[int], SamplingParams]]:
+    """Gives every kind of request a user sends (each sampler option, structured output,
+    prefix hits, prompts longer than the step budget)."""
+    rng = random.Random(3)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(5, 1000) for _ in range(n)]
+
+    shared = prompt(40)
+    kinds = {
+        "greedy": SamplingParams(temperature=0, max_tokens=6),
+        "temperature": SamplingParams(temperature=0.7, max_tokens=6),
+        "top-p": SamplingParams(temperature=0.7, top_p=0.8, max_tokens=6),
+        "top-k": SamplingParams(temperature=0.7, top_k=5, max_tokens=6),
+        "min-p": SamplingParams(temperature=0.7, min_p=0.1, max_tokens=6),
+        "seed": SamplingParams(temperature=0.7, seed=3, max_tokens=6),
+        "presence": SamplingParams(temperature=0, presence_penalty=1.0, max_tokens=6),
+        "repetition": SamplingParams(temperature=0.7, repetition_penalty=1.2, max_tokens=6),
+        "logprobs": SamplingParams(temperature=0, logprobs=3, max_tokens=6),
+        "prompt-logprobs": SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=6),
+        "min-tokens": SamplingParams(temperature=0, min_tokens=4, max_tokens=6),
+        "json": SamplingParams(temperature=0, max_tokens=6,
+                               structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+    }
+    out = [(name, prompt(rng.randint(3, 30)), params) for name, params in kinds.items()]
+    out += [("long", prompt(120), SamplingParams(temperature=0, max_tokens=4)),
+            ("shared-1", shared + prompt(5), SamplingParams(temperature=0, max_tokens=4)),
+            ("shared-2", shared + prompt(9), SamplingParams(temperature=0, max_tokens=4))]
+    return out
+
+
+def serve(engine: LLMEngine) -> None:
+    for name, prompt, params in traffic():
+        engine.add_request(name, prompt, params)
+    for _ in range(3000):
+        if not engine.has_unfinished_requests():
+            return
+        engine.step()
+    raise AssertionError("the traffic did not finish")
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_after_the_warm_up_no_request_takes_a_path_it_did_not_run(async_scheduling):
+    engine = LLMEngine.from_engine_args(EngineArgs(**ARGS, async_scheduling=async_scheduling))
+    assert engine.paths.warm is not None
+    assert {"prefill:fresh", "prefill:cached-prefix", "structured-outputs",
+            "sampler:penalties", "sampler:temperature"} <= engine.paths.warm
+    serve(engine)
+    assert engine.paths.cold == []
+
+
+def test_the_warm_up_leaves_nothing_behind():
+    engine = LLMEngine.from_engine_args(EngineArgs(**ARGS))
+    stats = engine.get_stats()
+    assert engine.requests == {} and not engine.has_unfinished_requests()
+    assert engine.kv.pool.cached == {}  # its prompts are not prefix hits for anyone
+    assert stats.kv_cache_usage == 0 and stats.num_free_blocks == stats.num_total_blocks
+    assert (stats.prompt_tokens, stats.generation_tokens, stats.prefix_cache_queries,
+            stats.eager_steps, stats.step_seconds) == (0, 0, 0, 0, {})
+
+
+@pytest.mark.parametrize("left_out", ["prefix-hit", "random", "top", "penalties", "logprobs",
+                                      "structured"])
+def test_a_path_left_out_of_the_warm_up_is_caught(monkeypatch, left_out):
+    requests = warmup._requests
+
+    def without(engine):
+        kept, wide = requests(engine)
+        assert left_out in [r.name for r in kept]
+        return [r for r in kept if r.name != left_out], wide
+
+    monkeypatch.setattr(warmup, "_requests", without)
+    # a budget that no warm-up prompt but the widest fills: no other prompt is chunked, so
+    # only the prefix hit continues a cached prefix
+    engine = LLMEngine.from_engine_args(EngineArgs(**{**ARGS, "max_num_batched_tokens": 128,
+                                                      "num_kv_blocks": 200}))
+    serve(engine)
+    assert engine.paths.cold, f"leaving {left_out!r} out of the warm-up went unnoticed"
+
+
+def test_speculative_verifies_are_warmed_when_configured():
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    engine = LLMEngine.from_engine_args(EngineArgs(**ARGS, speculative_config=spec))
+    assert engine.paths.warm is not None and "spec:verify" in engine.paths.warm
+    assert engine.get_stats().spec_decode_num_drafts == 0  # counters back at zero
+
+
+def test_auto_skips_the_warm_up_on_cpu():
+    engine = LLMEngine.from_engine_args(EngineArgs(**{**ARGS, "warmup": "auto"}))
+    assert engine.paths.warm is None  # nothing compiles on a CPU: no warm-up, no cold log
+    serve(engine)
+    assert engine.paths.cold == []
