@@ -156,7 +156,10 @@ def _requests(engine: WarmEngine) -> tuple[list[_Request], int]:
     first = prompt(wide)
     requests = [_Request("wide", first, greedy())]
     if args.enable_prefix_caching and wide > 2 * args.block_size:
-        requests.append(_Request("prefix-hit", first[:wide // 2] + prompt(7), greedy()))
+        # a tail as long as the rest of the budget, run beside the other requests: too many
+        # rows for a decode graph (`row_layout`), so the prefix kernel runs
+        half = wide // 2
+        requests.append(_Request("prefix-hit", first[:half] + prompt(wide - half), greedy()))
     elif args.enable_chunked_prefill and longest > wide:
         requests.append(_Request("chunked", prompt(min(longest, wide + 16)), greedy()))
     requests += [
@@ -194,13 +197,16 @@ def warm_up(engine: WarmEngine) -> WarmupReport:
         return WarmupReport(skipped=f"role {engine.engine_args.role}")
     started = time.perf_counter()
     requests, wide = _requests(engine)
-    for i, request in enumerate(requests):
-        engine.add_request(f"kvpilot-warmup-{i}-{request.name}", request.prompt,
-                           request.params)
     steps = 0
-    while engine.has_unfinished_requests() and steps < MAX_STEPS:
-        engine.step()
-        steps += 1
+    # the widest prompt first, alone, so that its blocks are cached before the prefix hit
+    # looks them up (under async scheduling a request added beside it would miss them)
+    for wave in (requests[:1], requests[1:]):
+        for request in wave:
+            engine.add_request(f"kvpilot-warmup-{request.name}", request.prompt,
+                               request.params)
+        while engine.has_unfinished_requests() and steps < MAX_STEPS:
+            engine.step()
+            steps += 1
     if engine.has_unfinished_requests():
         raise RuntimeError(f"the warm-up's requests did not finish in {MAX_STEPS} steps")
     engine.reset_after_warmup()
