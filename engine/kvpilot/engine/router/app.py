@@ -22,6 +22,7 @@ from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.contracts.kv_protocol import ProtocolError, kv_address
 from kvpilot.engine.contracts.lora import lora_root_hash
+from kvpilot.engine.contracts.openai_errors import BodyError, error_object, parse_body
 from kvpilot.engine.contracts.router_args import (
     INSTANCE_HEADER,
     PASSED_HEADERS,
@@ -46,7 +47,7 @@ from kvpilot.engine.router.metrics import RouterMetrics
 from kvpilot.engine.router.policy import Weights, choose, hit_blocks
 from kvpilot.engine.router.prefix_index import PrefixIndex
 from kvpilot.engine.router.prompt import PromptHasher
-from kvpilot.engine.router.proxy import Forwarder, NoInstance, error_body, sse_error
+from kvpilot.engine.router.proxy import Forwarder, NoInstance, sse_error
 
 log = logging.getLogger("kvpilot.router")
 OPENAI_POST_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -199,11 +200,10 @@ class Router:
             {**headers, REQUEST_ID_HEADER: first.request_id}, served_by=prefill.url)
         if not isinstance(response, StreamingResponse):  # failed before its first byte
             try:
-                error = json.loads(bytes(response.body))["error"]
-                message, code = str(error["message"]), int(error["code"])
+                message = str(json.loads(bytes(response.body))["error"]["message"])
             except (ValueError, KeyError, TypeError):
-                message, code = "the decode instance failed", response.status_code
-            yield sse_error(message, code)
+                message = "the decode instance failed"
+            yield sse_error(message, response.status_code)
             yield b"data: [DONE]\n\n"
             return
         skip, chunks = SkipSent(first), response.body_iterator
@@ -289,19 +289,19 @@ def build_app(args: RouterArgs, discovery: Discovery | None = None,
     app.state.router = router
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        kind = "authentication_error" if exc.status_code == 401 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), exc.status_code, kind),
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = None  # as the engine's: a 401 names the credential
+        if exc.status_code == 401:
+            fleet = auth.kind(request.url.path) == "fleet"
+            code = "invalid_fleet_auth" if fleet else "invalid_api_key"
+        return JSONResponse(error_object(exc.status_code, str(exc.detail), code=code),
                             exc.status_code, headers=exc.headers)
 
     async def openai_post(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            body = None
-        if not isinstance(body, dict):  # not an assert: `python -O` would drop the check
-            return JSONResponse(error_body("the body must be a JSON object", 400,
-                                           "invalid_request_error"), 400)
+        try:  # what an engine would refuse too, in the engine's words (`openai_errors`)
+            body = parse_body(await request.body())
+        except BodyError as exc:
+            return JSONResponse(error_object(400, str(exc)), 400)
         headers = {k: v for k, v in request.headers.items() if k in PASSED_HEADERS}
         return await router.handle(request.url.path, body, headers,
                                    request.headers.get(INSTANCE_HEADER))
@@ -318,7 +318,7 @@ def build_app(args: RouterArgs, discovery: Discovery | None = None,
                 continue
             return Response(response.content, response.status_code,
                             media_type=response.headers.get("content-type"))
-        return JSONResponse(error_body("no ready instance", 503, "no_instance"), 503)
+        return JSONResponse(error_object(503, "no ready instance", code="no_instance"), 503)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -345,7 +345,7 @@ def build_app(args: RouterArgs, discovery: Discovery | None = None,
             event = parse_event(request.state.body)  # read, bounded, by `authorizer`
         except ValueError as exc:
             param = str(exc).partition("=")[0]
-            return JSONResponse(error_body(str(exc), 400, "invalid_request_error", param), 400)
+            return JSONResponse(error_object(400, str(exc), param), 400)
         instance = router.fleet.instances.get(event.instance.rstrip("/"))
         if instance is not None:  # the index holds nothing of any other
             router.index.apply(instance.url, event)

@@ -61,6 +61,10 @@ def completion_prompts(request: CompletionRequest, tokenizer: TokenizerLike,
         items = [token_ids] if token_ids else [x for x in raw if not isinstance(x, int)]
     if not items:
         raise bad_request("prompt=[] is invalid: send at least one prompt", "prompt")
+    for i, item in enumerate(items):
+        if item == "":  # encodes to BOS alone: nothing to continue, as vLLM refuses it
+            param = "prompt" if isinstance(raw, str) else f"prompt.{i}"
+            raise bad_request(f"{param}='' is empty: send at least one character", param)
     prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
     for ids in prompts:
         check_prompt(ids, limits, "prompt")

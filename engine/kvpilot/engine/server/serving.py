@@ -24,6 +24,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from kvpilot.engine.contracts.openai_errors import error_object
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kvpilot.engine.contracts.router_args import REQUEST_ID_HEADER
 from kvpilot.engine.contracts.sampling_params import SamplingParams
@@ -36,13 +37,12 @@ from kvpilot.engine.core_process.client import (
 )
 from kvpilot.engine.server.drain import Gate
 from kvpilot.engine.server.errors import (
-    ERROR_TYPES,
     OpenAIError,
     bad_request,
     from_value_error,
 )
 from kvpilot.engine.server.params import Limits
-from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
+from kvpilot.engine.server.protocol import UsageInfo
 
 T = TypeVar("T")
 
@@ -270,9 +270,7 @@ def sse_error(exc: BaseException) -> str:
     status = exc.status if isinstance(exc, OpenAIError) else 500
     if isinstance(exc, EngineDeadError | RequestAbortedError):
         status = 503
-    info = ErrorInfo(message=str(exc), type=ERROR_TYPES.get(status, "server_error"),
-                     param=getattr(exc, "param", None), code=status)
-    return sse(ErrorResponse(error=info))
+    return sse(error_object(status, str(exc), getattr(exc, "param", None), code=status))
 
 
 def usage_of(finals: list[RequestOutput | None], prompt_lens: list[int]) -> UsageInfo:
