@@ -314,3 +314,15 @@ async def test_a_lone_surrogate_or_nan_reaches_the_engines_as_sent(fleet, disagg
         body = engine.bodies[-1]
         assert body["messages"][0]["content"] == "a\ud800b" and body["stop"] == ["\ud800"]
         assert body["temperature"] != body["temperature"]  # NaN
+
+
+async def test_a_body_over_the_limit_is_a_413_unread(fleet):
+    engine = FakeEngine("a")
+    router, _ = await fleet([engine], max_request_bytes=4096)
+    async with httpx.AsyncClient(base_url=router) as client:
+        big = await client.post("/v1/completions", json={**COMPLETION, "prompt": "x" * 5000})
+        small = await client.post("/v1/completions", json=COMPLETION)
+    assert big.status_code == 413
+    error = big.json()["error"]
+    assert "--max-request-bytes" in error["message"] and error["code"] is None
+    assert small.status_code == 200 and len(engine.bodies) == 1

@@ -217,3 +217,16 @@ def test_read_metrics_sums_over_label_sets_and_reads_buckets():
     assert buckets == {"ttft_seconds": {0.1: 0.0, 1.0: 1.0, float("inf"): 1.0}}
     only_graph, _ = read_metrics(text, ["steps"], labels={"mode": "graph"})
     assert only_graph == {"steps": 3.0}
+
+
+@pytest.mark.parametrize("tokenizer", [None, "tiny-llama"])
+def test_a_huge_prompt_is_hashed_by_its_front_only(tokenizer):
+    """A 16 MB prompt took the router seconds to hash whole; it hashes MAX_HASHED characters,
+    and the blocks before the cut equal the whole prompt's."""
+    from kvpilot.engine.contracts.tokenizer import load_tokenizer
+    from kvpilot.engine.router.prompt import MAX_HASHED
+
+    hasher = PromptHasher(16, load_tokenizer(tokenizer) if tokenizer else None)
+    huge = hasher.hashes({"prompt": "lorem ipsum dolor sit amet " * (16 * 2**20 // 27)})
+    front = hasher.hashes({"prompt": "lorem ipsum dolor sit amet " * (MAX_HASHED // 27 - 10)})
+    assert len(huge) <= MAX_HASHED // 16 and huge[:len(front) - 2] == front[:-2]

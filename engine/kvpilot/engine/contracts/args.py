@@ -275,11 +275,23 @@ class ServerArgs:
         "help": "API server processes (HTTP, tokenisation, detokenisation, SSE) sharing the "
                 "port in front of the one engine core process; more than 1 when one "
                 "process's Python is the limit"})
+    max_request_bytes: int = field(default=0, metadata={
+        "help": "largest request body taken; a larger one gets 413 before it is read. 0: "
+                "sized from --max-model-len (the largest prompt as JSON escapes, or "
+                "max-model-len token ids, plus 1 MiB)"})
+    max_prompt_chars: int = field(default=0, metadata={
+        "help": "longest prompt (characters of text, or of a chat's messages) tokenised; a "
+                "longer one gets 400 before tokenising. 0: --max-model-len times the "
+                "vocabulary's longest token, the most characters that can fit"})
 
     def __post_init__(self) -> None:
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count={self.api_server_count!r} is invalid: "
                              "must be at least 1")
+        for name in ("max_request_bytes", "max_prompt_chars"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be >= 0 "
+                                 "(0: sized from --max-model-len)")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice=True needs tool_call_parser: pass "
                              f"--tool-call-parser ({' or '.join(TOOL_CALL_PARSERS)})")
