@@ -213,6 +213,19 @@ def test_kvpilot_up_once_answers_and_leaves_nothing_running(tmp_path):
         assert "Finished server process" in log.read_text(), log.name
 
 
+def test_kvpilot_up_on_a_busy_port_is_one_line_exit_2(tmp_path):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "kvpilot.cli.main", "up", "--port", str(port),
+             "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr.strip().splitlines()[-1]
+    assert not list(tmp_path.glob("*.log"))  # nothing started
+
+
 def test_kvpilot_up_stops_everything_on_sigterm(tmp_path):
     port = free_port()
     up = subprocess.Popen(

@@ -183,3 +183,33 @@ def test_serve_positional_with_a_chat_template_logs_then_listens(tmp_path: Path)
         proc.wait(timeout=60)
     assert subprocess.run([sys.executable, "-m", "kvpilot.cli", "serve", "--help"],
                           capture_output=True, text=True, timeout=60).stdout.count("MODEL") >= 1
+
+
+def one_line_exit_2(command: list[str]) -> str:
+    """Runs `kvpilot COMMAND...` expecting exit 2 and no traceback; gives its last stderr
+    line (a start-up warning may come before it)."""
+    done = subprocess.run([sys.executable, "-m", "kvpilot.cli", *command], timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", [["serve", "tiny-llama", "--device", "cpu"],
+                                     ["route", "--instances", "http://127.0.0.1:9"]])
+def test_a_busy_port_is_one_line_exit_2(command: list[str]):
+    """It printed a 14-line traceback (issue 49)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        line = one_line_exit_2([*command, "--port", str(port)])
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "pick another --port" in line
+
+
+@pytest.mark.parametrize("command", [["serve", "tiny-llama", "--device", "cpu"],
+                                     ["route", "--instances", "http://127.0.0.1:9"]])
+def test_an_unreadable_secret_file_is_one_line_exit_2(tmp_path: Path, command: list[str]):
+    """A directory is unreadable as a file even to root."""
+    line = one_line_exit_2([*command, "--fleet-secret-file", str(tmp_path)])
+    assert "--fleet-secret-file" in line or str(tmp_path) in line
