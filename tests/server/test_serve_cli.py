@@ -213,3 +213,28 @@ def test_an_unreadable_secret_file_is_one_line_exit_2(tmp_path: Path, command: l
     """A directory is unreadable as a file even to root."""
     line = one_line_exit_2([*command, "--fleet-secret-file", str(tmp_path)])
     assert "--fleet-secret-file" in line or str(tmp_path) in line
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_kv_role_without_a_fleet_secret_refuses_to_start(role: str):
+    """It ran open to anyone computing an HMAC with the empty key (issue 49)."""
+    line = one_line_exit_2(["serve", "tiny-llama", "--device", "cpu", "--role", role,
+                            "--port", "0"])
+    assert f"--role {role} without --fleet-secret-file" in line and "--insecure-kv" in line
+
+
+def test_kv_events_are_closed_without_a_fleet_secret(tmp_path: Path):
+    """`kvpilot serve` without --fleet-secret-file served /kv_events (block hashes) to anyone."""
+    proc, base = start_server(tmp_path / "serve.log")
+    try:
+        answer = httpx.get(f"{base}/kv_events", timeout=30)
+        assert answer.status_code == 401 and "--insecure-kv" in answer.text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    proc, base = start_server(tmp_path / "open.log", extra=("--insecure-kv",))
+    try:
+        assert httpx.get(f"{base}/kv_events", timeout=30).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)

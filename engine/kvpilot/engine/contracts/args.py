@@ -33,9 +33,8 @@ KV_PORT_OFFSET = 1000
 # operator sets it from a Secret, so the key never shows in a pod's args).
 API_KEY_ENV = "KVPILOT_API_KEY"
 FLEET_SECRET_HELP = ("file holding the fleet's secret as hex text (the operator mounts it at "
-                     "/var/run/kvpilot/fleet/secret): authenticates KV-agent connections and "
-                     "/kv_events and salts block hashes; without it they are open and unsalted "
-                     "(a warning at start-up)")
+                     "/var/run/kvpilot/fleet/secret; kvpilot up writes one): authenticates "
+                     "KV-agent connections and /kv_events and salts block hashes")
 # one of the flag dataclasses (EngineArgs, ServerArgs, RouterArgs)
 ArgsT = TypeVar("ArgsT", bound="DataclassInstance")
 
@@ -109,6 +108,10 @@ class EngineArgs:
     kv_transfer_port: int = field(default=0, metadata={
         "help": f"TCP port of the KV-transfer listener (0: the server port + {KV_PORT_OFFSET})"})
     fleet_secret_file: str | None = field(default=None, metadata={"help": FLEET_SECRET_HELP})
+    insecure_kv: bool = field(default=False, metadata={
+        "help": "run without --fleet-secret-file anyway: a prefill/decode engine's KV port "
+                "and any engine's /kv_events then answer whoever reaches them (without this "
+                "flag such an engine refuses to start and /kv_events answers 401)"})
     # quantization (issue 23)
     quantization: str = field(default="none", metadata={"choices": QUANTIZATIONS,
         "help": "8-bit projection weights, quantised at load time (a pre-quantised fp8 or "

@@ -28,7 +28,11 @@ from kvpilot.engine.contracts.args import (
     model_from_cli,
     resolve_api_key,
 )
-from kvpilot.engine.contracts.fleet_secret import UNAUTHENTICATED_WARNING, FleetSecret
+from kvpilot.engine.contracts.fleet_secret import (
+    INSECURE_ROLE_REFUSAL,
+    UNAUTHENTICATED_WARNING,
+    FleetSecret,
+)
 from kvpilot.engine.contracts.http_auth import HttpAuth
 
 logger = logging.getLogger("kvpilot.serve")
@@ -98,11 +102,16 @@ def run(args: argparse.Namespace) -> int:
     if rendezvous is not None and not rendezvous.is_driver_node:
         from kvpilot.engine.parallel.worker_pod import serve_worker_pod
         return serve_worker_pod(engine_args, server_args, rendezvous)
-    if not fleet.enabled:
+    if not fleet.enabled and engine_args.role != "both" and not engine_args.insecure_kv:
+        print(f"kvpilot serve: {INSECURE_ROLE_REFUSAL.format(role=engine_args.role)}",
+              file=sys.stderr)
+        return 2
+    if not fleet.enabled and engine_args.insecure_kv:
         logger.warning(UNAUTHENTICATED_WARNING)
     config = ApiServerConfig(engine_args, server_args,
                              HttpAuth(resolve_api_key(server_args.api_key), fleet,
-                                      server_args.metrics_require_api_key), template)
+                                      server_args.metrics_require_api_key,
+                                      open_fleet_paths=engine_args.insecure_kv), template)
     try:
         sock = bind(server_args.host, server_args.port)
     except OSError as exc:  # the port is taken, or the host is not this machine's
