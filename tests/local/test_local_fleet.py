@@ -19,10 +19,10 @@ import pytest
 import yaml
 from helpers import sse
 
+from kvpilot.engine.contracts.fleet_secret import FleetSecret
 from kvpilot.engine.contracts.kv_client import request_stats
 from kvpilot.engine.contracts.kv_protocol import kv_address
 from kvpilot.engine.roles import LEASE_SECONDS_ENV
-from kvpilot.engine.contracts.fleet_secret import FleetSecret
 from kvpilot.operator.local.cli import write_fleet_secret
 from kvpilot.operator.local.plan import plan_local
 from kvpilot.operator.local.supervisor import Supervisor, free_port
