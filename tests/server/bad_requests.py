@@ -46,7 +46,10 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
      "messages.0.content.1.text"),
     ("/v1/completions", {"echo": True}, 400, "echo"),
     ("/v1/completions", {"suffix": "tail"}, 400, "suffix"),
-    ("/v1/completions", {"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    # logit_bias is applied (issue 49); keys must be token ids, biases in [-100, 100]
+    ("/v1/completions", {"logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"five": 1.0}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"min_tokens": 5}, 400, "min_tokens"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"model": "gpt-4"}, 404, "model"),

@@ -83,3 +83,10 @@ def test_generated_bodies_answer_alike(server: RunningServer, router: str, route
     if engine.status_code >= 400:
         assert routed.json() == engine.json()
     assert engine.status_code < 500, (body, engine.text)
+
+
+def test_version_answers_on_both(server: RunningServer, router: str) -> None:
+    """vLLM's GET /version was a 404 (issue 49)."""
+    answers = [httpx.get(f"{base}/version", timeout=10) for base in (server.base_url, router)]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert answers[0].json() == answers[1].json() and answers[0].json()["version"]

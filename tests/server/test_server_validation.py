@@ -116,3 +116,12 @@ def test_messages_say_what_is_wrong(server: RunningServer, raw: bytes, words: st
                       headers={"content-type": "application/json"})
     assert resp.status_code == 400
     assert words in resp.json()["error"]["message"], resp.text
+
+
+def test_logit_bias_steers_the_tokens(server: RunningServer) -> None:
+    """OpenAI's logit_bias was refused (issue 49); +100 on one id makes greedy pick it."""
+    body = {**OK_COMPLETION, "max_tokens": 4, "temperature": 0, "return_token_ids": True,
+            "logit_bias": {"77": 100}, "ignore_eos": True}
+    resp = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["token_ids"] == [77] * 4

@@ -32,6 +32,7 @@ from kvpilot.engine.contracts.router_args import (
     RouterArgs,
 )
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from kvpilot.engine.contracts.version import kvpilot_version
 from kvpilot.engine.router.auth import authorizer
 from kvpilot.engine.router.disagg import (
     FirstToken,
@@ -329,6 +330,10 @@ def build_app(args: RouterArgs, discovery: Discovery | None = None,
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": kvpilot_version()}
 
     @app.get("/ready")
     async def ready() -> Response:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.contracts.request_limits import BodyLimit, RequestLimits
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from kvpilot.engine.contracts.version import kvpilot_version
 from kvpilot.engine.core_process.client import CoreClient
 from kvpilot.engine.core_process.launch import CoreHandle
 from kvpilot.engine.server.auth import authorizer
@@ -110,6 +111,11 @@ def build_app(core: CoreHandle, tokenizer: TokenizerLike, model_name: str,
             reason = "draining" if gate.draining else "engine failed"
             return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ready"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's route: the server's version."""
+        return {"version": kvpilot_version()}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -55,8 +55,6 @@ def prompt_chars(request: CompletionRequest | ChatCompletionRequest, limits: Lim
 
 
 def _check_common(request: SamplingFields) -> None:
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported by kvpilot: remove it", "logit_bias")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream=true: set stream=true "
                           "or remove stream_options", "stream_options")
@@ -167,6 +165,24 @@ def _max_tokens(requested: int | None, param: str, prompt_len: int, limits: Limi
     return requested
 
 
+def _logit_bias(bias: dict[str, float] | None, limits: Limits) -> dict[int, float] | None:
+    """Gives OpenAI's `logit_bias` ({"token id": bias}) with int keys; a 400 naming it when a
+    key is no token id of this vocabulary or a bias is outside [-100, 100]."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if key.strip().isdigit() else -1
+        if not 0 <= token < limits.vocab_size:
+            raise bad_request(f"logit_bias has key {key[:20]!r}, not a token id of this model: "
+                              f"use ids in [0, {limits.vocab_size}) as strings", "logit_bias")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias[{key!r}]={value} is invalid: biases are in "
+                              "[-100, 100]", "logit_bias")
+        out[token] = value
+    return out
+
+
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, prompt_len: int,
                     limits: Limits) -> SamplingParams:
     """Gives the SamplingParams of `request` for a prompt of `prompt_len` tokens."""
@@ -193,6 +209,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, prompt_l
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "structured_outputs": structured_outputs_of(request),
         "first_token_id": request.first_token_id,
+        "logit_bias": _logit_bias(request.logit_bias, limits),
     }
     optional = {"temperature": request.temperature, "top_p": request.top_p,
                 "top_k": request.top_k, "min_p": request.min_p,
