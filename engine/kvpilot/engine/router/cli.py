@@ -32,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=router_args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: the scrapes (/metrics, /ready, /kv_events of each
+    # engine every --refresh-interval) were two lines per engine every 2 s. Debug keeps them.
+    logging.getLogger("httpx").setLevel(max(logging.getLogger().level, logging.WARNING)
+                                         if router_args.log_level != "debug" else logging.DEBUG)
     if not fleet.enabled:
         logging.getLogger("kvpilot.router").warning(UNAUTHENTICATED_WARNING)
     tokenizer = None
