@@ -100,7 +100,8 @@ def engine(name: str, role: str, gpu: int, model: Path, args: argparse.Namespace
         "--max-num-batched-tokens", str(args.prefill_max_num_batched_tokens
                                         if role == "prefill" else args.max_num_batched_tokens),
         "--role", role,
-        *(["--kv-transport", args.kv_transport] if role != "both" else []),
+        # one host, no other tenant: the KV ports run without a fleet secret
+        *(["--kv-transport", args.kv_transport, "--insecure-kv"] if role != "both" else []),
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
         {"CUDA_VISIBLE_DEVICES": str(gpu)} if cuda else {}, port)
 

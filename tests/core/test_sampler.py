@@ -38,6 +38,11 @@ def row(prompt=(), output=(), seed=None, banned=None, num_logprobs=0, **params) 
     (dict(temperature=0, output=[1], presence_penalty=1.5), 2),
     # repetition on a negative logit makes it more negative: -1.0 * 10 stays last
     (dict(temperature=0, output=[4], repetition_penalty=10.0), 1),
+    # logit_bias (issue 49: it was refused): -100 bans the best token, +100 lifts the worst
+    (dict(temperature=0, logit_bias={1: -100.0}), 2),
+    (dict(temperature=0, logit_bias={4: 100.0}), 4),
+    (dict(temperature=1.0, logit_bias={4: 100.0}, seed=3), 4),
+    (dict(temperature=0, logit_bias={2: 0.5, 1: -0.6}), 2),  # 2.5 against 2.4
 ])
 def test_single_row(kwargs, expected):
     assert Sampler()(LOGITS, [row(**kwargs)]).token_ids == [expected]

@@ -19,9 +19,11 @@ import pytest
 import yaml
 from helpers import sse
 
+from kvpilot.engine.contracts.fleet_secret import FleetSecret
 from kvpilot.engine.contracts.kv_client import request_stats
 from kvpilot.engine.contracts.kv_protocol import kv_address
 from kvpilot.engine.roles import LEASE_SECONDS_ENV
+from kvpilot.operator.local.cli import write_fleet_secret
 from kvpilot.operator.local.plan import plan_local
 from kvpilot.operator.local.supervisor import Supervisor, free_port
 
@@ -39,7 +41,9 @@ def disagg_fleet(tmp_path_factory):
     manifest = copy.deepcopy(TINY)
     manifest["spec"].update(servingMode="disaggregated", prefill={"replicas": 1},
                             decode={"replicas": 2})
-    engines, router = plan_local(manifest, free_port, free_port())
+    secret = write_fleet_secret()  # as kvpilot up does: a prefill/decode engine needs one
+    engines, router = plan_local(manifest, free_port, free_port(),
+                                 fleet_secret_file=str(secret))
     supervisor = Supervisor(tmp_path_factory.mktemp("fleet-logs"))
     for process in engines:
         process.env[LEASE_SECONDS_ENV] = str(LEASE_SECONDS)
@@ -47,9 +51,10 @@ def disagg_fleet(tmp_path_factory):
         for process in [*engines, router]:
             supervisor.start(process)
         supervisor.wait_ready(120, {"router": "/ready"})
-        yield supervisor, engines, router
+        yield supervisor, engines, router, FleetSecret.from_file(str(secret))
     finally:
         supervisor.stop()
+        secret.unlink()
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +100,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 def test_disaggregated_answers_equal_the_aggregated_engine(disagg_fleet, aggregated_tokens):
-    _, _, router = disagg_fleet
+    _, _, router, _ = disagg_fleet
     with httpx.Client(base_url=router.url, timeout=60) as client:
         texts, transferred = [], []
         for prompt in PROMPTS:
@@ -142,7 +147,7 @@ def streamed(client: httpx.Client, path: str, body: dict) -> tuple[str, set[str]
 def test_streams_take_the_first_token_from_the_prefill(disagg_fleet, aggregated, fields):
     """A streamed request's first token comes from the prefill instance; the decode instance
     continues from it: the text equals the aggregated engine's, one id throughout."""
-    _, _, router = disagg_fleet
+    _, _, router, _ = disagg_fleet
     sampling = {**fields, "max_tokens": 12, "ignore_eos": True}
     expected = aggregated(**sampling)
     with httpx.Client(base_url=router.url, timeout=60) as client:
@@ -159,7 +164,7 @@ def test_streams_take_the_first_token_from_the_prefill(disagg_fleet, aggregated,
 
 
 def test_killed_decode_mid_stream(disagg_fleet):
-    supervisor, engines, router = disagg_fleet
+    supervisor, engines, router, fleet = disagg_fleet
     prefill = next(e for e in engines if e.role == "prefill")
     body = {"model": "tiny-llama", "prompt": list(range(400, 430)), "max_tokens": 450,
             "temperature": 0, "ignore_eos": True, "stream": True}
@@ -195,10 +200,10 @@ def test_killed_decode_mid_stream(disagg_fleet):
     # prefill engine owns no block. (Its /metrics only refresh after a step, so ask its agent.)
     agent = kv_address(prefill.url)
     deadline = time.monotonic() + LEASE_SECONDS + 3
-    stats = asyncio.run(request_stats(agent))
+    stats = asyncio.run(request_stats(agent, key=fleet.kv_key))
     while stats["owned_blocks"] and time.monotonic() < deadline:
         time.sleep(0.2)
-        stats = asyncio.run(request_stats(agent))
+        stats = asyncio.run(request_stats(agent, key=fleet.kv_key))
     assert stats == {"leases": 0, "leased_blocks": 0, "owned_blocks": 0}
 
 
@@ -211,6 +216,19 @@ def test_kvpilot_up_once_answers_and_leaves_nothing_running(tmp_path):
     assert result.stdout.strip()
     for log in tmp_path.glob("*.log"):  # every process shut down through its drain path
         assert "Finished server process" in log.read_text(), log.name
+
+
+def test_kvpilot_up_on_a_busy_port_is_one_line_exit_2(tmp_path):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "kvpilot.cli.main", "up", "--port", str(port),
+             "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr.strip().splitlines()[-1]
+    assert not list(tmp_path.glob("*.log"))  # nothing started
 
 
 def test_kvpilot_up_stops_everything_on_sigterm(tmp_path):

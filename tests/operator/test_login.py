@@ -56,11 +56,11 @@ def exec_kubeconfig(tmp_path: Path, server: str, token: str, fail: bool = False,
     return path
 
 
-def one_line_failure(env: dict[str, str]) -> str:
-    """Runs `kvpilot operator` expecting a quick exit 1; gives its one stderr line."""
+def one_line_failure(env: dict[str, str], code: int = 1) -> str:
+    """Runs `kvpilot operator` expecting a quick exit `code`; gives its one stderr line."""
     start = time.monotonic()
     done = subprocess.run(OPERATOR, env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == code, done.stdout + done.stderr
     assert time.monotonic() - start < 30  # no retry loop
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
@@ -108,6 +108,16 @@ def test_without_a_cluster_the_operator_exits_1_with_one_line(tmp_path: Path):
     env = {**os.environ, "HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none")}
     line = one_line_failure(env)
     assert "no cluster" in line and "KUBECONFIG" in line
+
+
+@pytest.mark.parametrize("text", ["apiVersion: v1\nclusters: [\n  - {name: x\n", "- a\n- b\n",
+                                  "just text\n"])
+def test_a_malformed_kubeconfig_is_one_line_exit_2(tmp_path: Path, text: str):
+    """It crashed with a YAML traceback (issue 49)."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(text)
+    line = one_line_failure({**os.environ, "KUBECONFIG": str(path)}, code=2)
+    assert f"kubeconfig {path} is not a readable kubeconfig" in line and "fix the file" in line
 
 
 def test_an_unreachable_server_or_a_failing_plugin_is_one_line(tmp_path: Path):

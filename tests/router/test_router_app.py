@@ -287,5 +287,42 @@ async def test_a_body_that_is_not_a_json_object_is_a_400_without_forwarding(flee
         response = await client.post("/v1/completions", content=content,
                                      headers={"content-type": "application/json"})
     assert response.status_code == 400
-    assert response.json()["error"]["message"] == "the body must be a JSON object"
+    error = response.json()["error"]
+    # the engine's body (`contracts.openai_errors`), the engine's words: the parity test
+    # (tests/server/test_router_parity.py) sends these to both
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None,
+                                                              None)
+    assert "JSON" in error["message"] or "UTF-8" in error["message"]
     assert engine.bodies == []
+
+
+@pytest.mark.parametrize("disaggregated", [False, True])
+async def test_a_lone_surrogate_or_nan_reaches_the_engines_as_sent(fleet, disaggregated):
+    """httpx cannot encode a lone surrogate or NaN: the router answered 500 with a
+    traceback (issue 49). Each leg now gets JSON that parses to the client's object, for
+    the engine to refuse naming the field."""
+    engines = ([FakeEngine("p", role="prefill"), FakeEngine("d", role="decode")]
+               if disaggregated else [FakeEngine("a")])
+    router, _ = await fleet(engines, transfer_timeout=0.5)
+    raw = (b'{"model": "tiny", "stream": true, "temperature": NaN, "stop": ["\\ud800"], '
+           b'"messages": [{"role": "user", "content": "a\\ud800b"}]}')
+    async with httpx.AsyncClient(base_url=router) as client:
+        response = await client.post("/v1/chat/completions", content=raw,
+                                     headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    for engine in engines:
+        body = engine.bodies[-1]
+        assert body["messages"][0]["content"] == "a\ud800b" and body["stop"] == ["\ud800"]
+        assert body["temperature"] != body["temperature"]  # NaN
+
+
+async def test_a_body_over_the_limit_is_a_413_unread(fleet):
+    engine = FakeEngine("a")
+    router, _ = await fleet([engine], max_request_bytes=4096)
+    async with httpx.AsyncClient(base_url=router) as client:
+        big = await client.post("/v1/completions", json={**COMPLETION, "prompt": "x" * 5000})
+        small = await client.post("/v1/completions", json=COMPLETION)
+    assert big.status_code == 413
+    error = big.json()["error"]
+    assert "--max-request-bytes" in error["message"] and error["code"] is None
+    assert small.status_code == 200 and len(engine.bodies) == 1

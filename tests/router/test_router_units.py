@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Request
@@ -217,3 +218,39 @@ def test_read_metrics_sums_over_label_sets_and_reads_buckets():
     assert buckets == {"ttft_seconds": {0.1: 0.0, 1.0: 1.0, float("inf"): 1.0}}
     only_graph, _ = read_metrics(text, ["steps"], labels={"mode": "graph"})
     assert only_graph == {"steps": 3.0}
+
+
+@pytest.mark.parametrize("tokenizer", [None, "tiny-llama"])
+def test_a_huge_prompt_is_hashed_by_its_front_only(tokenizer):
+    """A 16 MB prompt took the router seconds to hash whole; it hashes MAX_HASHED characters,
+    and the blocks before the cut equal the whole prompt's."""
+    from kvpilot.engine.contracts.tokenizer import load_tokenizer
+    from kvpilot.engine.router.prompt import MAX_HASHED
+
+    hasher = PromptHasher(16, load_tokenizer(tokenizer) if tokenizer else None)
+    huge = hasher.hashes({"prompt": "lorem ipsum dolor sit amet " * (16 * 2**20 // 27)})
+    front = hasher.hashes({"prompt": "lorem ipsum dolor sit amet " * (MAX_HASHED // 27 - 10)})
+    assert len(huge) <= MAX_HASHED // 16 and huge[:len(front) - 2] == front[:-2]
+
+
+def test_the_router_does_not_log_its_scrapes_at_info(tmp_path):
+    """Two INFO lines per engine every --refresh-interval (httpx's request log) (issue 49)."""
+    import time
+
+    from kvpilot.operator.local.supervisor import free_port
+
+    engine_port, router_port = free_port(), free_port()
+    fake = subprocess.Popen([sys.executable, str(Path(__file__).parent / "router_fake_engine.py"),
+                             str(engine_port), "e"])
+    router = subprocess.Popen([sys.executable, "-m", "kvpilot.cli", "route", "--instances",
+                               f"http://127.0.0.1:{engine_port}", "--port", str(router_port),
+                               "--refresh-interval", "0.05"],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)  # ~60 scrapes of the engine
+    finally:
+        router.terminate()
+        fake.terminate()
+        _, err = router.communicate(timeout=30)
+        fake.wait(30)
+    assert "HTTP Request" not in err, err[-2000:]

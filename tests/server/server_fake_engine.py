@@ -31,6 +31,7 @@ class ByteTokenizer:
 
     eos_token_id = 256
     vocab_size = 257
+    max_token_chars = 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())

@@ -186,3 +186,58 @@ def test_serve_positional_with_a_chat_template_logs_then_listens(tmp_path: Path)
         proc.wait(timeout=60)
     assert subprocess.run([sys.executable, "-m", "kvpilot.cli", "serve", "--help"],
                           capture_output=True, text=True, timeout=60).stdout.count("MODEL") >= 1
+
+
+def one_line_exit_2(command: list[str]) -> str:
+    """Runs `kvpilot COMMAND...` expecting exit 2 and no traceback; gives its last stderr
+    line (a start-up warning may come before it)."""
+    done = subprocess.run([sys.executable, "-m", "kvpilot.cli", *command], timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", [["serve", "tiny-llama", "--device", "cpu"],
+                                     ["route", "--instances", "http://127.0.0.1:9"]])
+def test_a_busy_port_is_one_line_exit_2(command: list[str]):
+    """It printed a 14-line traceback (issue 49)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        line = one_line_exit_2([*command, "--port", str(port)])
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "pick another --port" in line
+
+
+@pytest.mark.parametrize("command", [["serve", "tiny-llama", "--device", "cpu"],
+                                     ["route", "--instances", "http://127.0.0.1:9"]])
+def test_an_unreadable_secret_file_is_one_line_exit_2(tmp_path: Path, command: list[str]):
+    """A directory is unreadable as a file even to root."""
+    line = one_line_exit_2([*command, "--fleet-secret-file", str(tmp_path)])
+    assert "--fleet-secret-file" in line or str(tmp_path) in line
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_kv_role_without_a_fleet_secret_refuses_to_start(role: str):
+    """It ran open to anyone computing an HMAC with the empty key (issue 49)."""
+    line = one_line_exit_2(["serve", "tiny-llama", "--device", "cpu", "--role", role,
+                            "--port", "0"])
+    assert f"--role {role} without --fleet-secret-file" in line and "--insecure-kv" in line
+
+
+def test_kv_events_are_closed_without_a_fleet_secret(tmp_path: Path):
+    """`kvpilot serve` without --fleet-secret-file served /kv_events (block hashes) to anyone."""
+    proc, base = start_server(tmp_path / "serve.log")
+    try:
+        answer = httpx.get(f"{base}/kv_events", timeout=30)
+        assert answer.status_code == 401 and "--insecure-kv" in answer.text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    proc, base = start_server(tmp_path / "open.log", extra=("--insecure-kv",))
+    try:
+        assert httpx.get(f"{base}/kv_events", timeout=30).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)

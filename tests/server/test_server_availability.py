@@ -36,7 +36,9 @@ def health_seconds(port: int) -> float:
 
 
 def test_health_answers_while_long_prompts_are_tokenised(tmp_path):
-    proc, base = start_server(tmp_path / "serve.log")
+    # a limit above the prompts, so they are tokenised (the default refuses them unread:
+    # tests/server/test_server_big_prompts.py)
+    proc, base = start_server(tmp_path / "serve.log", extra=("--max-prompt-chars", "600000"))
     try:
         statuses: list[int] = []
 

@@ -56,7 +56,14 @@ def test_kv_events_need_the_fleet_signature(secured, headers, status):
 
 
 @pytest.mark.parametrize(("auth", "path", "headers", "status"), [
-    (HttpAuth(), "/kv_events", {}, 200),  # no secret, no key: open, as before (warned)
+    (HttpAuth(), "/kv_events", {}, 200),  # no secret, no key: open in-process test apps
+    # kvpilot serve without --insecure-kv: closed (it served block hashes to anyone)
+    (HttpAuth(open_fleet_paths=False), "/kv_events", {}, 401),
+    # the scheme is case-insensitive (RFC 9110); `bearer KEY` was a 401
+    (HttpAuth(KEY), "/v1/models", {"Authorization": f"bearer {KEY}"}, 200),
+    (HttpAuth(KEY), "/v1/models", {"Authorization": f"BEARER  {KEY}"}, 200),
+    (HttpAuth(KEY), "/v1/models", {"Authorization": f"Basic {KEY}"}, 401),
+    (HttpAuth(KEY), "/v1/models", {"Authorization": KEY}, 401),
     (HttpAuth(KEY), "/kv_events", {}, 401),  # a key but no secret: the key guards it
     (HttpAuth(KEY), "/kv_events", {"Authorization": f"Bearer {KEY}"}, 200),
     (HttpAuth(KEY), "/v1/models", {}, 401),

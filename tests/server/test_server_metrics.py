@@ -60,6 +60,12 @@ def test_metrics_count_a_known_workload(server: RunningServer) -> None:
     assert histogram_count(server, names.REQUEST_QUEUE_TIME) == n
     # One inter-token sample per token after the first.
     assert histogram_count(server, names.INTER_TOKEN_LATENCY) == n * (MAX_TOKENS - 1)
+    # vLLM's per-request token histograms and the older ITL name (issue 49: missing)
+    assert histogram_count(server, names.TIME_PER_OUTPUT_TOKEN) == n * (MAX_TOKENS - 1)
+    assert histogram_count(server, names.REQUEST_PROMPT_TOKENS) == n
+    assert server.metric(f"{names.REQUEST_PROMPT_TOKENS}_sum") == prompt_tokens
+    assert histogram_count(server, names.REQUEST_GENERATION_TOKENS) == n
+    assert server.metric(f"{names.REQUEST_GENERATION_TOKENS}_sum") == n * MAX_TOKENS
     assert server.metric(f"{names.E2E_REQUEST_LATENCY}_sum") > 0
     assert server.metric(names.NUM_REQUESTS_RUNNING) == 0
     assert server.metric(names.KV_CACHE_USAGE_PERC) == idle_kv

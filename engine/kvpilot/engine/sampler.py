@@ -92,6 +92,18 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     return logits - presence[:, None] * (counts > 0).float()
 
 
+def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Gives `logits` (float) with each row's `logit_bias` added to its tokens' logits."""
+    out = logits.clone()
+    dev = logits.device
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = to_device(list(p.logit_bias), dev, torch.long)
+            out[i].index_add_(0, ids, to_device(list(p.logit_bias.values()), dev,
+                                                torch.float32))
+    return out
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
@@ -161,7 +173,7 @@ def _fusable(row: SamplingRow, greedy: bool) -> bool:
     top_p)."""
     p = row.params
     return greedy or (row.generator is None and p.min_p == 0 and p.top_k <= 0
-                      and p.top_p >= 1.0)
+                      and p.top_p >= 1.0 and not p.logit_bias)
 
 
 class Sampler:
@@ -205,6 +217,8 @@ class Sampler:
             logits = logits.float()
         if bitmask is not None:  # the grammar's allowed tokens, before any other processing
             logits = apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
+        if any(p.logit_bias for p in params):
+            logits = _apply_logit_bias(logits.float(), params)
         if any(r.banned_token_ids for r in rows):
             logits = logits.clone()
             for i, r in enumerate(rows):

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpilot.operator.handlers import register
     from kvpilot.operator.handlers.lifecycle import operator_settings
-    from kvpilot.operator.kube.login import LoginError, check_reachable, login
+    from kvpilot.operator.kube.login import KubeconfigError, LoginError, check_reachable, login
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(check_reachable(login(settings)))
     except LoginError as exc:
         print(f"kvpilot operator: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, KubeconfigError) else 1
     register()
     namespaces = list(args.namespace)
     asyncio.run(kopf.operator(

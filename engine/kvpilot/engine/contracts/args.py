@@ -34,9 +34,8 @@ KV_PORT_OFFSET = 1000
 # operator sets it from a Secret, so the key never shows in a pod's args).
 API_KEY_ENV = "KVPILOT_API_KEY"
 FLEET_SECRET_HELP = ("file holding the fleet's secret as hex text (the operator mounts it at "
-                     "/var/run/kvpilot/fleet/secret): authenticates KV-agent connections and "
-                     "/kv_events and salts block hashes; without it they are open and unsalted "
-                     "(a warning at start-up)")
+                     "/var/run/kvpilot/fleet/secret; kvpilot up writes one): authenticates "
+                     "KV-agent connections and /kv_events and salts block hashes")
 # one of the flag dataclasses (EngineArgs, ServerArgs, RouterArgs)
 ArgsT = TypeVar("ArgsT", bound="DataclassInstance")
 
@@ -114,6 +113,10 @@ class EngineArgs:
     kv_transfer_port: int = field(default=0, metadata={
         "help": f"TCP port of the KV-transfer listener (0: the server port + {KV_PORT_OFFSET})"})
     fleet_secret_file: str | None = field(default=None, metadata={"help": FLEET_SECRET_HELP})
+    insecure_kv: bool = field(default=False, metadata={
+        "help": "run without --fleet-secret-file anyway: a prefill/decode engine's KV port "
+                "and any engine's /kv_events then answer whoever reaches them (without this "
+                "flag such an engine refuses to start and /kv_events answers 401)"})
     # quantization (issue 23)
     quantization: str = field(default="none", metadata={"choices": QUANTIZATIONS,
         "help": "8-bit projection weights, quantised at load time (a pre-quantised fp8 or "
@@ -280,11 +283,23 @@ class ServerArgs:
         "help": "API server processes (HTTP, tokenisation, detokenisation, SSE) sharing the "
                 "port in front of the one engine core process; more than 1 when one "
                 "process's Python is the limit"})
+    max_request_bytes: int = field(default=0, metadata={
+        "help": "largest request body taken; a larger one gets 413 before it is read. 0: "
+                "sized from --max-model-len (the largest prompt as JSON escapes, or "
+                "max-model-len token ids, plus 1 MiB)"})
+    max_prompt_chars: int = field(default=0, metadata={
+        "help": "longest prompt (characters of text, or of a chat's messages) tokenised; a "
+                "longer one gets 400 before tokenising. 0: --max-model-len times the "
+                "vocabulary's longest token, the most characters that can fit"})
 
     def __post_init__(self) -> None:
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count={self.api_server_count!r} is invalid: "
                              "must be at least 1")
+        for name in ("max_request_bytes", "max_prompt_chars"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be >= 0 "
+                                 "(0: sized from --max-model-len)")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice=True needs tool_call_parser: pass "
                              f"--tool-call-parser ({' or '.join(TOOL_CALL_PARSERS)})")

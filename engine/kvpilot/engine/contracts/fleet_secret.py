@@ -34,6 +34,11 @@ MAX_CLOCK_SKEW_S = 300  # how old (or early) a signed request may be
 UNAUTHENTICATED_WARNING = ("no --fleet-secret-file: KV-agent connections and /kv_events are "
                            "unauthenticated and block hashes unsalted; pass a file holding "
                            "hex text, e.g. from `openssl rand -hex 32`")
+INSECURE_ROLE_REFUSAL = (
+    "--role {role} without --fleet-secret-file: its KV port would answer anyone who "
+    "computes an HMAC with the empty key; pass --fleet-secret-file PATH (hex text, e.g. "
+    "`openssl rand -hex 32 > PATH`, the same file for the fleet's engines and router), or "
+    "--insecure-kv to run it open")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,9 @@ class HttpAuth:
     api_key: str | None = field(default=None, repr=False)
     fleet: FleetSecret = field(default_factory=FleetSecret)
     metrics_require_api_key: bool = False
+    # without a secret or a key: whether fleet paths stay open (`kvpilot serve --insecure-kv`;
+    # `kvpilot serve` closes them otherwise, in-process test apps leave them open)
+    open_fleet_paths: bool = True
 
     def kind(self, path: str) -> str:
         """Gives `fleet`, `user` or `open`: which credential `path` needs."""
@@ -63,10 +66,16 @@ class HttpAuth:
             return (f"{path} is fleet-internal: send '{FLEET_AUTH_HEADER}' signed with the "
                     "fleet's secret (--fleet-secret-file); it is missing, wrong or more than "
                     f"{MAX_CLOCK_SKEW_S}s off this host's clock")
+        if kind == "fleet" and self.api_key is None and not self.open_fleet_paths:
+            return (f"{path} is fleet-internal and this server has no --fleet-secret-file: "
+                    "give it and its router one, or start it with --insecure-kv to serve "
+                    f"{path} to anyone")
         if kind == "open" or self.api_key is None:
             return None
-        given = headers.get("authorization", "")
-        if hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        scheme, _, token = headers.get("authorization", "").strip().partition(" ")
+        # the scheme is case-insensitive (RFC 9110 11.1): clients send `bearer` too
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              self.api_key.encode()):
             return None
         return "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
 

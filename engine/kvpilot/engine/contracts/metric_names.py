@@ -35,6 +35,11 @@ TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
 E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
 REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
+# per finished request, as vLLM's: its prompt and generated token counts
+REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
+REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
+# vLLM's older name of the inter-token latency, still scraped by its dashboards: same samples
+TIME_PER_OUTPUT_TOKEN = "vllm:time_per_output_token_seconds"
 
 NUM_WAITING_PROMPT_TOKENS = "kvpilot_num_waiting_prompt_tokens"
 DRAINING = "kvpilot_draining"

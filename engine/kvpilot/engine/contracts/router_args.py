@@ -111,6 +111,10 @@ class RouterArgs:
     metrics_require_api_key: bool = field(default=False, metadata={
         "help": "require the API key on /metrics too (open by default)"})
     fleet_secret_file: str | None = field(default=None, metadata={"help": FLEET_SECRET_HELP})
+    max_request_bytes: int = field(default=64 * 2**20, metadata={
+        "help": "largest request body the router reads; a larger one gets 413 unread (an "
+                "engine's own limit, sized from its --max-model-len, is usually lower: its "
+                "413 passes through)"})
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -128,7 +132,8 @@ class RouterArgs:
         if self.discovery == "kubernetes" and not self.selector:
             raise ValueError("selector=None is invalid with discovery=kubernetes: pass "
                              "--selector LABEL=VALUE")
-        for name in ("block_size", "prefix_index_max_entries", "eject_after_failures"):
+        for name in ("block_size", "prefix_index_max_entries", "eject_after_failures",
+                     "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be at least 1")
         if self.lora_affinity_margin < 0:

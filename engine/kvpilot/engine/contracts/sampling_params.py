@@ -35,6 +35,9 @@ class SamplingParams:
     # the first output token, sampled elsewhere with these parameters (a disaggregated
     # prefill engine): the engine emits it instead of sampling the first token
     first_token_id: int | None = None
+    # OpenAI's: added to these tokens' logits before any other processing (-100 bans a
+    # token, 100 all but forces it)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +92,10 @@ class SamplingParams:
                                              and self.structured_outputs is None),
              "first_token_id", self.first_token_id, "works with n=1, no beam search and no "
              "structured outputs only: drop it"),
+            (not self.logit_bias or all(isinstance(t, int) and t >= 0
+                                        and -100 <= b <= 100
+                                        for t, b in self.logit_bias.items()),
+             "logit_bias", self.logit_bias, "maps token ids >= 0 to biases in [-100, 100]"),
         ]
         for ok, name, value, fix in checks:
             if not ok:

@@ -47,6 +47,11 @@ class TokenizerLike(Protocol):
         `extra` are more template variables (`tools`)."""
         ...
 
+    @property
+    def max_token_chars(self) -> int:
+        """Gives the most characters of text one token covers (sizes the prompt limit)."""
+        ...
+
 class Tokenizer:
     """Encodes, decodes and renders chats the way HF's fast tokenizer does for the same files."""
 
@@ -62,11 +67,21 @@ class Tokenizer:
             {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
             | {i for i in (self.bos_token_id, self.eos_token_id) if i is not None})
         self._add_bos = bool(config.get("add_bos_token")) and self.bos_token_id is not None
+        self._max_token_chars: int | None = None
 
     @property
     def vocab_size(self) -> int:
         """Gives the number of token ids, added tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_token_chars(self) -> int:
+        """Gives the longest vocabulary string's length: no token covers more characters
+        (a byte-level piece has one character per byte; added tokens included)."""
+        if self._max_token_chars is None:
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max(map(len, vocab), default=1) or 1
+        return self._max_token_chars
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Gives the token ids of `text`; with special tokens, BOS leads when the files say so."""

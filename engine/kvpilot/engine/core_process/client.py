@@ -310,7 +310,8 @@ class CoreClient:
                 # here, not where add_request resumes: this task may read the request's
                 # first outputs before that
                 if self.metrics is not None:
-                    self.metrics.on_added(request_id, live.arrival_time)
+                    self.metrics.on_added(request_id, live.arrival_time,
+                                          len(live.state.prompt_token_ids))
         for request_id, reason in message.rejected:
             live = self._requests.pop(request_id, None)
             if live is not None and live.accepted is not None and not live.accepted.done():

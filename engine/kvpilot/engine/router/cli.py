@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
+import sys
 
 from kvpilot.engine.contracts.args import add_dataclass_args, from_namespace, resolve_api_key
 from kvpilot.engine.contracts.fleet_secret import UNAUTHENTICATED_WARNING, FleetSecret
@@ -25,19 +27,37 @@ def run(args: argparse.Namespace) -> int:
         router_args: RouterArgs = from_namespace(RouterArgs, args)
         router_args.api_key = resolve_api_key(router_args.api_key)
         fleet = FleetSecret.from_file(router_args.fleet_secret_file)
-    except ValueError as exc:
-        print(f"kvpilot route: {exc}")
+    except (ValueError, OSError) as exc:  # OSError: a --fleet-secret-file it cannot read
+        print(f"kvpilot route: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=router_args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: the scrapes (/metrics, /ready, /kv_events of each
+    # engine every --refresh-interval) were two lines per engine every 2 s. Debug keeps them.
+    logging.getLogger("httpx").setLevel(max(logging.getLogger().level, logging.WARNING)
+                                         if router_args.log_level != "debug" else logging.DEBUG)
     if not fleet.enabled:
         logging.getLogger("kvpilot.router").warning(UNAUTHENTICATED_WARNING)
     tokenizer = None
     if router_args.tokenizer:
         # Torch-free: the engine's tokenizer wraps `tokenizers` and jinja2 only.
         from kvpilot.engine.contracts.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(router_args.tokenizer)
+        try:
+            tokenizer = load_tokenizer(router_args.tokenizer)
+        except (ValueError, OSError) as exc:
+            print(f"kvpilot route: {exc}", file=sys.stderr)
+            return 2
     app = build_app(router_args, tokenizer=tokenizer)
-    uvicorn.run(app, host=router_args.host, port=router_args.port,
-                log_level=router_args.log_level, timeout_graceful_shutdown=5)
+    try:  # bound here: uvicorn would log a busy port over several lines and exit 1
+        sock = socket.create_server((router_args.host, router_args.port),
+                                    family=socket.AF_INET6 if ":" in router_args.host
+                                    else socket.AF_INET, backlog=2048)
+    except OSError as exc:
+        print(f"kvpilot route: cannot listen on {router_args.host}:{router_args.port} "
+              f"({exc.strerror or exc}): pick another --port or stop the process that holds "
+              "it", file=sys.stderr)
+        return 2
+    config = uvicorn.Config(app, log_level=router_args.log_level, timeout_graceful_shutdown=5)
+    with sock:
+        uvicorn.Server(config).run(sockets=[sock])
     return 0

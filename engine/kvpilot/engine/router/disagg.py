@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from kvpilot.engine.contracts.openai_errors import encode_body
 from kvpilot.engine.router.fleet import Instance
 from kvpilot.engine.router.proxy import RETRY_STATUSES, NoInstance
 from kvpilot.engine.router.stall import Stalled, until_stalled
@@ -187,7 +188,8 @@ async def run_prefill(client: httpx.AsyncClient, pick: Callable[[set[str]], Awai
         tried.add(instance.url)
         try:
             response = await until_stalled(instance.stall, client.post(
-                instance.url + path, json=request, headers=headers))
+                instance.url + path, content=encode_body(request),
+                headers={"content-type": "application/json", **headers}))
         except Stalled:
             log.info("prefill on %s: the instance stalled", instance.url)
             continue  # ejected already

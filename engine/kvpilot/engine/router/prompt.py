@@ -20,6 +20,9 @@ from kvpilot.engine.contracts.block_hash import UNSALTED, hash_prompt_blocks
 from kvpilot.engine.contracts.tokenizer import TokenizerLike, check_unicode
 
 BYTES_PER_TOKEN = 4
+# The most of a prompt hashed (characters of text, or token ids): affinity is decided by a
+# prompt's front, and a router reading a 16 MB prompt whole would spend seconds on it.
+MAX_HASHED = 262_144
 log = logging.getLogger("kvpilot.router")
 
 
@@ -81,7 +84,7 @@ class PromptHasher:
             return []
 
     def _encode_bytes(self, body: dict[str, Any]) -> list[int]:
-        prompt = prompt_text(body)
+        prompt = prompt_text(body)[:MAX_HASHED]
         return list(prompt) if isinstance(prompt, list) else list(check_unicode(prompt).encode())
 
     def _encode_tokens(self, body: dict[str, Any]) -> list[int]:
@@ -90,6 +93,6 @@ class PromptHasher:
         if "messages" in body:
             text = tok.apply_chat_template(chat_messages(body), add_generation_prompt=True)
             # The template writes any BOS itself (the engine server encodes it the same way).
-            return list(tok.encode(text, add_special_tokens=False))
-        prompt = prompt_text(body)
+            return list(tok.encode(text[:MAX_HASHED], add_special_tokens=False))
+        prompt = prompt_text(body)[:MAX_HASHED]
         return prompt if isinstance(prompt, list) else list(tok.encode(prompt))

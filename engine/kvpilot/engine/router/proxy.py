@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvpilot.engine.contracts.openai_errors import encode_body, error_object
 from kvpilot.engine.contracts.router_args import SERVED_BY_HEADER
 from kvpilot.engine.router.fleet import Fleet, Instance
 from kvpilot.engine.router.metrics import RouterMetrics
@@ -46,15 +47,10 @@ class Attempt:
     first: bytes
 
 
-def error_body(message: str, code: int, kind: str = "upstream_error",
-               param: str | None = None) -> dict[str, Any]:
-    """Gives an OpenAI-style error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def sse_error(message: str, code: int) -> bytes:
-    """Gives the SSE event that ends a stream cut after its first byte."""
-    return f"data: {json.dumps(error_body(message, code))}\n\n".encode()
+def sse_error(message: str, status: int) -> bytes:
+    """Gives the SSE event that ends a stream cut after its first byte (the engine's shape:
+    `code` is the status)."""
+    return f"data: {json.dumps(error_object(status, message, code=status))}\n\n".encode()
 
 
 def whole_events(data: bytes) -> tuple[bytes, bytes]:
@@ -88,8 +84,9 @@ class Forwarder:
     async def _try(self, instance: Instance, path: str, body: dict[str, Any],
                    headers: dict[str, str]) -> Attempt | Response:
         """Gives an Attempt, or a final Response to pass through (a 4xx); raises to retry."""
-        request = self.client.build_request("POST", instance.url + path, json=body,
-                                            headers=headers)
+        request = self.client.build_request(
+            "POST", instance.url + path, content=encode_body(body),
+            headers={"content-type": "application/json", **headers})
         response = await self.client.send(request, stream=True)
         self.fleet.heard(instance)
         if response.status_code in RETRY_STATUSES:
@@ -125,7 +122,7 @@ class Forwarder:
             except NoInstance as exc:
                 if tried:  # every ready instance failed already
                     break
-                return JSONResponse(error_body(str(exc), 503, "no_instance"), 503)
+                return JSONResponse(error_object(503, str(exc), code="no_instance"), 503)
             tried.add(instance.url)
             self._begin(instance)
             try:
@@ -151,9 +148,10 @@ class Forwarder:
             self.metrics.ttfb.observe(time.monotonic() - arrival)
             return self._respond(result, arrival, served)
         if all_busy:  # overloaded, not broken: the client should back off and retry
-            return JSONResponse(error_body(f"every instance is busy; last: {last_error}", 429,
-                                           "rate_limit_exceeded"), 429)
-        return JSONResponse(error_body(f"all attempts failed; last: {last_error}", 502), 502)
+            return JSONResponse(error_object(429, f"every instance is busy; last: {last_error}",
+                                             code="every_instance_busy"), 429)
+        return JSONResponse(error_object(502, f"all attempts failed; last: {last_error}",
+                                         code="upstream_error"), 502)
 
     def _respond(self, attempt: Attempt, arrival: float, served: str) -> Response:
         content_type = attempt.response.headers.get("content-type", "application/json")

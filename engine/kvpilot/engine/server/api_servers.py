@@ -131,7 +131,13 @@ def serve_api(core: CoreHandle, config: ApiServerConfig, sock: socket.socket) ->
         tokenizer.chat_template = config.chat_template
     app = build_app(core, tokenizer, engine_args.name, max_queue_len=server_args.max_queue_len,
                     auth=config.auth, tool_call_parser=server_args.tool_call_parser
-                    if server_args.enable_auto_tool_choice else None)
+                    if server_args.enable_auto_tool_choice else None,
+                    max_request_bytes=server_args.max_request_bytes,
+                    max_prompt_chars=server_args.max_prompt_chars)
+    sizes = app.state.request_limits
+    logger.info("requests: bodies up to %d bytes (--max-request-bytes), prompts up to %d "
+                "characters (--max-prompt-chars)", sizes.max_request_bytes,
+                sizes.max_prompt_chars)
     settle_gc()
     run_event_loop(make_server(app, server_args).serve(sockets=[sock]))
 

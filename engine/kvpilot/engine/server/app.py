@@ -16,7 +16,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvpilot.engine.contracts.http_auth import HttpAuth
+from kvpilot.engine.contracts.request_limits import BodyLimit, RequestLimits
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from kvpilot.engine.contracts.version import kvpilot_version
 from kvpilot.engine.core_process.client import CoreClient
 from kvpilot.engine.core_process.launch import CoreHandle
 from kvpilot.engine.server.auth import authorizer
@@ -49,18 +51,23 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 def build_app(core: CoreHandle, tokenizer: TokenizerLike, model_name: str,
               max_queue_len: int = 1024, auth: HttpAuth | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, max_request_bytes: int = 0,
+              max_prompt_chars: int = 0) -> FastAPI:
     """Gives the app serving the engine `core` under `model_name`; it connects while starting
     and disconnects while stopping (the core's life is its launcher's).
 
     `auth` says which credential each path needs (`contracts.http_auth`; none: all open);
-    `tool_call_parser` (with --enable-auto-tool-choice) parses tool calls of tool_choice=auto.
+    `tool_call_parser` (with --enable-auto-tool-choice) parses tool calls of tool_choice=auto;
+    the two limits (0: sized from the model, `contracts.request_limits`) bound a request.
     """
     metrics = ServerMetrics(model_name)
     client = CoreClient(core, tokenizer, metrics)
     gate = Gate(max_queue_len, lambda: client.stats.num_waiting + client.num_pending,
                 on_drain=metrics.set_draining)
-    limits = Limits(max_model_len=core.ready.max_model_len, vocab_size=core.ready.vocab_size)
+    sizes = RequestLimits.for_model(core.ready.max_model_len, tokenizer.max_token_chars,
+                                    max_request_bytes, max_prompt_chars)
+    limits = Limits(max_model_len=core.ready.max_model_len, vocab_size=core.ready.vocab_size,
+                    max_prompt_chars=sizes.max_prompt_chars)
     ctx = ServingContext(client, tokenizer, model_name, limits, gate, tool_call_parser)
 
     @asynccontextmanager
@@ -69,13 +76,15 @@ def build_app(core: CoreHandle, tokenizer: TokenizerLike, model_name: str,
         try:
             yield
         finally:
-            ctx.cpu.shutdown(wait=False, cancel_futures=True)
+            ctx.shutdown()
             await client.close()
 
     app = FastAPI(title="kvpilot engine", version="0.1.0", lifespan=lifespan,
                   dependencies=[Depends(authorizer(auth or HttpAuth()))])
     app.state.ctx = ctx
     app.state.metrics = metrics
+    app.state.request_limits = sizes
+    app.add_middleware(BodyLimit, max_bytes=sizes.max_request_bytes)
     install_error_handlers(app)
 
     def lora_of(name: str) -> str | None:
@@ -102,6 +111,11 @@ def build_app(core: CoreHandle, tokenizer: TokenizerLike, model_name: str,
             reason = "draining" if gate.draining else "engine failed"
             return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ready"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's route: the server's version."""
+        return {"version": kvpilot_version()}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -11,7 +11,7 @@ from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core_process.client import OutputStream
 from kvpilot.engine.server.chat_tools import ToolReply
-from kvpilot.engine.server.params import chat_prompt, sampling_params
+from kvpilot.engine.server.params import chat_prompt, prompt_chars, sampling_params
 from kvpilot.engine.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -66,7 +66,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
     of chunks when `stream` is set."""
     arrival = time.monotonic()
     # rendering and tokenising in a worker thread keeps the loop serving (a long chat)
-    prompt = await ctx.off_loop(chat_prompt, request, ctx.tokenizer, ctx.limits)
+    prompt = await ctx.tokenising(prompt_chars(request, ctx.limits), chat_prompt, request,
+                                  ctx.tokenizer, ctx.limits)
     tools = ToolReply.of(request, ctx.tool_call_parser)
     # off the loop too: a JSON schema's grammar is compiled to be checked
     params = await ctx.off_loop(sampling_params, request, len(prompt), ctx.limits)

@@ -28,7 +28,11 @@ from kvpilot.engine.contracts.args import (
     model_from_cli,
     resolve_api_key,
 )
-from kvpilot.engine.contracts.fleet_secret import UNAUTHENTICATED_WARNING, FleetSecret
+from kvpilot.engine.contracts.fleet_secret import (
+    INSECURE_ROLE_REFUSAL,
+    UNAUTHENTICATED_WARNING,
+    FleetSecret,
+)
 from kvpilot.engine.contracts.http_auth import HttpAuth
 
 logger = logging.getLogger("kvpilot.serve")
@@ -46,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(engine, EngineArgs)
     server = parser.add_argument_group("server")
     add_dataclass_args(server, ServerArgs)
+
+
+def listen_error(host: str, port: int, exc: OSError) -> str:
+    """Gives the one-line reason a server cannot listen on (host, port), with the fix."""
+    return (f"cannot listen on {host}:{port} ({exc.strerror or exc}): pick another --port "
+            "(0: any free one) or stop the process that holds it")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -86,18 +96,28 @@ def run(args: argparse.Namespace) -> int:
                                          * engine_args.pipeline_parallel_size)
         # every pod of a group loads the same snapshot of a Hub id (never a download)
         engine_args = with_local_model(engine_args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: a file named by a flag that cannot be read
         print(f"kvpilot serve: {exc}", file=sys.stderr)
         return 2
     if rendezvous is not None and not rendezvous.is_driver_node:
         from kvpilot.engine.parallel.worker_pod import serve_worker_pod
         return serve_worker_pod(engine_args, server_args, rendezvous)
-    if not fleet.enabled:
+    if not fleet.enabled and engine_args.role != "both" and not engine_args.insecure_kv:
+        print(f"kvpilot serve: {INSECURE_ROLE_REFUSAL.format(role=engine_args.role)}",
+              file=sys.stderr)
+        return 2
+    if not fleet.enabled and engine_args.insecure_kv:
         logger.warning(UNAUTHENTICATED_WARNING)
     config = ApiServerConfig(engine_args, server_args,
                              HttpAuth(resolve_api_key(server_args.api_key), fleet,
-                                      server_args.metrics_require_api_key), template)
-    sock = bind(server_args.host, server_args.port)
+                                      server_args.metrics_require_api_key,
+                                      open_fleet_paths=engine_args.insecure_kv), template)
+    try:
+        sock = bind(server_args.host, server_args.port)
+    except OSError as exc:  # the port is taken, or the host is not this machine's
+        print(f"kvpilot serve: {listen_error(server_args.host, server_args.port, exc)}",
+              file=sys.stderr)
+        return 2
     host, port = sock.getsockname()[:2]
     # the KV agent of a prefill/decode role listens beside this port, in the core process
     core = CoreProcess.start(engine_args, host, port, server_args.log_level)

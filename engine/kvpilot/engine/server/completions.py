@@ -10,7 +10,7 @@ from fastapi import Request
 from kvpilot.engine.contracts.outputs import CompletionOutput, RequestOutput
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core_process.client import OutputStream
-from kvpilot.engine.server.params import completion_prompts, sampling_params
+from kvpilot.engine.server.params import completion_prompts, prompt_chars, sampling_params
 from kvpilot.engine.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -61,7 +61,9 @@ async def create_completion(request: CompletionRequest, raw: Request, ctx: Servi
     chunks when `stream` is set."""
     arrival = time.monotonic()
     # tokenising (a 1 MB prompt: ~2 s of CPU) in a worker thread keeps the loop serving
-    prompts = await ctx.off_loop(completion_prompts, request, ctx.tokenizer, ctx.limits)
+    chars = prompt_chars(request, ctx.limits)
+    prompts = await ctx.tokenising(chars, completion_prompts, request, ctx.tokenizer,
+                                   ctx.limits)
     # off the loop too: a JSON schema's grammar is compiled to be checked
     params = await ctx.off_loop(lambda: [sampling_params(request, len(ids), ctx.limits)
                                          for ids in prompts])

@@ -17,21 +17,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvpilot.engine.contracts.openai_errors import (
+    NOT_AN_OBJECT,
+    NOT_UTF8,
+    error_object,
+    invalid_json,
+)
 from kvpilot.engine.core_process.client import EngineDeadError, RequestAbortedError
-from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
-
-# OpenAI's error `type` strings per status code.
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
 
 # Engine and SamplingParams errors read "<field>=<value> is invalid: ..."; the field is the param.
 _FIELD = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_.]*)\s*=")
@@ -66,9 +60,8 @@ def error_response(status: int, message: str, param: str | None = None,
                    code: str | int | None = None,
                    headers: Mapping[str, str] | None = None) -> JSONResponse:
     """Gives the JSON response carrying OpenAI's error object."""
-    body = ErrorResponse(error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "error"),
-                                         param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    return JSONResponse(error_object(status, message, param, code), status_code=status,
+                        headers=headers)
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -81,13 +74,21 @@ def _param(loc: tuple[Any, ...]) -> str | None:
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """Gives the message and param of the first pydantic error, naming field, value and fix."""
     if not errors:
-        return "invalid request body", None
+        return NOT_AN_OBJECT, None
+    first = errors[0]
+    if first.get("type") == "json_invalid":  # loc is ("body", character offset): no field
+        loc = first.get("loc", ())
+        position = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else 0
+        return invalid_json(position, str(first.get("ctx", {}).get("error", "?"))), None
     # In a union (a prompt is text or token ids) a field's own check says more than the
-    # other branches' type errors.
-    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    # other branches' type errors: a value error first, then a branch whose type matched
+    # but whose bound did not (prompt=[-5]: "greater than or equal to 0", not "a string").
+    first = next((e for e in errors if e.get("type") == "value_error"), None) or next(
+        (e for e in errors if not str(e.get("type", "")).endswith(("_type", "_parsing"))),
+        errors[0])
     param = _param(tuple(first.get("loc", ())))
-    if first.get("type") == "json_invalid" or param is None:
-        return f"invalid request body: {first.get('msg')}; send a JSON object", param
+    if param is None:  # the body itself: not an object, or none sent
+        return NOT_AN_OBJECT, None
     value = first.get("input")
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
     if first.get("type") == "missing":
@@ -119,8 +120,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = str(exc.detail)
         if exc.status_code == 400 and "parsing the body" in message:
-            message = ("request body cannot be parsed: send a JSON object with "
-                       "'Content-Type: application/json'")
+            message = NOT_UTF8  # FastAPI's words for a body json.loads cannot decode
         return error_response(exc.status_code, message, headers=exc.headers)
 
     @app.exception_handler(Exception)

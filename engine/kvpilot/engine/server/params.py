@@ -25,15 +25,36 @@ from kvpilot.engine.server.structured import structured_outputs_of
 
 @dataclass
 class Limits:
-    """What the loaded model can take."""
+    """What the loaded model can take; `max_prompt_chars` (None: unchecked) bounds the text
+    tokenised for one request (`contracts.request_limits`)."""
 
     max_model_len: int
     vocab_size: int
+    max_prompt_chars: int | None = None
+
+
+def prompt_chars(request: CompletionRequest | ChatCompletionRequest, limits: Limits) -> int:
+    """Gives the characters of text the request asks to tokenise; a 400 naming the field
+    when they are more than `limits.max_prompt_chars` (before any tokenising: a 16 MB
+    prompt took 20 s to be found too long)."""
+    if isinstance(request, ChatCompletionRequest):
+        param = "messages"
+        chars = sum(len(m.text()) for m in request.messages)
+    else:
+        param = "prompt"
+        prompt = request.prompt
+        chars = len(prompt) if isinstance(prompt, str) else sum(
+            len(p) if isinstance(p, str | list) else 1 for p in prompt)
+    limit = limits.max_prompt_chars
+    if limit is not None and chars > limit:
+        raise bad_request(
+            f"{param} has {chars} characters, more than this server tokenises for one request "
+            f"({limit}, --max-prompt-chars; by default the most that can fit max_model_len="
+            f"{limits.max_model_len} tokens): shorten the {param}", param)
+    return chars
 
 
 def _check_common(request: SamplingFields) -> None:
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported by kvpilot: remove it", "logit_bias")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream=true: set stream=true "
                           "or remove stream_options", "stream_options")
@@ -61,6 +82,10 @@ def completion_prompts(request: CompletionRequest, tokenizer: TokenizerLike,
         items = [token_ids] if token_ids else [x for x in raw if not isinstance(x, int)]
     if not items:
         raise bad_request("prompt=[] is invalid: send at least one prompt", "prompt")
+    for i, item in enumerate(items):
+        if item == "":  # encodes to BOS alone: nothing to continue, as vLLM refuses it
+            param = "prompt" if isinstance(raw, str) else f"prompt.{i}"
+            raise bad_request(f"{param}='' is empty: send at least one character", param)
     prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
     for ids in prompts:
         check_prompt(ids, limits, "prompt")
@@ -140,6 +165,24 @@ def _max_tokens(requested: int | None, param: str, prompt_len: int, limits: Limi
     return requested
 
 
+def _logit_bias(bias: dict[str, float] | None, limits: Limits) -> dict[int, float] | None:
+    """Gives OpenAI's `logit_bias` ({"token id": bias}) with int keys; a 400 naming it when a
+    key is no token id of this vocabulary or a bias is outside [-100, 100]."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if key.strip().isdigit() else -1
+        if not 0 <= token < limits.vocab_size:
+            raise bad_request(f"logit_bias has key {key[:20]!r}, not a token id of this model: "
+                              f"use ids in [0, {limits.vocab_size}) as strings", "logit_bias")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias[{key!r}]={value} is invalid: biases are in "
+                              "[-100, 100]", "logit_bias")
+        out[token] = value
+    return out
+
+
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, prompt_len: int,
                     limits: Limits) -> SamplingParams:
     """Gives the SamplingParams of `request` for a prompt of `prompt_len` tokens."""
@@ -166,6 +209,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, prompt_l
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "structured_outputs": structured_outputs_of(request),
         "first_token_id": request.first_token_id,
+        "logit_bias": _logit_bias(request.logit_bias, limits),
     }
     optional = {"temperature": request.temperature, "top_p": request.top_p,
                 "top_k": request.top_k, "min_p": request.min_p,

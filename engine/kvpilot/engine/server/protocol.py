@@ -42,7 +42,9 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Sampling fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinities are JSON to Python's parser, never a valid sampling value: refused
+    # as "should be a finite number", not as out of a range they are not compared with
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     n: int = Field(default=1, ge=1, le=MAX_N)

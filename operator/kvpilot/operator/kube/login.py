@@ -4,7 +4,9 @@ A kubeconfig is read by the `kubernetes` client, so the operator logs in the way
 does: exec credential plugins (EKS, GKE, AKS), OIDC, token files, client certificates.
 A token that expires carries its expiry, so kopf and the handlers' client log in again
 before it passes. Without either source, or when the kubeconfig cannot give credentials,
-`LoginError` says so in one line (the CLI prints it and exits 1).
+`LoginError` says so in one line (the CLI prints it and exits 1); a kubeconfig that is no
+kubeconfig (YAML that does not parse, not a mapping) is a `KubeconfigError` (exit 2: the
+user's file to fix, not a cluster to wait for).
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ import os
 from collections.abc import Iterator
 
 import kopf
+import yaml
 
 DEFAULT_KUBECONFIG = "~/.kube/config"
 
 
 class LoginError(RuntimeError):
     """No usable credentials; the message is one line naming the source and the fix."""
+
+
+class KubeconfigError(LoginError):
+    """A kubeconfig file that cannot be read as one; the message names the file and line."""
 
 
 class _Collector(logging.Handler):
@@ -52,7 +59,13 @@ def kubeconfig_login(paths: str | None = None) -> kopf.ConnectionInfo:
     from kubernetes.config import ConfigException, kube_config
 
     paths = paths or os.environ.get("KUBECONFIG") or DEFAULT_KUBECONFIG
-    merged = kube_config.KubeConfigMerger(paths)
+    try:
+        merged = kube_config.KubeConfigMerger(paths)
+    except (yaml.YAMLError, AttributeError, TypeError, OSError) as exc:  # AttributeError,
+        # TypeError: YAML that is a list or a string, where the merger reads a mapping
+        reason = " ".join(str(exc).split())
+        raise KubeconfigError(f"kubeconfig {paths} is not a readable kubeconfig ({reason}): "
+                              "fix the file, or point KUBECONFIG at another") from exc
     if merged.config is None:
         raise LoginError(f"no cluster: no service account (not in a pod) and no kubeconfig at "
                          f"{paths}: set KUBECONFIG, or run the operator in the cluster")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -107,6 +108,13 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, yaml.YAMLError) as exc:
         secret_file.unlink()
         print(f"kvpilot up: {args.file}: {exc}", file=sys.stderr)
+        return 2
+    try:  # before any engine starts: a router that cannot bind would restart forever
+        socket.create_server(("127.0.0.1", args.port)).close()
+    except OSError as exc:
+        secret_file.unlink()
+        print(f"kvpilot up: cannot listen on 127.0.0.1:{args.port} ({exc.strerror or exc}): "
+              "pass --port N or stop the process that holds it", file=sys.stderr)
         return 2
     model = manifest["spec"]["model"]["name"]
     supervisor = Supervisor(log_dir)
