@@ -45,6 +45,7 @@ def traffic() -> list[tuple[str, list[int], SamplingParams]]:
         "presence": SamplingParams(temperature=0, presence_penalty=1.0, max_tokens=6),
         "repetition": SamplingParams(temperature=0.7, repetition_penalty=1.2, max_tokens=6),
         "logprobs": SamplingParams(temperature=0, logprobs=3, max_tokens=6),
+        "logit-bias": SamplingParams(temperature=0.7, logit_bias={7: 2.0}, max_tokens=6),
         "prompt-logprobs": SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=6),
         "min-tokens": SamplingParams(temperature=0, min_tokens=4, max_tokens=6),
         "json": SamplingParams(temperature=0, max_tokens=6,
@@ -87,8 +88,8 @@ def test_the_warm_up_leaves_nothing_behind():
             stats.eager_steps, stats.step_seconds) == (0, 0, 0, 0, {})
 
 
-@pytest.mark.parametrize("left_out", ["prefix-hit", "random", "top", "penalties", "logprobs",
-                                      "structured"])
+@pytest.mark.parametrize("left_out", ["prefix-hit", "random", "top", "penalties", "logit-bias",
+                                      "logprobs", "structured"])
 def test_a_path_left_out_of_the_warm_up_is_caught(monkeypatch, left_out):
     requests = warmup._requests
 
@@ -100,8 +101,8 @@ def test_a_path_left_out_of_the_warm_up_is_caught(monkeypatch, left_out):
     monkeypatch.setattr(warmup, "_requests", without)
     # a budget that no warm-up prompt but the widest fills: no other prompt is chunked, so
     # only the prefix hit continues a cached prefix
-    engine = LLMEngine.from_engine_args(EngineArgs(**{**ARGS, "max_num_batched_tokens": 128,
-                                                      "num_kv_blocks": 200}))
+    engine = LLMEngine.from_engine_args(EngineArgs(**{**ARGS, "max_num_batched_tokens": 256,
+                                                      "num_kv_blocks": 300}))
     serve(engine)
     assert engine.paths.cold, f"leaving {left_out!r} out of the warm-up went unnoticed"
 

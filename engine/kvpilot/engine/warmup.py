@@ -15,7 +15,7 @@ prefix cache, counters at zero):
   a cached prefix (a prefix hit, or the second chunk of a chunked prompt);
 - decode steps and mixed steps beside them (graphs, piecewise graphs);
 - the sampler's paths: greedy, random (temperature only: the fused kernel on CUDA),
-  top-k/top-p/min-p, seeded, penalties, logprobs, prompt logprobs, min_tokens;
+  top-k/top-p/min-p, seeded, penalties, logit bias, logprobs, prompt logprobs, min_tokens;
 - a structured (json_schema) request: the grammar compiler and the token bitmask;
 - speculative verifies, when `--speculative-config` is set.
 
@@ -59,6 +59,8 @@ def request_paths(params: SamplingParams, lora: bool) -> list[str]:
         paths.append("sampler:temperature")
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1:
         paths.append("sampler:penalties")
+    if params.logit_bias:
+        paths.append("sampler:logit-bias")
     if params.logprobs is not None:
         paths.append("sampler:logprobs")
     if params.prompt_logprobs is not None:
@@ -167,6 +169,7 @@ def _requests(engine: WarmEngine) -> tuple[list[_Request], int]:
         _Request("top", prompt(24), sampled(top_k=20, top_p=0.9, min_p=0.05, seed=7)),
         _Request("penalties", prompt(24), greedy(presence_penalty=0.5, frequency_penalty=0.5,
                                                  repetition_penalty=1.1)),
+        _Request("logit-bias", prompt(24), greedy(logit_bias={1: -1.0, 2: 0.5})),
         _Request("logprobs", prompt(24), greedy(logprobs=5, prompt_logprobs=2, min_tokens=2)),
         # (the grammar ends the output with EOS: no ignore_eos)
         _Request("structured", prompt(12), SamplingParams(
