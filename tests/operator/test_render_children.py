@@ -9,6 +9,7 @@ import pytest
 
 from kvpilot.engine.contracts.args import EngineArgs, ServerArgs, from_namespace
 from kvpilot.engine.contracts.router_args import RouterArgs
+from kvpilot.engine.contracts.router_objectives import parse_objectives
 from kvpilot.engine.router import cli as route_cli
 from kvpilot.engine.server import cli as serve_cli
 from kvpilot.operator.api.inference_model import InferenceModelSpec
@@ -83,6 +84,26 @@ def test_router_command_parses_as_kvpilot_route():
         "kubernetes", "ns", "least-load", 8080)
     assert args.selector == "kvpilot.dev/model=chat,kvpilot.dev/role"
     assert args.tokenizer == "tiny-llama"
+
+
+def test_router_flow_control_and_objectives_render_into_kvpilot_route():
+    router = {"policy": "predicted-latency",
+              "flowControl": {"saturationQueueDepth": 3, "maxQueuedPerFlow": 5,
+                              "queueTimeoutSeconds": 7.5, "sloUnmeetable": "shed"},
+              "objectives": [{"name": "premium", "priority": 10, "models": ["chat"],
+                              "ttftMs": 400}, {"name": "batch", "priority": -2}]}
+    deployment = next(o for o in children(router=router) if o["kind"] == "Deployment")
+    argv = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    args: RouterArgs = from_namespace(RouterArgs, parse(route_cli.add_arguments, argv))
+    assert (args.policy, args.flow_control, args.saturation_queue_depth,
+            args.max_queued_per_flow, args.max_queued_requests, args.queue_timeout,
+            args.slo_unmeetable) == ("predicted-latency", True, 3, 5, 1024, 7.5, "shed")
+    assert args.objectives is not None
+    assert [o.to_json() for o in parse_objectives(args.objectives)] == [
+        {"name": "premium", "priority": 10, "models": ["chat"], "ttftMs": 400.0},
+        {"name": "batch", "priority": -2}]
+    plain = next(o for o in children() if o["kind"] == "Deployment")
+    assert "--flow-control" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 @pytest.mark.parametrize(("mode", "role"), [("aggregated", "both"), ("disaggregated", "decode")])

@@ -189,6 +189,22 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
      "adapters need servingMode aggregated"),
     ("max-loras-without-adapters", im(engine={"maxLoraRank": 8}),
      "engine.maxLoras/maxLoraRank need an InferenceModel's spec.adapters"),
+    # router flow control and objectives (issue 46)
+    ("flow-control-and-objectives", im(
+        adapters=[{"name": "sql", "source": "hf://org/sql"}],
+        router={"policy": "predicted-latency", "flowControl": {"maxQueuedPerFlow": 8},
+                "objectives": [{"name": "premium", "priority": 10, "models": ["llama"],
+                                "ttftMs": 500},
+                               {"name": "batch", "priority": -1, "models": ["sql", "sql"]},
+                               {"name": "interactive", "tpotMs": 50}]}), None),
+    ("flow-per-flow-above-total", im(router={"flowControl": {"maxQueuedPerFlow": 9,
+                                                             "maxQueuedRequests": 8}}),
+     "maxQueuedPerFlow must be at most maxQueuedRequests"),
+    ("objective-model-not-served", im(router={"objectives": [{"name": "a", "models": ["x"]}]}),
+     "objectives' models must name spec.model.name or one of spec.adapters"),
+    ("objective-model-twice", im(router={"objectives": [{"name": "a", "models": ["llama"]},
+                                                        {"name": "b", "models": ["llama"]}]}),
+     "a model or adapter runs under one objective"),
 ]
 
 
@@ -228,6 +244,8 @@ def test_pydantic_agrees_with_cel(obj: dict[str, Any], expected: str | None):
     (im(adapters=[{"name": "sql", "source": "hf://o/a"}, {"name": "sql", "source": "hf://o/b"}]),
      "spec.adapters.1: Duplicate value: {'name': 'sql'}"),
     (im(adapters=[]), "spec.adapters: [] should be non-empty"),
+    (im(router={"objectives": [{"name": "a"}, {"name": "a"}]}),
+     "spec.router.objectives.1: Duplicate value: {'name': 'a'}"),
 ])
 def test_schema_rejects_field_values(crds: dict[str, Any], obj: dict[str, Any], expected: str):
     errors = api_server_errors(crds[obj["kind"]], obj)

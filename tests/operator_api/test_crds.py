@@ -27,8 +27,10 @@ def test_committed_crds_match_the_models(tmp_path: Path):
 
 
 @pytest.mark.parametrize("name", EXPECTED_FILES)
-def test_each_crd_is_under_64_kib(name: str):
-    assert (CRD_DIR / name).stat().st_size < 64 * 1024
+def test_each_crd_is_under_96_kib(name: str):
+    # kubectl's client-side apply keeps the whole object in a 256 KiB annotation: a CRD
+    # this size leaves it more than half free (decision 0014)
+    assert (CRD_DIR / name).stat().st_size < 96 * 1024
 
 
 def _structural_problems(node: dict[str, Any], path: str) -> list[str]:

@@ -35,6 +35,7 @@ class FakeEngine:
     kv_usage: float = 0.0
     chunks: int = 3
     stream_delay: float = 0.0
+    first_delay: float = 0.0  # seconds before a stream's first event (its TTFT)
     metrics_up: bool = True  # False: /metrics answers 503, as an engine still loading
     bodies: list[dict[str, Any]] = field(default_factory=list)
     authorization: list[str] = field(default_factory=list)  # of each generation request
@@ -98,6 +99,7 @@ class FakeEngine:
         return app
 
     async def _stream(self):
+        await asyncio.sleep(self.first_delay)
         for i in range(self.chunks):
             chunk = {"choices": [{"index": 0, "text": f"{self.name}:{i}"}]}
             yield f"data: {json.dumps(chunk)}\n\n".encode()

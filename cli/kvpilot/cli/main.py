@@ -31,7 +31,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "fetch": Subcommand("kvpilot.operator.weights.cli",
                          "download model weights from the Hugging Face Hub (init containers, Jobs)"),
     "bench": Subcommand("kvpilot.engine.loadgen.cli", "load-generate against an OpenAI server"),
-    "sim": Subcommand("kvpilot.operator.autoscale.sim_cli", "simulate a fleet under the autoscaler"),
+    "sim": Subcommand("kvpilot.cli.sim", "simulate a fleet under the autoscaler, or the "
+                      "router's flow control (--flows)"),
 }
 
 

@@ -88,3 +88,14 @@ ROUTER_PENDING_REQUESTS = "kvpilot_router_pending_requests"
 ROUTER_INSTANCES = "kvpilot_router_instances"
 ROUTER_PREFIX_INDEX_ENTRIES = "kvpilot_router_prefix_index_entries"
 ROUTER_TIME_TO_FIRST_BYTE = "kvpilot_router_time_to_first_byte_seconds"
+# flow control (`kvpilot route --flow-control`), by flow (the fairness id; the first
+# FLOW_LABELS_MAX flows seen get their own label, later ones share "other") and priority band
+ROUTER_FLOW_QUEUED = "kvpilot_router_flow_queued_requests"
+ROUTER_FLOW_QUEUE_TIME = "kvpilot_router_flow_queue_time_seconds"
+ROUTER_FLOW_REQUESTS = "kvpilot_router_flow_requests"  # by outcome: dispatched, shed, timeout, ...
+FLOW_LABEL = "flow"
+PRIORITY_LABEL = "priority"
+# predicted-latency placement: each replica's latency model, term by term, and SLO outcomes
+ROUTER_LATENCY_MODEL_COEFFICIENT = "kvpilot_router_latency_model_coefficient"
+ROUTER_LATENCY_MODEL_SAMPLES = "kvpilot_router_latency_model_samples"
+ROUTER_SLO_REQUESTS = "kvpilot_router_slo_requests"  # by outcome: met, missed

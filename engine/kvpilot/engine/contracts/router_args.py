@@ -15,8 +15,15 @@ from kvpilot.engine.contracts.args import (
     ROLES,
     _to_cli,
 )
+from kvpilot.engine.contracts.router_objectives import (
+    FAIRNESS_ID_HEADER,
+    OBJECTIVE_HEADER,
+    SLO_TTFT_HEADER,
+    parse_objectives,
+)
 
-POLICIES = ("round-robin", "least-load", "prefix-aware")
+POLICIES = ("round-robin", "least-load", "prefix-aware", "predicted-latency")
+SLO_UNMEETABLE = ("queue", "shed")
 DISCOVERIES = ("static", "kubernetes")
 
 # Labels the router reads on EndpointSlices (copied there from the pool's Service):
@@ -55,7 +62,37 @@ class RouterArgs:
         "help": "EndpointSlice port name of the engines' HTTP port"})
     refresh_interval: float = field(default=2.0, metadata={
         "help": "seconds between discovery refreshes and /metrics scrapes"})
-    policy: str = field(default="prefix-aware", metadata={"choices": POLICIES})
+    policy: str = field(default="prefix-aware", metadata={"choices": POLICIES, "help":
+        "predicted-latency: the replica with the lowest predicted TTFT that meets the "
+        "request's objectives (per-replica models learnt from served requests; prefix-aware "
+        "until every candidate's model has --latency-min-samples)"})
+    latency_min_samples: int = field(default=20, metadata={
+        "help": "predicted-latency: streamed requests a replica's model learns from before "
+                "placement trusts it"})
+    flow_control: bool = field(default=False, metadata={
+        "help": "hold requests in per-flow queues while every replica is saturated, dispatch "
+                f"by priority band and fairly across flows ({FAIRNESS_ID_HEADER}, else the API "
+                "key's tenant), shed with 429 + Retry-After from the lowest band first"})
+    saturation_queue_depth: int = field(default=2, metadata={
+        "help": "flow control: a replica is saturated once its engine queue (scraped "
+                "vllm:num_requests_waiting plus what the router sent it since) reaches this"})
+    saturation_kv_usage: float = field(default=0.95, metadata={
+        "help": "flow control: ... or its scraped vllm:kv_cache_usage_perc reaches this"})
+    max_queued_per_flow: int = field(default=64, metadata={
+        "help": "flow control: requests one flow may have queued in one band; more are shed"})
+    max_queued_requests: int = field(default=1024, metadata={
+        "help": "flow control: requests queued in all; a fuller queue sheds the lowest band's "
+                "newest request (or the arriving one when none is lower)"})
+    queue_timeout: float = field(default=30.0, metadata={
+        "help": "flow control: seconds a request may wait queued before a 429"})
+    objectives: str | None = field(default=None, metadata={
+        "help": "JSON list of objectives [{\"name\", \"priority\", \"models\", \"ttftMs\", "
+                f"\"tpotMs\"}}]: a request's band is the objective {OBJECTIVE_HEADER} names, "
+                "else the one whose models list its model or adapter, else 0"})
+    slo_unmeetable: str = field(default="queue", metadata={"choices": SLO_UNMEETABLE, "help":
+        f"flow control with predicted-latency: a request whose objective ({SLO_TTFT_HEADER}, "
+        "or its objective's) no replica is predicted to meet waits queued until one does, "
+        "or is shed at once"})
     tokenizer: str | None = field(default=None, metadata={
         "help": "tokenizer dir or built-in model name, so prompt block hashes equal the "
                 "engines' (default: hash the prompt's UTF-8 bytes)"})
@@ -118,7 +155,8 @@ class RouterArgs:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        for name, allowed in (("policy", POLICIES), ("discovery", DISCOVERIES)):
+        for name, allowed in (("policy", POLICIES), ("discovery", DISCOVERIES),
+                              ("slo_unmeetable", SLO_UNMEETABLE)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is invalid: choose one of {', '.join(allowed)}")
@@ -133,7 +171,8 @@ class RouterArgs:
             raise ValueError("selector=None is invalid with discovery=kubernetes: pass "
                              "--selector LABEL=VALUE")
         for name in ("block_size", "prefix_index_max_entries", "eject_after_failures",
-                     "max_request_bytes"):
+                     "max_request_bytes", "latency_min_samples", "saturation_queue_depth",
+                     "max_queued_per_flow", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be at least 1")
         if self.lora_affinity_margin < 0:
@@ -142,6 +181,16 @@ class RouterArgs:
         if self.disagg_min_prompt_tokens < 0:
             raise ValueError(f"disagg_min_prompt_tokens={self.disagg_min_prompt_tokens!r} is "
                              "invalid: must be >= 0 (0: disaggregate every prompt)")
+        if self.max_queued_per_flow > self.max_queued_requests:
+            raise ValueError(f"max_queued_per_flow={self.max_queued_per_flow} is invalid: must "
+                             f"be at most max_queued_requests={self.max_queued_requests}")
+        if not 0 < self.saturation_kv_usage <= 1:
+            raise ValueError(f"saturation_kv_usage={self.saturation_kv_usage!r} is invalid: "
+                             "must be in (0, 1]")
+        if not self.queue_timeout > 0:
+            raise ValueError(f"queue_timeout={self.queue_timeout!r} is invalid: must be > 0")
+        if self.objectives is not None:
+            parse_objectives(self.objectives)
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries!r} is invalid: must be >= 0")
         if self.instances:

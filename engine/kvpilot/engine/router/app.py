@@ -43,13 +43,16 @@ from kvpilot.engine.router.disagg import (
 )
 from kvpilot.engine.router.discovery import Discovery, make_discovery
 from kvpilot.engine.router.fleet import Fleet, Instance
+from kvpilot.engine.router.flow_control import ClientSide
 from kvpilot.engine.router.kv_events import MAX_BODY_BYTES, parse_event
+from kvpilot.engine.router.latency_tracker import RequestLatency
 from kvpilot.engine.router.lora import lora_candidates
 from kvpilot.engine.router.metrics import RouterMetrics
 from kvpilot.engine.router.policy import Weights, choose, hit_blocks
 from kvpilot.engine.router.prefix_index import PrefixIndex
 from kvpilot.engine.router.prompt import PromptHasher
 from kvpilot.engine.router.proxy import Forwarder, NoInstance, sse_error
+from kvpilot.engine.router.scheduling import Scheduling
 
 log = logging.getLogger("kvpilot.router")
 OPENAI_POST_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -84,6 +87,8 @@ class Router:
         self.forwarder = Forwarder(self.fleet, self.client, self.metrics,
                                    max_retries=args.max_retries,
                                    request_timeout=args.request_timeout)
+        self.scheduling = Scheduling(args, self.fleet, self.metrics, self.serving_roles)
+        self.forwarder.on_release = self.scheduling.load_changed
 
     @property
     def disaggregated(self) -> bool:
@@ -91,10 +96,16 @@ class Router:
         roles = {i.role for i in self.fleet.instances.values()}
         return "both" not in roles and {"prefill", "decode"} <= roles
 
+    def serving_roles(self) -> tuple[str, ...]:
+        """Gives the roles whose load flow control gates on: the replicas requests stream from."""
+        return ("decode",) if self.disaggregated else ("both",)
+
     async def pick(self, roles: tuple[str, ...], hashes: list[int], exclude: set[str],
-                   pinned: str | None = None, adapter: str | None = None) -> Instance:
+                   pinned: str | None = None, adapter: str | None = None,
+                   trip: RequestLatency | None = None) -> Instance:
         """Gives the instance the policy picks, waiting up to hold_timeout for one; an
-        `adapter` request's choice is narrowed first (`router.lora`)."""
+        `adapter` request's choice is narrowed first (`router.lora`); a `trip` is placed by
+        predicted latency under that policy and told where it went."""
         deadline = time.monotonic() + self.args.hold_timeout
         gauge = self.metrics.pending.labels(roles[0])
         gauge.inc()
@@ -123,10 +134,14 @@ class Router:
             views, outcome = lora_candidates(views, {i.url: i.lora for i in candidates},
                                              adapter, self.args.lora_affinity_margin)
             self.metrics.lora_requests.labels(outcome).inc()
-        view = choose(self.args.policy, views,
-                      counter=next(self.counter), hits=hits, num_blocks=len(hashes),
-                      weights=self.weights)
-        chosen = self.fleet.instances[view.url]
+        counter = next(self.counter)
+        url = self.scheduling.place(trip, {v.url: tiers[v.url] for v in views}, counter)
+        if url is None:  # any other policy, or a model still cold: prefix-aware stands in
+            policy = "prefix-aware" if self.scheduling.predicted else self.args.policy
+            url = choose(policy, views, counter=counter, hits=hits, num_blocks=len(hashes),
+                         weights=self.weights).url
+        chosen = self.fleet.instances[url]
+        self.scheduling.started(trip, chosen, tiers.get(chosen.url, (0, 0)))
         self.metrics.prompt_blocks.inc(len(hashes))
         self.metrics.prefix_hit_blocks.inc(sum(tiers.get(chosen.url, (0, 0))))
         # The chosen instance will hold these blocks once it ran the prompt.
@@ -140,14 +155,29 @@ class Router:
             self.fleet.failed(instance, "prefill failed", refused)
 
     async def handle(self, path: str, body: dict[str, Any], headers: dict[str, str],
-                     pinned: str | None) -> Response:
-        """Gives the response to one OpenAI request (aggregated or disaggregated)."""
+                     pinned: str | None, client: ClientSide | None = None) -> Response:
+        """Gives the response to one OpenAI request (aggregated or disaggregated), after flow
+        control lets it go (`router.scheduling`)."""
         model = body.get("model")
         adapter = model if isinstance(model, str) and model in self.fleet.served_adapters() \
             else None
         # Engines root an adapter's block hashes at the adapter (a prefix cache never mixes
         # adapters): the router chains its hashes the same way, so they match the engines'.
         hashes = await asyncio.to_thread(self.hasher.hashes, body, lora_root_hash(adapter))
+        trip = await self.scheduling.begin(
+            body, hashes, client, lambda i: self.index.match_tiers(i.url, hashes))
+        if isinstance(trip, Response):
+            return trip
+        try:
+            return trip.finish(await self._route(path, body, headers, pinned, adapter, hashes,
+                                                 trip))
+        finally:
+            trip.admission.begun()  # no replica took it (an error): it is in transit no more
+
+    async def _route(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                     pinned: str | None, adapter: str | None, hashes: list[int],
+                     trip: RequestLatency) -> Response:
+        """Gives the response of the replica(s) the request goes to."""
         short = len(hashes) * self.args.block_size < self.args.disagg_min_prompt_tokens
         if not self.disaggregated or not disaggregatable(body) or short:
             roles = ("decode",) if self.disaggregated else ("both",)
@@ -155,7 +185,7 @@ class Router:
                 self.metrics.requests.labels("", "local_prefill").inc()
 
             async def pick_both(tried: set[str]) -> Instance:
-                return await self.pick(roles, hashes, tried, pinned, adapter)
+                return await self.pick(roles, hashes, tried, pinned, adapter, trip)
             return await self.forwarder.send(pick_both, path, body, headers)
 
         async def pick_prefill(tried: set[str]) -> Instance:
@@ -169,6 +199,7 @@ class Router:
 
         async def pick_decode(tried: set[str]) -> Instance:
             if decode is not None and not tried:
+                trip.admission.begun()
                 return decode
             return await self.pick(("decode",), hashes, tried, pinned)
 
@@ -248,6 +279,8 @@ class Router:
         """Refreshes discovery and load every refresh_interval seconds."""
         while True:
             await self.fleet.refresh(self.client)
+            self.scheduling.forget_gone()
+            self.scheduling.load_changed()
             self._export_fleet_gauges()
             # Instances still starting are polled often, so they join as soon as they are up.
             interval = self.args.refresh_interval
@@ -278,6 +311,8 @@ def build_app(args: RouterArgs, discovery: Discovery | None = None,
         tasks = [asyncio.create_task(router.refresh_forever())]
         if args.stall_timeout:
             tasks.append(asyncio.create_task(router.watch_stalls_forever()))
+        if router.scheduling.flow is not None:
+            tasks.append(asyncio.create_task(router.scheduling.flow.run_forever()))
         try:
             yield
         finally:
@@ -311,7 +346,8 @@ def build_app(args: RouterArgs, discovery: Discovery | None = None,
             return JSONResponse(error_object(400, str(exc)), 400)
         headers = {k: v for k, v in request.headers.items() if k in PASSED_HEADERS}
         return await router.handle(request.url.path, body, headers,
-                                   request.headers.get(INSTANCE_HEADER))
+                                   request.headers.get(INSTANCE_HEADER),
+                                   ClientSide(request.headers, request.receive))
 
     for path in OPENAI_POST_PATHS:
         app.add_api_route(path, openai_post, methods=["POST"])

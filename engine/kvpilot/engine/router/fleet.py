@@ -41,6 +41,7 @@ class Instance:
     running: float = 0.0
     kv_usage: float = 0.0
     in_flight: int = 0
+    in_flight_at_scrape: int = 0  # `in_flight` when `waiting` was last scraped (flow control)
     # False until its /metrics first answers: a starting engine is not ready, not failing.
     ready: bool = False
     health: Health = field(default_factory=Health)
@@ -188,6 +189,7 @@ class Fleet:
             self.heard(instance)
             response.raise_for_status()
             instance.waiting, instance.running, instance.kv_usage = parse_load(response.text)
+            instance.in_flight_at_scrape = instance.in_flight
             instance.lora = parse_lora(response.text)
         except (httpx.HTTPError, ValueError) as exc:
             # Only failures while in rotation count: an ejected instance keeps its backoff,

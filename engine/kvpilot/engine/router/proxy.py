@@ -66,6 +66,7 @@ class Forwarder:
                  max_retries: int, request_timeout: float) -> None:
         self.fleet, self.client, self.metrics = fleet, client, metrics
         self.max_retries, self.request_timeout = max_retries, request_timeout
+        self.on_release: Callable[[], None] = lambda: None  # an instance's load just dropped
 
     def _begin(self, instance: Instance) -> None:
         instance.expect()
@@ -80,6 +81,7 @@ class Forwarder:
             self.fleet.succeeded(instance)
         elif outcome == "error":
             self.fleet.failed(instance, "request failed", refused)
+        self.on_release()
 
     async def _try(self, instance: Instance, path: str, body: dict[str, Any],
                    headers: dict[str, str]) -> Attempt | Response:

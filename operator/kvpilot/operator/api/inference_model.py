@@ -27,6 +27,14 @@ from kvpilot.operator.api.common import (
     check_fits_node,
 )
 from kvpilot.operator.api.consistency import EXPERTS, check_sections, vendor_rules
+from kvpilot.operator.api.flow import (
+    MAX_OBJECTIVES,
+    OBJECTIVE_RULES,
+    OBJECTIVES_LIST,
+    FlowControlSpec,
+    ObjectiveSpec,
+    check_objectives,
+)
 from kvpilot.operator.api.gateway import InferencePoolSpec
 from kvpilot.operator.api.names import MAX_REPLICAS
 from kvpilot.operator.api.overrides import Overrides
@@ -34,7 +42,7 @@ from kvpilot.operator.api.rules import CelRule, validations
 from kvpilot.operator.api.stored import ObservedStatus, StoredObject
 
 ServingMode = Literal["aggregated", "disaggregated"]
-RoutingPolicy = Literal["round-robin", "least-load", "prefix-aware"]
+RoutingPolicy = Literal["round-robin", "least-load", "prefix-aware", "predicted-latency"]
 TemplateRole = Literal["prefill", "decode"]
 """Which of the InferenceModel's pool templates: spec.prefill or spec.decode."""
 
@@ -77,6 +85,11 @@ class RouterSpec(ApiModel):
     """Router replicas (stateless; 0 disables the router)."""
     policy: RoutingPolicy = "prefix-aware"
     """How the router picks an engine for each request."""
+    flow_control: FlowControlSpec | None = None
+    """Flow control in the router."""
+    objectives: list[ObjectiveSpec] | None = Field(
+        default=None, min_length=1, max_length=MAX_OBJECTIVES, json_schema_extra=OBJECTIVES_LIST)
+    """Priority bands and latency objectives."""
     allow_from: list[NetworkPeer] | None = Field(default=None, max_length=32)
     """Who may connect to the router (NetworkPolicy peers); unset: anyone, as for a plain
     Service. The operator may always connect (it scrapes /metrics)."""
@@ -134,6 +147,7 @@ INFERENCE_MODEL_RULES = [
             "(!has(self.prefill) || !has(self.prefill.topology) || "
             "self.prefill.topology.expertParallel == 1))", EXPERTS, ".model.numExperts"),
     *ADAPTER_RULES,
+    *OBJECTIVE_RULES,
 ]
 
 
@@ -206,6 +220,7 @@ class InferenceModelSpec(ApiModel):
             if need > self.gpu_budget:
                 raise ValueError(f"{need} GPUs at the pools' floor > gpuBudget={self.gpu_budget}: "
                                  f"{rules[7]}")
+        check_objectives(self.router.objectives or [], self.model.name, self.adapters or [])
         check_adapters(self.adapters or [], self.model.name, self.serving_mode,
                        self.engine.max_loras is not None or self.engine.max_lora_rank is not None)
         pools = [t for t in (self.decode, self.prefill) if t is not None]

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvpilot.engine.contracts.fleet_secret import FLEET_SECRET_PATH
 from kvpilot.engine.contracts.router_args import RouterArgs
+from kvpilot.engine.contracts.router_objectives import Objective, objectives_json
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.names import router_name
 from kvpilot.operator.render.fleet import FLEET_MOUNT, api_key_env, fleet_volume
@@ -40,6 +41,27 @@ def router_labels(model: str) -> dict[str, str]:
     return {MODEL_LABEL: model, COMPONENT_LABEL: "router"}
 
 
+def apply_flow(args: RouterArgs, spec: InferenceModelSpec) -> RouterArgs:
+    """Gives `args` with `spec.router.flowControl` and `spec.router.objectives` set (values
+    the InferenceModel's validation already bounded)."""
+    flow = spec.router.flow_control
+    if flow is not None:
+        args.flow_control = True
+        args.saturation_queue_depth = flow.saturation_queue_depth
+        args.saturation_kv_usage = flow.saturation_kv_cache_usage
+        args.max_queued_per_flow = flow.max_queued_per_flow
+        args.max_queued_requests = flow.max_queued_requests
+        args.queue_timeout = flow.queue_timeout_seconds
+        args.slo_unmeetable = flow.slo_unmeetable
+    if spec.router.objectives:
+        args.objectives = objectives_json(tuple(
+            Objective(o.name, o.priority, tuple(o.models or ()),
+                      None if o.ttft_ms is None else float(o.ttft_ms),
+                      None if o.tpot_ms is None else float(o.tpot_ms))
+            for o in spec.router.objectives))
+    return args
+
+
 def router_args(model: str, namespace: str, spec: InferenceModelSpec) -> list[str]:
     """Gives the arguments after `kvpilot route`: discover this model's pool Services' endpoints."""
     source = spec.model.source
@@ -52,7 +74,7 @@ def router_args(model: str, namespace: str, spec: InferenceModelSpec) -> list[st
         tokenizer=source.removeprefix("dummy:") if source.startswith("dummy:") else None,
         fleet_secret_file=FLEET_SECRET_PATH,
     )
-    return args.to_cli()
+    return apply_flow(args, spec).to_cli()
 
 
 def endpoint_url(model: str, namespace: str) -> str:

@@ -1,0 +1,342 @@
+"""Router flow control and predicted-latency placement on CPU engines under `kvpilot up`.
+
+Three scenarios, each on a fresh tiny-llama fleet (`kvpilot up` of a generated manifest),
+each phase a bounded open-loop run of streamed completions with Poisson arrivals:
+
+- noisy: one replica, flow control on. Capacity C is measured first (closed loop); then
+  tenant B alone at 0.2 C; then tenant A at 3 C with B at 0.2 C (`x-gateway-inference-
+  fairness-id`). Reports B's TTFT p99 both times, A's 429s and their Retry-After, and
+  requests lost (no answer) or hung (past the client's time-out).
+- priorities: the same fleet shape; objective `high` (priority 10) at 0.2 C alone, then
+  with objective `low` (priority 0) at 3 C (`x-gateway-inference-objective`).
+- placement: two replicas, a mixed workload of short chats and long documents (unique
+  prompts: the prefix-hit rate is the same, about zero, for both policies) at a fixed
+  rate, once with `prefix-aware` and once with `predicted-latency`. Reports TTFT p50/p99,
+  SLO attainment (TTFT <= --slo-ms), throughput and the predictor's error (|predicted -
+  observed| / observed, from the router's x-kvpilot-predicted-ttft-ms).
+
+    nice -n 10 .venv/bin/python bench/flow_control.py --scenarios noisy,priorities,placement
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+RESULTS = Path(__file__).parent / "results"
+KVPILOT = [sys.executable, "-m", "kvpilot.cli.main"]
+MODEL = "tiny-llama"
+
+
+def manifest(replicas: int, router: dict) -> dict:
+    return {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel",
+            "metadata": {"name": "bench"},
+            "spec": {"model": {"name": MODEL, "source": "dummy:tiny-llama"},
+                     "engine": {"dtype": "float32", "maxModelLen": 4096, "maxNumSeqs": 8,
+                                "maxNumBatchedTokens": 512, "kvCacheMemory": "128MiB"},
+                     "accelerator": {"vendor": "cpu"}, "servingMode": "aggregated",
+                     "decode": {"replicas": replicas}, "router": {"replicas": 1, **router}}}
+
+
+class Fleet:
+    """`kvpilot up` of a manifest, on a free port, until closed."""
+
+    def __init__(self, spec: dict, port: int, log_dir: Path) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="kvpilot-flow-"))
+        path = self.dir / "fleet.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log_dir / "up.log", "w")  # noqa: SIM115 (closed by close())
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([*KVPILOT, "up", str(path), "--port", str(port),
+                                      "--log-dir", str(log_dir)], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvpilot up exited {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("fleet not ready")
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@dataclass
+class Result:
+    group: str
+    status: int = 0  # 0: no answer (lost), -1: client time-out (hung)
+    ttft: float | None = None
+    e2e: float = 0.0
+    retry_after: str | None = None
+    predicted_ms: float | None = None
+    events: int = 0
+
+
+@dataclass
+class Stream:
+    """One Poisson request stream: its group name, rate, headers and prompt shape."""
+
+    group: str
+    rate: float
+    headers: dict[str, str] = field(default_factory=dict)
+    words: tuple[int, ...] = (12, 20)
+    max_tokens: int = 16
+
+
+def prompt(rng: random.Random, words: int) -> str:
+    return " ".join(f"w{rng.randrange(100000)}x" for _ in range(words))
+
+
+async def one(client: httpx.AsyncClient, url: str, stream: Stream, rng: random.Random,
+              timeout: float) -> Result:
+    body = {"model": MODEL, "prompt": prompt(rng, rng.randint(*stream.words)),
+            "max_tokens": stream.max_tokens, "ignore_eos": True, "stream": True}
+    result = Result(stream.group)
+    start = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", url + "/v1/completions", json=body,
+                                     headers=stream.headers) as response:
+                result.status = response.status_code
+                result.retry_after = response.headers.get("retry-after")
+                predicted = response.headers.get("x-kvpilot-predicted-ttft-ms")
+                result.predicted_ms = float(predicted) if predicted else None
+                async for line in response.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        if result.ttft is None:
+                            result.ttft = time.perf_counter() - start
+                        result.events += 1
+    except TimeoutError:
+        result.status = -1
+    except httpx.HTTPError:
+        result.status = 0
+    result.e2e = time.perf_counter() - start
+    return result
+
+
+async def open_loop(url: str, streams: list[Stream], seconds: float, seed: int,
+                    timeout: float) -> tuple[list[Result], float]:
+    """Sends each stream's Poisson arrivals for `seconds`; gives every result and the wall
+    time until the last one ended."""
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        tasks: list[asyncio.Task[Result]] = []
+        start = time.perf_counter()
+
+        async def arrivals(stream: Stream, rng: random.Random) -> None:
+            t = 0.0
+            while True:
+                t += rng.expovariate(stream.rate)
+                if t >= seconds:
+                    return
+                await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+                tasks.append(asyncio.create_task(one(client, url, stream, rng, timeout)))
+
+        await asyncio.gather(*(arrivals(s, random.Random(seed + n))
+                               for n, s in enumerate(streams)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def _stream_in_process(url: str, stream: Stream, seconds: float, seed: int,
+                       timeout: float) -> tuple[list[Result], float]:
+    return asyncio.run(open_loop(url, [stream], seconds, seed, timeout))
+
+
+def open_loops(url: str, streams: list[Stream], seconds: float, seed: int,
+               timeout: float) -> tuple[list[Result], float]:
+    """Runs each stream's open loop in its own process (a flood's client work must not
+    delay the quiet stream's clock); gives every result and the longest wall time."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(len(streams)) as pool:
+        futures = [pool.submit(_stream_in_process, url, s, seconds, seed + n, timeout)
+                   for n, s in enumerate(streams)]
+        parts = [f.result() for f in futures]
+    return [r for results, _ in parts for r in results], max(w for _, w in parts)
+
+
+async def closed_loop(url: str, stream: Stream, concurrency: int, seconds: float) -> float:
+    """Gives completed requests per second at `concurrency` for `seconds` (capacity)."""
+    done = 0
+    deadline = time.perf_counter() + seconds
+    async with httpx.AsyncClient(timeout=None) as client:
+        async def worker(n: int) -> None:
+            nonlocal done
+            rng = random.Random(1000 + n)
+            while time.perf_counter() < deadline:
+                result = await one(client, url, stream, rng, 120)
+                done += result.status == 200
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(n) for n in range(concurrency)))
+        return done / (time.perf_counter() - start)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(results: list[Result], group: str, wall: float, slo_s: float | None = None) -> dict:
+    mine = [r for r in results if r.group == group]
+    ok = [r for r in mine if r.status == 200 and r.ttft is not None]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    out = {"sent": len(mine), "ok": len(ok),
+           "shed_429": sum(r.status == 429 for r in mine),
+           "shed_with_retry_after": sum(r.status == 429 and r.retry_after is not None
+                                        for r in mine),
+           "lost": sum(r.status == 0 for r in mine), "hung": sum(r.status == -1 for r in mine),
+           "other_errors": sum(r.status not in (0, -1, 200, 429) for r in mine),
+           "ttft_p50_ms": 1000 * pct(ttfts, 0.5), "ttft_p99_ms": 1000 * pct(ttfts, 0.99),
+           "completed_per_s": len(ok) / wall}
+    if slo_s is not None:
+        out["slo_attainment"] = sum(t <= slo_s for t in ttfts) / max(len(mine), 1)
+    errors = [abs(r.predicted_ms / 1000 - r.ttft) / r.ttft for r in ok
+              if r.predicted_ms is not None and r.ttft]
+    if errors:
+        out["predicted"] = len(errors)
+        out["predictor_error_p50"] = pct(errors, 0.5)
+        out["predictor_error_p90"] = pct(errors, 0.9)
+    return out
+
+
+def run_noisy_or_priorities(kind: str, args: argparse.Namespace, log: Path) -> dict:
+    router = {"policy": "prefix-aware",
+              "flowControl": {"saturationQueueDepth": 1, "maxQueuedPerFlow": 32,
+                              "maxQueuedRequests": 64, "queueTimeoutSeconds": 20},
+              "objectives": [{"name": "high", "priority": 10}, {"name": "low", "priority": 0}]}
+    fleet = Fleet(manifest(1, router), args.port, log / kind)
+    try:
+        fleet.wait_ready()
+        shape = {"words": (args.words, args.words + 20), "max_tokens": args.max_tokens}
+        base = Stream("probe", 1.0, **shape)
+        capacity = asyncio.run(closed_loop(fleet.url, base, 8, args.capacity_seconds))
+        if kind == "noisy":
+            quiet = Stream("B", 0.2 * capacity, {"x-gateway-inference-fairness-id": "B"}, **shape)
+            loud = Stream("A", 3.0 * capacity, {"x-gateway-inference-fairness-id": "A"}, **shape)
+        else:
+            quiet = Stream("high", 0.2 * capacity, {"x-gateway-inference-objective": "high",
+                                                    "x-gateway-inference-fairness-id": "h"},
+                           **shape)
+            loud = Stream("low", 3.0 * capacity, {"x-gateway-inference-objective": "low",
+                                                  "x-gateway-inference-fairness-id": "l"},
+                          **shape)
+        alone, wall_alone = open_loops(fleet.url, [quiet], args.seconds, 1, args.client_timeout)
+        both, wall_both = open_loops(fleet.url, [quiet, loud], args.seconds, 1,
+                                     args.client_timeout)
+        metrics = httpx.get(fleet.url + "/metrics").text
+    finally:
+        fleet.close()
+    out = {"capacity_req_per_s": capacity,
+           f"{quiet.group}_alone": summary(alone, quiet.group, wall_alone),
+           f"{quiet.group}_under_load": summary(both, quiet.group, wall_both),
+           f"{loud.group}_under_load": summary(both, loud.group, wall_both),
+           "flow_metrics": [line for line in metrics.splitlines()
+                            if line.startswith("kvpilot_router_flow_requests_total")]}
+    p99_alone = out[f"{quiet.group}_alone"]["ttft_p99_ms"]
+    out["ttft_p99_ratio"] = out[f"{quiet.group}_under_load"]["ttft_p99_ms"] / p99_alone
+    return out
+
+
+def run_placement(args: argparse.Namespace, log: Path) -> dict:
+    out: dict = {}
+    for policy in ("prefix-aware", "predicted-latency"):
+        router = {"policy": policy}
+        fleet = Fleet(manifest(2, router), args.port, log / policy)
+        try:
+            fleet.wait_ready()
+            streams = [Stream("chat", args.chat_rate, words=(8, 24), max_tokens=16),
+                       Stream("document", args.doc_rate, words=(300, 400), max_tokens=16)]
+            # the same warm-up for both: it also fills predicted-latency's models
+            asyncio.run(open_loop(fleet.url, streams, args.warmup_seconds, 7,
+                                  args.client_timeout))
+            results, wall = asyncio.run(open_loop(fleet.url, streams, args.seconds, 3,
+                                                  args.client_timeout))
+            hits = queries = 0.0
+            for line in httpx.get(fleet.url + "/metrics").text.splitlines():
+                if line.startswith("kvpilot_router_prefix_hit_blocks_total"):
+                    hits = float(line.split()[-1])
+                if line.startswith("kvpilot_router_prompt_blocks_total"):
+                    queries = float(line.split()[-1])
+        finally:
+            fleet.close()
+        both = [Result(**{**r.__dict__, "group": "all"}) for r in results]
+        out[policy] = {"all": summary(both, "all", wall, args.slo_ms / 1000),
+                       "chat": summary(results, "chat", wall, args.slo_ms / 1000),
+                       "document": summary(results, "document", wall, args.slo_ms / 1000),
+                       "router_prefix_hit_rate": hits / queries if queries else 0.0}
+    base, pred = out["prefix-aware"]["all"], out["predicted-latency"]["all"]
+    out["ttft_p99_improvement"] = base["ttft_p99_ms"] / pred["ttft_p99_ms"]
+    out["throughput_ratio"] = pred["completed_per_s"] / base["completed_per_s"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scenarios", default="noisy,priorities,placement")
+    parser.add_argument("--seconds", type=float, default=40.0, help="each open-loop phase")
+    parser.add_argument("--capacity-seconds", type=float, default=15.0)
+    parser.add_argument("--warmup-seconds", type=float, default=15.0)
+    parser.add_argument("--client-timeout", type=float, default=60.0,
+                        help="a request unanswered this long counts as hung")
+    parser.add_argument("--words", type=int, default=100,
+                        help="noisy/priorities: prompt words (about 4 tokens each), +0..20")
+    parser.add_argument("--max-tokens", type=int, default=48,
+                        help="noisy/priorities: output tokens per request")
+    parser.add_argument("--chat-rate", type=float, default=3.0)
+    parser.add_argument("--doc-rate", type=float, default=0.6)
+    parser.add_argument("--slo-ms", type=float, default=1000.0)
+    parser.add_argument("--port", type=int, default=18461)
+    parser.add_argument("--out", default=str(RESULTS / f"flow_control-CPU-{datetime.date.today()}"))
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = Path(tempfile.mkdtemp(prefix="kvpilot-flow-logs-"))
+    report: dict = {"date": str(datetime.date.today()),
+                    "machine": f"{platform.machine()}, {os.cpu_count()} cores, load average "
+                               f"{os.getloadavg()[0]:.1f} at start",
+                    "command": " ".join(sys.argv), "logs": str(log)}
+    for scenario in args.scenarios.split(","):
+        started = time.perf_counter()
+        if scenario == "placement":
+            report[scenario] = run_placement(args, log)
+        else:
+            report[scenario] = run_noisy_or_priorities(scenario, args, log)
+        report[scenario]["wall_seconds"] = round(time.perf_counter() - started, 1)
+        (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+        print(json.dumps({scenario: report[scenario]}, indent=2), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Flow control's async shell: holds requests in the `FlowQueue` while the pool is saturated.
+
+A request passes straight through when nothing is queued and the pool has headroom
+(`saturation.pool_headroom`, less the requests already dispatched but not yet on a
+replica). Otherwise it is queued and waits until `drain` dispatches it (whenever a
+request ends on a replica, a scrape lands, or the tick runs), its queue time-out passes,
+it is shed to make room, or its client goes away. A shed or timed-out request gets a
+429 with `Retry-After`: how long the queue ahead of it takes at the recent dispatch rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from fastapi.responses import JSONResponse, Response
+
+from kvpilot.engine.contracts.openai_errors import error_object
+from kvpilot.engine.router.flow_metrics import FlowMetrics
+from kvpilot.engine.router.flow_queue import FlowQueue, QueueLimits, Waiter, retry_after_s
+from kvpilot.engine.router.flow_ticket import FlowTicket
+from kvpilot.engine.router.saturation import LoadView, SaturationLimits, pool_headroom
+
+TICK_S = 0.1  # the backstop: time-outs and missed wake-ups are seen within this
+RATE_WINDOW_S = 10.0  # dispatches counted for Retry-After
+UNMEETABLE = ("queue", "shed")
+CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the logs do
+
+
+@dataclass(frozen=True)
+class ClientSide:
+    """What the router has of the client beyond the body: its headers, and an awaitable
+    that returns once the client disconnects (ASGI `receive` after the body)."""
+
+    headers: Mapping[str, str]
+    disconnected: Callable[[], Awaitable[Any]] | None = None
+
+
+class Shed(Exception):
+    """A request flow control turns away (429 with Retry-After)."""
+
+    def __init__(self, outcome: str, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.outcome, self.retry_after = outcome, retry_after
+
+    def response(self) -> Response:
+        return JSONResponse(error_object(429, str(self)), 429,
+                            headers={"retry-after": str(self.retry_after)})
+
+
+class Queued(NamedTuple):
+    """A queued request's ticket, the future its handler awaits, and its objective check."""
+
+    ticket: FlowTicket
+    future: asyncio.Future[None]
+    meetable: Callable[[], bool]
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was queued."""
+
+
+class Admission:
+    """A request flow control let through; `begun` once a replica took it (idempotent)."""
+
+    def __init__(self, control: FlowControl | None = None) -> None:
+        self._control = control
+
+    def begun(self) -> None:
+        if self._control is not None:
+            self._control.in_transit -= 1
+            self._control = None
+
+
+async def _until_disconnect(receive: Callable[[], Awaitable[Any]]) -> None:
+    while True:
+        message = await receive()
+        if not isinstance(message, dict) or message.get("type") == "http.disconnect":
+            return
+
+
+class FlowControl:
+    """The router's flow queue and the rule for when it dispatches."""
+
+    def __init__(self, queue_limits: QueueLimits, saturation: SaturationLimits,
+                 loads: Callable[[], list[LoadView]], metrics: FlowMetrics, *,
+                 unmeetable: str = "queue") -> None:
+        if unmeetable not in UNMEETABLE:
+            raise ValueError(f"slo_unmeetable={unmeetable!r} is invalid: choose queue or shed")
+        self.queue = FlowQueue(queue_limits)
+        self.saturation, self.loads, self.metrics = saturation, loads, metrics
+        self.unmeetable = unmeetable
+        self.waiting: dict[Waiter, Queued] = {}
+        self.in_transit = 0  # dispatched, not on a replica yet
+        self.dispatched: deque[float] = deque()  # recent dispatch times
+
+    def room(self) -> int | None:
+        """Gives how many more requests may go to replicas now; None: no replica is ready."""
+        headroom = pool_headroom(self.loads(), self.saturation)
+        return None if headroom is None else headroom - self.in_transit
+
+    async def gate(self, ticket: FlowTicket, disconnected: Callable[[], Awaitable[Any]] | None,
+                   meetable: Callable[[], bool] = lambda: True) -> Admission | Response:
+        """Gives the request's Admission once it may go to a replica, or the response that
+        ends it here (429 shed or timed out; 499 when its client left while queued)."""
+        try:
+            return await self.admit(ticket, disconnected, meetable)
+        except Shed as exc:
+            return exc.response()
+        except ClientGone:
+            return JSONResponse(error_object(CLIENT_GONE, "the client disconnected while queued"),
+                                CLIENT_GONE)
+
+    async def admit(self, ticket: FlowTicket,
+                    disconnected: Callable[[], Awaitable[Any]] | None = None,
+                    meetable: Callable[[], bool] = lambda: True) -> Admission:
+        """Returns once the request may go to a replica; raises Shed or ClientGone.
+
+        `meetable` says whether some replica is predicted to meet the request's latency
+        objectives now; while it says no, the request waits (`--slo-unmeetable queue`) or
+        is shed at once (`shed`)."""
+        now = time.monotonic()
+        meets = meetable()
+        if not meets and self.unmeetable == "shed":
+            self.metrics.outcome(ticket.flow, ticket.priority, "unmeetable", None)
+            raise Shed("unmeetable", f"no replica is predicted to meet this request's latency "
+                       f"objective (ttft {ticket.ttft_slo_s}s, tpot {ticket.tpot_slo_s}s)",
+                       self._retry_after(len(self.queue)))
+        room = self.room()
+        if not self.queue and meets and (room is None or room > 0):
+            self._dispatched(ticket, now, now)
+            return Admission()
+        waiter = Waiter(ticket.flow, ticket.priority, now)
+        for shed in self.queue.offer(waiter):
+            self._shed(shed, ticket if shed is waiter else None)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting[waiter] = Queued(ticket, future, meetable)
+        self.metrics.queue_changed(ticket.flow, ticket.priority, 1)
+        self.drain()
+        return await self._wait(waiter, future, disconnected)
+
+    async def _wait(self, waiter: Waiter, future: asyncio.Future[None],
+                    disconnected: Callable[[], Awaitable[Any]] | None) -> Admission:
+        gone = asyncio.ensure_future(_until_disconnect(disconnected)) if disconnected else None
+        try:
+            await asyncio.wait([f for f in (future, gone) if f is not None],
+                               return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the handler was cancelled (shutdown): leave nothing behind
+            self._leave(waiter, future)
+            raise
+        finally:
+            if gone is not None:
+                gone.cancel()
+        if future.done():
+            future.result()  # raises Shed
+            return Admission(self)
+        self._leave(waiter, future)
+        raise ClientGone
+
+    def _leave(self, waiter: Waiter, future: asyncio.Future[None]) -> None:
+        """Takes a request out that stops waiting: still queued, or already dispatched."""
+        if self.queue.remove(waiter):
+            ticket = self.waiting.pop(waiter).ticket
+            self.metrics.queue_changed(ticket.flow, ticket.priority, -1)
+            self.metrics.outcome(ticket.flow, ticket.priority, "disconnected", None)
+        elif future.done() and not future.cancelled() and future.exception() is None:
+            self.in_transit -= 1  # dispatched, but it will never reach a replica
+        future.cancel()
+
+    def drain(self) -> None:
+        """Dispatches queued requests while the pool has room (call when load changes)."""
+        room = self.room()
+        now = time.monotonic()
+        while self.queue and (room is None or room > 0):
+            waiter = self.queue.pop(lambda w: self.waiting[w].meetable())
+            if waiter is None:
+                return
+            ticket, future, _ = self.waiting.pop(waiter)
+            self.metrics.queue_changed(ticket.flow, ticket.priority, -1)
+            self._dispatched(ticket, waiter.arrival, now)
+            self.in_transit += 1
+            future.set_result(None)
+            if room is not None:
+                room -= 1
+
+    def expire(self) -> None:
+        """Ends the queued requests whose queue time-out passed."""
+        for waiter in self.queue.expire(time.monotonic()):
+            self._shed(waiter, None, "timeout")
+
+    async def run_forever(self) -> None:
+        """Expires time-outs and drains every TICK_S (a backstop for missed wake-ups)."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.expire()
+            self.drain()
+
+    def _dispatched(self, ticket: FlowTicket, arrival: float, now: float) -> None:
+        self.dispatched.append(now)
+        while self.dispatched and self.dispatched[0] < now - RATE_WINDOW_S:
+            self.dispatched.popleft()
+        self.metrics.outcome(ticket.flow, ticket.priority, "dispatched", now - arrival)
+
+    def _retry_after(self, ahead: int) -> int:
+        window = min(RATE_WINDOW_S, max(time.monotonic() - self.dispatched[0], 1.0)) \
+            if self.dispatched else RATE_WINDOW_S
+        return retry_after_s(ahead, len(self.dispatched) / window)
+
+    def _shed(self, waiter: Waiter, arriving: FlowTicket | None, outcome: str = "shed") -> None:
+        """Ends `waiter` with a 429: raised at once when it is the `arriving` request."""
+        limits = self.queue.limits
+        if outcome == "timeout":
+            message = (f"queued {limits.queue_timeout_s:g}s (queue_timeout) while every replica "
+                       "stayed saturated")
+        else:
+            message = (f"every replica is saturated and the flow queue is full for flow "
+                       f"{waiter.flow!r} in priority band {waiter.priority} "
+                       f"(max_queued_per_flow={limits.max_queued_per_flow}, "
+                       f"max_queued={limits.max_queued}; lower bands are shed first)")
+        error = Shed(outcome, message, self._retry_after(len(self.queue)))
+        self.metrics.outcome(waiter.flow, waiter.priority, outcome, None)
+        if arriving is not None:
+            raise error
+        ticket, future, _ = self.waiting.pop(waiter)
+        self.metrics.queue_changed(ticket.flow, ticket.priority, -1)
+        future.set_exception(error)
