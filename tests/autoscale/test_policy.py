@@ -29,13 +29,13 @@ def spec(role: str = "decode", lo: int = 1, hi: int = 20, up: ScalingRules = UP_
 
 def m(n: int, kv: float | None = 0.5, waiting: float | None = 0.0,
       running: float | None = None, tokens: float | None = 0.0, ttft=None, itl=None,
-      age: float = 0.0, demand: int = 0) -> PoolMetrics:
+      age: float = 0.0, demand: int = 0, startup: float | None = None) -> PoolMetrics:
     """Metrics of n reporting replicas; `running` defaults to a level inside every band."""
     return PoolMetrics(time=NOW - age, replicas_reporting=n, kv_cache_utilization=kv,
                        requests_waiting=waiting,
                        requests_running=96.0 * n if running is None else running,
                        waiting_prompt_tokens=tokens, ttft_p90_seconds=ttft,
-                       itl_p90_seconds=itl, demand=demand)
+                       itl_p90_seconds=itl, demand=demand, startup_seconds=startup)
 
 
 CASES = [
@@ -117,6 +117,12 @@ CASES = [
     ("pods that never report stop blocking", spec(),
      PolicyState(since=0.0, changes=((NOW - 130, 2),)), m(3, kv=1.0, running=900), 6, 10,
      "runningRequestsPerReplica", None),
+    ("engines that start slowly (warm-up included) hold longer", spec(),
+     PolicyState(since=0.0, changes=((NOW - 130, 2),)), m(3, kv=1.0, running=900, startup=200),
+     6, 6, "runningRequestsPerReplica", "waiting for started pods (3/6 report, up to 200s)"),
+    ("a reported start-up shorter than the spec's changes nothing", spec(),
+     PolicyState(since=0.0, changes=((NOW - 130, 2),)), m(3, kv=1.0, running=900, startup=40),
+     6, 10, "runningRequestsPerReplica", None),
     ("absent signal holds", spec(), SETTLED, m(4, kv=None, running=0), 4, 4,
      "runningRequestsPerReplica", "no value for kvCacheUtilization"),
     ("scale from zero on router demand", spec(lo=0), SETTLED, m(0, demand=3), 0, 1, None, None),

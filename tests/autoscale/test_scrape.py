@@ -23,11 +23,12 @@ from kvpilot.operator.autoscale.scrape import (
 
 
 def engine_page(running: int, waiting: int, kv: float, tokens: int,
-                ttfts: tuple[float, ...] = (), draining: bool = False) -> str:
+                ttfts: tuple[float, ...] = (), draining: bool = False,
+                startup: float = 0.0) -> str:
     """Gives the metrics page the real engine server renders for these numbers."""
     m = ServerMetrics("tiny-llama")
     m.set_stats(EngineStats(num_running=running, num_waiting=waiting, kv_cache_usage=kv,
-                            num_waiting_prompt_tokens=tokens))
+                            num_waiting_prompt_tokens=tokens, startup_seconds=startup))
     m.set_draining(draining)
     for t in ttfts:
         m.ttft.labels("tiny-llama").observe(t)
@@ -60,8 +61,9 @@ def test_quantile_table(q, buckets, expected) -> None:
 def test_pool_metrics_sums_gauges_and_takes_p90_of_new_observations() -> None:
     before = {"a": parse_metrics(engine_page(0, 0, 0.0, 0, ttfts=(5.0,) * 100), "a")}
     now = {
-        "a": parse_metrics(engine_page(4, 1, 0.5, 100, ttfts=(5.0,) * 100 + (0.03,) * 10), "a"),
-        "b": parse_metrics(engine_page(2, 3, 0.3, 300, ttfts=(0.03,) * 10), "b"),
+        "a": parse_metrics(engine_page(4, 1, 0.5, 100, ttfts=(5.0,) * 100 + (0.03,) * 10,
+                                       startup=95.0), "a"),
+        "b": parse_metrics(engine_page(2, 3, 0.3, 300, ttfts=(0.03,) * 10, startup=140.5), "b"),
         "c": PodSample("c", error="ConnectTimeout: timed out"),
         "d": parse_metrics(engine_page(9, 9, 0.9, 900, draining=True), "d"),
     }
@@ -72,6 +74,7 @@ def test_pool_metrics_sums_gauges_and_takes_p90_of_new_observations() -> None:
     assert m.ttft_p90_seconds == pytest.approx(0.038)  # the old 5 s samples are not new
     assert m.itl_p90_seconds is None
     assert m.demand == 2
+    assert m.startup_seconds == 140.5  # the slowest engine's start-up, warm-up included
 
 
 def test_counter_reset_counts_everything_since_restart() -> None:

@@ -119,3 +119,13 @@ def test_auto_skips_the_warm_up_on_cpu():
     assert engine.paths.warm is None  # nothing compiles on a CPU: no warm-up, no cold log
     serve(engine)
     assert engine.paths.cold == []
+
+
+def test_an_unwritable_compile_cache_is_refused_naming_the_fix(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    warmup.check_compile_cache({})  # unset: Triton's default
+    warmup.check_compile_cache({"TRITON_CACHE_DIR": str(tmp_path / "cache")})
+    with pytest.raises(ValueError, match=r"TRITON_CACHE_DIR=.*a-file/cache cannot be written.*"
+                                         r"install -d -o 1000"):
+        warmup.check_compile_cache({"TRITON_CACHE_DIR": str(blocker / "cache")})

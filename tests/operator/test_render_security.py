@@ -128,3 +128,25 @@ def test_default_memory_limit(spec, limit, memory_request):
     assert resources["requests"].get("memory") == memory_request
     if memory_request is None:
         assert "cpu" not in resources["requests"]
+
+
+def engine_pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(o["spec"]["template"]["spec"] for o in objects
+                if o["kind"] in ("Deployment", "StatefulSet")
+                and o["spec"]["template"]["spec"]["containers"][0]["name"] == "engine")
+
+
+def test_the_compile_cache_is_the_pods_own_unless_the_operator_names_a_node_directory():
+    from pathlib import Path
+
+    from kvpilot.operator.render.pods import TRITON_CACHE_DIR
+
+    image = (Path(__file__).resolve().parents[2] / "images/engine-cuda.Dockerfile").read_text()
+    assert f"TRITON_CACHE_DIR={TRITON_CACHE_DIR}" in image  # where the engine looks
+    pod = engine_pod(render_all(TINY, RenderConfig()))
+    assert not any("hostPath" in v for v in pod["volumes"])
+    pod = engine_pod(render_all(TINY, RenderConfig(compile_cache_dir="/var/cache/kvpilot/c")))
+    assert {"name": "compile-cache", "hostPath": {"path": "/var/cache/kvpilot/c",
+                                                  "type": "DirectoryOrCreate"}} in pod["volumes"]
+    mounts = pod["containers"][0]["volumeMounts"]
+    assert {"name": "compile-cache", "mountPath": TRITON_CACHE_DIR} in mounts

@@ -11,6 +11,7 @@ booked as a synchronous step when it comes back.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -50,7 +51,14 @@ from kvpilot.engine.spec_decode.spec_decoder import (
 from kvpilot.engine.step_times import StepTimes
 from kvpilot.engine.structured.bitmask import apply_token_bitmask
 from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
-from kvpilot.engine.warmup import PathLog, mark_cold, request_paths, step_paths, warm_up
+from kvpilot.engine.warmup import (
+    PathLog,
+    check_compile_cache,
+    mark_cold,
+    request_paths,
+    step_paths,
+    warm_up,
+)
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
@@ -168,6 +176,7 @@ class LLMEngine:
         # (or a verify) continuing a cached prefix: its prefill kernels (`_entries` sets them)
         self._prefills = (False, False)
         self._steps_before = (0, 0, 0)  # the runner's step counts when the warm-up ended
+        self.startup_seconds = 0.0  # from_engine_args' start to ready (set at its end)
         self._host_sampling: set[str] = set()  # live request ids that need host sampling
         self._readback = PinnedReadback(engine_args.max_num_seqs)  # sampled ids to the host
         self._grammars: GrammarMatchers | None = None  # on the first structured request
@@ -185,6 +194,8 @@ class LLMEngine:
         started = time.perf_counter()
         args = with_local_model(args)
         device = resolve_device(args.device)
+        if device.type == "cuda":
+            check_compile_cache(os.environ)
         torch.manual_seed(args.seed)
         model_config = ModelConfig.from_engine_args(args, device)
         log.log_model(args, model_config.architecture, model_config.num_layers,
@@ -209,6 +220,7 @@ class LLMEngine:
             args.warmup == "auto" and device.type == "cuda") else mark_cold(engine))
         if device.type == "cuda":
             engine.freeze_gc_heap()
+        engine.startup_seconds = time.perf_counter() - started
         log.log_ready(time.perf_counter() - started, model_config.max_model_len,
                       args.max_num_seqs)
         return engine
@@ -890,6 +902,7 @@ class LLMEngine:
             eager_steps=self.runner.num_eager_steps - self._steps_before[2],
             step_seconds={mode: list(c) for mode, c in self.step_times.counts.items()},
             step_seconds_sum=dict(self.step_times.sums),
+            startup_seconds=self.startup_seconds,
         )
         if self.spec is not None:
             c = self.spec.counters

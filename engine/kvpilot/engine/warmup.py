@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -86,6 +88,23 @@ def step_paths(forward: str, fresh_prefill: bool, cached_prefix: bool, verify: b
     if verify:
         paths.append("spec:verify")
     return paths
+
+
+def check_compile_cache(environ: Mapping[str, str]) -> None:
+    """Raises ValueError naming the fix unless Triton's cache directory (TRITON_CACHE_DIR; the
+    operator may mount a node directory there) can be written: otherwise the warm-up's
+    compiles would fail, or be lost, far from the cause."""
+    path = environ.get("TRITON_CACHE_DIR")
+    if not path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"TRITON_CACHE_DIR={path} cannot be written ({exc.strerror}): make "
+                         "it writable by the engine's user (a node directory: install -d -o "
+                         "1000 -g 1000 DIR), or unset the operator's --compile-cache-dir") from exc
 
 
 class PathLog:

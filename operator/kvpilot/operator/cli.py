@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-namespace", action="append", default=[], metavar="NS",
                         help="also let pods of this namespace (e.g. a Prometheus) reach engines' "
                              "and routers' /metrics (repeatable)")
+    parser.add_argument("--compile-cache-dir", default=defaults.compile_cache_dir, metavar="DIR",
+                        help="a node directory writable by uid 1000 that engine pods mount as "
+                             "their Triton cache (hostPath), so engines on a node that served "
+                             "before start with compiled kernels; empty (default): each pod's "
+                             "own emptyDir")
     parser.add_argument("--max-pool-gpus", type=int, default=defaults.max_pool_gpus,
                         metavar="GPUS", help="refuse a pool whose replicas need more GPUs "
                                              "(bounds what one object makes the operator render)")
@@ -71,6 +76,7 @@ def render_config(args: argparse.Namespace) -> RenderConfig:
                         drain_timeout_seconds=args.drain_timeout,
                         inference_pool=args.inference_pool,
                         max_pool_gpus=args.max_pool_gpus,
+                        compile_cache_dir=args.compile_cache_dir,
                         operator_namespace=args.operator_namespace,
                         operator_pod_labels=_labels(args.operator_pod_labels),
                         metrics_namespaces=tuple(args.metrics_namespace))

@@ -51,6 +51,9 @@ MODE_LABEL = "mode"
 # the engine's step time (host wall clock of one engine step: schedule, launch, and the wait
 # for the step before it under async scheduling) by the mode of its forward
 ENGINE_STEP_SECONDS = "kvpilot_engine_step_seconds"
+# seconds the engine took from its start to ready: loading, graphs and the warm-up (the
+# autoscaler waits at least this long for the pods a scale-up started)
+ENGINE_STARTUP_SECONDS = "kvpilot_engine_startup_seconds"
 STEP_SECONDS_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015,
                         0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 1.0)
 # host-memory KV tier (--kv-offload-gb, a decode engine's landed KV): blocks by what happened

@@ -92,6 +92,7 @@ class EngineStats:
     # steps that fell there (not cumulative), and their sum of seconds
     step_seconds: dict[str, list[int]] = field(default_factory=dict)
     step_seconds_sum: dict[str, float] = field(default_factory=dict)
+    startup_seconds: float = 0.0  # from the engine's start to ready (load, graphs, warm-up)
     # speculative decoding (vLLM's spec_decode counters); the list is empty without it
     spec_decode_num_drafts: int = 0  # verifications that had drafts
     spec_decode_num_draft_tokens: int = 0

@@ -101,6 +101,10 @@ class _StatsCollector(Collector):
             family.add_metric(value, float(number))
             yield family
         yield from _spec_decode_families(stats, label, value)
+        startup = GaugeMetricFamily(names.ENGINE_STARTUP_SECONDS, "seconds from the engine's "
+                                    "start to ready: loading, CUDA graphs, warm-up", labels=label)
+        startup.add_metric(value, stats.startup_seconds)
+        yield startup
         steps = CounterMetricFamily(names.MODEL_STEPS, "model forwards, by graph replay or eager",
                                     labels=[*label, names.MODE_LABEL])
         steps.add_metric([*value, "graph"], float(stats.graph_steps))

@@ -103,16 +103,25 @@ def _draining(history: Sequence[PoolMetrics]) -> bool:
     return now is not None and before is not None and now < before
 
 
+def startup_window(spec: PolicySpec, metrics: PoolMetrics | None) -> float:
+    """Gives how long a scale-up's pods may take to report: `pod_startup_seconds`, or the
+    longest start-up the pool's engines reported (loading, CUDA graphs and the warm-up)
+    when that is longer."""
+    reported = metrics.startup_seconds if metrics is not None else None
+    return max(spec.pod_startup_seconds, reported or 0.0)
+
+
 def _starting(metrics: PoolMetrics | None, state: PolicyState, current: int, now: float,
               spec: PolicySpec) -> str | None:
     """Gives why a scale-up waits for the pods of the previous one (None: it need not)."""
     if metrics is None or metrics.replicas_reporting >= current:
         return None
-    recent_up = [t for t, d in state.changes if d > 0 and now - t < spec.pod_startup_seconds]
+    window = startup_window(spec, metrics)
+    recent_up = [t for t, d in state.changes if d > 0 and now - t < window]
     if not recent_up:
         return None
     return (f"waiting for started pods ({metrics.replicas_reporting}/{current} report, "
-            f"up to {spec.pod_startup_seconds:.0f}s)")
+            f"up to {window:.0f}s)")
 
 
 def _rate_limit(desired: int, current: int, spec: PolicySpec, changes: tuple[tuple[float, int], ...],
@@ -214,7 +223,7 @@ def decide(spec: PolicySpec, state: PolicyState, history: Sequence[PoolMetrics],
         held.append("maxReplicas" if raw > recommendation else "minReplicas")
 
     period = max(spec.scale_up.period_seconds, spec.scale_down.period_seconds,
-                 spec.pod_startup_seconds)
+                 startup_window(spec, metrics))
     changes = tuple((t, d) for t, d in state.changes if now - t < period)
     if bounded != current:
         changes += ((now, bounded - current),)

@@ -21,7 +21,8 @@ from kvpilot.engine.contracts.metrics_text import read_metrics
 from kvpilot.operator.autoscale.signals import PoolMetrics
 
 GAUGES = (names.KV_CACHE_USAGE_PERC, names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_RUNNING,
-          names.NUM_WAITING_PROMPT_TOKENS, names.DRAINING, names.ROUTER_PENDING_REQUESTS)
+          names.NUM_WAITING_PROMPT_TOKENS, names.DRAINING, names.ROUTER_PENDING_REQUESTS,
+          names.ENGINE_STARTUP_SECONDS)
 HISTOGRAMS = (names.TIME_TO_FIRST_TOKEN, names.INTER_TOKEN_LATENCY)
 Buckets = tuple[tuple[float, float], ...]
 """Cumulative (upper bound, count) pairs, ascending, ending with +Inf."""
@@ -129,7 +130,9 @@ def pool_metrics(samples: Mapping[str, PodSample], previous: Mapping[str, PodSam
         waiting_prompt_tokens=total(names.NUM_WAITING_PROMPT_TOKENS),
         ttft_p90_seconds=p90(names.TIME_TO_FIRST_TOKEN),
         itl_p90_seconds=p90(names.INTER_TOKEN_LATENCY),
-        demand=demand)
+        demand=demand,
+        startup_seconds=max((s.gauges[names.ENGINE_STARTUP_SECONDS] for s in ok
+                             if names.ENGINE_STARTUP_SECONDS in s.gauges), default=None))
 
 
 async def router_demand(router_urls: Sequence[str], role: str, timeout_s: float = 2.0,

@@ -34,6 +34,8 @@ class PoolMetrics:
     itl_p90_seconds: float | None = None
     demand: int = 0
     """Requests the router holds for this pool because no replica is ready."""
+    startup_seconds: float | None = None
+    """The longest start-up (load, CUDA graphs, warm-up) a reporting engine took."""
 
     @cached_property
     def per_replica(self) -> dict[str, float | None]:

@@ -75,7 +75,9 @@ class PolicySpec:
     gpus_per_replica: int = 1
     pod_startup_seconds: float = 120.0
     """A scale-up waits up to this long for the pods of the previous one to report
-    before adding more (their capacity is on its way; adding more overshoots)."""
+    before adding more (their capacity is on its way; adding more overshoots); longer when
+    the pool's engines report a longer start-up (`kvpilot_engine_startup_seconds`: loading,
+    CUDA graphs, the warm-up)."""
     running_knee: float = 64.0
     """Running requests per replica at which the decode step time is twice its floor
     (c0/c1 of step = c0 + c1·batch); 64 fits an 8B model on one H100."""

@@ -45,6 +45,10 @@ class RenderConfig:
     """Labels of the operator's pods: NetworkPolicies let them scrape engines and routers."""
     metrics_namespaces: tuple[str, ...] = ()
     """Namespaces (a Prometheus) whose pods may also scrape engines' and routers' /metrics."""
+    compile_cache_dir: str = ""
+    """A node directory (writable by the engine's uid 1000) mounted as every engine pod's
+    TRITON_CACHE_DIR, so a replica started on a node that served before finds its compiled
+    kernels there ("": the pod's own emptyDir, lost with the pod)."""
 
 
 def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:

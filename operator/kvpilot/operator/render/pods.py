@@ -3,7 +3,8 @@
 Hardened: non-root, no privilege escalation, every capability dropped (RDMA adds back
 IPC_LOCK only), a read-only root filesystem with size-limited emptyDirs where the engine
 writes (/cache: the image's HOME, HF_HOME and TRITON_CACHE_DIR; /tmp; /dev/shm; the
-downloaded weights), no service-account token (engines never call the API server). The
+downloaded weights; with `--compile-cache-dir` a node directory over TRITON_CACHE_DIR, so
+compiled kernels outlive the pod), no service-account token (engines never call the API server). The
 init container that downloads or waits for the weights (render/weights.py) gets the same.
 """
 
@@ -25,6 +26,7 @@ from kvpilot.operator.render.weights import ModelLocation, model_location, weigh
 # images/engine-*.Dockerfile: HOME=/cache, HF_HOME=/cache/huggingface,
 # TRITON_CACHE_DIR=/cache/triton; compiled kernels and the HF cache's small files go there.
 CACHE_DIR = "/cache"
+TRITON_CACHE_DIR = f"{CACHE_DIR}/triton"
 CACHE_SIZE = "4Gi"
 TMP_SIZE = "4Gi"
 # preStop pause so Services and the router stop sending before SIGTERM starts the drain.
@@ -43,6 +45,10 @@ def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfi
     volumes, mounts = _volumes(pool, location)
     volumes.append(fleet_volume(labels[MODEL_LABEL]))
     mounts.append(FLEET_MOUNT)
+    if config.compile_cache_dir:  # the node's compiled kernels, over the pod's own /cache
+        volumes.append({"name": "compile-cache", "hostPath": {
+            "path": config.compile_cache_dir, "type": "DirectoryOrCreate"}})
+        mounts.append({"name": "compile-cache", "mountPath": TRITON_CACHE_DIR})
     container: dict[str, Any] = {
         "name": "engine",
         "image": overrides.image or config.engine_image,
