@@ -69,7 +69,7 @@ def closed_loop(engine: LLMEngine, batch: int, warm_steps: int, timed_steps: int
             all(n == 1 for _, n in plan.scheduled)
         took = (time.perf_counter() - began) * 1e3
         (result.decode_step_ms if decode else result.other_step_ms).append(took)
-        if engine._last_eager:  # a step with prompt tokens (or no graph for its batch)
+        if engine._last_mode == "eager":  # a step no graph ran (decode or piecewise)
             result.eager_step_ms.append(took)
         if after_timed_step is not None:
             after_timed_step(decode)
