@@ -9,13 +9,22 @@ The engine core runs in this process and thread, with no IPC: it gives only
 finished requests' outputs, each whole, and their text is decoded once
 (`request_state`). `kvpilot serve` runs the same core in its own process
 (`core_process`) for the API servers.
+
+An `LLM` owns what its engine started: a tensor- or pipeline-parallel engine's worker
+processes and process groups, the grammar threads, the model and KV cache in device
+memory. Leaving `with LLM(...) as llm:`, `llm.shutdown()`, or dropping the last reference
+to it releases them all, so the next `LLM` in the same process (a notebook, a test
+session, a sweep) starts from a clean slate.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
 from kvpilot.engine.contracts.sampling_params import SamplingParams
@@ -24,6 +33,9 @@ from kvpilot.engine.offline_args import engine_args_of
 from kvpilot.engine.offline_chat import Conversation, chat_token_ids, conversations_of
 from kvpilot.engine.request_state import RequestState
 from kvpilot.engine.structured.grammar import check_grammar
+
+if TYPE_CHECKING:
+    from kvpilot.engine.llm_engine import LLMEngine
 
 __all__ = ["LLM", "SamplingParams"]
 
@@ -41,9 +53,34 @@ class LLM:
         from kvpilot.engine.llm_engine import LLMEngine
 
         self.engine_args = engine_args_of(model, engine_options)
-        self.engine = LLMEngine.from_engine_args(self.engine_args)
-        self.engine.stream_outputs = False  # only final outputs are read here
+        engine = LLMEngine.from_engine_args(self.engine_args)
+        engine.stream_outputs = False  # only final outputs are read here
+        # the engine lives in a holder the finalizer empties: once released, nothing here
+        # keeps its tensors alive
+        self._holder = _EngineHolder(engine)
+        self._release = weakref.finalize(self, _release, self._holder)
         self._ids = itertools.count()
+
+    @property
+    def engine(self) -> LLMEngine:
+        """Gives the engine; raises RuntimeError once this LLM is shut down."""
+        engine = self._holder.engine
+        if engine is None:
+            raise RuntimeError("this LLM was shut down: create a new LLM(...) to generate again")
+        return engine
+
+    def shutdown(self) -> None:
+        """Stops the engine's worker ranks, leaves its process groups, joins its threads and
+        frees its memory (device memory too); the LLM is unusable afterwards. Idempotent;
+        leaving a `with` block or dropping the last reference does the same."""
+        self._release()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self) -> TokenizerLike:
@@ -141,6 +178,31 @@ class LLM:
         self.engine.abort_request(request_ids)
         while self.engine.has_unfinished_requests():
             self.engine.step()
+
+
+class _EngineHolder:
+    """The one strong reference to an LLM's engine, cleared when the LLM is released."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine: LLMEngine | None = engine
+
+
+def _release(holder: _EngineHolder) -> None:
+    """Shuts the held engine down and frees what it held (run once, by `weakref.finalize`:
+    on `shutdown()`, when the LLM is collected, or at interpreter exit)."""
+    engine, holder.engine = holder.engine, None
+    if engine is None:
+        return
+    try:
+        engine.shutdown()
+    finally:
+        on_cuda = engine.runner.device.type == "cuda"
+        del engine
+        gc.collect()  # the engine's reference cycles hold its tensors until collected
+        if on_cuda:
+            import torch
+
+            torch.cuda.empty_cache()
 
 
 def _progress_bar(use_tqdm: ProgressBar, total: int) -> Any:
