@@ -207,6 +207,86 @@ CATEGORIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
         ("pool-max-lora-rank", pool(engine={"maxLoraRank": 8}),
          "engine.maxLoras/maxLoraRank need an InferenceModel's spec.adapters"),
     ],
+    # Kubernetes objects embedded in overrides, checked against their core/v1 shapes
+    "typed-overrides": [
+        ("node-affinity-string", im(**overrides(affinity={"nodeAffinity": "gpu-nodes"})),
+         "overrides.affinity.nodeAffinity: Input should be a valid dictionary"),
+        ("node-selector-term-typo", im(**overrides(affinity={"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpression": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}})),
+         "nodeSelectorTerms.0.matchExpression: Extra inputs are not permitted"),
+        ("anti-affinity-without-topology-key", im(decode=overrides(affinity={
+            "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": {"app": "chat"}}}]}})),
+         "requiredDuringSchedulingIgnoredDuringExecution.0.topologyKey: Field required"),
+        ("preferred-weight-above-100", im(**overrides(affinity={"nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 500, "preference": {}}]}})),
+         "preferredDuringSchedulingIgnoredDuringExecution.0.weight: Input should be less than "
+         "or equal to 100"),
+        ("toleration-operator", im(**overrides(tolerations=[{"key": "gpu",
+                                                              "operator": "Exist"}])),
+         "overrides.tolerations.0.operator: Input should be 'Exists' or 'Equal'"),
+        ("toleration-not-an-object", im(**overrides(tolerations=["gpu"])),
+         "spec.overrides.tolerations.0: 'gpu' is not of type 'object'"),
+        ("pool-toleration-seconds", pool(overrides={"tolerations": [
+            {"key": "k", "operator": "Exists", "effect": "NoSchedule",
+             "tolerationSeconds": 30}]}), "tolerationSeconds applies to effect NoExecute"),
+    ],
+    # overrides of what the operator derives: both fields named
+    "owned-fields": [
+        ("gpus-below-topology", im(base=LLAMA, **overrides(resources={
+            "limits": {"nvidia.com/gpu": 4}})),
+         "overrides.resources.limits.nvidia.com/gpu=4 contradicts topology.tensorParallel=8"),
+        ("gpu-on-cpu", im(**overrides(resources={"requests": {"nvidia.com/gpu": 1}})),
+         "overrides.resources.requests.nvidia.com/gpu=1 with accelerator.vendor=cpu"),
+        ("amd-gpu-on-nvidia", im(base=LLAMA, **overrides(resources={
+            "limits": {"amd.com/gpu": 8}})),
+         "overrides.resources.limits.amd.com/gpu with accelerator.vendor=nvidia"),
+        ("pool-gpus", pool(topology={"tensorParallel": 2}, accelerator={"vendor": "nvidia"},
+                           overrides={"resources": {"limits": {"nvidia.com/gpu": 1}}}),
+         "overrides.resources.limits.nvidia.com/gpu=1 contradicts topology.tensorParallel=2"),
+        ("command", im(**overrides(command=["python", "serve.py"])),
+         "overrides.command contradicts the engine's command"),
+        ("ports", im(decode=overrides(ports=[{"containerPort": 9000}])),
+         "overrides.ports contradicts the engine's ports"),
+        ("readiness-probe-path", pool(overrides={"readinessProbe": {
+            "httpGet": {"path": "/healthz", "port": 8000}}}),
+         "overrides.readinessProbe contradicts the engine's probes (GET /ready"),
+        ("scrape-port", im(**overrides(annotations={"prometheus.io/port": "9000"})),
+         "overrides.annotations.prometheus.io/port='9000' contradicts the engine's port"),
+        ("rendezvous-env", im(**overrides(env={"MASTER_PORT": "1234"})),
+         "overrides.env.MASTER_PORT is rendered by the operator from the multi-node rendezvous"),
+        ("api-key-env", im(**overrides(env={"KVPILOT_API_KEY": "secret"})),
+         "overrides.env.KVPILOT_API_KEY is rendered by the operator from auth.apiKeySecretRef"),
+        ("selector-label", im(**overrides(labels={"kvpilot.dev/pool": "other"})),
+         "overrides.labels.kvpilot.dev/pool is the operator's pod label"),
+        ("node-selector-vs-accelerator-model", im(base=LLAMA, **overrides(nodeSelector={
+            "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"})),
+         "overrides.nodeSelector.nvidia.com/gpu.product='NVIDIA-A100-SXM4-80GB' contradicts "
+         "accelerator.model=H100-80GB"),
+    ],
+    # sections that contradict each other: vendor vs model, CPU vs GPU-only, partitions
+    "cross-sections": [
+        ("gpu-model-on-cpu", im(accelerator={"vendor": "cpu", "model": "H100-80GB"}),
+         "accelerator.model=H100-80GB with accelerator.vendor=cpu"),
+        ("amd-model-on-nvidia", im(accelerator={"vendor": "nvidia", "model": "MI300X"}),
+         "not a known NVIDIA model"),
+        ("gpus-per-node-on-cpu", im(accelerator={"vendor": "cpu", "gpusPerNode": 8}),
+         "accelerator.gpusPerNode=8 with accelerator.vendor=cpu"),
+        ("gpu-memory-on-cpu", im(engine={"gpuMemoryUtilization": 0.8}),
+         "engine.gpuMemoryUtilization=0.8 with accelerator.vendor=cpu"),
+        ("rdma-on-cpu", im(communication={"rdma": True}),
+         "communication.rdma=True with accelerator.vendor=cpu"),
+        ("pool-ib-hca-on-cpu", pool(communication={"ibHca": "mlx5_0"}),
+         "communication.ibHca=mlx5_0 with accelerator.vendor=cpu"),
+        ("fp8-weights-on-cpu", im(engine={"quantization": "fp8"}),
+         "engine.quantization=fp8 with accelerator.vendor=cpu"),
+        ("partition-on-nvidia", im(base=LLAMA, accelerator={"computePartition": "CPX"}),
+         "computePartition is an AMD setting"),
+        ("partition-on-cpu", im(accelerator={"vendor": "cpu", "memoryPartition": "NPS1"}),
+         "memoryPartition is an AMD setting"),
+    ],
 }
 
 

@@ -24,6 +24,23 @@ OPERATOR_ONLY = {
     "model-shape-and-fit/tp-not-dividing-heads", "model-shape-and-fit/pp-beyond-layers",
     "model-shape-and-fit/weights-do-not-fit", "gpu-budget/pool-over-operator-limit",
     "adapters/pool-max-lora-rank",
+    # Kubernetes objects in overrides: their schemas do not fit the InferenceModel CRD's
+    # 64 KiB (three copies of overrides); the CRD keeps them free-form (decision 0101)
+    "typed-overrides/node-affinity-string", "typed-overrides/node-selector-term-typo",
+    "typed-overrides/anti-affinity-without-topology-key",
+    "typed-overrides/preferred-weight-above-100", "typed-overrides/toleration-operator",
+    "typed-overrides/pool-toleration-seconds",
+    # what the operator derives is known once the pool is planned; unknown keys such as
+    # overrides.command are pruned, not refused, by an API server without strict validation
+    "owned-fields/gpus-below-topology", "owned-fields/gpu-on-cpu",
+    "owned-fields/amd-gpu-on-nvidia", "owned-fields/pool-gpus", "owned-fields/command",
+    "owned-fields/ports", "owned-fields/readiness-probe-path", "owned-fields/scrape-port",
+    "owned-fields/rendezvous-env", "owned-fields/api-key-env", "owned-fields/selector-label",
+    "owned-fields/node-selector-vs-accelerator-model",
+    # CPU rules: a CEL twin would not fit the InferenceModel CRD's size budget
+    "cross-sections/gpu-model-on-cpu", "cross-sections/gpus-per-node-on-cpu",
+    "cross-sections/gpu-memory-on-cpu", "cross-sections/rdma-on-cpu",
+    "cross-sections/pool-ib-hca-on-cpu", "cross-sections/fp8-weights-on-cpu",
 }
 
 
@@ -109,3 +126,15 @@ def test_adapters():
 def test_valid_edges_pass_both(manifest: dict[str, Any]):
     assert admission_refusal(manifest) is None
     assert operator_refusal(manifest) is None
+
+
+def test_typed_overrides():
+    check("typed-overrides")
+
+
+def test_overrides_of_operator_owned_fields():
+    check("owned-fields")
+
+
+def test_cross_section_contradictions():
+    check("cross-sections")

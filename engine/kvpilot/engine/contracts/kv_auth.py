@@ -67,7 +67,10 @@ def _check_header(frame: Frame, length: int) -> None:
 
 
 def _message(frame: Frame, payload: bytes) -> dict[str, object]:
-    message = json.loads(payload) if payload else {}
+    try:
+        message = json.loads(payload) if payload else {}
+    except ValueError as exc:  # invalid JSON or UTF-8
+        raise ProtocolError(f"AUTH payload is not JSON: {REFUSED}") from exc
     if not isinstance(message, dict):
         raise ProtocolError(f"AUTH payload is not a JSON object: {REFUSED}")
     if frame is Frame.ERROR:

@@ -123,13 +123,34 @@ def parse_header(raw: bytes | bytearray) -> tuple[Frame, int]:
 
 
 def parse_control(frame: Frame, payload: bytes, kinds: tuple[Frame, ...]) -> dict[str, Any]:
-    """Gives a control frame's message if the frame is one of `kinds`; an ERROR frame raises."""
-    message = json.loads(payload) if frame is not Frame.BLOCK else {}
+    """Gives a control frame's message if the frame is one of `kinds`; an ERROR frame raises,
+    and so does (ProtocolError) a payload that is not a JSON object."""
+    message = json_object(frame, payload) if frame is not Frame.BLOCK else {}
     if frame is Frame.ERROR and Frame.ERROR not in kinds:
         raise ProtocolError(f"peer error: {message.get('message')}")
     if frame not in kinds:
         raise ProtocolError(f"expected {'/'.join(k.name for k in kinds)}, got {frame.name}")
     return message
+
+
+def json_object(frame: Frame, payload: bytes) -> dict[str, Any]:
+    """Gives a control frame's JSON object; raises ProtocolError for anything else."""
+    try:
+        message = json.loads(payload) if payload else {}
+    except ValueError as exc:  # invalid JSON or UTF-8
+        raise ProtocolError(f"{frame.name} frame payload is not JSON: {exc}") from exc
+    if not isinstance(message, dict):
+        raise ProtocolError(f"{frame.name} frame payload is not a JSON object")
+    return message
+
+
+def hash_list(message: dict[str, Any], key: str) -> list[int]:
+    """Gives message[key] as block hashes (ints in [0, 2**64)); ProtocolError otherwise."""
+    value = message.get(key)
+    if not isinstance(value, list) or not all(
+            type(h) is int and 0 <= h < 2**64 for h in value):
+        raise ProtocolError(f"{key!r} is not a list of 64-bit block hashes")
+    return value
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[Frame, bytes]:

@@ -1,5 +1,8 @@
 """`--speculative-config`: vLLM's JSON shape parsed once into a resolved `SpeculativeConfig`.
 
+The flag holds JSON text; the offline `LLM(speculative_config=...)` also takes the same
+object as a dict, or a `SpeculativeConfig`, as vLLM's does.
+
 Two methods, as vLLM spells them:
   {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
   {"model": "PATH_OR_BUILTIN", "num_speculative_tokens": 4}   (a draft model; "method" may say
@@ -10,7 +13,9 @@ Torch-free: the operator renders this flag and `kvpilot serve --help` reads it.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 NGRAM, DRAFT = "ngram", "draft_model"
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
@@ -49,18 +54,38 @@ def _int(body: dict, key: str, default: int | None, low: int, high: int) -> int:
     return value
 
 
-def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
-    """Gives the config `--speculative-config` holds (None when unset); raises ValueError
-    naming the key, its value and the fix for anything else."""
-    if text is None or not text.strip():
+def parse_speculative_config(value: str | Mapping[str, Any] | SpeculativeConfig | None
+                             ) -> SpeculativeConfig | None:
+    """Gives the config `value` holds: `--speculative-config`'s JSON text, the same object
+    as a dict, or a config already resolved (None when unset); raises ValueError naming the
+    key, its value and the fix for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, SpeculativeConfig):  # built by hand: checked as its JSON would be
+        return _resolve(json.loads(value.to_json()), repr(value))
+    if isinstance(value, Mapping):
+        return _resolve(dict(value), repr(dict(value)))
+    if not isinstance(value, str):
+        raise ValueError(f"speculative_config={value!r} is invalid: give a dict such as "
+                         '{"method": "ngram", "num_speculative_tokens": 4}, its JSON text, or a '
+                         "SpeculativeConfig")
+    if not value.strip():
         return None
     try:
-        body = json.loads(text)
+        body = json.loads(value)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"speculative_config={text!r} is not JSON ({exc.msg}): write e.g. "
+        raise ValueError(f"speculative_config={value!r} is not JSON ({exc.msg}): write e.g. "
                          '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from exc
     if not isinstance(body, dict):
-        raise ValueError(f"speculative_config={text!r} is not a JSON object")
+        raise ValueError(f"speculative_config={value!r} is not a JSON object")
+    return _resolve(body, value)
+
+
+def _resolve(body: dict[str, Any], given: str) -> SpeculativeConfig:
+    """Gives the config of a parsed JSON object; `given` is how the user wrote it."""
+    if any(not isinstance(key, str) for key in body):
+        raise ValueError(f"speculative_config={given} has a key that is not a string: use "
+                         f"{', '.join(_KEYS)}")
     unknown = sorted(set(body) - set(_KEYS))
     if unknown:
         raise ValueError(f"speculative_config key {unknown[0]!r} is not supported: use "

@@ -32,6 +32,7 @@ from kvpilot.engine.contracts.kv_protocol import (
     encode_block,
     expect,
     expect_sync,
+    hash_list,
     read_blocks_into,
     send_buffers,
     set_kernel_timeouts,
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpilot.kv_transfer")
 FETCH_IO_TIMEOUT = 30.0  # a decode peer silent this long mid-transfer is gone (the lease expires)
 EXPIRY_TICK = 0.5
+MAX_PULL_TIMEOUT = 3600.0  # a PULL's deadline: far above any transfer, below forever
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -163,7 +165,7 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
         sock.sendall(encode(Frame.LEASE, {"hashes": lease.hashes,
                                           "block_bytes": self.store.block_bytes, **offer}))
         _, want = expect_sync(sock, Frame.WANT)
-        wanted = [int(h) for h in want.get("hashes") or []]
+        wanted = hash_list(want, "hashes")
         unknown = set(wanted) - set(lease.hashes)
         if unknown:
             raise ProtocolError(f"WANT names {len(unknown)} hashes outside lease {lease_id}")
@@ -228,15 +230,14 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
     # ---- decode side ------------------------------------------------------------------
 
     async def _serve_pull(self, message: dict[str, Any]) -> dict[str, Any]:
-        host, _, port = str(message["remote"]).rpartition(":")
-        lease_id, timeout = str(message["lease_id"]), float(message.get("timeout", 10.0))
+        host, port, lease_id, timeout = pull_request(message)
         deadline = time.monotonic() + timeout
         error: Exception | None = None
         for attempt in range(self.pull_attempts):
             if time.monotonic() >= deadline:
                 break
             try:
-                return await self._in_worker(self._pull, host, int(port), lease_id, deadline)
+                return await self._in_worker(self._pull, host, port, lease_id, deadline)
             except (OSError, ProtocolError, TimeoutError) as exc:
                 error = exc
                 if isinstance(exc, NixlError) and self.nixl is not None:
@@ -274,13 +275,13 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
             sock.sendall(encode(Frame.FETCH, {"lease_id": lease_id,
                                               **({"nixl": True} if nixl else {})}))
             _, lease = expect_sync(sock, Frame.LEASE)
-            hashes = [int(h) for h in lease["hashes"]]
+            hashes = hash_list(lease, "hashes")
             with self.store.lock:
                 have = self.store.num_cached_prefix(hashes)
             wanted = hashes[have:]
             size = self.store.block_bytes
-            if wanted and lease["block_bytes"] != size:
-                raise ProtocolError(f"the peer's blocks are {lease['block_bytes']} bytes, this "
+            if wanted and lease.get("block_bytes") != size:
+                raise ProtocolError(f"the peer's blocks are {lease.get('block_bytes')} bytes, this "
                                     f"engine's {size}: a different model, dtype or block size")
             peer = nixl.peer(lease, remote) if nixl is not None and wanted else None
             sock.sendall(encode(Frame.WANT, {"hashes": wanted,
@@ -381,6 +382,24 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
                         writer.get_extra_info("peername"), exc)
         finally:
             writer.close()
+
+
+def pull_request(message: dict[str, Any]) -> tuple[str, int, str, float]:
+    """Gives (host, port, lease id, timeout seconds) of a PULL message; raises ProtocolError
+    naming the field (answered to the asker as an ERROR frame) when one is malformed."""
+    remote, lease_id = message.get("remote"), message.get("lease_id")
+    host, _, port = remote.rpartition(":") if isinstance(remote, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ProtocolError(f"PULL remote={remote!r} is invalid: give the prefill agent's "
+                            "host:port")
+    if not isinstance(lease_id, str) or not lease_id:
+        raise ProtocolError(f"PULL lease_id={lease_id!r} is invalid: give the lease's id")
+    timeout = message.get("timeout", 10.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
+            or not 0 < timeout <= MAX_PULL_TIMEOUT:
+        raise ProtocolError(f"PULL timeout={timeout!r} is invalid: give seconds in "
+                            f"(0, {MAX_PULL_TIMEOUT}]")
+    return host, int(port), lease_id, float(timeout)
 
 
 def import_group(store: BlockStore[HandleT, BufferT, StagedT], buffer: BufferT,

@@ -110,13 +110,10 @@ def destroy_distributed(wait_s: float = 60.0) -> None:
     """
     if not dist.is_initialized():
         return
-    left = threading.Event()
-
-    def leave() -> None:
-        dist.destroy_process_group()
-        left.set()
-
-    threading.Thread(target=leave, name="kvpilot-leave-groups", daemon=True).start()
-    if not left.wait(wait_s):
+    leave = threading.Thread(target=dist.destroy_process_group, name="kvpilot-leave-groups",
+                             daemon=True)
+    leave.start()
+    leave.join(wait_s)
+    if leave.is_alive():
         logger.warning("left the process groups unfinished after %.0f s (a peer is gone); "
                        "a new engine in this process cannot join new groups", wait_s)

@@ -111,7 +111,7 @@ class WorkerProcesses:
 
     def stop(self, grace: float = 10.0) -> None:
         """Gives the workers `grace` seconds to leave (after a stop step), then SIGTERMs
-        and finally SIGKILLs what is left."""
+        and finally SIGKILLs what is left, and joins the watchdog."""
         self._stopping.set()
         deadline = time.monotonic() + grace
         for proc in self.procs.values():
@@ -125,3 +125,5 @@ class WorkerProcesses:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self._watchdog is not threading.current_thread():  # an exit listener may stop us
+            self._watchdog.join(WATCH_INTERVAL_S * 10)

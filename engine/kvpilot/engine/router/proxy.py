@@ -177,8 +177,12 @@ class Forwarder:
                 if chunk:
                     yield chunk
                 try:
-                    chunk = await asyncio.wait_for(anext(attempt.chunks),
-                                                   max(deadline - time.monotonic(), 0.0))
+                    # read in this task, not in a wait_for task: a client that goes away
+                    # cancelled that task inside httpx's read, whose clean-up then left the
+                    # connection ACTIVE in the pool with its socket open, one per dropped
+                    # request (CLOSE_WAIT sockets by the hundred: bench/soak.py)
+                    async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                        chunk = await anext(attempt.chunks)
                 except StopAsyncIteration:
                     break
                 self.fleet.heard(attempt.instance)

@@ -199,9 +199,10 @@ class GrammarMatchers:
                                         f"{matcher.get_error()}")
 
     def shutdown(self) -> None:
-        """Stops the compiling and filling threads."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._fill_pool.shutdown(wait=False, cancel_futures=True)
+        """Stops the compiling and filling threads: what is queued is dropped, what runs
+        finishes, and the threads are joined."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._fill_pool.shutdown(wait=True, cancel_futures=True)
 
 
 class MaskFill:

@@ -22,6 +22,7 @@ MemoryPartition = Literal["NPS1", "NPS4"]
 ResourceNaming = Literal["single", "mixed"]
 
 PHYSICAL_GPUS_PER_NODE = 8
+CPU_NO_GPU = "a CPU replica runs on no GPU (vendor cpu: the engine runs on the node's CPUs);"
 # Logical GPUs one physical AMD GPU becomes in each compute partition mode.
 LOGICAL_PER_GPU = {"SPX": 1, "DPX": 2, "QPX": 4, "CPX": 8}
 # (compute, memory) pairs AMD validates on MI300-series GPUs.
@@ -125,4 +126,11 @@ class AcceleratorSpec(ApiModel):
         for rule, is_broken in zip(ACCELERATOR_RULES, broken, strict=True):
             if is_broken:
                 raise ValueError(f"accelerator ({given}): {rule.message}")
+        # operator-only: a CEL twin would not fit the InferenceModel CRD's size budget
+        if self.vendor == "cpu" and self.model is not None:
+            raise ValueError(f"accelerator.model={self.model} with accelerator.vendor=cpu: "
+                             f"{CPU_NO_GPU} remove model, or set vendor to the GPU's")
+        if self.vendor == "cpu" and self.gpus_per_node is not None:
+            raise ValueError(f"accelerator.gpusPerNode={self.gpus_per_node} with "
+                             f"accelerator.vendor=cpu: {CPU_NO_GPU} remove gpusPerNode")
         return self

@@ -227,7 +227,7 @@ class InferenceModelSpec(ApiModel):
         check_sections(self.model, [self.topology, *(t.topology for t in pools)],
                        self.accelerator, self.communication,
                        [self.communication.env, self.overrides.env,
-                        *(t.overrides.env for t in pools if t.overrides)])
+                        *(t.overrides.env for t in pools if t.overrides)], self.engine)
         return self
 
     def pool_topology(self, role: TemplateRole) -> TopologySpec:

@@ -15,6 +15,7 @@ from kvpilot.operator.api.formats import (
     Quantity,
     parse_quantity,
 )
+from kvpilot.operator.api.kube_objects import AffinityObject, TolerationObject
 
 # Checked by the operator, not by a CEL rule: the quantity() cost of int-or-string values
 # has no bound the API server could estimate.
@@ -40,6 +41,19 @@ class ResourceExtras(ApiModel):
         return self
 
 
+# Container fields users reach for that the operator renders from the spec: refused naming
+# what renders them (pydantic alone would say "extra inputs are not permitted").
+RENDERED_BY_OPERATOR = {
+    "command": "the engine's command (kvpilot serve with the spec's flags); engine flags go "
+               "in engine.extraArgs",
+    "args": "the engine's flags, from spec.engine; more flags go in engine.extraArgs",
+    "ports": "the engine's ports (http 8000, kv-transfer 9000, the rendezvous port)",
+    "livenessProbe": "the engine's probes (GET /health on port http)",
+    "readinessProbe": "the engine's probes (GET /ready on port http)",
+    "startupProbe": "the engine's probes (GET /health on port http)",
+}
+
+
 class Overrides(ApiModel):
     """The curated part of the pod users may change; no full PodSpec on purpose (small CRDs)."""
 
@@ -54,9 +68,9 @@ class Overrides(ApiModel):
     """Extra CPU, memory or other resources."""
     node_selector: LabelMap = Field(default_factory=dict)
     """Labels nodes must carry, merged with the accelerator's own."""
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, max_length=32)
+    tolerations: list[TolerationObject] = Field(default_factory=list, max_length=32)
     """Pod tolerations (Kubernetes Toleration objects), added to the accelerator's."""
-    affinity: dict[str, Any] | None = None
+    affinity: AffinityObject | None = None
     """Pod affinity (a Kubernetes Affinity object), used as given."""
     env: EnvMap = Field(default_factory=dict)
     """Extra environment variables of the engine container."""
@@ -66,3 +80,13 @@ class Overrides(ApiModel):
     """Extra pod labels."""
     service_account_name: DnsSubdomain | None = None
     """Service account of the engine pods (they mount no API token either way)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_rendered_by_operator(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, rendered in RENDERED_BY_OPERATOR.items():
+                if key in data:
+                    raise ValueError(f"overrides.{key} contradicts {rendered}, which the "
+                                     f"operator renders: remove overrides.{key}")
+        return data

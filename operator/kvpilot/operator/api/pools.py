@@ -87,7 +87,7 @@ class PoolSpec(ApiModel):
         check_fits_node(self.topology, self.accelerator)
         check_sections(self.model, [self.topology], self.accelerator, self.communication,
                        [self.communication.env if self.communication else {},
-                        self.overrides.env if self.overrides else {}])
+                        self.overrides.env if self.overrides else {}], self.engine)
         return self
 
 

@@ -107,7 +107,7 @@ def resolve_pool(spec: AnyPoolSpec, owner: InferenceModelSpec | None) -> Resolve
                           CommunicationSpec())
     overrides = _pick(spec.overrides, owner.overrides if owner else None, Overrides())
     check_sections(model, [topology], accelerator, communication,
-                   [communication.env, overrides.env])
+                   [communication.env, overrides.env], engine)
     adapters = tuple(owner.adapters or ()) if owner else ()
     check_adapters(adapters, model.name, "aggregated" if spec.role == "both" else "disaggregated",
                    engine.max_loras is not None or engine.max_lora_rank is not None)

@@ -21,6 +21,7 @@ from kvpilot.operator.planning.pool import ResolvedPool, resolve_pool
 from kvpilot.operator.render.engine_args import serve_args
 from kvpilot.operator.render.gateway import render_inference_pool
 from kvpilot.operator.render.meta import GROUP_VERSION, MODEL_LABEL, RenderConfig, object_meta
+from kvpilot.operator.render.owned_fields import check_owned_fields
 from kvpilot.operator.render.pool import check_pool_size
 from kvpilot.operator.render.router import render_router
 from kvpilot.operator.render.weight_cache import weight_cache
@@ -122,4 +123,5 @@ def render_model(im: dict[str, Any], spec: Mapping[str, Any],
     pools = owned_pools(parsed, name)
     for pool in pools:
         check_pool_size(pool.resolved, config)
+        check_owned_fields(pool.resolved)
     return RenderedModel(parsed, pools, render_children(im, parsed, pools, config))

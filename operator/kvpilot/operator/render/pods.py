@@ -84,10 +84,11 @@ def pod_template(pool: ResolvedPool, labels: dict[str, str], config: RenderConfi
         pod["initContainers"] = init
     if overrides.node_selector:
         pod["nodeSelector"] = dict(overrides.node_selector)
-    tolerations = [*placement.tolerations, *overrides.tolerations]
+    tolerations = [*placement.tolerations, *(t.to_json() for t in overrides.tolerations)]
     if tolerations:
         pod["tolerations"] = tolerations
-    affinity = _affinity(placement.node_selector_terms, overrides.affinity)
+    affinity = _affinity(placement.node_selector_terms,
+                         overrides.affinity.to_json() if overrides.affinity else None)
     if affinity:
         pod["affinity"] = affinity
     if overrides.image_pull_secrets:

@@ -11,6 +11,7 @@ from kvpilot.operator.api.names import check_name
 from kvpilot.operator.planning.pool import ResolvedPool
 from kvpilot.operator.render.meta import RenderConfig, pool_labels, selector_labels
 from kvpilot.operator.render.network import pool_network_policy
+from kvpilot.operator.render.owned_fields import check_owned_fields
 from kvpilot.operator.render.pdb import pool_pdb
 from kvpilot.operator.render.services import pool_service, rendezvous_service
 from kvpilot.operator.render.workloads import pool_workloads
@@ -44,10 +45,12 @@ def check_pool_size(resolved: ResolvedPool, config: RenderConfig) -> None:
 def render_pool(pool: dict[str, Any], resolved: ResolvedPool,
                 config: RenderConfig) -> list[dict[str, Any]]:
     """Gives the objects a stored pool owns, rendered from its resolved spec; raises
-    ValueError naming the field when its name or size is out of bounds."""
+    ValueError naming the field when its name or size is out of bounds, or its overrides
+    contradict what the operator derives."""
     name, namespace = pool["metadata"]["name"], pool["metadata"]["namespace"]
     check_name(pool["kind"], name)
     check_pool_size(resolved, config)
+    check_owned_fields(resolved)
     labels = pool_labels(pool_model_name(pool), name, resolved.role)
     multi_node = resolved.placement.nodes_per_replica > 1
     objects = pool_workloads(name, namespace, resolved, labels, pool, config,
