@@ -26,7 +26,8 @@ def test_import_names_from_repository_root() -> None:
 
 @pytest.mark.parametrize("argv", [["--help"], ["operator", "--help"], ["crds", "--help"],
                                   ["route", "--help"], ["up", "--help"], ["sim", "--help"],
-                                  ["bench", "--help"], ["serve", "--help"]])
+                                  ["bench", "--help"], ["bench", "throughput", "--help"],
+                                  ["bench", "latency", "--help"], ["serve", "--help"]])
 def test_cli_help_leaves_torch_unloaded(argv: list[str]) -> None:
     code = (
         "import sys, contextlib, io\n"

@@ -30,7 +30,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "crds": Subcommand("kvpilot.operator.crdgen", "print or write the CustomResourceDefinitions"),
     "fetch": Subcommand("kvpilot.operator.weights.cli",
                          "download model weights from the Hugging Face Hub (init containers, Jobs)"),
-    "bench": Subcommand("kvpilot.engine.loadgen.cli", "load-generate against an OpenAI server"),
+    "bench": Subcommand("kvpilot.cli.bench", "benchmark a server under load (serve) or the "
+                        "offline engine (throughput, latency)"),
     "sim": Subcommand("kvpilot.cli.sim", "simulate a fleet under the autoscaler, or the "
                       "router's flow control (--flows)"),
 }

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
             outputs = (llm.beam_search(args.prompt, params) if args.beam_width > 1
                        else llm.generate(args.prompt, params))
         finally:
-            llm.engine.shutdown()  # stops the worker processes of a tensor-parallel engine
+            llm.shutdown()  # stops a tensor-parallel engine's workers, frees its memory
     except ValueError as exc:
         print(f"kvpilot generate: {exc}", file=sys.stderr)
         return 2

@@ -16,50 +16,48 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvpilot.engine.loadgen.datasets import DATASETS, DatasetSpec
+
 if TYPE_CHECKING:
     from kvpilot.engine.contracts.tokenizer import TokenizerLike
-    from kvpilot.engine.loadgen.datasets import SampleRequest
-
-DATASETS = ("random", "shared-prefix", "sharegpt")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
-    serve = sub.add_parser("serve", help="stream completions at a server and time them")
-    serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    serve.add_argument("--model", required=True, help="the model name the server serves")
-    serve.add_argument("--tokenizer", default=None,
-                       help="tokenizer for the token lengths: a model directory, a Hub id in "
-                            "the local HF cache or a built-in (default: --model, else the "
-                            "server's model root)")
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--endpoint", choices=("/v1/completions", "/v1/chat/completions"),
-                       default="/v1/completions")
-    serve.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS,
-                       default="random")
-    serve.add_argument("--dataset-path", type=Path, default=None,
-                       help="ShareGPT-format JSON file (--dataset-name sharegpt)")
-    serve.add_argument("--sharegpt-output-len", type=int, default=None,
-                       help="output tokens per ShareGPT request (default: the reply's length)")
-    serve.add_argument("--num-prompts", type=int, default=100)
-    serve.add_argument("--random-input-len", type=int, default=128, help="prompt tokens")
-    serve.add_argument("--random-output-len", type=int, default=64, help="max_tokens")
-    serve.add_argument("--random-range-ratio", type=float, default=0.0,
-                       help="lengths uniform in [len*(1-r), len*(1+r)]")
-    serve.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix dataset")
-    serve.add_argument("--prefix-len", type=int, default=256, help="tokens per shared prefix")
-    serve.add_argument("--request-rate", type=float, default=math.inf,
-                       help="requests per second (inf: send all at once)")
-    serve.add_argument("--burstiness", type=float, default=1.0,
-                       help="gamma shape of the gaps: 1 is Poisson")
-    serve.add_argument("--max-concurrency", type=int, default=None)
-    serve.add_argument("--ignore-eos", action="store_true")
-    serve.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                       help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000")
-    serve.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    serve.add_argument("--result-json", type=Path, default=None)
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    """Adds `kvpilot bench serve`'s flags (vLLM's names)."""
+    parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", required=True, help="the model name the server serves")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer for the token lengths: a model directory, a Hub id in "
+                             "the local HF cache or a built-in (default: --model, else the "
+                             "server's model root)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--endpoint", choices=("/v1/completions", "/v1/chat/completions"),
+                        default="/v1/completions")
+    parser.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS,
+                        default="random")
+    parser.add_argument("--dataset-path", type=Path, default=None,
+                        help="ShareGPT-format JSON file (--dataset-name sharegpt)")
+    parser.add_argument("--sharegpt-output-len", type=int, default=None,
+                        help="output tokens per ShareGPT request (default: the reply's length)")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--random-input-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--random-output-len", type=int, default=64, help="max_tokens")
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="lengths uniform in [len*(1-r), len*(1+r)]")
+    parser.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix dataset")
+    parser.add_argument("--prefix-len", type=int, default=256, help="tokens per shared prefix")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="requests per second (inf: send all at once)")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="gamma shape of the gaps: 1 is Poisson")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    parser.add_argument("--result-json", type=Path, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
 
 
 def _server_root(args: argparse.Namespace) -> str | None:
@@ -96,36 +94,26 @@ def load_bench_tokenizer(args: argparse.Namespace) -> tuple[TokenizerLike, str]:
                      f"HF cache, or tiny-llama). Tried: {'; '.join(tried) or 'nothing'}")
 
 
-def samples_for(args: argparse.Namespace, tokenizer: TokenizerLike) -> list[SampleRequest]:
-    """Gives the requests `--dataset-name` asks for, their lengths in `tokenizer`'s tokens."""
-    from kvpilot.engine.loadgen.datasets import (
-        random_dataset,
-        shared_prefix_dataset,
-        sharegpt_dataset,
-    )
-
-    if args.dataset_name == "sharegpt":
-        if args.dataset_path is None:
-            raise ValueError("--dataset-name sharegpt needs --dataset-path FILE (ShareGPT JSON)")
-        return sharegpt_dataset(args.dataset_path, args.num_prompts, args.seed, tokenizer,
-                                args.sharegpt_output_len)
-    if args.dataset_name == "shared-prefix":
-        return shared_prefix_dataset(args.num_prompts, args.num_prefixes, args.prefix_len,
-                                     args.random_input_len, args.random_output_len,
-                                     args.random_range_ratio, args.seed, tokenizer)
-    return random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
-                          args.random_range_ratio, args.seed, tokenizer)
+def dataset_spec(args: argparse.Namespace) -> DatasetSpec:
+    """Gives the requests `--dataset-name` and its flags ask for."""
+    return DatasetSpec(args.dataset_name, args.num_prompts, args.random_input_len,
+                       args.sharegpt_output_len if args.dataset_name == "sharegpt"
+                       else args.random_output_len,
+                       args.random_range_ratio, args.num_prefixes, args.prefix_len,
+                       args.dataset_path, args.seed)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvpilot.engine.event_loop import run_event_loop, settle_gc
+    from kvpilot.engine.loadgen.datasets import sample_requests
     from kvpilot.engine.loadgen.report import RequestResult, format_table, parse_slos, summarize
     from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
 
     try:
         slos = parse_slos(args.goodput)
+        spec = dataset_spec(args)
         tokenizer, tokenizer_name = load_bench_tokenizer(args)
-        samples = samples_for(args, tokenizer)
+        samples = sample_requests(spec, tokenizer)
         cfg = BenchConfig(base_url=args.base_url.rstrip("/"), model=args.model,
                           request_rate=args.request_rate, burstiness=args.burstiness,
                           max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,

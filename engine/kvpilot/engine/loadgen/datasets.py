@@ -4,7 +4,9 @@ random prompts, prompts sharing a few prefixes, or a ShareGPT-format conversatio
 Random text is drawn from a fixed word list and cut to the asked number of tokens (encode,
 keep the first N ids, decode), so the load generator needs a tokenizer but no torch. The
 word-count dataset (`random_word_dataset`) remains for the bench/ scripts whose recorded
-results were made in words.
+results were made in words. `DatasetSpec` is what `--dataset-name` and its flags resolve to,
+shared by `kvpilot bench serve` and `kvpilot bench throughput`; importing this module loads
+no tokenizer (so `--help` stays light).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvpilot.engine.contracts.tokenizer import TokenizerLike
+if TYPE_CHECKING:
+    from kvpilot.engine.contracts.tokenizer import TokenizerLike
 
+DATASETS = ("random", "shared-prefix", "sharegpt")
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "it", "an", "were", "are", "which", "this", "be", "or", "has", "had", "first", "one", "their", "its", "new", "after", "who", "they", "two", "her", "she", "been", "other", "when", "there", "all", "during", "into", "school", "time", "may", "years", "more", "most", "only", "over", "city", "some", "world", "would", "where", "later", "up", "such", "used", "many", "can", "state", "about", "national", "out", "known", "university", "united", "then", "made", "river", "north", "south", "east", "west", "light", "water", "stone", "paper", "music", "garden", "window", "market", "bridge", "signal", "engine", "cache", "block", "token", "prefix", "queue", "batch", "model", "kernel", "tensor", "router", "replica"]
 # ShareGPT filtering as vLLM's: too short to time, or too long for common context sizes.
 SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
@@ -30,6 +34,51 @@ class SampleRequest:
     prompt_len: int
     """Tokens of the prompt without special tokens (words, for random_word_dataset)."""
     output_len: int
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """The requests a benchmark asks for: `--dataset-name` and the flags that shape it."""
+
+    name: str
+    num_prompts: int
+    input_len: int
+    output_len: int | None
+    """Output tokens per request; None: each ShareGPT reply's own length (sharegpt only)."""
+    range_ratio: float = 0.0
+    num_prefixes: int = 4
+    prefix_len: int = 256
+    path: Path | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in DATASETS:
+            raise ValueError(f"dataset_name={self.name!r} is unknown: pass --dataset-name "
+                             f"{' or '.join(DATASETS)}")
+        if self.num_prompts < 1:
+            raise ValueError(f"num_prompts={self.num_prompts} is invalid: pass --num-prompts 1 "
+                             "or more")
+        if self.name == "sharegpt" and self.path is None:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path FILE (ShareGPT JSON)")
+        if self.name != "sharegpt" and self.output_len is None:
+            raise ValueError(f"--dataset-name {self.name} needs an output length: pass "
+                             "--output-len")
+        _check_ratio(self.range_ratio)
+
+
+def sample_requests(spec: DatasetSpec, tokenizer: TokenizerLike) -> list[SampleRequest]:
+    """Gives the requests `spec` asks for, their lengths in `tokenizer`'s tokens."""
+    if spec.name == "sharegpt":
+        assert spec.path is not None  # DatasetSpec refuses sharegpt without a path
+        return sharegpt_dataset(spec.path, spec.num_prompts, spec.seed, tokenizer,
+                                spec.output_len)
+    assert spec.output_len is not None  # DatasetSpec refuses a random dataset without one
+    if spec.name == "shared-prefix":
+        return shared_prefix_dataset(spec.num_prompts, spec.num_prefixes, spec.prefix_len,
+                                     spec.input_len, spec.output_len, spec.range_ratio,
+                                     spec.seed, tokenizer)
+    return random_dataset(spec.num_prompts, spec.input_len, spec.output_len, spec.range_ratio,
+                          spec.seed, tokenizer)
 
 
 def _lengths(rng: random.Random, mean: int, range_ratio: float) -> int:
@@ -48,8 +97,8 @@ def _check_ratio(range_ratio: float) -> None:
         raise ValueError(f"random_range_ratio={range_ratio} is invalid: must be in [0, 1)")
 
 
-def _tokens(rng: random.Random, tokenizer: TokenizerLike, count: int) -> str:
-    """Gives random text of `count` tokens (every word is at least one token)."""
+def _token_ids(rng: random.Random, tokenizer: TokenizerLike, count: int) -> list[int]:
+    """Gives the ids of `count` tokens of random text (every word is at least one token)."""
     ids: list[int] = []
     words = count
     for _ in range(8):  # one pass suffices unless a tokenizer merges across spaces
@@ -57,7 +106,12 @@ def _tokens(rng: random.Random, tokenizer: TokenizerLike, count: int) -> str:
         if len(ids) >= count:
             break
         words *= 2
-    return tokenizer.decode(ids[:count])
+    return ids[:count]
+
+
+def _tokens(rng: random.Random, tokenizer: TokenizerLike, count: int) -> str:
+    """Gives random text of `count` tokens."""
+    return tokenizer.decode(_token_ids(rng, tokenizer, count))
 
 
 def _length(tokenizer: TokenizerLike, text: str) -> int:
@@ -144,3 +198,11 @@ def random_word_dataset(num_prompts: int, input_len: int, output_len: int, range
         n_in = _lengths(rng, input_len, range_ratio)
         out.append(SampleRequest(_words(rng, n_in), n_in, _lengths(rng, output_len, range_ratio)))
     return out
+
+
+def random_token_prompts(num_prompts: int, input_len: int, seed: int,
+                         tokenizer: TokenizerLike) -> list[list[int]]:
+    """Gives `num_prompts` prompts of exactly `input_len` token ids of random text (no special
+    tokens), for timing a batch of known shape."""
+    rng = random.Random(seed)
+    return [_token_ids(rng, tokenizer, input_len) for _ in range(num_prompts)]
