@@ -47,7 +47,7 @@ from kvpilot.engine.spec_decode.spec_decoder import (
     VerifyItem,
     make_spec_decoder,
 )
-from kvpilot.engine.step_times import StepTimes
+from kvpilot.engine.step_times import StepTimes, StepTokens
 from kvpilot.engine.structured.bitmask import apply_token_bitmask
 from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
 from kvpilot.engine.warmup import PathLog, mark_cold, request_paths, step_paths, warm_up
@@ -163,6 +163,7 @@ class LLMEngine:
         self._last_plan: SchedulerOutput | None = None
         self._last_mode = ""  # how the last step's forward ran: graph, piecewise or eager
         self.step_times = StepTimes()  # engine step wall times by that mode (/metrics)
+        self.step_tokens = StepTokens()  # tokens per engine step (/metrics)
         self.paths = PathLog()  # code paths run: the warm-up's, and any first used after it
         # whether the step being built has a prompt with nothing cached before it, and one
         # (or a verify) continuing a cached prefix: its prefill kernels (`_entries` sets them)
@@ -352,9 +353,13 @@ class LLMEngine:
         """
         started = time.perf_counter()
         self._last_mode = ""
+        tokens_before = self.prompt_tokens + self.generation_tokens
         results = self._step()
         if self._last_mode:
             self.step_times.observe(self._last_mode, time.perf_counter() - started)
+        tokens = self.prompt_tokens + self.generation_tokens - tokens_before
+        if self._last_mode or tokens:  # a step that only read back the last batch counts too
+            self.step_tokens.observe(tokens)
         return results
 
     def _step(self) -> list[EngineCoreOutput]:
@@ -836,6 +841,7 @@ class LLMEngine:
         self.prompt_tokens = self.generation_tokens = 0
         self.scheduler.num_preemptions = 0
         self.step_times = StepTimes()
+        self.step_tokens = StepTokens()
         runner = self.runner
         self._steps_before = (runner.num_graph_steps, runner.num_piecewise_steps,
                               runner.num_eager_steps)
@@ -890,6 +896,8 @@ class LLMEngine:
             eager_steps=self.runner.num_eager_steps - self._steps_before[2],
             step_seconds={mode: list(c) for mode, c in self.step_times.counts.items()},
             step_seconds_sum=dict(self.step_times.sums),
+            iteration_tokens=list(self.step_tokens.counts),
+            iteration_tokens_sum=self.step_tokens.sum,
         )
         if self.spec is not None:
             c = self.spec.counters
