@@ -184,3 +184,16 @@ def test_model_dir_is_refused_for_a_built_in_config():
     with pytest.raises(ValueError, match=r"--model-dir /data/tiny: spec\.model\.source="
                                          r"'dummy:tiny-llama' is a built-in config"):
         plan_local(manifest(), lambda: 9000, 8080, model_dir="/data/tiny")
+
+
+def test_the_scaling_hint_never_says_to_edit_a_tracked_example(tmp_path, monkeypatch):
+    """It said "edit the pools' replicas in examples/tiny-cpu.yaml" (issue 49)."""
+    from kvpilot.operator.local.cli import DEFAULT_MANIFEST, scale_hint
+
+    monkeypatch.chdir(DEFAULT_MANIFEST.parents[1])
+    for example in (str(DEFAULT_MANIFEST), "examples/tiny-disagg-cpu.yaml"):
+        hint = scale_hint(example, 42)
+        assert f"is a tracked example: copy it (cp {example} my-" in hint, hint
+        assert "edit the pools' replicas in" not in hint
+    copy = str(tmp_path / "fleet.yaml")
+    assert scale_hint(copy, 42) == f"  scale: edit the pools' replicas in {copy}, then: kill -HUP 42"

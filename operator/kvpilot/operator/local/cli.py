@@ -60,6 +60,18 @@ def check_api_key(manifest: dict[str, Any]) -> None:
                          "process inherits it), or remove spec.auth to run the API open")
 
 
+def scale_hint(file: str, pid: int) -> str:
+    """Gives the line that tells how to scale the running fleet: edit the manifest, then
+    SIGHUP; a tracked example is copied first (the README's way), not edited in place."""
+    path = Path(file)
+    if path.resolve().parent == DEFAULT_MANIFEST.parent:
+        copy = f"my-{path.name}"
+        return (f"  scale: {file} is a tracked example: copy it (cp {file} {copy}), run "
+                f"kvpilot up {copy}, then edit the copy's replicas and send that kvpilot up "
+                "a SIGHUP (kill -HUP PID)")
+    return f"  scale: edit the pools' replicas in {file}, then: kill -HUP {pid}"
+
+
 def _once(url: str, model: str) -> tuple[str, list[str]]:
     """Gives the answer to one greedy chat request through the router, and the URLs of the
     engines that served it (the router's served-by header: prefill first when disaggregated)."""
@@ -158,8 +170,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  try: curl {endpoint}/chat/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"hi\"}}]}}'", flush=True)
-        print(f"  scale: edit the pools' replicas in {args.file}, then: kill -HUP {os.getpid()}",
-              flush=True)
+        print(scale_hint(args.file, os.getpid()), flush=True)
         while not stop.wait(0.5):
             if reload.is_set():
                 reload.clear()
