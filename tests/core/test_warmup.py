@@ -85,7 +85,8 @@ def test_the_warm_up_leaves_nothing_behind():
     assert engine.kv.pool.cached == {}  # its prompts are not prefix hits for anyone
     assert stats.kv_cache_usage == 0 and stats.num_free_blocks == stats.num_total_blocks
     assert (stats.prompt_tokens, stats.generation_tokens, stats.prefix_cache_queries,
-            stats.eager_steps, stats.step_seconds) == (0, 0, 0, 0, {})
+            stats.eager_steps, stats.step_seconds, stats.iteration_tokens_sum) == (
+        0, 0, 0, 0, {}, 0)
 
 
 @pytest.mark.parametrize("left_out", ["prefix-hit", "random", "top", "penalties", "logit-bias",

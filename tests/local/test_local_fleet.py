@@ -218,6 +218,34 @@ def test_kvpilot_up_once_answers_and_leaves_nothing_running(tmp_path):
         assert "Finished server process" in log.read_text(), log.name
 
 
+def test_kvpilot_up_once_runs_the_tiny_disaggregated_example(tmp_path):
+    """The example's prefill and decode engines each need the fleet secret kvpilot up
+    generates (they refuse to start without one); the answer crosses both."""
+    port = free_port()
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpilot.cli.main", "up", "examples/tiny-disagg-cpu.yaml",
+         "--once", "--port", str(port), "--log-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "kvpilot up: served by tiny-pd-prefill-0, tiny-pd-decode-0" in result.stderr
+    assert sorted(log.name for log in tmp_path.glob("*.log")) == [
+        "tiny-pd-decode-0.log", "tiny-pd-prefill-0.log", "tiny-pd-router.log"]
+
+
+def test_kvpilot_up_refuses_a_hub_source_up_front_with_the_fetch_command(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpilot.cli.main", "up", "examples/disaggregated.yaml",
+         "--port", str(free_port()), "--log-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(
+        "kvpilot up: examples/disaggregated.yaml: spec.model.source='hf://Qwen/Qwen3-8B': ")
+    assert "`kvpilot fetch Qwen/Qwen3-8B --local-dir DIR`" in result.stderr
+    assert "add --model-dir DIR" in result.stderr
+    assert not list(tmp_path.glob("*.log"))  # nothing started
+
+
 def test_kvpilot_up_on_a_busy_port_is_one_line_exit_2(tmp_path):
     import socket
 

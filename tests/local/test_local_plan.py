@@ -142,3 +142,58 @@ def test_adapters_are_refused_locally(monkeypatch):
     with_adapters = manifest(adapters=[{"name": "sql", "source": "hf://org/sql"}])
     with pytest.raises(ValueError, match=r"spec\.adapters: kvpilot up runs no init containers"):
         plan_local(with_adapters, lambda: 9000, 8080)
+
+
+def hub_model(**fields) -> dict:
+    return {"name": "tiny-llama", "source": "hf://org/tiny", **fields}
+
+
+@pytest.mark.parametrize(("model", "error"), [
+    # an hf:// source: the exact kvpilot fetch line (revision and filters only when set)
+    (hub_model(), "run `kvpilot fetch org/tiny --local-dir DIR`, then add --model-dir DIR"),
+    (hub_model(revision="v2", include=["*.safetensors", "*.json"]),
+     "run `kvpilot fetch org/tiny --revision v2 --include '*.safetensors' '*.json' "
+     "--local-dir DIR`, then add --model-dir DIR"),
+    ({"name": "tiny-llama", "source": "pvc://weights/tiny"},
+     "mounts no PersistentVolumeClaim: copy the weights on the claim's path to a directory DIR, "
+     "then add --model-dir DIR"),
+    ({"name": "tiny-llama", "source": "oci://registry/tiny:1"},
+     "pulls no image volume: copy the image's /models directory to a directory DIR, then add "
+     "--model-dir DIR"),
+])
+def test_a_source_kvpilot_up_cannot_reach_is_refused_with_the_fix(model, error):
+    with pytest.raises(ValueError) as caught:
+        plan_local(manifest(model=model), lambda: 9000, 8080)
+    assert str(caught.value).startswith(f"spec.model.source={model['source']!r}: ")
+    assert error in str(caught.value)
+
+
+def test_model_dir_serves_the_weights_from_there_in_every_engine():
+    ports = itertools.count(9000)
+    disaggregated = manifest(model=hub_model(), servingMode="disaggregated",
+                             prefill={"replicas": 1}, decode={"replicas": 2})
+    engines, router = plan_local(disaggregated, lambda: next(ports), 8080,
+                                 model_dir="/data/tiny")
+    assert len(engines) == 3
+    for engine in engines:
+        assert engine.argv.count("--model") == 1 and flag(engine.argv, "--model") == "/data/tiny"
+    assert "--model" not in router.argv
+
+
+def test_model_dir_is_refused_for_a_built_in_config():
+    with pytest.raises(ValueError, match=r"--model-dir /data/tiny: spec\.model\.source="
+                                         r"'dummy:tiny-llama' is a built-in config"):
+        plan_local(manifest(), lambda: 9000, 8080, model_dir="/data/tiny")
+
+
+def test_the_scaling_hint_never_says_to_edit_a_tracked_example(tmp_path, monkeypatch):
+    """It said "edit the pools' replicas in examples/tiny-cpu.yaml" (issue 49)."""
+    from kvpilot.operator.local.cli import DEFAULT_MANIFEST, scale_hint
+
+    monkeypatch.chdir(DEFAULT_MANIFEST.parents[1])
+    for example in (str(DEFAULT_MANIFEST), "examples/tiny-disagg-cpu.yaml"):
+        hint = scale_hint(example, 42)
+        assert f"is a tracked example: copy it (cp {example} my-" in hint, hint
+        assert "edit the pools' replicas in" not in hint
+    copy = str(tmp_path / "fleet.yaml")
+    assert scale_hint(copy, 42) == f"  scale: edit the pools' replicas in {copy}, then: kill -HUP 42"

@@ -52,7 +52,7 @@ def test_serve_with_an_unknown_model_refuses_before_binding(tmp_path: Path,
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     assert main(["serve", "acme/not-here", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert "not in the local Hugging Face cache" in err and "kvpilot serve never downloads" in err
+    assert "not in the local Hugging Face cache" in err and "kvpilot never downloads" in err
 
 
 def fake_hub_cache(root: Path, repo: str, commit: str = "c0ffee" * 6 + "c0ff") -> Path:

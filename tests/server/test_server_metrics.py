@@ -43,6 +43,9 @@ def test_metrics_count_a_known_workload(server: RunningServer) -> None:
     generated = server.metric(f"{names.GENERATION_TOKENS}_total")
     computed = server.metric(f"{names.PROMPT_TOKENS}_total")
     eager = server.metric(f"{names.MODEL_STEPS}_total", mode="eager")
+    steps = {le: server.metric(f"{names.ITERATION_TOKENS}_bucket", le=le)
+             for le in ("1.0", "+Inf")}
+    step_tokens = server.metric(f"{names.ITERATION_TOKENS}_sum")
     assert histogram_count(server, names.TIME_TO_FIRST_TOKEN) == 0
 
     usages = [complete(server, p, stream=(i == 2))["usage"] for i, p in enumerate(PROMPTS)]
@@ -54,6 +57,14 @@ def test_metrics_count_a_known_workload(server: RunningServer) -> None:
     # one forward per token, one request at a time; CPU runs no CUDA graphs
     assert server.metric(f"{names.MODEL_STEPS}_total", mode="eager") - eager == n * MAX_TOKENS
     assert server.metric(f"{names.MODEL_STEPS}_total", mode="graph") == 0
+    # vLLM's tokens per engine step (issue 49: missing), from the core's counts: each
+    # request's prefill step computes its prompt and samples a token, each later step one
+    assert (server.metric(f"{names.ITERATION_TOKENS}_bucket", le="+Inf") - steps["+Inf"]
+            == n * MAX_TOKENS)
+    assert (server.metric(f"{names.ITERATION_TOKENS}_bucket", le="1.0") - steps["1.0"]
+            == n * (MAX_TOKENS - 1))
+    assert (server.metric(f"{names.ITERATION_TOKENS}_sum") - step_tokens
+            == prompt_tokens + n * MAX_TOKENS)
     assert server.metric(f"{names.REQUEST_SUCCESS}_total", finished_reason="length") == n
     assert histogram_count(server, names.TIME_TO_FIRST_TOKEN) == n
     assert histogram_count(server, names.E2E_REQUEST_LATENCY) == n

@@ -48,7 +48,7 @@ from kvpilot.engine.spec_decode.spec_decoder import (
     VerifyItem,
     make_spec_decoder,
 )
-from kvpilot.engine.step_times import StepTimes
+from kvpilot.engine.step_times import StepTimes, StepTokens
 from kvpilot.engine.structured.bitmask import apply_token_bitmask
 from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
 from kvpilot.engine.warmup import (
@@ -171,6 +171,7 @@ class LLMEngine:
         self._last_plan: SchedulerOutput | None = None
         self._last_mode = ""  # how the last step's forward ran: graph, piecewise or eager
         self.step_times = StepTimes()  # engine step wall times by that mode (/metrics)
+        self.step_tokens = StepTokens()  # tokens per engine step (/metrics)
         self.paths = PathLog()  # code paths run: the warm-up's, and any first used after it
         # whether the step being built has a prompt with nothing cached before it, and one
         # (or a verify) continuing a cached prefix: its prefill kernels (`_entries` sets them)
@@ -364,9 +365,13 @@ class LLMEngine:
         """
         started = time.perf_counter()
         self._last_mode = ""
+        tokens_before = self.prompt_tokens + self.generation_tokens
         results = self._step()
         if self._last_mode:
             self.step_times.observe(self._last_mode, time.perf_counter() - started)
+        tokens = self.prompt_tokens + self.generation_tokens - tokens_before
+        if self._last_mode or tokens:  # a step that only read back the last batch counts too
+            self.step_tokens.observe(tokens)
         return results
 
     def _step(self) -> list[EngineCoreOutput]:
@@ -848,6 +853,7 @@ class LLMEngine:
         self.prompt_tokens = self.generation_tokens = 0
         self.scheduler.num_preemptions = 0
         self.step_times = StepTimes()
+        self.step_tokens = StepTokens()
         runner = self.runner
         self._steps_before = (runner.num_graph_steps, runner.num_piecewise_steps,
                               runner.num_eager_steps)
@@ -903,6 +909,8 @@ class LLMEngine:
             step_seconds={mode: list(c) for mode, c in self.step_times.counts.items()},
             step_seconds_sum=dict(self.step_times.sums),
             startup_seconds=self.startup_seconds,
+            iteration_tokens=list(self.step_tokens.counts),
+            iteration_tokens_sum=self.step_tokens.sum,
         )
         if self.spec is not None:
             c = self.spec.counters

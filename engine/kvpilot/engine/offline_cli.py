@@ -5,12 +5,39 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 
-from kvpilot.engine.contracts.args import EngineArgs, add_dataclass_args
+from kvpilot.engine.contracts.args import EngineArgs, ServerArgs, add_dataclass_args
+
+# Engine flags that mean nothing without a server: its name for clients, a disaggregated
+# role and its KV transfer (fleet secret included), and LoRA (no prompt here names an adapter).
+SERVING_ONLY = frozenset({"served_model_name", "role", "kv_transfer_port", "fleet_secret_file",
+                          "insecure_kv", "kv_transport", "enable_lora", "lora_modules",
+                          "max_loras", "max_lora_rank"})
+
+
+class _ServeOnly(argparse.Action):
+    """Refuses a flag of `kvpilot serve` by name, instead of running and ignoring it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is a flag of `kvpilot serve`: kvpilot generate runs the "
+                     "prompts in this process, with no server, fleet role or adapters; drop "
+                     f"{option_string}, or serve the model with `kvpilot serve`")
+
+
+def _serving_flags() -> list[str]:
+    """Gives the spellings of every server and serving-only engine flag (a bool's --no-x too)."""
+    out = []
+    for f in [*fields(ServerArgs), *(f for f in fields(EngineArgs) if f.name in SERVING_ONLY)]:
+        name = f.name.replace("_", "-")
+        out += [f"--{name}", f"--no-{name}"] if isinstance(f.default, bool) else [f"--{name}"]
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the prompt and sampling flags, then every engine flag."""
+    """Adds the prompt and sampling flags, then the engine flags that mean something offline;
+    the server's flags are refused by name (and left out of --help)."""
     parser.add_argument("--prompt", action="append", required=True,
                         help="a prompt to complete (repeat for several)")
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -24,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beam-width", type=int, default=1, help=">1 runs beam search")
     parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    add_dataclass_args(parser, EngineArgs)
+    add_dataclass_args(parser, EngineArgs, skip=SERVING_ONLY)
+    for flag in _serving_flags():
+        parser.add_argument(flag, nargs="?", action=_ServeOnly, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)  # no attribute: EngineArgs' default
 
 
 def run(args: argparse.Namespace) -> int:

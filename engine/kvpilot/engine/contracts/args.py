@@ -343,9 +343,11 @@ def _to_cli(obj: Any) -> list[str]:
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                       cls: type) -> None:
-    """Adds one flag per field of `cls` (bools get --x / --no-x)."""
+                       cls: type, skip: frozenset[str] = frozenset()) -> None:
+    """Adds one flag per field of `cls` but those named in `skip` (bools get --x / --no-x)."""
     for f in fields(cls):
+        if f.name in skip:
+            continue
         meta = dict(f.metadata)
         default = f.default if f.default is not MISSING else None
         kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": meta.get("help")}

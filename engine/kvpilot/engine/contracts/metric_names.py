@@ -41,6 +41,10 @@ REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
 # vLLM's older name of the inter-token latency, still scraped by its dashboards: same samples
 TIME_PER_OUTPUT_TOKEN = "vllm:time_per_output_token_seconds"
 
+# per engine step, as vLLM's: the prompt tokens it computed plus the tokens it generated
+ITERATION_TOKENS = "vllm:iteration_tokens_total"
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 NUM_WAITING_PROMPT_TOKENS = "kvpilot_num_waiting_prompt_tokens"
 DRAINING = "kvpilot_draining"
 # forwards by how they ran: a decode graph's replay (pure decode batches), piecewise graphs

@@ -93,6 +93,10 @@ class EngineStats:
     step_seconds: dict[str, list[int]] = field(default_factory=dict)
     step_seconds_sum: dict[str, float] = field(default_factory=dict)
     startup_seconds: float = 0.0  # from the engine's start to ready (load, graphs, warm-up)
+    # engine steps by prompt tokens computed plus tokens generated: per
+    # ITERATION_TOKENS_BUCKETS bound, then +Inf (not cumulative), and their sum of tokens
+    iteration_tokens: list[int] = field(default_factory=list)
+    iteration_tokens_sum: int = 0
     # speculative decoding (vLLM's spec_decode counters); the list is empty without it
     spec_decode_num_drafts: int = 0  # verifications that had drafts
     spec_decode_num_draft_tokens: int = 0

@@ -89,10 +89,12 @@ def run_engine_core(config: CoreConfig, pipe: Connection) -> None:
     try:
         engine = config.build(config.engine_args, config.host, config.http_port)
     except ValueError as exc:  # refused: the launcher prints the reason, no traceback
+        _exiting()
         pipe.send(CoreStartFailed(str(exc), refused=True))
         raise SystemExit(2) from exc
     except Exception as exc:
         logger.exception("the engine core could not start")
+        _exiting()
         pipe.send(CoreStartFailed(f"{type(exc).__name__}: {exc}", refused=False))
         raise SystemExit(1) from exc
     context = zmq.Context()
@@ -120,3 +122,10 @@ def run_engine_core(config: CoreConfig, pipe: Connection) -> None:
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
+
+
+def _exiting() -> None:
+    """Ignores SIGTERM from here on: the launcher stops a core that said it cannot start, and
+    the handler's SystemExit, raised inside the interpreter's exit handlers (torch's
+    finalisers), printed a traceback under the one-line refusal."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

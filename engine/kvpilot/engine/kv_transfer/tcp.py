@@ -37,6 +37,7 @@ from kvpilot.engine.contracts.kv_protocol import (
     send_buffers,
     set_kernel_timeouts,
 )
+from kvpilot.engine.contracts.repeated_warnings import RepeatedWarnings
 from kvpilot.engine.kv_transfer.connector import (
     BlockStore,
     BufferT,
@@ -85,6 +86,8 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
                                         daemon=True)
         self._server: asyncio.Server | None = None
         self._expiry: asyncio.Task[None] | None = None
+        # a port scan is one line per peer and interval, not one per connection
+        self._bad_connections = RepeatedWarnings(log, "bad KV agent connections")
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -135,6 +138,7 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
     async def _expire_forever(self) -> None:
         while True:
             await asyncio.sleep(EXPIRY_TICK)
+            self._bad_connections.flush()
             # the engine lock (held through each step) only when a lease did expire: this
             # loop also accepts the connections. Out of the table, a lease takes no new
             # reads, and `unpin` orders itself after the ones enqueued.
@@ -378,8 +382,9 @@ class TcpConnector(KVTransport, Generic[HandleT, BufferT, StagedT]):
                     await self._in_worker(self._serve_fetch, sock, message)
             await writer.drain()
         except (OSError, ProtocolError, ValueError, KeyError, TimeoutError) as exc:
-            log.warning("KV agent connection from %s failed: %r",
-                        writer.get_extra_info("peername"), exc)
+            peer = writer.get_extra_info("peername")
+            self._bad_connections.warn(str(peer[0]) if peer else "an unknown peer",
+                                       "KV agent connection from %s failed: %r", peer, exc)
         finally:
             writer.close()
 

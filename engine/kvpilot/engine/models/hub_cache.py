@@ -50,7 +50,8 @@ def local_model(model: str) -> str:
         f"model={model!r} is not a directory, not a built-in config "
         f"({', '.join(BUILTIN_CONFIGS)}) and not in the local Hugging Face cache "
         f"({hub_cache_dir()}): download it first (`hf download {model}`, or `kvpilot fetch "
-        f"{model} --local-dir DIR` and serve DIR); kvpilot serve never downloads")
+        f"{model} --local-dir DIR` and give DIR as the model); kvpilot never downloads weights "
+        "itself")
 
 
 def with_local_model(args: EngineArgs) -> EngineArgs:

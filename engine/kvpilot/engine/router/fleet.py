@@ -13,6 +13,7 @@ import httpx
 from kvpilot.engine.contracts import metric_names as names
 from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.contracts.metrics_text import read_metrics
+from kvpilot.engine.contracts.repeated_warnings import RepeatedWarnings
 from kvpilot.engine.router.discovery import Discovery
 from kvpilot.engine.router.health import Health
 from kvpilot.engine.router.kv_events import parse_event
@@ -98,6 +99,8 @@ class Fleet:
         # Poll engines' GET /kv_events only when the router hashes prompts as the engines do
         # (a tokenizer): otherwise their hashes never match and would only churn the index.
         self.poll_kv_events = False
+        # an engine refusing the polls is one line per interval, not one per refresh
+        self.kv_events_refusals = RepeatedWarnings(log, "/kv_events refusals")
 
     def update(self, pairs: list[tuple[str, str]]) -> None:
         """Adds new instances and drops (and forgets the cache of) vanished ones."""
@@ -175,6 +178,7 @@ class Fleet:
                 started.append(instance.probe)
         if started:
             await asyncio.wait(started, timeout=PROBE_WAIT)
+        self.kv_events_refusals.flush()
 
     def close(self) -> None:
         """Cancels the health checks still running."""
@@ -238,9 +242,11 @@ class Fleet:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             # An engine without events (404) or a slow one is not unhealthy: /metrics says that.
             # A refusal is a fleet whose members hold different secrets: say so.
-            refused = isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401
-            (log.warning if refused else log.debug)("GET %s/kv_events failed: %r",
-                                                    instance.url, exc)
+            if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401:
+                self.kv_events_refusals.warn(instance.url, "GET %s/kv_events failed: %r",
+                                             instance.url, exc)
+            else:
+                log.debug("GET %s/kv_events failed: %r", instance.url, exc)
             return
         if self.instances.get(instance.url) is not instance:
             return  # it left (or changed role) while we waited

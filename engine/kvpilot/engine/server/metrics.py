@@ -1,8 +1,10 @@
 """Prometheus metrics of one engine server, in vLLM's names, each labelled `model_name`.
 
-Gauges and cumulative counters are read from the engine core's latest
-`EngineStats` snapshot at scrape time (a custom collector), so they never drift
-from the engine's own bookkeeping. Histograms and `request_success` are observed
+Gauges, cumulative counters and the per-step histograms (step seconds, vLLM's
+iteration tokens: the core counts them into fixed buckets) are read from the engine
+core's latest `EngineStats` snapshot at scrape time (a custom collector), so they never
+drift from the engine's own bookkeeping and are never summed over API servers. The
+per-request histograms and `request_success` are observed
 from the core's deltas as tokens arrive and requests finish, in the API server
 that sent the request. With several API server processes (`--api-server-count`)
 those are shared through prometheus_client's multiprocess mode
@@ -120,6 +122,15 @@ class _StatsCollector(Collector):
                                                            strict=True)),
                                   stats.step_seconds_sum.get(mode, 0.0))
         yield step_times
+        if stats.iteration_tokens:  # the core's counts: never summed over API servers
+            # as vLLM's Histogram writes them: le="1.0", ... (floats)
+            bounds = [*(str(float(b)) for b in names.ITERATION_TOKENS_BUCKETS), "+Inf"]
+            iteration = HistogramMetricFamily(
+                names.ITERATION_TOKENS, "prompt tokens computed plus tokens generated per "
+                "engine step", labels=label)
+            iteration.add_metric(value, list(zip(bounds, accumulate(stats.iteration_tokens),
+                                                  strict=True)), stats.iteration_tokens_sum)
+            yield iteration
         offload = CounterMetricFamily(names.KV_OFFLOAD_BLOCKS, "host-tier KV blocks by what "
                                       "happened to them", labels=[*label, names.OP_LABEL])
         for op, number in (("saved", stats.kv_offload_saved_blocks),

@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             draw(trace, args.png,
-                 f"{args.trace}: {args.models} model(s), peak {args.peak_rps:g} rps")
+                 f"{args.trace}: {args.models} model(s), peak {args.peak_rps:g} rps",
+                 cfg.workload)
         except RuntimeError as exc:
             print(f"kvpilot sim: error: --png: {exc}", file=sys.stderr)
             return 2

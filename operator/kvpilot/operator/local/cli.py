@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds every process gets to become ready")
     parser.add_argument("--log-dir", default=None,
                         help="where each process's log goes (default: a temporary directory)")
+    parser.add_argument("--model-dir", default=None, metavar="DIR",
+                        help="serve spec.model.source's weights from this directory (what "
+                             "`kvpilot fetch ORG/NAME --local-dir DIR` wrote): kvpilot up "
+                             "downloads and mounts nothing, so an hf://, pvc:// or oci:// "
+                             "source needs it")
     parser.add_argument("--drain-timeout", type=float, default=120.0,
                         help="seconds a removed replica gets to finish its requests on a "
                              "scale-down before it is killed")
@@ -55,11 +60,25 @@ def check_api_key(manifest: dict[str, Any]) -> None:
                          "process inherits it), or remove spec.auth to run the API open")
 
 
-def _once(url: str, model: str) -> str:
-    """Gives the answer to one greedy chat request through the router."""
+def scale_hint(file: str, pid: int) -> str:
+    """Gives the line that tells how to scale the running fleet: edit the manifest, then
+    SIGHUP; a tracked example is copied first (the README's way), not edited in place."""
+    path = Path(file)
+    if path.resolve().parent == DEFAULT_MANIFEST.parent:
+        copy = f"my-{path.name}"
+        return (f"  scale: {file} is a tracked example: copy it (cp {file} {copy}), run "
+                f"kvpilot up {copy}, then edit the copy's replicas and send that kvpilot up "
+                "a SIGHUP (kill -HUP PID)")
+    return f"  scale: edit the pools' replicas in {file}, then: kill -HUP {pid}"
+
+
+def _once(url: str, model: str) -> tuple[str, list[str]]:
+    """Gives the answer to one greedy chat request through the router, and the URLs of the
+    engines that served it (the router's served-by header: prefill first when disaggregated)."""
     import httpx
 
     from kvpilot.engine.contracts.args import resolve_api_key
+    from kvpilot.engine.contracts.router_args import SERVED_BY_HEADER
 
     body = {"model": model, "messages": [{"role": "user", "content": ONCE_PROMPT}],
             "max_tokens": 24, "temperature": 0}
@@ -67,7 +86,8 @@ def _once(url: str, model: str) -> str:
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120,
                           headers={"Authorization": f"Bearer {key}"} if key else {})
     response.raise_for_status()
-    return response.json()["choices"][0]["message"]["content"]
+    served = [u for u in response.headers.get(SERVED_BY_HEADER, "").split(",") if u]
+    return response.json()["choices"][0]["message"]["content"], served
 
 
 def _reload(scaler: Any, file: str, interrupted: Any) -> None:
@@ -103,8 +123,12 @@ def run(args: argparse.Namespace) -> int:
         manifest: dict[str, Any] = yaml.safe_load(Path(args.file).read_text())
         engines, router = plan_local(manifest, free_port, args.port,
                                      instances_file=str(instances_file),
-                                     fleet_secret_file=str(secret_file))
+                                     fleet_secret_file=str(secret_file),
+                                     model_dir=args.model_dir)
         check_api_key(manifest)
+        if args.model_dir is not None and not Path(args.model_dir).is_dir():
+            raise ValueError(f"--model-dir {args.model_dir} is not a directory: pass the "
+                             "--local-dir that kvpilot fetch downloaded the weights to")
     except (OSError, ValueError, yaml.YAMLError) as exc:
         secret_file.unlink()
         print(f"kvpilot up: {args.file}: {exc}", file=sys.stderr)
@@ -119,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     model = manifest["spec"]["model"]["name"]
     supervisor = Supervisor(log_dir)
     scaler = Scaler(supervisor, manifest, router, instances_file, args.timeout,
-                    args.drain_timeout, str(secret_file))
+                    args.drain_timeout, str(secret_file), args.model_dir)
     stop, reload = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -136,14 +160,17 @@ def run(args: argparse.Namespace) -> int:
         if args.once:
             print(f"kvpilot up: serving {model} at {endpoint}; POST /chat/completions "
                   f"{ONCE_PROMPT!r}", file=sys.stderr, flush=True)
-            print(_once(router.url, model), flush=True)
+            answer, served = _once(router.url, model)
+            names = {e.url: e.name for e in supervisor.engines()}
+            print(f"kvpilot up: served by {', '.join(names.get(u, u) for u in served)}",
+                  file=sys.stderr, flush=True)
+            print(answer, flush=True)
             return 0
         print(f"kvpilot up: serving {model} at {endpoint} (Ctrl-C stops)", flush=True)
         print(f"  try: curl {endpoint}/chat/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"hi\"}}]}}'", flush=True)
-        print(f"  scale: edit the pools' replicas in {args.file}, then: kill -HUP {os.getpid()}",
-              flush=True)
+        print(scale_hint(args.file, os.getpid()), flush=True)
         while not stop.wait(0.5):
             if reload.is_set():
                 reload.clear()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.operator.api.pools import SPEC_BY_KIND
+from kvpilot.operator.local.weights import local_model_dir
 from kvpilot.operator.render.children import OwnedPool, render_model
 from kvpilot.operator.render.meta import COMPONENT_LABEL, RenderConfig
 from kvpilot.operator.render.pool import render_pool
@@ -105,18 +106,20 @@ def instances_text(engines: list[LocalProcess]) -> str:
 
 def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_port: int,
                config: RenderConfig | None = None, instances_file: str | None = None,
-               fleet_secret_file: str | None = None,
+               fleet_secret_file: str | None = None, model_dir: str | None = None,
                ) -> tuple[list[LocalProcess], LocalProcess]:
     """Gives (engine processes, router process) running the manifest's fleet on this machine.
 
     With `instances_file` the router reads its engines from that file (which the
     caller writes and may rewrite to scale) instead of a fixed `--instances`. With
     `fleet_secret_file` every process reads the fleet secret from there (in a pod:
-    the mounted Secret).
+    the mounted Secret). With `model_dir` every engine serves the weights from there (a
+    source other than `dummy:` needs it: see local/weights.py).
     """
     config = config or RenderConfig()
     pools, children = manifest_objects(manifest, config)
     resolved = {pool.name: pool.resolved for pool in pools}
+    weights = local_model_dir(pools[0].resolved.model, model_dir)
     if any(pool.resolved.adapters for pool in pools):
         raise ValueError("spec.adapters: kvpilot up runs no init containers, so adapters "
                          "(downloaded or mounted into pods under /adapters*) are not there: "
@@ -144,6 +147,8 @@ def plan_local(manifest: dict[str, Any], free_port: Callable[[], int], router_po
                 # The pods' fleet Secret is a file only on Kubernetes: the local fleet's own
                 # file, else none.
                 argv = _set_flag(argv, "--fleet-secret-file", fleet_secret_file)
+                if weights is not None:  # the pod's /models/... is a volume it mounts
+                    argv = _set_flag(argv, "--model", weights)
                 engines.append(LocalProcess(name, role, argv, _env(container, name), port,
                                             workload["metadata"]["name"]))
     routers = [o for o in children if o["kind"] == "Deployment"

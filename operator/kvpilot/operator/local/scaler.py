@@ -52,6 +52,7 @@ class Scaler:
     ready_timeout: float
     drain_timeout: float
     fleet_secret_file: str | None = None  # the one every process of the fleet reads
+    model_dir: str | None = None  # where the engines read the weights (kvpilot up --model-dir)
 
     def publish(self, leaving: frozenset[str] = frozenset()) -> None:
         """Writes the running engines, less `leaving`, to the router's instances file."""
@@ -68,7 +69,8 @@ class Scaler:
             raise ValueError(f"kvpilot up reloads only replica counts; restart for {changed}")
         planned, _ = plan_local(manifest, free_port, self.router.port,
                                 instances_file=str(self.instances_file),
-                                fleet_secret_file=self.fleet_secret_file)
+                                fleet_secret_file=self.fleet_secret_file,
+                                model_dir=self.model_dir)
         actions = diff_plan(self.supervisor.engines(), planned)
         before = {p: sum(e.pool == p for e in self.supervisor.engines())
                   for p in {*actions.stop, *(e.pool for e in actions.start)}}

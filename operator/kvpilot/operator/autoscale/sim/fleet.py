@@ -92,6 +92,12 @@ class SimTrace:
     gpus_per_replica: int = 1
     peak_rps_per_model: np.ndarray | None = None
     """(M,) each model's peak request rate (its share of the fleet's)."""
+    aggregated: bool = False
+    """One pool of role "both" per model (in the decode column; prefill stays empty)."""
+
+    def pools(self) -> list[tuple[str, int]]:
+        """Gives (role, column of `replicas`/`ready`) of each pool the run had."""
+        return [("both", DECODE)] if self.aggregated else [(r, i) for i, r in enumerate(ROLES)]
 
 
 def initial_replicas(rate: np.ndarray, cfg: SimConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -192,7 +198,8 @@ class _Run:
             replicas[i] = self.spec_r.sum(axis=1)
             ready[i] = self.ready.sum(axis=1)
         return SimTrace(cfg.tick_s, self.arrivals, admitted_cum, sojourn_rec, itl_rec, replicas,
-                        ready, self.events, cfg.cost.gpus_per_replica, self.peak_rps)
+                        ready, self.events, cfg.cost.gpus_per_replica, self.peak_rps,
+                        cfg.aggregated)
 
     def _decide(self, now: float, pool: int, model: int) -> None:
         spec = self.cfg.specs[pool]

@@ -24,15 +24,15 @@ class SimReport:
     scale_events: int
     max_direction_changes_per_5min: int
     """The most up/down reversals of any one pool inside any 300 s."""
-    peak_replicas: tuple[int, int]
-    """Most prefill and decode replicas the fleet held at once."""
+    peak_replicas: dict[str, int]
+    """Most replicas the fleet held at once, by pool role (prefill and decode, or both)."""
 
     def to_json(self) -> dict[str, object]:
         """Gives the report as a JSON-ready dict."""
         return asdict(self)
 
 
-def slo_met(trace: SimTrace, workload: Workload, cost: CostModel) -> np.ndarray:
+def slo_met(trace: SimTrace, workload: Workload) -> np.ndarray:
     """Gives, per tick and model, the expected fraction of that tick's arrivals within SLO.
 
     Requests leave in arrival order (fluid FIFO), so a tick's arrivals reach decode
@@ -88,7 +88,7 @@ def first_scale_up_after(events: list[tuple[float, int, int, int, int, str]],
 
 def summarize(trace: SimTrace, workload: Workload, cost: CostModel) -> SimReport:
     """Gives the run's report."""
-    met = slo_met(trace, workload, cost)
+    met = slo_met(trace, workload)
     counted = ~np.isnan(met)
     weights = np.where(counted, trace.arrivals, 0.0)
     total = float(weights.sum())
@@ -98,4 +98,4 @@ def summarize(trace: SimTrace, workload: Workload, cost: CostModel) -> SimReport
     return SimReport(requests=float(trace.arrivals.sum()), slo_attainment=attained,
                      gpu_hours=gpu_hours, scale_events=len(trace.events),
                      max_direction_changes_per_5min=direction_changes(trace.events),
-                     peak_replicas=(int(peak[0]), int(peak[1])))
+                     peak_replicas={role: int(peak[column]) for role, column in trace.pools()})
