@@ -152,3 +152,19 @@ def test_slots_invariants(max_loras, asks):
             assert after == before and len(before) == max_loras
         else:
             assert after[name] == slot
+
+
+def test_the_warm_up_runs_an_adapter_loaded_at_start_up(base_dir, adapters):
+    from kvpilot.engine.contracts.sampling_params import SamplingParams
+    from kvpilot.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(base_dir), enable_lora=True, lora_modules=[f"attn={adapters['attn']}"],
+        max_lora_rank=16, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=64,
+        warmup="on"))
+    assert engine.paths.warm is not None and "lora" in engine.paths.warm
+    engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3),
+                       lora_name="attn")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.paths.cold == []

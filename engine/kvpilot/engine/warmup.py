@@ -17,6 +17,8 @@ prefix cache, counters at zero):
 - the sampler's paths: greedy, random (temperature only: the fused kernel on CUDA),
   top-k/top-p/min-p, seeded, penalties, logit bias, logprobs, prompt logprobs, min_tokens;
 - a structured (json_schema) request: the grammar compiler and the token bitmask;
+- an adapter's rows, when `--lora-modules` loaded one at start-up (an adapter loaded later
+  may compile its shapes on first use; the path log says so);
 - speculative verifies, when `--speculative-config` is set.
 
 `PathLog` names the paths every step takes (`request_paths`, `step_paths`); after the
@@ -136,6 +138,7 @@ class WarmEngine(Protocol):
     engine_args: EngineArgs
     paths: PathLog
     spec: Any  # a SpecDecoder, or None without speculation
+    lora: Any  # a LoRAManager (its `adapters`: name -> path), or None without LoRA
 
     @property
     def model_config(self) -> ModelLimits: ...
@@ -156,6 +159,7 @@ class _Request:
     name: str
     prompt: list[int]
     params: SamplingParams
+    lora_name: str | None = None
 
 
 def _requests(engine: WarmEngine) -> tuple[list[_Request], int]:
@@ -195,6 +199,9 @@ def _requests(engine: WarmEngine) -> tuple[list[_Request], int]:
             temperature=0, max_tokens=4,
             structured_outputs=StructuredOutputsParams(json=WARMUP_SCHEMA))),
     ]
+    if engine.lora is not None and engine.lora.adapters:  # one loaded at start-up
+        requests.append(_Request("lora", prompt(24), greedy(),
+                                 lora_name=next(iter(engine.lora.adapters))))
     if engine.spec is not None:
         # the prompt repeats and its first token comes next: the tail is an n-gram seen
         # before, so even an n-gram proposer drafts, and the next step verifies
@@ -225,7 +232,7 @@ def warm_up(engine: WarmEngine) -> WarmupReport:
     for wave in (requests[:1], requests[1:]):
         for request in wave:
             engine.add_request(f"kvpilot-warmup-{request.name}", request.prompt,
-                               request.params)
+                               request.params, lora_name=request.lora_name)
         while engine.has_unfinished_requests() and steps < MAX_STEPS:
             engine.step()
             steps += 1
