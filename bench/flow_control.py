@@ -69,17 +69,21 @@ class Fleet:
                                      stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 300) -> None:
+        Fleet.wait_url(self.url, self.proc, timeout)
+
+    @staticmethod
+    def wait_url(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvpilot up exited {self.proc.returncode}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args!r} exited {proc.returncode}")
             try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise TimeoutError("fleet not ready")
+        raise TimeoutError(f"{url} not ready")
 
     def close(self) -> None:
         self.proc.send_signal(signal.SIGINT)
@@ -112,13 +116,13 @@ class Stream:
     max_tokens: int = 16
 
 
-def prompt(rng: random.Random, words: int) -> str:
-    return " ".join(f"w{rng.randrange(100000)}x" for _ in range(words))
+def prompt(rng: random.Random, words: int, salt: str = "") -> str:
+    return " ".join(f"w{rng.randrange(100000)}x{salt}" for _ in range(words))
 
 
 async def one(client: httpx.AsyncClient, url: str, stream: Stream, rng: random.Random,
-              timeout: float) -> Result:
-    body = {"model": MODEL, "prompt": prompt(rng, rng.randint(*stream.words)),
+              timeout: float, salt: str = "") -> Result:
+    body = {"model": MODEL, "prompt": prompt(rng, rng.randint(*stream.words), salt),
             "max_tokens": stream.max_tokens, "ignore_eos": True, "stream": True}
     result = Result(stream.group)
     start = time.perf_counter()
@@ -144,7 +148,7 @@ async def one(client: httpx.AsyncClient, url: str, stream: Stream, rng: random.R
 
 
 async def open_loop(url: str, streams: list[Stream], seconds: float, seed: int,
-                    timeout: float) -> tuple[list[Result], float]:
+                    timeout: float, salt: str = "") -> tuple[list[Result], float]:
     """Sends each stream's Poisson arrivals for `seconds`; gives every result and the wall
     time until the last one ended."""
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
@@ -159,7 +163,7 @@ async def open_loop(url: str, streams: list[Stream], seconds: float, seed: int,
                 if t >= seconds:
                     return
                 await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-                tasks.append(asyncio.create_task(one(client, url, stream, rng, timeout)))
+                tasks.append(asyncio.create_task(one(client, url, stream, rng, timeout, salt)))
 
         await asyncio.gather(*(arrivals(s, random.Random(seed + n))
                                for n, s in enumerate(streams)))
@@ -231,12 +235,25 @@ def summary(results: list[Result], group: str, wall: float, slo_s: float | None 
     return out
 
 
+def spread(values: list[float]) -> dict:
+    """Gives the min, median and max of per-round values (the run-to-run spread)."""
+    ordered = sorted(values)
+    return {"min": ordered[0], "median": ordered[len(ordered) // 2], "max": ordered[-1],
+            "rounds": values}
+
+
 def run_noisy_or_priorities(kind: str, args: argparse.Namespace, log: Path) -> dict:
+    """One fleet; capacity first, then `--rounds` rounds of (quiet stream alone, quiet
+    stream beside the flood), alternating so that the host's drifting load hits both."""
     router = {"policy": "prefix-aware",
-              "flowControl": {"saturationQueueDepth": 1, "maxQueuedPerFlow": 32,
-                              "maxQueuedRequests": 64, "queueTimeoutSeconds": 20},
+              "flowControl": {"maxQueuedPerFlow": 32, "maxQueuedRequests": 64,
+                              "queueTimeoutSeconds": 20,
+                              "reservedSlotsFraction": args.reserved_slots_fraction},
               "objectives": [{"name": "high", "priority": 10}, {"name": "low", "priority": 0}]}
     fleet = Fleet(manifest(1, router), args.port, log / kind)
+    alone: list[Result] = []
+    both: list[Result] = []
+    rounds: list[dict] = []
     try:
         fleet.wait_ready()
         shape = {"words": (args.words, args.words + 20), "max_tokens": args.max_tokens}
@@ -252,60 +269,168 @@ def run_noisy_or_priorities(kind: str, args: argparse.Namespace, log: Path) -> d
             loud = Stream("low", 3.0 * capacity, {"x-gateway-inference-objective": "low",
                                                   "x-gateway-inference-fairness-id": "l"},
                           **shape)
-        alone, wall_alone = open_loops(fleet.url, [quiet], args.seconds, 1, args.client_timeout)
-        both, wall_both = open_loops(fleet.url, [quiet, loud], args.seconds, 1,
-                                     args.client_timeout)
+        for n in range(args.rounds):
+            # new seeds every phase: no prompt repeats, so no phase hits the prefix cache
+            one_alone, wall_alone = open_loops(fleet.url, [quiet], args.seconds, 100 * n + 10,
+                                               args.client_timeout)
+            one_both, wall_both = open_loops(fleet.url, [quiet, loud], args.seconds,
+                                             100 * n + 50, args.client_timeout)
+            alone += one_alone
+            both += one_both
+            a = summary(one_alone, quiet.group, wall_alone)
+            b = summary(one_both, quiet.group, wall_both)
+            rounds.append({"alone_p99_ms": a["ttft_p99_ms"], "under_load_p99_ms": b["ttft_p99_ms"],
+                           "ratio": b["ttft_p99_ms"] / a["ttft_p99_ms"],
+                           "loud_completed_per_s": summary(one_both, loud.group,
+                                                           wall_both)["completed_per_s"]})
         metrics = httpx.get(fleet.url + "/metrics").text
     finally:
         fleet.close()
+    seconds = args.rounds * args.seconds
     out = {"capacity_req_per_s": capacity,
-           f"{quiet.group}_alone": summary(alone, quiet.group, wall_alone),
-           f"{quiet.group}_under_load": summary(both, quiet.group, wall_both),
-           f"{loud.group}_under_load": summary(both, loud.group, wall_both),
+           "reserved_slots_fraction": args.reserved_slots_fraction,
+           f"{quiet.group}_alone": summary(alone, quiet.group, seconds),
+           f"{quiet.group}_under_load": summary(both, quiet.group, seconds),
+           f"{loud.group}_under_load": summary(both, loud.group, seconds),
+           "rounds": rounds,
            "flow_metrics": [line for line in metrics.splitlines()
-                            if line.startswith("kvpilot_router_flow_requests_total")]}
+                            if line.startswith(("kvpilot_router_flow_requests_total",
+                                                "kvpilot_router_flow_queue_time_seconds_sum",
+                                                "kvpilot_router_flow_queue_time_seconds_count"))]}
     p99_alone = out[f"{quiet.group}_alone"]["ttft_p99_ms"]
     out["ttft_p99_ratio"] = out[f"{quiet.group}_under_load"]["ttft_p99_ms"] / p99_alone
+    out["ttft_p99_ratio_per_round"] = spread([r["ratio"] for r in rounds])
+    return out
+
+
+def processes() -> dict[int, tuple[int, list[str]]]:
+    """Gives every process's (parent pid, command line) by pid."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")[:-1]
+        except (OSError, ValueError, IndexError):
+            continue
+        out[int(stat.parent.name)] = (parent, [a.decode() for a in argv])
+    return out
+
+
+def router_argv(up_pid: int) -> list[str]:
+    """Gives the command line of the router `kvpilot up` (pid `up_pid`) started."""
+    for parent, argv in processes().values():
+        if parent == up_pid and "route" in argv:
+            return argv
+    raise RuntimeError(f"no router among kvpilot up's ({up_pid}) children")
+
+
+def pin_engines(up_pid: int) -> list[str]:
+    """Pins each engine replica of `kvpilot up` (its API server and core processes) to a core
+    of its own, so that two replicas on a small host are two servers, not one CPU shared;
+    gives what it did."""
+    table = processes()
+    engines = sorted(pid for pid, (parent, argv) in table.items()
+                     if parent == up_pid and "serve" in argv)
+    done = []
+    for n, engine in enumerate(engines):
+        core = n % (os.cpu_count() or 1)
+        tree = [engine] + [pid for pid, (parent, _) in table.items() if parent == engine]
+        for pid in tree:
+            subprocess.run(["taskset", "-a", "-p", "-c", str(core), str(pid)], check=True,
+                           capture_output=True)
+        done.append(f"engine {engine} (+{len(tree) - 1} children) on core {core}")
+    return done
+
+
+def with_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    out = list(argv)
+    if flag in out:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
     return out
 
 
 def run_placement(args: argparse.Namespace, log: Path) -> dict:
-    out: dict = {}
-    for policy in ("prefix-aware", "predicted-latency"):
-        router = {"policy": policy}
-        fleet = Fleet(manifest(2, router), args.port, log / policy)
-        try:
-            fleet.wait_ready()
-            streams = [Stream("chat", args.chat_rate, words=(8, 24), max_tokens=16),
-                       Stream("document", args.doc_rate, words=(300, 400), max_tokens=16)]
-            # the same warm-up for both: it also fills predicted-latency's models
-            asyncio.run(open_loop(fleet.url, streams, args.warmup_seconds, 7,
-                                  args.client_timeout))
-            results, wall = asyncio.run(open_loop(fleet.url, streams, args.seconds, 3,
-                                                  args.client_timeout))
-            hits = queries = 0.0
-            for line in httpx.get(fleet.url + "/metrics").text.splitlines():
-                if line.startswith("kvpilot_router_prefix_hit_blocks_total"):
-                    hits = float(line.split()[-1])
-                if line.startswith("kvpilot_router_prompt_blocks_total"):
-                    queries = float(line.split()[-1])
-        finally:
-            fleet.close()
-        both = [Result(**{**r.__dict__, "group": "all"}) for r in results]
-        out[policy] = {"all": summary(both, "all", wall, args.slo_ms / 1000),
-                       "chat": summary(results, "chat", wall, args.slo_ms / 1000),
-                       "document": summary(results, "document", wall, args.slo_ms / 1000),
-                       "router_prefix_hit_rate": hits / queries if queries else 0.0}
-    base, pred = out["prefix-aware"]["all"], out["predicted-latency"]["all"]
+    """One pair of engines behind two routers that differ only in --policy (the second
+    started from the first's command line); rounds alternate the policies over the same
+    arrival times and prompt lengths, with each policy's own prompt words (no prompt
+    repeats: the same prefix-hit rate, about zero, for both)."""
+    policies = ("prefix-aware", "predicted-latency")
+    fleet = Fleet(manifest(2, {"policy": policies[0]}), args.port, log / "placement")
+    second: subprocess.Popen[bytes] | None = None
+    results: dict[str, list[Result]] = {p: [] for p in policies}
+    rounds: list[dict] = []
+    try:
+        fleet.wait_ready()
+        pinned = pin_engines(fleet.proc.pid) if args.pin_engines else []
+        argv = with_flag(with_flag(router_argv(fleet.proc.pid), "--port", str(args.port + 1)),
+                         "--policy", policies[1])
+        with open(log / "placement" / "second-router.log", "wb") as router_log:
+            second = subprocess.Popen(argv, stdout=router_log, stderr=subprocess.STDOUT)
+        urls = {policies[0]: fleet.url, policies[1]: f"http://127.0.0.1:{args.port + 1}"}
+        Fleet.wait_url(urls[policies[1]], second)
+        streams = [Stream("chat", args.chat_rate, words=(8, 24), max_tokens=16),
+                   Stream("document", args.doc_rate, words=(args.doc_words, args.doc_words + 100),
+                          max_tokens=16)]
+        salts = {policy: "pq"[n] for n, policy in enumerate(policies)}  # as long, not equal
+        for policy in policies:  # the same warm-up: it fills the models
+            asyncio.run(open_loop(urls[policy], streams, args.warmup_seconds, 7,
+                                  args.client_timeout, salt=salts[policy]))
+        for n in range(args.rounds):
+            row: dict = {}
+            for policy in policies if n % 2 == 0 else policies[::-1]:
+                got, wall = asyncio.run(open_loop(urls[policy], streams, args.seconds, 1000 + n,
+                                                  args.client_timeout, salt=salts[policy]))
+                results[policy] += got
+                merged = [Result(**{**r.__dict__, "group": "all"}) for r in got]
+                row[policy] = summary(merged, "all", wall, args.slo_ms / 1000)
+            row["ttft_p99_improvement"] = (row[policies[0]]["ttft_p99_ms"]
+                                           / row[policies[1]]["ttft_p99_ms"])
+            rounds.append(row)
+        hit_rates = {p: prefix_hit_rate(urls[p]) for p in policies}
+        coefficients = [line for line in httpx.get(urls[policies[1]] + "/metrics").text
+                        .splitlines() if line.startswith("kvpilot_router_latency_model_coef")]
+    finally:
+        if second is not None:
+            second.send_signal(signal.SIGINT)
+            second.wait(30)
+        fleet.close()
+    seconds = args.rounds * args.seconds
+    out: dict = {"rounds": rounds, "latency_model": coefficients, "pinned": pinned}
+    for policy in policies:
+        got = results[policy]
+        merged = [Result(**{**r.__dict__, "group": "all"}) for r in got]
+        out[policy] = {"all": summary(merged, "all", seconds, args.slo_ms / 1000),
+                       "chat": summary(got, "chat", seconds, args.slo_ms / 1000),
+                       "document": summary(got, "document", seconds, args.slo_ms / 1000),
+                       "router_prefix_hit_rate": hit_rates[policy]}
+    base, pred = out[policies[0]]["all"], out[policies[1]]["all"]
     out["ttft_p99_improvement"] = base["ttft_p99_ms"] / pred["ttft_p99_ms"]
+    out["ttft_p99_improvement_per_round"] = spread([r["ttft_p99_improvement"] for r in rounds])
     out["throughput_ratio"] = pred["completed_per_s"] / base["completed_per_s"]
     return out
+
+
+def prefix_hit_rate(url: str) -> float:
+    hits = queries = 0.0
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("kvpilot_router_prefix_hit_blocks_total"):
+            hits = float(line.split()[-1])
+        if line.startswith("kvpilot_router_prompt_blocks_total"):
+            queries = float(line.split()[-1])
+    return hits / queries if queries else 0.0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scenarios", default="noisy,priorities,placement")
-    parser.add_argument("--seconds", type=float, default=40.0, help="each open-loop phase")
+    parser.add_argument("--seconds", type=float, default=20.0, help="each open-loop phase")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="noisy/priorities: rounds of (alone, under load); placement: "
+                             "rounds of (prefix-aware, predicted-latency)")
+    parser.add_argument("--reserved-slots-fraction", type=float, default=0.125,
+                        help="noisy/priorities: spec.router.flowControl.reservedSlotsFraction")
     parser.add_argument("--capacity-seconds", type=float, default=15.0)
     parser.add_argument("--warmup-seconds", type=float, default=15.0)
     parser.add_argument("--client-timeout", type=float, default=60.0,
@@ -315,7 +440,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48,
                         help="noisy/priorities: output tokens per request")
     parser.add_argument("--chat-rate", type=float, default=3.0)
-    parser.add_argument("--doc-rate", type=float, default=0.6)
+    parser.add_argument("--doc-rate", type=float, default=1.0)
+    parser.add_argument("--pin-engines", action=argparse.BooleanOptionalAction, default=True,
+                        help="placement: each engine replica on a core of its own (taskset)")
+    parser.add_argument("--doc-words", type=int, default=300,
+                        help="placement: a document's words (+0..100)")
     parser.add_argument("--slo-ms", type=float, default=1000.0)
     parser.add_argument("--port", type=int, default=18461)
     parser.add_argument("--out", default=str(RESULTS / f"flow_control-CPU-{datetime.date.today()}"))

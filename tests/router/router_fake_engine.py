@@ -37,6 +37,9 @@ class FakeEngine:
     stream_delay: float = 0.0
     first_delay: float = 0.0  # seconds before a stream's first event (its TTFT)
     metrics_up: bool = True  # False: /metrics answers 503, as an engine still loading
+    max_num_seqs: int = 0  # exported as kvpilot_max_num_seqs when set
+    open_streams: int = 0  # streams being answered now
+    peak_streams: int = 0  # the most at once
     bodies: list[dict[str, Any]] = field(default_factory=list)
     authorization: list[str] = field(default_factory=list)  # of each generation request
     kv_events: KVEventLog = field(default_factory=lambda: KVEventLog(1024))  # GET /kv_events
@@ -83,6 +86,8 @@ class FakeEngine:
             text = (f'vllm:num_requests_waiting{{model_name="tiny"}} {self.waiting}\n'
                     f'vllm:kv_cache_usage_perc{{model_name="tiny"}} {self.kv_usage}\n'
                     f'vllm:num_requests_running{{model_name="tiny"}} 0.0\n')
+            if self.max_num_seqs:
+                text += f'kvpilot_max_num_seqs{{model_name="tiny"}} {self.max_num_seqs}\n'
             if self.max_lora:
                 text += (f'vllm:lora_requests_info{{running_lora_adapters='
                          f'"{",".join(self.running_loras)}",waiting_lora_adapters='
@@ -99,6 +104,15 @@ class FakeEngine:
         return app
 
     async def _stream(self):
+        self.open_streams += 1
+        self.peak_streams = max(self.peak_streams, self.open_streams)
+        try:
+            async for event in self._events():
+                yield event
+        finally:
+            self.open_streams -= 1
+
+    async def _events(self):
         await asyncio.sleep(self.first_delay)
         for i in range(self.chunks):
             chunk = {"choices": [{"index": 0, "text": f"{self.name}:{i}"}]}

@@ -27,9 +27,9 @@ A, B, C = "http://a", "http://b", "http://c"
 
 
 @pytest.mark.parametrize("truth", [
-    (0.02, 0.5, 0.3, 0.01),  # 20 ms base, 0.5 s per 1k new tokens, 0.3 s per 1k queued ...
-    (0.1, 2.0, 0.0, 0.05),
-    (0.0, 0.1, 1.0, 0.0),
+    (0.02, 0.5, 0.01),  # 20 ms base, 0.5 s per 1k tokens to prefill, 10 ms per streaming one
+    (0.1, 2.0, 0.05),
+    (0.0, 0.1, 0.0),
 ])
 def test_ttft_model_learns_known_costs(truth):
     rng = np.random.default_rng(0)
@@ -41,6 +41,20 @@ def test_ttft_model_learns_known_costs(truth):
     assert list(fit.coefficients().values()) == pytest.approx(truth, abs=1e-3)
 
 
+def test_a_queued_token_costs_what_an_own_token_does():
+    """The engine prefills first in, first out: a short prompt behind a long one waits for
+    all of it. Learnt from requests alone on the replica, the model predicts that wait."""
+    fit = OnlineLinear(TTFT_TERMS)
+    rng = np.random.default_rng(2)
+    for _ in range(100):
+        x = TtftFeatures(rng.uniform(0, 2000), 0.0, 0).vector()
+        fit.update(x, 0.01 + 0.4 * x[1])
+    model = ReplicaModel(ttft=fit)
+    behind_a_document = model.predict_ttft(TtftFeatures(50, 1500, 0))
+    assert behind_a_document == pytest.approx(0.01 + 0.4 * 1.55, rel=0.01)
+    assert behind_a_document > 10 * model.predict_ttft(TtftFeatures(50, 0, 0))
+
+
 def test_ttft_model_follows_a_replica_that_slows_down():
     fit = OnlineLinear(TTFT_TERMS)
     rng = np.random.default_rng(1)
@@ -48,7 +62,7 @@ def test_ttft_model_follows_a_replica_that_slows_down():
         for _ in range(n):
             x = TtftFeatures(rng.uniform(0, 2000), 0.0, 0).vector()
             fit.update(x, 0.01 + per_token * x[1])
-    assert fit.coefficients()["new_prompt_tokens"] == pytest.approx(2.0, rel=0.01)
+    assert fit.coefficients()["prefill_tokens"] == pytest.approx(2.0, rel=0.01)
     # the terms those requests never varied kept a bounded covariance
     assert np.diag(fit.covariance).max() <= 100.0 + 1e-9
 

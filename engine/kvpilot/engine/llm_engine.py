@@ -897,6 +897,7 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage,
             num_total_blocks=self.kv.num_blocks,
             block_size=self.kv.block_size,
+            max_num_seqs=self.scheduler.config.max_num_seqs,
             num_free_blocks=self.kv.pool.num_free_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,

@@ -8,6 +8,9 @@ label. (prometheus_client appends `_total` to counters when exposing them.)
 
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+# the engine's --max-num-seqs (requests it runs at once): the router's flow control counts a
+# replica's free slots against it
+MAX_NUM_SEQS = "kvpilot_max_num_seqs"
 KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"
 # An info gauge (always 1) whose labels carry the KV layout; Gateway API endpoint pickers read
 # block_size for their prefix-cache scorer and num_gpu_blocks for its capacity.

@@ -79,6 +79,7 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     num_total_blocks: int = 0
     block_size: int = 0  # tokens per KV block (0: not known yet)
+    max_num_seqs: int = 0  # requests it runs at once (--max-num-seqs; 0: not known yet)
     num_free_blocks: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # tokens found there

@@ -74,10 +74,17 @@ class RouterArgs:
                 f"by priority band and fairly across flows ({FAIRNESS_ID_HEADER}, else the API "
                 "key's tenant), shed with 429 + Retry-After from the lowest band first"})
     saturation_queue_depth: int = field(default=2, metadata={
-        "help": "flow control: a replica is saturated once its engine queue (scraped "
-                "vllm:num_requests_waiting plus what the router sent it since) reaches this"})
+        "help": "flow control: a replica that does not export kvpilot_max_num_seqs is "
+                "saturated once its engine queue (scraped vllm:num_requests_waiting plus what "
+                "the router sent it since) reaches this; one that does, once its requests fill "
+                "its slots"})
     saturation_kv_usage: float = field(default=0.95, metadata={
         "help": "flow control: ... or its scraped vllm:kv_cache_usage_perc reaches this"})
+    reserved_slots_fraction: float = field(default=0.125, metadata={
+        "help": "flow control: of the pool's slots (its engines' kvpilot_max_num_seqs), the "
+                "fraction whose last free ones go only to flows with fewer requests in flight "
+                "than their fair share (slots / active flows), so a quiet flow finds a free "
+                "slot under a flood; 0: none kept"})
     max_queued_per_flow: int = field(default=64, metadata={
         "help": "flow control: requests one flow may have queued in one band; more are shed"})
     max_queued_requests: int = field(default=1024, metadata={
@@ -184,6 +191,9 @@ class RouterArgs:
         if self.max_queued_per_flow > self.max_queued_requests:
             raise ValueError(f"max_queued_per_flow={self.max_queued_per_flow} is invalid: must "
                              f"be at most max_queued_requests={self.max_queued_requests}")
+        if not 0 <= self.reserved_slots_fraction < 1:
+            raise ValueError(f"reserved_slots_fraction={self.reserved_slots_fraction!r} is "
+                             "invalid: must be in [0, 1) (0: no slot kept for quiet flows)")
         if not 0 < self.saturation_kv_usage <= 1:
             raise ValueError(f"saturation_kv_usage={self.saturation_kv_usage!r} is invalid: "
                              "must be in (0, 1]")

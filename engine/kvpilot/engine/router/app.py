@@ -127,6 +127,7 @@ class Router:
                     await asyncio.wait_for(self.fleet.changed.wait(), POLL_SECONDS)
         finally:
             gauge.dec()
+        candidates = self.scheduling.with_room(roles, candidates)
         tiers = {i.url: self.index.match_tiers(i.url, hashes) for i in candidates}
         hits = {url: hit_blocks(gpu, host, self.weights) for url, (gpu, host) in tiers.items()}
         views = [i.view(self.index.size(i.url)) for i in candidates]
@@ -169,10 +170,11 @@ class Router:
         if isinstance(trip, Response):
             return trip
         try:
-            return trip.finish(await self._route(path, body, headers, pinned, adapter, hashes,
-                                                 trip))
-        finally:
-            trip.admission.begun()  # no replica took it (an error): it is in transit no more
+            response = await self._route(path, body, headers, pinned, adapter, hashes, trip)
+        except BaseException:
+            trip.admission.ended()  # no response: in transit and in flight no more
+            raise
+        return trip.finish(response)
 
     async def _route(self, path: str, body: dict[str, Any], headers: dict[str, str],
                      pinned: str | None, adapter: str | None, hashes: list[int],

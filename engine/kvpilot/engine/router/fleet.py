@@ -20,6 +20,7 @@ from kvpilot.engine.router.kv_events import parse_event
 from kvpilot.engine.router.lora import LoraState, parse_lora, served_adapters
 from kvpilot.engine.router.policy import InstanceView
 from kvpilot.engine.router.prefix_index import PrefixIndex
+from kvpilot.engine.router.saturation import scraped_slots
 from kvpilot.engine.router.stall import find_stalled
 
 log = logging.getLogger("kvpilot.router")
@@ -43,6 +44,7 @@ class Instance:
     kv_usage: float = 0.0
     in_flight: int = 0
     in_flight_at_scrape: int = 0  # `in_flight` when `waiting` was last scraped (flow control)
+    max_num_seqs: int = 0  # its scraped kvpilot_max_num_seqs (flow control's slots; 0: unknown)
     # False until its /metrics first answers: a starting engine is not ready, not failing.
     ready: bool = False
     health: Health = field(default_factory=Health)
@@ -194,6 +196,7 @@ class Fleet:
             response.raise_for_status()
             instance.waiting, instance.running, instance.kv_usage = parse_load(response.text)
             instance.in_flight_at_scrape = instance.in_flight
+            instance.max_num_seqs = scraped_slots(response.text)
             instance.lora = parse_lora(response.text)
         except (httpx.HTTPError, ValueError) as exc:
             # Only failures while in rotation count: an ejected instance keeps its backoff,

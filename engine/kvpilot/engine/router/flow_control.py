@@ -2,8 +2,9 @@
 
 A request passes straight through when nothing is queued and the pool has headroom
 (`saturation.pool_headroom`, less the requests already dispatched but not yet on a
-replica). Otherwise it is queued and waits until `drain` dispatches it (whenever a
-request ends on a replica, a scrape lands, or the tick runs), its queue time-out passes,
+replica) that its flow may take (`flow_share`: the last free slots are kept for flows
+under their fair share). Otherwise it is queued and waits until `drain` dispatches it
+(whenever a request ends, a scrape lands, or the tick runs), its queue time-out passes,
 it is shed to make room, or its client goes away. A shed or timed-out request gets a
 429 with `Retry-After`: how long the queue ahead of it takes at the recent dispatch rate.
 """
@@ -13,17 +14,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import AsyncContentStream, Content
 
 from kvpilot.engine.contracts.openai_errors import error_object
 from kvpilot.engine.router.flow_metrics import FlowMetrics
 from kvpilot.engine.router.flow_queue import FlowQueue, QueueLimits, Waiter, retry_after_s
+from kvpilot.engine.router.flow_share import FlowKey, FlowUsage
 from kvpilot.engine.router.flow_ticket import FlowTicket
-from kvpilot.engine.router.saturation import LoadView, SaturationLimits, pool_headroom
+from kvpilot.engine.router.saturation import LoadView, SaturationLimits, pool_headroom, slots
 
 TICK_S = 0.1  # the backstop: time-outs and missed wake-ups are seen within this
 RATE_WINDOW_S = 10.0  # dispatches counted for Retry-After
@@ -65,15 +68,49 @@ class ClientGone(Exception):
 
 
 class Admission:
-    """A request flow control let through; `begun` once a replica took it (idempotent)."""
+    """A request flow control let through: `begun` once a replica took it, `ended` once its
+    response is over (each idempotent); `watch` ends it with its response's body."""
 
-    def __init__(self, control: FlowControl | None = None) -> None:
-        self._control = control
+    def __init__(self, control: FlowControl | None = None, flow: FlowKey = ("", 0),
+                 in_transit: bool = False) -> None:
+        self._control, self._flow, self._in_transit = control, flow, in_transit
+
+    @property
+    def key(self) -> FlowKey:
+        return self._flow
 
     def begun(self) -> None:
-        if self._control is not None:
+        if self._in_transit and self._control is not None:
             self._control.in_transit -= 1
-            self._control = None
+        self._in_transit = False
+
+    def ended(self) -> None:
+        self.begun()
+        if self._control is not None:
+            control, self._control = self._control, None
+            control.flow_ended(self._flow)
+
+    def watch(self, response: Response) -> Response:
+        """Gives `response`, ending the admission once its body has gone (now, unless it
+        streams)."""
+        self.begun()
+        if self._control is None:
+            return response
+        if not isinstance(response, StreamingResponse):
+            self.ended()
+            return response
+        response.body_iterator = self._until_end(response.body_iterator)
+        return response
+
+    async def _until_end(self, chunks: AsyncContentStream) -> AsyncIterator[Content]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            self.ended()
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
 
 
 async def _until_disconnect(receive: Callable[[], Awaitable[Any]]) -> None:
@@ -88,12 +125,16 @@ class FlowControl:
 
     def __init__(self, queue_limits: QueueLimits, saturation: SaturationLimits,
                  loads: Callable[[], list[LoadView]], metrics: FlowMetrics, *,
-                 unmeetable: str = "queue") -> None:
+                 unmeetable: str = "queue", reserved_slots_fraction: float = 0.0) -> None:
         if unmeetable not in UNMEETABLE:
             raise ValueError(f"slo_unmeetable={unmeetable!r} is invalid: choose queue or shed")
+        if not 0 <= reserved_slots_fraction < 1:
+            raise ValueError(f"reserved_slots_fraction={reserved_slots_fraction!r} is invalid: "
+                             "must be in [0, 1) (0: no slot kept for flows under their share)")
         self.queue = FlowQueue(queue_limits)
         self.saturation, self.loads, self.metrics = saturation, loads, metrics
-        self.unmeetable = unmeetable
+        self.unmeetable, self.reserved_slots_fraction = unmeetable, reserved_slots_fraction
+        self.usage = FlowUsage()
         self.waiting: dict[Waiter, Queued] = {}
         self.in_transit = 0  # dispatched, not on a replica yet
         self.dispatched: deque[float] = deque()  # recent dispatch times
@@ -102,6 +143,18 @@ class FlowControl:
         """Gives how many more requests may go to replicas now; None: no replica is ready."""
         headroom = pool_headroom(self.loads(), self.saturation)
         return None if headroom is None else headroom - self.in_transit
+
+    def taker(self, now: float) -> Callable[[FlowKey, int | None], bool]:
+        """Gives the rule, as of `now`, for whether a flow's request may take one of `room`
+        free slots (`flow_share`); with no replica ready any may go (to wait for one)."""
+        rule = self.usage.taker(now, self.queue.flows(), slots(self.loads()),
+                                self.reserved_slots_fraction)
+        return lambda key, room: room is None or rule(key, room)
+
+    def flow_ended(self, key: FlowKey) -> None:
+        """Notes that a request of flow `key` ended (its slot is free) and lets others go."""
+        self.usage.ended(key)
+        self.drain()
 
     async def gate(self, ticket: FlowTicket, disconnected: Callable[[], Awaitable[Any]] | None,
                    meetable: Callable[[], bool] = lambda: True) -> Admission | Response:
@@ -124,6 +177,7 @@ class FlowControl:
         objectives now; while it says no, the request waits (`--slo-unmeetable queue`) or
         is shed at once (`shed`)."""
         now = time.monotonic()
+        self.usage.arrived(ticket.key, now)
         meets = meetable()
         if not meets and self.unmeetable == "shed":
             self.metrics.outcome(ticket.flow, ticket.priority, "unmeetable", None)
@@ -131,9 +185,9 @@ class FlowControl:
                        f"objective (ttft {ticket.ttft_slo_s}s, tpot {ticket.tpot_slo_s}s)",
                        self._retry_after(len(self.queue)))
         room = self.room()
-        if not self.queue and meets and (room is None or room > 0):
+        if not self.queue and meets and self.taker(now)(ticket.key, room):
             self._dispatched(ticket, now, now)
-            return Admission()
+            return Admission(self, ticket.key)
         waiter = Waiter(ticket.flow, ticket.priority, now)
         for shed in self.queue.offer(waiter):
             self._shed(shed, ticket if shed is waiter else None)
@@ -157,7 +211,7 @@ class FlowControl:
                 gone.cancel()
         if future.done():
             future.result()  # raises Shed
-            return Admission(self)
+            return Admission(self, waiter.key, in_transit=True)
         self._leave(waiter, future)
         raise ClientGone
 
@@ -168,15 +222,19 @@ class FlowControl:
             self.metrics.queue_changed(ticket.flow, ticket.priority, -1)
             self.metrics.outcome(ticket.flow, ticket.priority, "disconnected", None)
         elif future.done() and not future.cancelled() and future.exception() is None:
-            self.in_transit -= 1  # dispatched, but it will never reach a replica
+            Admission(self, waiter.key, in_transit=True).ended()  # it never reaches a replica
         future.cancel()
 
     def drain(self) -> None:
         """Dispatches queued requests while the pool has room (call when load changes)."""
         room = self.room()
+        if not self.queue or (room is not None and room <= 0):
+            return
         now = time.monotonic()
+        may_take = self.taker(now)
         while self.queue and (room is None or room > 0):
-            waiter = self.queue.pop(lambda w: self.waiting[w].meetable())
+            waiter = self.queue.pop(lambda w: may_take(w.key, room)  # noqa: B023 (used now)
+                                    and self.waiting[w].meetable())
             if waiter is None:
                 return
             ticket, future, _ = self.waiting.pop(waiter)
@@ -200,6 +258,7 @@ class FlowControl:
             self.drain()
 
     def _dispatched(self, ticket: FlowTicket, arrival: float, now: float) -> None:
+        self.usage.dispatched(ticket.key)
         self.dispatched.append(now)
         while self.dispatched and self.dispatched[0] < now - RATE_WINDOW_S:
             self.dispatched.popleft()

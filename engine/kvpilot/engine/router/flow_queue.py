@@ -54,6 +54,10 @@ class Waiter:
     arrival: float
     deadline: float = field(default=float("inf"))  # set by `FlowQueue.offer`
 
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.flow, self.priority
+
 
 @dataclass
 class Band:
@@ -78,6 +82,10 @@ class FlowQueue:
         """Gives how many requests of `flow` wait in band `priority`."""
         band = self.bands.get(priority)
         return len(band.flows.get(flow, ())) if band else 0
+
+    def flows(self) -> set[tuple[str, int]]:
+        """Gives the (flow, band) pairs with a request queued."""
+        return {(flow, priority) for priority, band in self.bands.items() for flow in band.flows}
 
     def offer(self, waiter: Waiter) -> list[Waiter]:
         """Queues `waiter`; gives the requests shed to bound the queue (maybe `waiter`)."""

@@ -6,10 +6,12 @@ Discrete events on a heap. Each flow sends Poisson arrivals of one request shape
 runs up to `max_num_seqs` requests at once and queues the rest first in, first out, as the
 engine's scheduler does; a request takes `prompt_tokens / prefill_tokens_per_s` to its first
 token and then `output_tokens * decode_step_s`. With flow control on, the router holds
-requests in the real `FlowQueue` and dispatches by the real `saturation` rule (the sim sees
-each engine queue exactly, where the router sees it through scrapes); with it off, every
-request goes at once to the replica with the fewest requests. What it leaves out: batch size
-slowing a step, prefix caching, the network.
+requests in the real `FlowQueue` and dispatches by the real `saturation` rule (free slots
+when `slots_known`, the replicas' `kvpilot_max_num_seqs`; else the engine queue depth) and
+the real `flow_share` reserve (`reserved_slots_fraction`); the sim sees each engine
+exactly, where the router sees it through scrapes and its own sends. With flow control off,
+every request goes at once to the replica with the fewest requests. What it leaves out:
+batch size slowing a step, prefix caching, the network.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import itertools
 import json
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpilot.engine.router.flow_queue import FlowQueue, QueueLimits, Waiter
-from kvpilot.engine.router.saturation import LoadView, SaturationLimits, headroom
+from kvpilot.engine.router.flow_share import FlowKey, FlowUsage
+from kvpilot.engine.router.saturation import LoadView, SaturationLimits, headroom, slots
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class FlowScenario:
     seed: int = 0
     flow_control: bool = True
     saturation_queue_depth: int = 1
+    slots_known: bool = True  # the engines export kvpilot_max_num_seqs
+    reserved_slots_fraction: float = 0.125  # the router's default
     max_queued_per_flow: int = 64
     max_queued_requests: int = 1024
     queue_timeout_s: float = 30.0
@@ -72,6 +78,10 @@ class FlowScenario:
         for n, f in enumerate(parsed):
             if not f.rate > 0:
                 raise ValueError(f"flows[{n}].rate={f.rate!r} is invalid: must be > 0")
+        reserved = data.get("reserved_slots_fraction", 0.125)
+        if not 0 <= reserved < 1:
+            raise ValueError(f"reserved_slots_fraction={reserved!r} is invalid: must be in "
+                             "[0, 1)")
         return FlowScenario(**{**data, "flows": parsed})
 
 
@@ -85,12 +95,14 @@ class Request:
 
 @dataclass
 class Replica:
+    max_num_seqs: int  # what the router knows of it (0: nothing)
     running: int = 0
     queue: deque[Request] = field(default_factory=deque)
 
     def view(self, url: str) -> LoadView:
         load = self.running + len(self.queue)
-        return LoadView(url, waiting=len(self.queue), in_flight=load, in_flight_at_scrape=load)
+        return LoadView(url, waiting=len(self.queue), in_flight=load, in_flight_at_scrape=load,
+                        running=self.running, max_num_seqs=self.max_num_seqs)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -103,7 +115,9 @@ def _percentile(values: list[float], q: float) -> float | None:
 def simulate_flows(scenario: FlowScenario) -> dict[str, Any]:
     """Gives each flow's outcome: sent, served, shed (429s), TTFT p50/p99 in seconds."""
     rng = random.Random(scenario.seed)
-    replicas = [Replica() for _ in range(scenario.replicas)]
+    replicas = [Replica(scenario.max_num_seqs if scenario.slots_known else 0)
+                 for _ in range(scenario.replicas)]
+    usage = FlowUsage()
     limits = SaturationLimits(scenario.saturation_queue_depth)
     queue = FlowQueue(QueueLimits(scenario.max_queued_per_flow, scenario.max_queued_requests,
                                   scenario.queue_timeout_s))
@@ -121,9 +135,10 @@ def simulate_flows(scenario: FlowScenario) -> dict[str, Any]:
         prefill = request.flow.prompt_tokens / scenario.prefill_tokens_per_s
         ttft[request.flow.name].append(now - request.arrival + prefill)
         done = now + prefill + request.flow.output_tokens * scenario.decode_step_s
-        heapq.heappush(events, (done, next(order), "finish", replica))
+        heapq.heappush(events, (done, next(order), "finish", (replica, request)))
 
     def send(request: Request, now: float) -> None:
+        usage.dispatched((request.flow.name, request.flow.priority))
         views = [(headroom(r.view(str(n)), limits), -r.running - len(r.queue), n)
                  for n, r in enumerate(replicas)]
         replica = replicas[max(views)[2]]
@@ -135,13 +150,19 @@ def simulate_flows(scenario: FlowScenario) -> dict[str, Any]:
     def room() -> int:
         return sum(headroom(r.view(str(n)), limits) for n, r in enumerate(replicas))
 
+    def taker(now: float) -> Callable[[FlowKey, int], bool]:
+        pool = slots([r.view(str(n)) for n, r in enumerate(replicas)])
+        return usage.taker(now, queue.flows(), pool, scenario.reserved_slots_fraction)
+
     def drain(now: float) -> None:
         for waiter in queue.expire(now):
             shed[waiter.flow] += 1
             del held[waiter]
-        while queue and room() > 0:
-            waiter = queue.pop()
-            assert waiter is not None
+        may_take = taker(now)
+        while queue and (free := room()) > 0:
+            waiter = queue.pop(lambda w: may_take(w.key, free))
+            if waiter is None:
+                return
             send(held.pop(waiter), now)
 
     while events:
@@ -152,8 +173,10 @@ def simulate_flows(scenario: FlowScenario) -> dict[str, Any]:
             if nxt < scenario.duration_s:
                 heapq.heappush(events, (nxt, next(order), "arrive", flow))
             sent[flow.name] += 1
+            key = (flow.name, flow.priority)
+            usage.arrived(key, now)
             request = Request(flow, now)
-            if not scenario.flow_control or (not queue and room() > 0):
+            if not scenario.flow_control or (not queue and taker(now)(key, room())):
                 send(request, now)
                 continue
             request.waiter = Waiter(flow.name, flow.priority, now)
@@ -163,8 +186,9 @@ def simulate_flows(scenario: FlowScenario) -> dict[str, Any]:
                 del held[out]
             drain(now)
         else:
-            replica: Replica = item
+            replica, done = item
             replica.running -= 1
+            usage.ended((done.flow.name, done.flow.priority))
             if replica.queue:
                 start(replica, replica.queue.popleft(), now)
             drain(now)

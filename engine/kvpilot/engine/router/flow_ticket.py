@@ -47,6 +47,11 @@ class FlowTicket:
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
 
+    @property
+    def key(self) -> tuple[str, int]:
+        """Gives (flow, band): what flow control's queue and fair share count by."""
+        return self.flow, self.priority
+
 
 def _slo_seconds(headers: Mapping[str, str], header: str, fallback: float | None
                  ) -> float | None:

@@ -2,9 +2,14 @@
 
 TTFT (seconds to the first streamed byte, through the router) is modelled as
 
-    base + per_new_token * (prompt tokens - prefix-hit tokens)
-         + per_queued_token * (prompt tokens of the requests on the replica still prefilling)
+    base + per_prefill_token * (prompt tokens of the requests on the replica still
+                                prefilling + this prompt's tokens less its prefix hit)
          + per_decoding * (requests on the replica already streaming)
+
+One coefficient for the queued tokens and the request's own: the engine prefills first in,
+first out under a token budget, so a token ahead costs what one of the request's own does.
+Two coefficients (as first built) were confounded on real traffic: the queued term and the
+decoding term each soaked up the other's load (decision 0110).
 
 and TPOT (seconds between streamed events) as `base + per_decoding * batch +
 per_context_token * context`. Each is a recursive least-squares fit with a forgetting
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-TTFT_TERMS = ("base", "new_prompt_tokens", "queued_prefill_tokens", "decoding")
+TTFT_TERMS = ("base", "prefill_tokens", "decoding")
 TPOT_TERMS = ("base", "decoding", "context_tokens")
 # Features go in thousands of tokens, so every term's coefficient lands within a few
 # orders of magnitude of the others and the fit's prior treats them alike.
@@ -75,8 +80,8 @@ class TtftFeatures:
     decoding: int  # its requests already streaming
 
     def vector(self) -> np.ndarray:
-        return np.array([1.0, self.new_prompt_tokens / TOKEN_SCALE,
-                         self.queued_prefill_tokens / TOKEN_SCALE, float(self.decoding)])
+        prefill = self.new_prompt_tokens + self.queued_prefill_tokens
+        return np.array([1.0, prefill / TOKEN_SCALE, float(self.decoding)])
 
 
 @dataclass(frozen=True)

@@ -111,8 +111,9 @@ class RequestLatency:
 
     def finish(self, response: Response) -> Response:
         """Gives `response`, observed: a stream's first byte is a TTFT sample, its events
-        TPOT samples; the replica's load drops as the request moves on."""
-        self.admission.begun()
+        TPOT samples; the replica's load drops as the request moves on; flow control's
+        admission ends with the response."""
+        response = self.admission.watch(response)
         url, features = self.url, self.features
         self._prefilled()
         if url is None or features is None:

@@ -24,7 +24,7 @@ from kvpilot.engine.router.flow_ticket import BadFlowHeader, FlowTicket, classif
 from kvpilot.engine.router.latency_placement import Choice, choose_predicted
 from kvpilot.engine.router.latency_tracker import LatencyModels, RequestLatency
 from kvpilot.engine.router.metrics import RouterMetrics
-from kvpilot.engine.router.saturation import LoadView, SaturationLimits
+from kvpilot.engine.router.saturation import LoadView, SaturationLimits, headroom
 
 DEFAULT_OUTPUT_TOKENS = 16.0  # a request without max_tokens, for the TPOT model's context
 
@@ -44,7 +44,8 @@ class Scheduling:
                 QueueLimits(args.max_queued_per_flow, args.max_queued_requests,
                             args.queue_timeout),
                 SaturationLimits(args.saturation_queue_depth, args.saturation_kv_usage),
-                self.loads, FlowMetrics(metrics.registry), unmeetable=args.slo_unmeetable)
+                self.loads, FlowMetrics(metrics.registry), unmeetable=args.slo_unmeetable,
+                reserved_slots_fraction=args.reserved_slots_fraction)
 
     @property
     def predicted(self) -> bool:
@@ -52,8 +53,22 @@ class Scheduling:
 
     def loads(self) -> list[LoadView]:
         """Gives the ready serving replicas' loads (the decode side when disaggregated)."""
-        return [LoadView(i.url, i.waiting, i.in_flight, i.in_flight_at_scrape, i.kv_usage)
-                for i in self.fleet.available(self.serving_roles())]
+        return [self.load_of(i) for i in self.fleet.available(self.serving_roles())]
+
+    @staticmethod
+    def load_of(instance: Instance) -> LoadView:
+        return LoadView(instance.url, instance.waiting, instance.in_flight,
+                        instance.in_flight_at_scrape, instance.kv_usage, instance.running,
+                        instance.max_num_seqs)
+
+    def with_room(self, roles: tuple[str, ...], candidates: list[Instance]) -> list[Instance]:
+        """Gives the candidates with room (`saturation.headroom`) when flow control gates
+        these roles and any has room: a request flow control let go takes a free slot, not
+        a place in a full engine's queue; otherwise all of them."""
+        if self.flow is None or roles != self.serving_roles():
+            return candidates
+        free = [i for i in candidates if headroom(self.load_of(i), self.flow.saturation) > 0]
+        return free or candidates
 
     def load_changed(self) -> None:
         """Lets queued requests go if the pool has room now."""

@@ -81,6 +81,9 @@ class _StatsCollector(Collector):
             (names.KV_HOST_CACHE_USAGE_PERC, "fraction of host-tier KV rows in use (0-1)",
              stats.kv_host_cache_usage),
         ]
+        if stats.max_num_seqs:
+            gauges.append((names.MAX_NUM_SEQS, "requests the engine runs at once "
+                           "(--max-num-seqs)", stats.max_num_seqs))
         for name, doc, number in gauges:
             family = GaugeMetricFamily(name, doc, labels=label)
             family.add_metric(value, float(number))

@@ -46,9 +46,13 @@ class FlowControlSpec(ApiModel):
     model_config = ConfigDict(json_schema_extra=validations(FLOW_RULES))
 
     saturation_queue_depth: int = Field(default=2, ge=1, le=1024)
-    """Requests waiting in an engine's queue that saturate it."""
+    """Requests waiting in an engine's queue that saturate it (engines without
+    kvpilot_max_num_seqs; the others saturate when their slots are full)."""
     saturation_kv_cache_usage: float = Field(default=0.95, gt=0, le=1)
     """KV cache usage (0..1) that saturates an engine."""
+    reserved_slots_fraction: float = Field(default=0.125, ge=0, lt=1)
+    """Fraction of the engines' slots whose last free ones go only to flows under their
+    fair share."""
     max_queued_per_flow: int = Field(default=64, ge=1, le=100_000)
     """Requests one flow may queue per band."""
     max_queued_requests: int = Field(default=1024, ge=1, le=1_000_000)

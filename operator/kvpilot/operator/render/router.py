@@ -49,6 +49,7 @@ def apply_flow(args: RouterArgs, spec: InferenceModelSpec) -> RouterArgs:
         args.flow_control = True
         args.saturation_queue_depth = flow.saturation_queue_depth
         args.saturation_kv_usage = flow.saturation_kv_cache_usage
+        args.reserved_slots_fraction = flow.reserved_slots_fraction
         args.max_queued_per_flow = flow.max_queued_per_flow
         args.max_queued_requests = flow.max_queued_requests
         args.queue_timeout = flow.queue_timeout_seconds
