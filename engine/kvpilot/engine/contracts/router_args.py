@@ -37,6 +37,11 @@ SERVED_BY_HEADER = "x-kvpilot-served-by"
 # decode leg: the prefill's response id, which the router streamed the first token under;
 # never taken from a client (not in PASSED_HEADERS)
 REQUEST_ID_HEADER = "x-kvpilot-request-id"
+# the router asks an engine to mark each streamed event with the output token ids it
+# carries (an SSE comment line, `: token_ids 1 2 3`, which the router strips), so that it
+# can resume the stream on another engine (`resume`), and to hand the stream over on drain
+RESUMABLE_HEADER = "x-kvpilot-resumable"
+TOKEN_IDS_MARK = b": token_ids"
 
 
 @dataclass
@@ -125,6 +130,11 @@ class RouterArgs:
                 "that sent the client nothing yet retried elsewhere; 0 disables"})
     max_retries: int = field(default=2, metadata={
         "help": "other instances tried when one fails before the first byte"})
+    max_migrations: int = field(default=3, metadata={
+        "help": "times one stream may move to another instance when its instance fails, "
+                "stalls (--stall-timeout) or drains after the first byte: the new instance "
+                "resumes it after the tokens the client has (same id, no token twice, usage "
+                "once); 0 turns migration off"})
     eject_after_failures: int = field(default=3, metadata={
         "help": "consecutive failures that eject an instance"})
     eject_seconds: float = field(default=10.0, metadata={
@@ -193,6 +203,9 @@ class RouterArgs:
             parse_objectives(self.objectives)
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries!r} is invalid: must be >= 0")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations={self.max_migrations!r} is invalid: must be >= 0 "
+                             "(0 turns migration off)")
         if self.instances:
             parse_instances(self.instances)
 
