@@ -349,10 +349,12 @@ class Forwarder:
                 self._end(instance, "client_error")
                 return self._unmoved(why, f"{instance.url} refused the continuation: "
                                      f"{bytes(result.body)[:300].decode(errors='replace')}")
+            took = time.monotonic() - why.at
             self.metrics.migrations.labels(reason, "resumed").inc()
-            self.metrics.migration_seconds.observe(time.monotonic() - why.at)
-            log.info("stream %s moved to %s after %d tokens (%s)", mover.record.response_id,
-                     instance.url, len(mover.record.token_ids), why.message)
+            self.metrics.migration_seconds.observe(took)
+            log.info("stream %s moved to %s after %d tokens in %.3fs (%s: %s)",
+                     mover.record.response_id, instance.url, len(mover.record.token_ids), took,
+                     reason, why.message)
             mover.on_migrate()
             return result
         return self._unmoved(why, f"no other instance took it ({last})")
