@@ -30,6 +30,7 @@ from kvpilot.engine.contracts.router_args import (
     REQUEST_ID_HEADER,
     SERVED_BY_HEADER,
     RouterArgs,
+    parse_peers,
 )
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.contracts.version import kvpilot_version
@@ -52,6 +53,8 @@ from kvpilot.engine.router.policy import Weights, choose, hit_blocks
 from kvpilot.engine.router.prefix_index import PrefixIndex
 from kvpilot.engine.router.prompt import PromptHasher
 from kvpilot.engine.router.proxy import Forwarder, NoInstance, sse_error
+from kvpilot.engine.router.response_store import ResponseStore
+from kvpilot.engine.router.responses_routes import add_responses_routes
 from kvpilot.engine.router.scheduling import Scheduling
 
 log = logging.getLogger("kvpilot.router")
@@ -368,6 +371,10 @@ def build_app(args: RouterArgs, discovery: Discovery | None = None,
 
     for path in OPENAI_POST_PATHS:
         app.add_api_route(path, openai_post, methods=["POST"])
+
+    add_responses_routes(app, router, ResponseStore(
+        args.response_store_max_entries, args.response_store_ttl,
+        parse_peers(args.response_store_peers), auth))
 
     @app.get("/v1/models")
     async def models() -> Response:
