@@ -130,7 +130,7 @@ class RouterArgs:
                 "that sent the client nothing yet retried elsewhere; 0 disables"})
     max_retries: int = field(default=2, metadata={
         "help": "other instances tried when one fails before the first byte"})
-    max_migrations: int = field(default=3, metadata={
+    max_migrations: int = field(default=8, metadata={
         "help": "times one stream may move to another instance when its instance fails, "
                 "stalls (--stall-timeout) or drains after the first byte: the new instance "
                 "resumes it after the tokens the client has (same id, no token twice, usage "

@@ -90,7 +90,8 @@ class Router:
         self.forwarder = Forwarder(self.fleet, self.client, self.metrics,
                                    max_retries=args.max_retries,
                                    request_timeout=args.request_timeout,
-                                   max_migrations=args.max_migrations)
+                                   max_migrations=args.max_migrations,
+                                   hold_timeout=args.hold_timeout)
         self.scheduling = Scheduling(args, self.fleet, self.metrics, self.serving_roles)
         self.forwarder.on_release = self.scheduling.load_changed
 

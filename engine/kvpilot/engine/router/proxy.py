@@ -92,10 +92,11 @@ class Forwarder:
     breaks mid-way to another instance (`router.migration`)."""
 
     def __init__(self, fleet: Fleet, client: httpx.AsyncClient, metrics: RouterMetrics, *,
-                 max_retries: int, request_timeout: float, max_migrations: int = 0) -> None:
+                 max_retries: int, request_timeout: float, max_migrations: int = 0,
+                 hold_timeout: float = 30.0) -> None:
         self.fleet, self.client, self.metrics = fleet, client, metrics
         self.max_retries, self.request_timeout = max_retries, request_timeout
-        self.max_migrations = max_migrations
+        self.max_migrations, self.hold_timeout = max_migrations, hold_timeout
         self.on_release: Callable[[], None] = lambda: None  # an instance's load just dropped
 
     def _begin(self, instance: Instance) -> None:
@@ -330,12 +331,18 @@ class Forwarder:
         body, headers = mover.record.continuation(mover.body, mover.headers)
         tried = {left}
         last = "no instance tried"
+        waited_until = time.monotonic() + self.hold_timeout
         for _ in range(self.max_retries + 1):
             try:
                 instance = await mover.pick(tried)
             except NoInstance as exc:
                 last = str(exc)
-                break
+                # every ready instance failed it: wait for one to come back (a restart, a
+                # stalled one answering again) rather than end the stream
+                if not await self._fleet_change(waited_until):
+                    break
+                tried = {left}
+                continue
             tried.add(instance.url)
             self._begin(instance)
             try:
@@ -358,6 +365,15 @@ class Forwarder:
             mover.on_migrate()
             return result
         return self._unmoved(why, f"no other instance took it ({last})")
+
+    async def _fleet_change(self, until: float) -> bool:
+        """Gives whether an instance appeared or came back before `until`."""
+        self.fleet.changed.clear()
+        try:
+            await asyncio.wait_for(self.fleet.changed.wait(), max(until - time.monotonic(), 0))
+        except TimeoutError:
+            return False
+        return True
 
     def _unmoved(self, why: Interruption, because: str) -> bytes:
         """Gives the events ending a stream that broke and could not move (counted)."""

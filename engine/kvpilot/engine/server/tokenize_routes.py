@@ -68,8 +68,12 @@ def _tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest, ctx: Ser
         prompt_chars(chat, limits)
         messages: list[dict[str, Any]] = [{"role": m.role, "content": m.text()}
                                           for m in request.messages]
-        text = tokenizer.apply_chat_template(messages,
-                                             add_generation_prompt=request.add_generation_prompt)
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt)
+        except Exception as exc:  # a template may raise on role orders it does not allow
+            raise bad_request(f"messages cannot be rendered by the chat template: {exc}",
+                              "messages") from exc
     else:
         text = request.prompt
         prompt_chars(CompletionRequest(model=request.model or ctx.model_name, prompt=text),
