@@ -6,7 +6,7 @@ API over the engines' chat completions, `responses_api.py`, with the conversatio
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 from fastapi import FastAPI, Request
@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvpilot.engine.contracts.openai_errors import BodyError, error_object, parse_body
 from kvpilot.engine.contracts.router_args import INSTANCE_HEADER, PASSED_HEADERS
+from kvpilot.engine.router.fleet import Fleet
 from kvpilot.engine.router.flow_control import ClientSide
 from kvpilot.engine.router.response_store import STORE_PATH, ResponseStore, tenant_of
 from kvpilot.engine.router.responses_api import (
@@ -25,10 +26,17 @@ from kvpilot.engine.router.responses_api import (
 )
 from kvpilot.engine.router.responses_stream import ResponseEvents, response_events
 
-if TYPE_CHECKING:
-    from kvpilot.engine.router.app import Router
-
 CHAT_PATH = "/v1/chat/completions"
+
+
+class Router(Protocol):
+    """What these routes use of `router.app.Router` (a protocol: app imports this module)."""
+
+    client: httpx.AsyncClient
+    fleet: Fleet
+
+    async def handle(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                     pinned: str | None, client: ClientSide | None = None) -> Response: ...
 
 
 def _refusal(exc: ResponsesError) -> JSONResponse:
