@@ -49,6 +49,13 @@ class FakeEngine:
     running_loras: list[str] = field(default_factory=list)
     waiting_loras: list[str] = field(default_factory=list)
     adapters: list[str] = field(default_factory=list)
+    # migration: a stream's tokens are a function of its prompt (`token_at`), resumed after
+    # `resume.token_ids`; it breaks after `break_after` events (0: never) by `break_mode`
+    # (die: the connection drops; error503: a 5xx error event, as a drain's handover)
+    tokens: bool = False  # streams of `max_tokens` marked tokens (`_token_stream`)
+    break_after: int = 0
+    break_mode: str = "die"
+    resumable_headers: list[str] = field(default_factory=list)  # x-kvpilot-resumable seen
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -69,6 +76,10 @@ class FakeEngine:
                     choice.update(token_ids=[7], finish_reason="length")
                 return JSONResponse({"id": f"cmpl-{self.name}-{len(self.bodies)}",
                                      "created": 1, "model": "tiny", "choices": [choice]})
+            self.resumable_headers.append(request.headers.get("x-kvpilot-resumable", ""))
+            if self.tokens:
+                return StreamingResponse(self._token_stream(body, request), media_type=
+                                         "text/event-stream")
             return StreamingResponse(self._stream(), media_type="text/event-stream")
 
         app.add_api_route("/v1/completions", generate, methods=["POST"])
@@ -103,6 +114,36 @@ class FakeEngine:
 
         return app
 
+    async def _token_stream(self, body: dict[str, Any], request: Request):
+        """A completions stream of `max_tokens` tokens, each event one token (its text
+        `<id>`), marked when the router asks; a `resume` starts after its tokens."""
+        prompt = str(body.get("prompt") or body.get("messages"))
+        resume = body.get("resume") or {}
+        done = list(resume.get("token_ids", []))
+        assert done == [token_at(prompt, i) for i in range(len(done))], "a wrong resume"
+        rid = request.headers.get("x-kvpilot-request-id") or f"cmpl-{self.name}"
+        created = resume.get("created") or 100
+        marked = request.headers.get("x-kvpilot-resumable") == "1"
+        for sent, i in enumerate(range(len(done), body["max_tokens"])):
+            if self.break_after and sent == self.break_after:
+                if self.break_mode == "die":
+                    raise RuntimeError("engine died mid-stream")
+                error = {"error": {"message": "the server is draining and handed this stream "
+                                   "over", "type": "ServiceUnavailable", "code": 503}}
+                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                return
+            token = token_at(prompt, i)
+            last = i == body["max_tokens"] - 1
+            chunk = {"id": rid, "object": "text_completion", "created": created,
+                     "model": "tiny", "choices": [{"index": 0, "text": f"<{token}>",
+                                                   "finish_reason": "length" if last else None}]}
+            mark = f": token_ids {token}\n" if marked else ""
+            yield f"{mark}data: {json.dumps(chunk)}\n\n".encode()
+            await asyncio.sleep(self.stream_delay)
+        usage = {"id": rid, "object": "text_completion", "created": created, "model": "tiny",
+                 "choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+        yield f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode()
+
     async def _stream(self):
         self.open_streams += 1
         self.peak_streams = max(self.peak_streams, self.open_streams)
@@ -124,6 +165,11 @@ class FakeEngine:
                 raise RuntimeError("engine died mid-event")
             await asyncio.sleep(self.stream_delay)
         yield b"data: [DONE]\n\n"
+
+
+def token_at(prompt: str, i: int) -> int:
+    """Gives the fake engines' i-th output token for `prompt` (the same on every one)."""
+    return (sum(map(ord, prompt)) * 31 + i * 7) % 1000
 
 
 @contextlib.asynccontextmanager

@@ -99,16 +99,17 @@ async def test_all_instances_failing(fleet, modes, status, message):
 
 
 async def test_stream_cut_after_first_byte_ends_with_an_error_event(fleet):
-    router, _ = await fleet([FakeEngine("dying", mode="die_after_first")])
+    router, _ = await fleet([FakeEngine("dying", mode="die_after_first")], max_migrations=0)
     async with httpx.AsyncClient(base_url=router) as client:
         response = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
     events = [line.removeprefix("data: ") for line in sse.lines(response.text) if line]
     assert json.loads(events[0])["choices"][0]["text"] == "dying:0"
-    assert json.loads(events[-1])["error"]["code"] == 502
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == 502 and "not resumed: --max-migrations=0" in error["message"]
 
 
 async def test_stream_cut_mid_event_drops_the_torn_event_and_ends_with_a_whole_error(fleet):
-    router, _ = await fleet([FakeEngine("torn", mode="die_mid_event")])
+    router, _ = await fleet([FakeEngine("torn", mode="die_mid_event")], max_migrations=0)
     async with httpx.AsyncClient(base_url=router) as client:
         response = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
     events = [line.removeprefix("data: ") for line in sse.lines(response.text) if line]

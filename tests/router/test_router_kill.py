@@ -1,5 +1,6 @@
-"""An engine process SIGKILLed mid-stream: the client gets an error event fast, the router
-ejects the instance, and later requests succeed on the other one."""
+"""An engine process SIGKILLed mid-stream: a stream pinned to it gets an error event fast
+(pinned, it does not move: `test_router_migration.py`), the router ejects the instance, and
+later requests succeed on the other one."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ async def test_killed_engine_mid_stream():
                         if line:
                             last = line
                     waited = time.monotonic() - killed_at
-                assert "error" in json.loads(last.removeprefix("data: ")), last
+                error = json.loads(last.removeprefix("data: "))["error"]
+                assert f"not resumed: pinned to {victim_url}" in error["message"], error
                 assert waited < 5, waited
                 served = []
                 for _ in range(4):

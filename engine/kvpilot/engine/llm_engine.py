@@ -33,6 +33,7 @@ from kvpilot.engine.core.kv_events import KVEventLog
 from kvpilot.engine.core.output_processor import OutputProcessor
 from kvpilot.engine.core.outputs import EngineCoreOutput
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
+from kvpilot.engine.core.resume import replay_resumed
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
 from kvpilot.engine.executor import ModelExecutor, make_executor
@@ -41,6 +42,7 @@ from kvpilot.engine.lora.manager import make_lora_manager, unknown_adapter_fix
 from kvpilot.engine.model_runner import BatchEntry
 from kvpilot.engine.row_layout import RowLayout
 from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from kvpilot.engine.seeding import seeded_generator
 from kvpilot.engine.spec_decode.proposers import Drafts
 from kvpilot.engine.spec_decode.spec_decoder import (
     SpecDecodeCounters,
@@ -264,22 +266,32 @@ class LLMEngine:
         if params.first_token_id is not None and params.first_token_id >= vocab:
             raise ValueError(f"first_token_id={params.first_token_id} is invalid: "
                              f"first_token_id must be in [0, {vocab})")
+        resumed = params.resume_token_ids
+        if resumed and any(t >= vocab for t in resumed):
+            raise ValueError(f"resume_token_ids has ids outside [0, {vocab}): "
+                             f"{[t for t in resumed if t >= vocab][:5]}")
         request = Request(request_id, text, token_ids, params,
                           time.monotonic() if arrival_time is None else arrival_time, priority,
                           lora_name=lora_name)
         reason = self.scheduler.exceeds_model_len(request)
         if reason is not None:
             raise ValueError(reason)
+        seq = request.seqs[0]
+        init_offsets(seq)
+        if resumed:
+            replay_resumed(seq, resumed, self.outputs)
         if params.structured_outputs is not None:
             self.grammars().add(request)
         reason = self.scheduler.never_fits(request)
-        seq = request.seqs[0]
-        init_offsets(seq)
         self._seed(seq)
-        if reason is not None:
-            # fits the model but not this KV pool: finish at once rather than stall the queue
-            request.error = reason
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+        if reason is not None or seq.finish_reason is not None:
+            # fits the model but not this KV pool: finish at once rather than stall the queue;
+            # or the resumed tokens ended the output (the client got its end but not the rest
+            # of the stream): finish with nothing more to send
+            if reason is not None:
+                request.error = reason
+                seq.finish_reason = "error"
+            seq.status = SequenceStatus.FINISHED
             request.metrics.finished_time = time.monotonic()
             self._pending.append(self.outputs.build(request))
             return
@@ -350,9 +362,9 @@ class LLMEngine:
                 or bool(self.batch_queue and self.batch_queue.batches))
 
     def _seed(self, seq: Sequence) -> None:
-        seed = seq.request.params.seed
-        if seed is not None:
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed + seq.index)
+        """Gives a seeded request's sequence its generator, seeded per token (`seeding`)."""
+        if seq.request.params.seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -631,7 +643,8 @@ class LLMEngine:
         previous step's tokens)."""
         seqs = self._sampled_seqs(plan, entries)
         rows = [SamplingRow(seq.request.params, seq.token_ids, seq.request.num_prompt_tokens,
-                            seq.generator, forced_token_id=forced_first(seq)) for seq in seqs]
+                            seeded_generator(seq), forced_token_id=forced_first(seq))
+                for seq in seqs]
         if len(seqs) != logits.shape[0]:  # rows that finish a prompt chunk only, not sampled
             raise AssertionError("async steps sample every logits row")
         grammars = self._grammars
@@ -775,7 +788,8 @@ class LLMEngine:
                 banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos))
             num_lp = 2 * params.beam_width if params.beam_width > 1 else (params.logprobs or 0)
             rows.append(SamplingRow(params, seq.token_ids, len(seq.request.prompt_token_ids),
-                                    seq.generator, banned, num_lp, forced_first(seq)))
+                                    seeded_generator(seq), banned, num_lp,
+                                    forced_first(seq)))
         row_ids = [r for _, r in to_sample]
         if row_ids != list(range(logits.shape[0])):
             # forks share a row, prompt-logprob rows are skipped: gather the rows that sample

@@ -102,6 +102,13 @@ class RequestState:
                              c.logprobs, c.finish_reason, c.stop_reason)
             for index, c in sorted(self.completions.items())])
 
+    def resume(self, token_ids: list[int]) -> RequestOutput:
+        """Takes the output tokens another engine already streamed (a migrated request's
+        `resume_token_ids`) as completion 0's own, decoded as their deltas were, so the
+        deltas that follow continue after them; gives them as one output (what the client
+        has: their text, less any held back)."""
+        return self._output([self._apply(CompletionDelta(0, list(token_ids)))])
+
     def _output(self, completions: list[CompletionOutput]) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
                              self.finished, self.num_cached_tokens, self.metrics,

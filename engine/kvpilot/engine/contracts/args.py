@@ -264,6 +264,11 @@ class ServerArgs:
         "help": "waiting requests beyond which new ones get 429"})
     drain_timeout: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests get to finish after SIGTERM"})
+    drain_handover_timeout: float = field(default=5.0, metadata={
+        "help": "seconds after SIGTERM before streams a router can resume elsewhere (those "
+                "it sent with x-kvpilot-resumable) end with a 503 event that has the router "
+                "move them to another replica, so a pod leaves without waiting for its "
+                "longest generation; others get --drain-timeout"})
     api_key: str | None = field(default=None, metadata={
         "help": f"require this bearer token on /v1/* (default: ${API_KEY_ENV}, if set)"})
     metrics_require_api_key: bool = field(default=False, metadata={
@@ -296,6 +301,9 @@ class ServerArgs:
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count={self.api_server_count!r} is invalid: "
                              "must be at least 1")
+        if self.drain_handover_timeout < 0:
+            raise ValueError(f"drain_handover_timeout={self.drain_handover_timeout!r} is "
+                             "invalid: must be >= 0 (0: hand streams over at once)")
         for name in ("max_request_bytes", "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be >= 0 "

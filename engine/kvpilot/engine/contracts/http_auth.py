@@ -4,7 +4,8 @@ Two credentials, two kinds of path:
 
 - user paths (`/v1/*`, and `/metrics` with `--metrics-require-api-key`) take the API key
   (`--api-key`, else `$KVPILOT_API_KEY`) as `Authorization: Bearer KEY`;
-- fleet-internal paths (`/kv_events`: an engine's GET, a router's POST) take the fleet
+- fleet-internal paths (`/kv_events`: an engine's GET, a router's POST; a router's
+  `/response_store`, which its peers read) take the fleet
   secret's signature (`X-Kvpilot-Fleet-Auth`, see `fleet_secret`). The API key does not
   open them: KV events tell which prompts are cached, which a user must not learn. A
   fleet with an API key but no secret guards them with the key instead, so an API key
@@ -28,7 +29,7 @@ from kvpilot.engine.contracts.fleet_secret import (
     FleetSecret,
 )
 
-FLEET_PATHS = ("/kv_events",)
+FLEET_PATHS = ("/kv_events", "/response_store")
 USER_PREFIX = "/v1/"
 METRICS_PATH = "/metrics"
 

@@ -98,6 +98,9 @@ ROUTER_PENDING_REQUESTS = "kvpilot_router_pending_requests"
 ROUTER_INSTANCES = "kvpilot_router_instances"
 ROUTER_PREFIX_INDEX_ENTRIES = "kvpilot_router_prefix_index_entries"
 ROUTER_TIME_TO_FIRST_BYTE = "kvpilot_router_time_to_first_byte_seconds"
+# in-flight migration: streams moved to another replica mid-way, and the pause each cost
+ROUTER_MIGRATIONS = "kvpilot_router_migrations"  # by reason and outcome: resumed, failed
+ROUTER_MIGRATION_SECONDS = "kvpilot_router_migration_seconds"
 # flow control (`kvpilot route --flow-control`), by flow (the fairness id; the first
 # FLOW_LABELS_MAX flows seen get their own label, later ones share "other") and priority band
 ROUTER_FLOW_QUEUED = "kvpilot_router_flow_queued_requests"

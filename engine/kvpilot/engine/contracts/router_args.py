@@ -37,6 +37,11 @@ SERVED_BY_HEADER = "x-kvpilot-served-by"
 # decode leg: the prefill's response id, which the router streamed the first token under;
 # never taken from a client (not in PASSED_HEADERS)
 REQUEST_ID_HEADER = "x-kvpilot-request-id"
+# the router asks an engine to mark each streamed event with the output token ids it
+# carries (an SSE comment line, `: token_ids 1 2 3`, which the router strips), so that it
+# can resume the stream on another engine (`resume`), and to hand the stream over on drain
+RESUMABLE_HEADER = "x-kvpilot-resumable"
+TOKEN_IDS_MARK = b": token_ids"
 
 
 @dataclass
@@ -132,6 +137,11 @@ class RouterArgs:
                 "that sent the client nothing yet retried elsewhere; 0 disables"})
     max_retries: int = field(default=2, metadata={
         "help": "other instances tried when one fails before the first byte"})
+    max_migrations: int = field(default=8, metadata={
+        "help": "times one stream may move to another instance when its instance fails, "
+                "stalls (--stall-timeout) or drains after the first byte: the new instance "
+                "resumes it after the tokens the client has (same id, no token twice, usage "
+                "once); 0 turns migration off"})
     eject_after_failures: int = field(default=3, metadata={
         "help": "consecutive failures that eject an instance"})
     eject_seconds: float = field(default=10.0, metadata={
@@ -155,6 +165,14 @@ class RouterArgs:
     metrics_require_api_key: bool = field(default=False, metadata={
         "help": "require the API key on /metrics too (open by default)"})
     fleet_secret_file: str | None = field(default=None, metadata={"help": FLEET_SECRET_HELP})
+    response_store_max_entries: int = field(default=10_000, metadata={
+        "help": "Responses API: responses kept for previous_response_id (per API key), the "
+                "least recently used leaving first"})
+    response_store_ttl: float = field(default=3600.0, metadata={
+        "help": "Responses API: seconds a stored response stays usable"})
+    response_store_peers: str | None = field(default=None, metadata={
+        "help": "Responses API: comma-separated URLs of the other router replicas, asked "
+                "(fleet-signed) for a previous_response_id this one does not hold"})
     max_request_bytes: int = field(default=64 * 2**20, metadata={
         "help": "largest request body the router reads; a larger one gets 413 unread (an "
                 "engine's own limit, sized from its --max-model-len, is usually lower: its "
@@ -178,6 +196,7 @@ class RouterArgs:
             raise ValueError("selector=None is invalid with discovery=kubernetes: pass "
                              "--selector LABEL=VALUE")
         for name in ("block_size", "prefix_index_max_entries", "eject_after_failures",
+                     "response_store_max_entries",
                      "max_request_bytes", "latency_min_samples", "saturation_queue_depth",
                      "max_queued_per_flow", "max_queued_requests"):
             if getattr(self, name) < 1:
@@ -203,8 +222,16 @@ class RouterArgs:
             parse_objectives(self.objectives)
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries!r} is invalid: must be >= 0")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations={self.max_migrations!r} is invalid: must be >= 0 "
+                             "(0 turns migration off)")
         if self.instances:
             parse_instances(self.instances)
+        if self.response_store_peers:
+            parse_peers(self.response_store_peers)
+        if self.response_store_ttl <= 0:
+            raise ValueError(f"response_store_ttl={self.response_store_ttl!r} is invalid: "
+                             "must be > 0")
 
     def to_cli(self) -> list[str]:
         """Gives the flags that reproduce these args, omitting defaults."""
@@ -233,6 +260,16 @@ def parse_instances(text: str, allow_empty: bool = False) -> list[tuple[str, str
     if not out and not allow_empty:
         raise ValueError(f"instances={text!r} names no instance: write e.g. http://127.0.0.1:8001")
     return out
+
+def parse_peers(text: str | None) -> list[str]:
+    """Gives the router URLs of --response-store-peers (comma-separated http(s) URLs)."""
+    peers = [p.strip().rstrip("/") for p in (text or "").split(",") if p.strip()]
+    for peer in peers:
+        if not peer.startswith(("http://", "https://")):
+            raise ValueError(f"response_store_peers item {peer!r} is not an http(s) URL: "
+                             "write e.g. http://router-1:8080")
+    return peers
+
 
 # Request headers the router passes on to engines (the client's auth stays at the router).
 PASSED_HEADERS = ("content-type", "x-request-id")

@@ -38,6 +38,10 @@ class SamplingParams:
     # OpenAI's: added to these tokens' logits before any other processing (-100 bans a
     # token, 100 all but forces it)
     logit_bias: dict[int, float] | None = None
+    # kvpilot's: output tokens another engine already streamed to the client (a request the
+    # router migrated); this engine replays them (stop strings, grammar, min/max_tokens) and
+    # continues after them, sending only what follows
+    resume_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +96,14 @@ class SamplingParams:
                                              and self.structured_outputs is None),
              "first_token_id", self.first_token_id, "works with n=1, no beam search and no "
              "structured outputs only: drop it"),
+            # one list of sent tokens is one completion's state
+            (self.resume_token_ids is None or (self.n == 1 and self.beam_width == 1
+                                               and self.first_token_id is None),
+             "resume_token_ids", "set", "works with n=1, no beam search and no first_token_id "
+             "only: a request with several completions cannot resume"),
+            (self.resume_token_ids is None or all(t >= 0 for t in self.resume_token_ids),
+             "resume_token_ids", [t for t in self.resume_token_ids or () if t < 0][:3],
+             "must hold token ids >= 0"),
             (not self.logit_bias or all(isinstance(t, int) and t >= 0
                                         and -100 <= b <= 100
                                         for t, b in self.logit_bias.items()),

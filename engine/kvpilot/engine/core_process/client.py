@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,6 +178,8 @@ class CoreClient:
         accepted = asyncio.get_running_loop().create_future()
         state = RequestState(request_id, None, prompt_token_ids, params, self.tokenizer,
                              stream=stream)
+        if params.resume_token_ids is not None:
+            state.resume(params.resume_token_ids)
         live = self._requests[request_id] = _Live(state, arrival, accepted=accepted)
         self._send(AddRequest(request_id, prompt_token_ids, params, arrival, priority,
                               lora_name))
@@ -215,9 +217,13 @@ class CoreClient:
         if self.metrics is not None:
             self.metrics.on_aborted(request_id)
 
-    def abort_all(self, reason: str) -> int:
-        """Aborts every request in flight; each reader gets a RequestAbortedError(reason)."""
-        lives, self._requests = self._requests, {}
+    def abort_all(self, reason: str, only: Collection[str] | None = None) -> int:
+        """Aborts every request in flight (or those of them in `only`); each reader gets a
+        RequestAbortedError(reason)."""
+        if only is None:
+            lives, self._requests = self._requests, {}
+        else:
+            lives = {rid: live for rid in only if (live := self._requests.pop(rid, None))}
         if lives and self._error is None:
             self._send(AbortRequests(list(lives)))
         for request_id, live in lives.items():

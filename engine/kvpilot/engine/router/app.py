@@ -30,6 +30,7 @@ from kvpilot.engine.contracts.router_args import (
     REQUEST_ID_HEADER,
     SERVED_BY_HEADER,
     RouterArgs,
+    parse_peers,
 )
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.contracts.version import kvpilot_version
@@ -52,6 +53,8 @@ from kvpilot.engine.router.policy import Weights, choose, hit_blocks
 from kvpilot.engine.router.prefix_index import PrefixIndex
 from kvpilot.engine.router.prompt import PromptHasher
 from kvpilot.engine.router.proxy import Forwarder, NoInstance, sse_error
+from kvpilot.engine.router.response_store import ResponseStore
+from kvpilot.engine.router.responses_routes import add_responses_routes
 from kvpilot.engine.router.scheduling import Scheduling
 
 log = logging.getLogger("kvpilot.router")
@@ -86,7 +89,9 @@ class Router:
                                         headers=auth.user_headers())
         self.forwarder = Forwarder(self.fleet, self.client, self.metrics,
                                    max_retries=args.max_retries,
-                                   request_timeout=args.request_timeout)
+                                   request_timeout=args.request_timeout,
+                                   max_migrations=args.max_migrations,
+                                   hold_timeout=args.hold_timeout)
         self.scheduling = Scheduling(args, self.fleet, self.metrics, self.serving_roles)
         self.forwarder.on_release = self.scheduling.load_changed
 
@@ -181,6 +186,8 @@ class Router:
                      trip: RequestLatency) -> Response:
         """Gives the response of the replica(s) the request goes to."""
         short = len(hashes) * self.args.block_size < self.args.disagg_min_prompt_tokens
+        # a pinned stream stays where it was pinned: it does not move to another instance
+        unmovable = f"pinned to {pinned} by {INSTANCE_HEADER}" if pinned else None
         if not self.disaggregated or not disaggregatable(body) or short:
             roles = ("decode",) if self.disaggregated else ("both",)
             if self.disaggregated and short:
@@ -188,7 +195,11 @@ class Router:
 
             async def pick_both(tried: set[str]) -> Instance:
                 return await self.pick(roles, hashes, tried, pinned, adapter, trip)
-            return await self.forwarder.send(pick_both, path, body, headers)
+
+            async def resume_both(tried: set[str]) -> Instance:  # the trip is over by then
+                return await self.pick(roles, hashes, tried, pinned, adapter)
+            return await self.forwarder.send(pick_both, path, body, headers,
+                                             resume_pick=resume_both, unmovable=unmovable)
 
         async def pick_prefill(tried: set[str]) -> Instance:
             return await self.pick(("prefill",), hashes, tried)
@@ -211,7 +222,8 @@ class Router:
             served = ",".join(filter(None, [prefill.url, decode.url if decode else ""]))
             return StreamingResponse(
                 self._decode_after_first(first, prefill, decode, pick_decode, path, body,
-                                         headers), media_type="text/event-stream",
+                                         headers, hashes, pinned),
+                media_type="text/event-stream",
                 headers={SERVED_BY_HEADER: served})
         if prefill is None or lease_id is None:
             self.metrics.requests.labels(prefill.url if prefill else "", "prefill_fallback").inc()
@@ -219,21 +231,30 @@ class Router:
         elif decode is not None:
             await self._transfer(prefill, decode, lease_id)
         return await self.forwarder.send(pick_decode, path, body, headers,
-                                         served_by=prefill.url if prefill else "")
+                                         served_by=prefill.url if prefill else "",
+                                         unmovable=unmovable)
 
     async def _decode_after_first(self, first: FirstToken, prefill: Instance,
                                   decode: Instance | None,
                                   pick_decode: Callable[[set[str]], Awaitable[Instance]],
-                                  path: str, body: dict[str, Any], headers: dict[str, str]
+                                  path: str, body: dict[str, Any], headers: dict[str, str],
+                                  hashes: list[int], pinned: str | None
                                   ) -> AsyncIterator[bytes]:
         """Streams the prefill's first token, then the decode instance's answer to the same
-        body with that token given (`first_token_id`) and its text stripped (`SkipSent`)."""
+        body with that token given (`first_token_id`) and its text stripped (`SkipSent`); a
+        decode leg that breaks moves to another decode instance."""
         yield first.events()
         if decode is not None:
             await self._transfer(prefill, decode, first.request_id)
+        skip = SkipSent(first)
+
+        async def resume_decode(tried: set[str]) -> Instance:
+            return await self.pick(("decode",), hashes, tried, pinned)
         response = await self.forwarder.send(
             pick_decode, path, {**body, "first_token_id": first.token_id},
-            {**headers, REQUEST_ID_HEADER: first.request_id}, served_by=prefill.url)
+            {**headers, REQUEST_ID_HEADER: first.request_id}, served_by=prefill.url,
+            resume_pick=resume_decode, on_migrate=skip.clear,
+            unmovable=f"pinned to {pinned} by {INSTANCE_HEADER}" if pinned else None)
         if not isinstance(response, StreamingResponse):  # failed before its first byte
             try:
                 message = str(json.loads(bytes(response.body))["error"]["message"])
@@ -242,7 +263,7 @@ class Router:
             yield sse_error(message, response.status_code)
             yield b"data: [DONE]\n\n"
             return
-        skip, chunks = SkipSent(first), response.body_iterator
+        chunks = response.body_iterator
         try:
             async for data in chunks:
                 yield skip.feed(data if isinstance(data, bytes) else str(data).encode())
@@ -353,6 +374,10 @@ def build_app(args: RouterArgs, discovery: Discovery | None = None,
 
     for path in OPENAI_POST_PATHS:
         app.add_api_route(path, openai_post, methods=["POST"])
+
+    add_responses_routes(app, router, ResponseStore(
+        args.response_store_max_entries, args.response_store_ttl,
+        parse_peers(args.response_store_peers), auth))
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -132,6 +132,10 @@ class SkipSent:
     def __init__(self, first: FirstToken) -> None:
         self.left, self.chat = first.text, first.chat
 
+    def clear(self) -> None:
+        """Strips nothing more: the stream moved to an instance resuming after the token."""
+        self.left = ""
+
     def feed(self, data: bytes) -> bytes:
         if not self.left:
             return data

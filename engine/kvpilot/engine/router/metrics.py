@@ -39,6 +39,15 @@ class RouterMetrics:
                              ["role", "state"], registry=r)
         self.index_entries = Gauge(names.ROUTER_PREFIX_INDEX_ENTRIES,
                                    "(instance, block) entries in the prefix index", registry=r)
+        self.migrations = Counter(names.ROUTER_MIGRATIONS, "streams that broke mid-way by "
+                                  "reason (upstream_failed, engine_error, drained, stalled) and "
+                                  "outcome (resumed on another instance, or failed)",
+                                  ["reason", "outcome"], registry=r)
+        self.migration_seconds = Histogram(
+            names.ROUTER_MIGRATION_SECONDS, "seconds from a stream's break to the first byte of "
+            "its continuation on another instance (the pause its client sees, beyond finding "
+            "the break: at once for a failed connection, --stall-timeout for a stall)",
+            registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.ttfb = Histogram(names.ROUTER_TIME_TO_FIRST_BYTE, "seconds from arrival to the "
                               "first byte sent back", registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))

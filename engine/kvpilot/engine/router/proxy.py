@@ -13,17 +13,23 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvpilot.engine.contracts.openai_errors import encode_body, error_object
-from kvpilot.engine.contracts.router_args import SERVED_BY_HEADER
+from kvpilot.engine.contracts.router_args import RESUMABLE_HEADER, SERVED_BY_HEADER
 from kvpilot.engine.router.fleet import Fleet, Instance
 from kvpilot.engine.router.metrics import RouterMetrics
+from kvpilot.engine.router.migration import (
+    Interruption,
+    StreamRecord,
+    error_event,
+    not_resumable,
+)
 from kvpilot.engine.router.stall import Stalled, until_stalled
 
 log = logging.getLogger("kvpilot.router")
@@ -59,13 +65,38 @@ def whole_events(data: bytes) -> tuple[bytes, bytes]:
     return (b"", data) if end < 0 else (data[:end + 2], data[end + 2:])
 
 
+@dataclass
+class Mover:
+    """A stream's way to another replica: what to resend, where to pick, what the client has."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    pick: Callable[[set[str]], Awaitable[Instance]]
+    blocked: str | None  # why it cannot move (`migration.not_resumable`), None when it can
+    on_migrate: Callable[[], None]  # told when a continuation took over
+    record: StreamRecord = field(default_factory=StreamRecord)
+    migrations: int = 0
+
+
+@dataclass
+class _Leg:
+    """One replica's part of a stream, and how it ended."""
+
+    attempt: Attempt
+    interruption: Interruption | None = None
+
+
 class Forwarder:
-    """Sends a body to one instance after another until one answers."""
+    """Sends a body to one instance after another until one answers; moves a stream that
+    breaks mid-way to another instance (`router.migration`)."""
 
     def __init__(self, fleet: Fleet, client: httpx.AsyncClient, metrics: RouterMetrics, *,
-                 max_retries: int, request_timeout: float) -> None:
+                 max_retries: int, request_timeout: float, max_migrations: int = 0,
+                 hold_timeout: float = 30.0) -> None:
         self.fleet, self.client, self.metrics = fleet, client, metrics
         self.max_retries, self.request_timeout = max_retries, request_timeout
+        self.max_migrations, self.hold_timeout = max_migrations, hold_timeout
         self.on_release: Callable[[], None] = lambda: None  # an instance's load just dropped
 
     def _begin(self, instance: Instance) -> None:
@@ -111,11 +142,31 @@ class Forwarder:
                             media_type=response.headers.get("content-type"))
         return Attempt(instance, response, chunks, first)
 
+    async def _attempt(self, instance: Instance, path: str, body: dict[str, Any],
+                       headers: dict[str, str], deadline: float) -> Attempt | Response:
+        """Gives `_try`'s result within the deadline; raises Stalled when `instance` is found
+        stalled before it answered (nothing has reached the client from it yet)."""
+        return await asyncio.wait_for(
+            until_stalled(instance.stall, self._try(instance, path, body, headers)),
+            max(deadline - time.monotonic(), 0.0))
+
     async def send(self, pick: Callable[[set[str]], Awaitable[Instance]], path: str,
-                   body: dict[str, Any], headers: dict[str, str],
-                   served_by: str = "") -> Response:
-        """Gives the client's response, trying up to 1 + max_retries instances picked by `pick`."""
+                   body: dict[str, Any], headers: dict[str, str], served_by: str = "",
+                   resume_pick: Callable[[set[str]], Awaitable[Instance]] | None = None,
+                   on_migrate: Callable[[], None] = lambda: None,
+                   unmovable: str | None = None) -> Response:
+        """Gives the client's response, trying up to 1 + max_retries instances picked by `pick`.
+
+        A stream that breaks after its first byte moves to an instance `resume_pick` (else
+        `pick`) gives, at most max_migrations times, unless `unmovable` says why it may not;
+        `on_migrate` is told each time."""
         arrival = time.monotonic()
+        mover = None
+        if body.get("stream") is True:
+            blocked = unmovable or not_resumable(path, body, self.max_migrations)
+            if blocked is None:
+                headers = {**headers, RESUMABLE_HEADER: "1"}
+            mover = Mover(path, body, headers, resume_pick or pick, blocked, on_migrate)
         tried: set[str] = set()
         last_error, all_busy = "no instance tried", True
         for attempt_no in range(self.max_retries + 1):
@@ -129,9 +180,8 @@ class Forwarder:
             self._begin(instance)
             try:
                 # nothing has reached the client yet: a stalled instance's attempt moves on
-                result = await asyncio.wait_for(
-                    until_stalled(instance.stall, self._try(instance, path, body, headers)),
-                    self.request_timeout)
+                result = await self._attempt(instance, path, body, headers,
+                                             arrival + self.request_timeout)
             except (httpx.HTTPError, RetryableStatus, TimeoutError, OSError, Stalled) as exc:
                 busy = isinstance(exc, RetryableStatus) and exc.status == 429
                 all_busy = all_busy and busy
@@ -148,61 +198,198 @@ class Forwarder:
                 result.headers[SERVED_BY_HEADER] = served
                 return result
             self.metrics.ttfb.observe(time.monotonic() - arrival)
-            return self._respond(result, arrival, served)
+            return self._respond(result, arrival, served, mover)
         if all_busy:  # overloaded, not broken: the client should back off and retry
             return JSONResponse(error_object(429, f"every instance is busy; last: {last_error}",
                                              code="every_instance_busy"), 429)
         return JSONResponse(error_object(502, f"all attempts failed; last: {last_error}",
                                          code="upstream_error"), 502)
 
-    def _respond(self, attempt: Attempt, arrival: float, served: str) -> Response:
+    def _respond(self, attempt: Attempt, arrival: float, served: str,
+                 mover: Mover | None) -> Response:
         content_type = attempt.response.headers.get("content-type", "application/json")
         sse = content_type.startswith("text/event-stream")
-        return StreamingResponse(self._relay(attempt, arrival, sse), attempt.response.status_code,
-                                 {SERVED_BY_HEADER: served}, media_type=content_type)
+        return StreamingResponse(self._relay(attempt, arrival, sse, mover if sse else None),
+                                 attempt.response.status_code, {SERVED_BY_HEADER: served},
+                                 media_type=content_type)
 
-    async def _relay(self, attempt: Attempt, arrival: float, sse: bool) -> AsyncIterator[bytes]:
-        """Yields the upstream bytes; a failure after the first byte ends in an error event.
+    async def _relay(self, attempt: Attempt, arrival: float, sse: bool,
+                     mover: Mover | None) -> AsyncIterator[bytes]:
+        """Yields the upstream bytes, moving a resumable stream that breaks to another
+        instance; a failure it cannot move past ends in an error event."""
+        deadline = arrival + self.request_timeout
+        record = mover.record if mover is not None and mover.blocked is None else None
+        while True:
+            leg = _Leg(attempt)
+            part = self._leg(leg, deadline, sse, record, mover.blocked if mover else None)
+            try:
+                async for data in part:
+                    yield data
+            finally:
+                await part.aclose()
+            if leg.interruption is None or mover is None:
+                return
+            moved = await self._migrate(mover, leg.interruption, deadline,
+                                        attempt.instance.url)
+            if isinstance(moved, bytes):
+                yield moved
+                return
+            attempt = moved
+
+    async def _leg(self, leg: _Leg, deadline: float, sse: bool, record: StreamRecord | None,
+                   blocked: str | None) -> AsyncGenerator[bytes, None]:
+        """Yields one attempt's bytes; a resumable stream (`record`) that breaks sets
+        `leg.interruption` instead of ending in an error event.
 
         An event stream goes out whole events at a time (up to its last blank line), so an
         upstream that dies mid-event leaves no torn event before the error event."""
+        attempt = leg.attempt
+        url = attempt.instance.url
         outcome = "cancelled"  # unless it ends or breaks: the client went away
-        deadline = arrival + self.request_timeout
         held = b""  # an event stream's bytes after its last complete event
+        # a resumable stream also moves when its instance is found stalled
+        stall = asyncio.ensure_future(attempt.instance.stall.wait()) if record else None
         try:
             chunk = attempt.first
             while True:
                 if sse:
                     chunk, held = whole_events(held + chunk)
+                if record is not None and chunk:
+                    chunk, leg.interruption = record.take(chunk)
                 if chunk:
                     yield chunk
+                if leg.interruption is not None:
+                    break
                 try:
-                    # read in this task, not in a wait_for task: a client that goes away
-                    # cancelled that task inside httpx's read, whose clean-up then left the
-                    # connection ACTIVE in the pool with its socket open, one per dropped
-                    # request (CLOSE_WAIT sockets by the hundred: bench/soak.py)
-                    async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
-                        chunk = await anext(attempt.chunks)
+                    chunk = await self._next(attempt.chunks, deadline, stall)
                 except StopAsyncIteration:
                     break
                 self.fleet.heard(attempt.instance)
-            if held:
-                yield held  # the stream ended without a last blank line: as it came
-            outcome = "ok"
+            if leg.interruption is not None:
+                outcome = "handed_over" if leg.interruption.reason == "drained" else "error"
+            elif record is not None and not record.done:
+                outcome = "error"
+                leg.interruption = Interruption("upstream_failed", f"upstream {url} ended the "
+                                                "stream before data: [DONE]")
+            else:
+                if held:
+                    yield held  # the stream ended without a last blank line: as it came
+                outcome = "ok"
         except TimeoutError:
             # The request outlived request_timeout: the client's budget, not the instance's fault.
             outcome = "timeout"
             if sse:
                 yield sse_error(f"request_timeout={self.request_timeout}s exceeded", 504)
+        except Stalled:
+            outcome = "stalled"
+            leg.interruption = Interruption("stalled", f"upstream {url} stalled mid-stream")
         except (httpx.HTTPError, OSError) as exc:
             outcome = "error"
-            log.warning("stream from %s broke after the first byte: %r", attempt.instance.url,
-                        exc)
-            if sse:
-                yield sse_error(f"upstream {attempt.instance.url} failed mid-stream: {exc!r}", 502)
+            message = f"upstream {url} failed mid-stream: {exc!r}"
+            if record is not None:
+                leg.interruption = Interruption("upstream_failed", message)
+            else:
+                log.warning("stream from %s broke after the first byte: %r", url, exc)
+                if sse:
+                    why = f" (not resumed: {blocked})" if blocked else ""
+                    yield sse_error(message + why, 502)
         finally:
+            if stall is not None:
+                stall.cancel()
             await attempt.response.aclose()
             self._end(attempt.instance, outcome)
+
+    @staticmethod
+    async def _next(chunks: AsyncIterator[bytes], deadline: float,
+                    stall: asyncio.Future[Any] | None) -> bytes:
+        """Gives the next upstream chunk; raises TimeoutError past `deadline` and Stalled once
+        `stall` is done (the instance was found stalled)."""
+        # read in this task, not in a wait_for or racing task: a client that goes away
+        # cancelled that task inside httpx's read, whose clean-up then left the connection
+        # ACTIVE in the pool with its socket open, one per dropped request (CLOSE_WAIT
+        # sockets by the hundred: bench/soak.py); a stall ends the read by moving the
+        # timeout's deadline to now
+        loop, reading = asyncio.get_running_loop(), True
+
+        def stalled(_: asyncio.Future[Any]) -> None:
+            if reading:
+                scope.reschedule(loop.time())
+
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)) as scope:
+                if stall is not None:
+                    stall.add_done_callback(stalled)
+                return await anext(chunks)
+        except TimeoutError:
+            if stall is not None and stall.done():
+                raise Stalled("the instance stalled mid-stream") from None
+            raise
+        finally:
+            reading = False
+            if stall is not None:
+                stall.remove_done_callback(stalled)
+
+    async def _migrate(self, mover: Mover, why: Interruption, deadline: float, left: str
+                       ) -> Attempt | bytes:
+        """Gives the attempt that continues the stream on an instance other than `left`, or
+        the events that end it when it cannot go on (saying why)."""
+        reason = why.reason
+        if mover.migrations >= self.max_migrations:
+            return self._unmoved(why, f"it moved --max-migrations={self.max_migrations} "
+                                 "times already")
+        mover.migrations += 1
+        body, headers = mover.record.continuation(mover.body, mover.headers)
+        tried = {left}
+        last = "no instance tried"
+        waited_until = time.monotonic() + self.hold_timeout
+        for _ in range(self.max_retries + 1):
+            try:
+                instance = await mover.pick(tried)
+            except NoInstance as exc:
+                last = str(exc)
+                # every ready instance failed it: wait for one to come back (a restart, a
+                # stalled one answering again) rather than end the stream
+                if not await self._fleet_change(waited_until):
+                    break
+                tried = {left}
+                continue
+            tried.add(instance.url)
+            self._begin(instance)
+            try:
+                result = await self._attempt(instance, mover.path, body, headers, deadline)
+            except (httpx.HTTPError, RetryableStatus, TimeoutError, OSError, Stalled) as exc:
+                self._end(instance, "stalled" if isinstance(exc, Stalled) else "error",
+                          refused=isinstance(exc, httpx.ConnectError))
+                last = f"{instance.url}: {exc!r}"
+                continue
+            if isinstance(result, Response):  # it refused the continuation
+                self._end(instance, "client_error")
+                return self._unmoved(why, f"{instance.url} refused the continuation: "
+                                     f"{bytes(result.body)[:300].decode(errors='replace')}")
+            took = time.monotonic() - why.at
+            self.metrics.migrations.labels(reason, "resumed").inc()
+            self.metrics.migration_seconds.observe(took)
+            log.info("stream %s moved to %s after %d tokens in %.3fs (%s: %s)",
+                     mover.record.response_id, instance.url, len(mover.record.token_ids), took,
+                     reason, why.message)
+            mover.on_migrate()
+            return result
+        return self._unmoved(why, f"no other instance took it ({last})")
+
+    async def _fleet_change(self, until: float) -> bool:
+        """Gives whether an instance appeared or came back before `until`."""
+        self.fleet.changed.clear()
+        try:
+            await asyncio.wait_for(self.fleet.changed.wait(), max(until - time.monotonic(), 0))
+        except TimeoutError:
+            return False
+        return True
+
+    def _unmoved(self, why: Interruption, because: str) -> bytes:
+        """Gives the events ending a stream that broke and could not move (counted)."""
+        self.metrics.migrations.labels(why.reason, "failed").inc()
+        log.warning("stream not resumed: %s; %s", why.message, because)
+        return error_event(why.status, f"{why.message} (not resumed: {because})")
 
 
 class RetryableStatus(Exception):

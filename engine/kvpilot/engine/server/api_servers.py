@@ -72,6 +72,8 @@ def make_server(app: FastAPI, server_args: ServerArgs) -> uvicorn.Server:
 
     import uvicorn
 
+    from kvpilot.engine.server.drain import HANDOVER_MESSAGE
+
     class DrainingServer(uvicorn.Server):
         drain_task: asyncio.Task[None] | None = None
 
@@ -106,7 +108,13 @@ def make_server(app: FastAPI, server_args: ServerArgs) -> uvicorn.Server:
 
         async def drain_then_exit(self) -> None:
             ctx = app.state.ctx
-            if not await ctx.gate.drain(server_args.drain_timeout):
+            handover = min(server_args.drain_handover_timeout, server_args.drain_timeout)
+            ctx.gate.start_drain()
+            if not await ctx.gate.wait_idle(handover) and ctx.resumable:
+                # a router resumes these elsewhere (`stream_resume`): no need to wait for them
+                moved = ctx.engine.abort_all(HANDOVER_MESSAGE, only=list(ctx.resumable))
+                logger.info("drain: handed %d streams over after %.1fs", moved, handover)
+            if not await ctx.gate.drain(server_args.drain_timeout - handover):
                 aborted = ctx.engine.abort_all(
                     f"the server drained for --drain-timeout={server_args.drain_timeout}s "
                     "and aborted this request: retry on another replica")

@@ -39,6 +39,7 @@ from kvpilot.engine.server.protocol import (
     ModelList,
 )
 from kvpilot.engine.server.serving import ServingContext
+from kvpilot.engine.server.tokenize_routes import add_tokenize_routes
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}
@@ -148,4 +149,5 @@ def build_app(core: CoreHandle, tokenizer: TokenizerLike, model_name: str,
         return await create_chat_completion(body, raw, ctx, lora_of(body.model))
 
     add_lora_routes(app, client)
+    add_tokenize_routes(app, ctx)
     return app

@@ -41,6 +41,7 @@ from kvpilot.engine.server.serving import (
     usage_of,
 )
 from kvpilot.engine.server.sse_chunks import ChatChunks
+from kvpilot.engine.server.stream_resume import marks_token_ids, resumed_output, token_ids_mark
 
 
 def chat_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, k: int) -> ChatLogprobs:
@@ -75,8 +76,11 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request,
                                                request.priority, request.stream, lora_name,
                                                given_request_id(raw))
     if request.stream:
-        return GenerationStream(_stream(request, ctx, request_id, streams, len(prompt), tools),
-                                ctx.gate, streams)
+        marked = marks_token_ids(raw, True, request.n)
+        body = _stream(request, ctx, request_id, streams, len(prompt), tools, marked,
+                       resumed_output(prompt, params, ctx.tokenizer))
+        return GenerationStream(body, ctx.gate, streams, ctx.resumable if marked else None,
+                                request_id)
     try:
         final = await cancel_on_disconnect(raw, _last(streams[0]))
     finally:
@@ -127,9 +131,13 @@ async def _last(stream: OutputStream) -> RequestOutput:
 
 
 async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_id: str,
-                  streams: list[OutputStream], prompt_len: int,
-                  tools: ToolReply | None) -> AsyncGenerator[str | bytes, None]:
-    created = int(time.time())
+                  streams: list[OutputStream], prompt_len: int, tools: ToolReply | None,
+                  marked: bool, resumed: RequestOutput | None
+                  ) -> AsyncGenerator[str | bytes, None]:
+    """Gives the SSE events of the reply; `marked`, each token event begins with its token
+    ids (`stream_resume`); `resumed`, the stream continues one another engine began."""
+    created = request.resume.created if request.resume and request.resume.created \
+        else int(time.time())
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     k = request.top_logprobs or 0
 
@@ -146,12 +154,18 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
         if tools is None and not request.logprobs else None
     try:
         sent = StreamUsage([prompt_len])
+        if resumed is not None:  # its opening and these tokens went out from another engine
+            opening = ""
+            sent.add(0, resumed)
+            if tools is not None:
+                _delta(tools, resumed.outputs[0])  # the tool parser takes the text it saw
         async for _, output in merge(streams):
             check_error(output, had_tokens=sent.tokens[0] > 0)
             sent.add(0, output)
+            mark = token_ids_mark(output) if marked else ""
             if plain is not None:
                 if output.outputs:
-                    yield opening.encode() + plain.event(output.outputs)
+                    yield (opening + mark).encode() + plain.event(output.outputs)
                     opening = ""
                 continue
             choices = [
@@ -161,7 +175,7 @@ async def _stream(request: ChatCompletionRequest, ctx: ServingContext, request_i
                     finish_reason=_finish_reason(tools, c), stop_reason=c.stop_reason)
                 for c in output.outputs]
             if choices:
-                yield opening + chunk(choices)
+                yield opening + mark + chunk(choices)
                 opening = ""
         if opening:  # no choice produced a chunk
             yield opening

@@ -34,6 +34,7 @@ from kvpilot.engine.server.serving import (
     usage_of,
 )
 from kvpilot.engine.server.sse_chunks import CompletionChunks
+from kvpilot.engine.server.stream_resume import marks_token_ids, resumed_output, token_ids_mark
 
 
 def completion_logprobs(tokenizer: TokenizerLike, completion: CompletionOutput, k: int,
@@ -71,8 +72,11 @@ async def create_completion(request: CompletionRequest, raw: Request, ctx: Servi
                                                request.priority, request.stream, lora_name,
                                                given_request_id(raw))
     if request.stream:
-        return GenerationStream(_stream(request, ctx, request_id, streams, prompts),
-                                ctx.gate, streams)
+        marked = marks_token_ids(raw, True, request.n * len(prompts))
+        body = _stream(request, ctx, request_id, streams, prompts, marked,
+                       resumed_output(prompts[0], params[0], ctx.tokenizer))
+        return GenerationStream(body, ctx.gate, streams, ctx.resumable if marked else None,
+                                request_id)
     try:
         finals = await cancel_on_disconnect(raw, _collect(streams))
     finally:
@@ -106,11 +110,17 @@ def _response(request: CompletionRequest, ctx: ServingContext, request_id: str,
 
 
 async def _stream(request: CompletionRequest, ctx: ServingContext, request_id: str,
-                  streams: list[OutputStream],
-                  prompts: list[list[int]]) -> AsyncGenerator[str | bytes, None]:
-    created = int(time.time())
+                  streams: list[OutputStream], prompts: list[list[int]], marked: bool,
+                  resumed: RequestOutput | None) -> AsyncGenerator[str | bytes, None]:
+    """Gives the SSE events of the completions; `marked`, each token event begins with its
+    token ids (`stream_resume`); `resumed`, the stream continues one another engine began."""
+    created = request.resume.created if request.resume and request.resume.created \
+        else int(time.time())
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     sent = StreamUsage([len(p) for p in prompts])
+    if resumed is not None:  # these tokens went out from another engine
+        sent.add(0, resumed)
+        sent.text_offset(0, resumed.outputs[0])
     # without logprobs, the chunks are written as bytes directly (`sse_chunks`: same JSON)
     plain = CompletionChunks(request_id, created, request.model) \
         if request.logprobs is None else None
@@ -118,9 +128,11 @@ async def _stream(request: CompletionRequest, ctx: ServingContext, request_id: s
         async for i, output in merge(streams):
             check_error(output, had_tokens=sent.tokens[i] > 0)
             sent.add(i, output)
+            mark = token_ids_mark(output) if marked else ""
             if plain is not None:
                 if output.outputs:
-                    yield plain.event([(i * request.n + c.index, c) for c in output.outputs])
+                    yield mark.encode() + plain.event(
+                        [(i * request.n + c.index, c) for c in output.outputs])
                 continue
             choices = []
             for c in output.outputs:
@@ -132,8 +144,8 @@ async def _stream(request: CompletionRequest, ctx: ServingContext, request_id: s
                                                 finish_reason=c.finish_reason,
                                                 stop_reason=c.stop_reason))
             if choices:
-                yield sse(CompletionResponse(id=request_id, created=created,
-                                             model=request.model, choices=choices))
+                yield mark + sse(CompletionResponse(id=request_id, created=created,
+                                                    model=request.model, choices=choices))
         if include_usage:
             yield sse(CompletionResponse(id=request_id, created=created, model=request.model,
                                          choices=[], usage=sent.usage()))

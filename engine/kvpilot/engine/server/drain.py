@@ -17,6 +17,9 @@ from collections.abc import Callable
 from kvpilot.engine.server.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
+# ends a stream a router can resume elsewhere, once a drain's handover timeout passed
+HANDOVER_MESSAGE = ("the server is draining and handed this stream over: a router resumes it "
+                    "on another replica")
 
 
 class Gate:
@@ -59,6 +62,14 @@ class Gate:
             self.draining = True
             if self._on_drain is not None:
                 self._on_drain(True)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Gives whether every generation in flight ended within `timeout`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     async def drain(self, timeout: float) -> bool:
         """Closes the gate and gives whether every in-flight generation ended within `timeout`."""

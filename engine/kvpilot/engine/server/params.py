@@ -61,6 +61,9 @@ def _check_common(request: SamplingFields) -> None:
     if request.return_token_ids and request.stream:
         raise bad_request("return_token_ids=true works with stream=false only: set "
                           "stream=false or remove return_token_ids", "return_token_ids")
+    if request.resume is not None and not (request.stream and request.n == 1):
+        raise bad_request("resume continues one streamed completion: send stream=true and "
+                          "n=1, or remove resume", "resume")
 
 
 def completion_prompts(request: CompletionRequest, tokenizer: TokenizerLike,
@@ -82,6 +85,9 @@ def completion_prompts(request: CompletionRequest, tokenizer: TokenizerLike,
         items = [token_ids] if token_ids else [x for x in raw if not isinstance(x, int)]
     if not items:
         raise bad_request("prompt=[] is invalid: send at least one prompt", "prompt")
+    if request.resume is not None and len(items) > 1:
+        raise bad_request(f"resume continues one completion, but prompt holds {len(items)} "
+                          "prompts: send one prompt, or remove resume", "resume")
     for i, item in enumerate(items):
         if item == "":  # encodes to BOS alone: nothing to continue, as vLLM refuses it
             param = "prompt" if isinstance(raw, str) else f"prompt.{i}"
@@ -209,6 +215,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, prompt_l
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "structured_outputs": structured_outputs_of(request),
         "first_token_id": request.first_token_id,
+        "resume_token_ids": list(request.resume.token_ids) if request.resume else None,
         "logit_bias": _logit_bias(request.logit_bias, limits),
     }
     optional = {"temperature": request.temperature, "top_p": request.top_p,
@@ -219,6 +226,11 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, prompt_l
     fields.update({k: v for k, v in optional.items() if v is not None})
     if fields.get("top_k", 0) > limits.vocab_size:
         fields["top_k"] = limits.vocab_size  # keeping more than the vocabulary keeps all of it
+    resumed = fields["resume_token_ids"]
+    if resumed is not None and len(resumed) > fields["max_tokens"]:
+        raise bad_request(f"resume.token_ids has {len(resumed)} tokens, more than {param}="
+                          f"{fields['max_tokens']}: send the tokens of this request's output",
+                          "resume")
     if fields["min_tokens"] > fields["max_tokens"]:
         raise bad_request(f"min_tokens={request.min_tokens} is larger than the max_tokens "
                           f"({fields['max_tokens']}): lower min_tokens", "min_tokens")

@@ -39,6 +39,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class Resume(BaseModel):
+    """kvpilot's `resume`: a stream moved here from another engine mid-way (the router's
+    migration). The output tokens its client already has, and the stream's `created`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[TokenId]
+    created: int | None = Field(default=None, ge=0, le=INT64_MAX)
+
+
 class SamplingFields(BaseModel):
     """Sampling fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
@@ -80,6 +90,8 @@ class SamplingFields(BaseModel):
     # kvpilot's: the first output token, sampled by a disaggregated prefill engine with the
     # same parameters; the engine emits it instead of sampling (the router sets it)
     first_token_id: TokenId | None = None
+    # kvpilot's: continue a stream another engine began (the router sets it); streams only
+    resume: Resume | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -90,6 +90,9 @@ class ServingContext:
         default_factory=lambda: _pool(TOKENIZE_THREADS, "kvpilot-tokenize"))
     cpu_large: ThreadPoolExecutor = field(
         default_factory=lambda: _pool(1, "kvpilot-tokenize-large"))
+    # ids of the streams in flight that a router can resume elsewhere (`stream_resume`):
+    # a drain hands them over
+    resumable: set[str] = field(default_factory=set)
 
     async def off_loop(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Gives `function`'s result, run in a tokenising thread (CPU work off the loop)."""
@@ -218,11 +221,16 @@ class GenerationStream(StreamingResponse):
     """
 
     def __init__(self, body: AsyncGenerator[str | bytes, None], gate: Gate,
-                 streams: list[OutputStream]) -> None:
+                 streams: list[OutputStream], resumable: set[str] | None = None,
+                 request_id: str = "") -> None:
         super().__init__(body, media_type="text/event-stream")
         self._body = body
         self._gate = gate
         self._streams = streams
+        self._resumable = resumable  # where it is listed while it runs, if a router may move it
+        self._request_id = request_id
+        if resumable is not None:
+            resumable.add(request_id)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -230,6 +238,8 @@ class GenerationStream(StreamingResponse):
         finally:
             await self._body.aclose()
             await close_all(self._streams)
+            if self._resumable is not None:
+                self._resumable.discard(self._request_id)
             self._gate.release()
 
 

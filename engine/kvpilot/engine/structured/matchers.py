@@ -88,14 +88,24 @@ class GrammarMatchers:
         params = request.params.structured_outputs
         if params is None:
             return
-        request.grammar = self._pool.submit(self._matcher, grammar_of(params))
+        request.grammar = self._pool.submit(self._matcher, grammar_of(params),
+                                            request.params.resume_token_ids or [])
 
-    def _matcher(self, grammar: str) -> llguidance.LLMatcher:
-        """Gives a matcher of `grammar`, compiled for this request."""
+    def _matcher(self, grammar: str, resumed: list[int]) -> llguidance.LLMatcher:
+        """Gives a matcher of `grammar`, compiled for this request and advanced over the
+        output another engine already sent (a migrated request's `resume_token_ids`)."""
         if self._tokenizer is None:  # ~1 s for a 150k vocabulary: once, on first use
             self._tokenizer = llguidance.LLTokenizer(
                 self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos)
-        return new_matcher(self._tokenizer, grammar)
+        try:
+            matcher = new_matcher(self._tokenizer, grammar)
+        except ValueError as exc:
+            raise ValueError(f"does not compile: {exc}") from exc
+        for i, token in enumerate(resumed):
+            if not matcher.consume_token(token):
+                raise ValueError(f"refuses resume_token_ids[{i}]={token}: "
+                                 f"{matcher.get_error()}")
+        return matcher
 
     @staticmethod
     def _resolved(request: Request) -> llguidance.LLMatcher | None:
@@ -105,8 +115,8 @@ class GrammarMatchers:
         if isinstance(grammar, Future):
             try:
                 grammar = request.grammar = grammar.result()
-            except ValueError as exc:
-                grammar = request.grammar = _fail(request, f"does not compile: {exc}")
+            except ValueError as exc:  # a grammar that does not compile, or a resume it refuses
+                grammar = request.grammar = _fail(request, str(exc))
         return grammar if isinstance(grammar, llguidance.LLMatcher) else None
 
     def start_bitmask(self, seqs: list[Sequence]) -> MaskFill | None:
