@@ -147,7 +147,7 @@ def latency_rank(rank: int, world: int, port: int, device_type: str, sizes: list
 
 def measure_latency(world: int, device_type: str, sizes: list[int]) -> dict:
     """Gives part 1's table from `world` fresh processes."""
-    from kvpilot.engine.parallel.processes import free_port
+    from kvpilot.engine.executor.processes import free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory() as root:
@@ -171,8 +171,8 @@ def measure_latency(world: int, device_type: str, sizes: list[int]) -> dict:
 def run_config(label: str, smoke: bool) -> dict:
     """Gives one engine configuration's numbers; runs in its own process."""
     from kvpilot.engine.contracts.args import EngineArgs
-    from kvpilot.engine.llm_engine import LLMEngine
-    from kvpilot.engine.parallel.executor import MultiRankExecutor
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+    from kvpilot.engine.executor.multi_rank_executor import MultiRankExecutor
 
     tp, disable = CONFIGS[label]
     shape = "tiny" if smoke else "8b"

@@ -64,7 +64,7 @@ def engine_tables(seed: int, plan: list[tuple[int, list[int]]], num_requests: in
 
 
 def bucket(n: int, max_num_seqs: int = 256) -> int:
-    from kvpilot.engine.cuda_graphs import batch_buckets
+    from kvpilot.engine.worker.cuda_graphs import batch_buckets
 
     return next(b for b in batch_buckets(max_num_seqs) if b >= n)
 

@@ -119,7 +119,7 @@ def time_phases(runner) -> dict[str, float]:
 def bench_kvpilot_throughput(path: Path, prompts, out_lens, async_scheduling: str = "auto",
                              phases: bool = False) -> dict:
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(str(path), load_format="dummy", max_model_len=4096, max_num_seqs=256,
@@ -191,7 +191,7 @@ def bench_batch1_decode(path: Path, copy_gbps: float, prompt_len: int = 128,
                         async_scheduling: str = "auto") -> dict:
     from kvpilot.engine.contracts.args import EngineArgs
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(path), load_format="dummy", max_model_len=2048, max_num_seqs=4,

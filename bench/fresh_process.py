@@ -15,7 +15,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-PRELOAD = ["torch", "kvpilot.engine.llm_engine"]
+PRELOAD = ["torch", "kvpilot.engine.engine_loop.llm_engine"]
 
 
 class ChildFailed(RuntimeError):

@@ -48,7 +48,7 @@ def make_engine(num_seqs: int, stream_outputs: bool):
     import torch
 
     from kvpilot.engine.contracts.args import EngineArgs
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
     torch.set_num_threads(1)
     engine = LLMEngine.from_engine_args(EngineArgs(

@@ -37,7 +37,7 @@ from disagg_gpu import SHAPES, write_model
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 16

@@ -83,7 +83,7 @@ def run_mode(model: str, mode: str, modules: list[str], smoke: bool) -> dict:
     """Gives one mode's numbers: a closed loop of `batch` requests for the timed steps."""
     from kvpilot.engine.contracts.args import EngineArgs
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
     device = "cpu" if smoke else "cuda"
     batch, warm_steps, timed_steps = (4, 3, 12) if smoke else (64, 30, 300)

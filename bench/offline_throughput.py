@@ -84,7 +84,7 @@ def run_hf_padded(model, work) -> float:
 def run_kvpilot(path: Path, work) -> tuple[float, float, int]:
     """Gives (seconds, KV waste fraction averaged over steps, preemptions)."""
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     llm = LLM(str(path), max_model_len=1024)
     engine = llm.engine

@@ -37,7 +37,7 @@ from cpu_smoke import one_thread_per_process  # bench/ is this script's sys.path
 from shapes import LLAMA3_8B, LLAMA3_70B, QWEN3_0_6B, write_model_dir
 
 if TYPE_CHECKING:
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
 TINY = {**LLAMA3_8B, "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -80,8 +80,8 @@ def measure(engine: LLMEngine, shape: str, batch: int, prompt_len: int,
             new_tokens: int) -> tuple[float, float, int]:
     """Gives (batch-1 ms/token, batch output tok/s, rank 0's weight bytes read per token)."""
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.model_runner import ModelRunner
-    from kvpilot.engine.parallel.executor import MultiRankExecutor
+    from kvpilot.engine.executor.multi_rank_executor import MultiRankExecutor
+    from kvpilot.engine.worker.model_runner import ModelRunner
 
     runner = engine.runner
     rank0 = runner.runner if isinstance(runner, MultiRankExecutor) else runner
@@ -117,7 +117,7 @@ def measure(engine: LLMEngine, shape: str, batch: int, prompt_len: int,
 def run_config(shape: str, tp: int, smoke: bool) -> dict:
     """Gives one configuration's numbers; runs in its own process."""
     from kvpilot.engine.contracts.args import EngineArgs
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
     device = "cpu" if smoke else "cuda"
     batch, prompt_len, new_tokens = (4, 16, 8) if smoke else (64, 128, 256)
@@ -190,7 +190,7 @@ def measure_allreduce(world: int, device_type: str) -> dict:
     """Gives all-reduce latencies over `world` fresh processes."""
     import multiprocessing
 
-    from kvpilot.engine.parallel.processes import free_port
+    from kvpilot.engine.executor.processes import free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory() as root:

@@ -41,7 +41,7 @@ SMOKE_CONFIGS = ["tp1-eager", "pp2"]
 def run_config(label: str, smoke: bool) -> dict:
     """Gives one configuration's numbers; runs in its own process."""
     from kvpilot.engine.contracts.args import EngineArgs
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
     tp, pp, eager = CONFIGS[label]
     shape = "tiny" if smoke else "8b"

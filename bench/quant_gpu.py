@@ -52,7 +52,7 @@ def sync() -> None:
 
 def engine_for(part: str, quantization: str, kv: str, smoke: bool, root: Path):
     from kvpilot.engine.contracts.args import EngineArgs
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
     shape = TINY if smoke else (LLAMA3_8B if part == "a" else QWEN3_0_6B)
     max_len = 1024 if part == "a" else SEQ_TOKENS + 64 if part == "c" else 4096

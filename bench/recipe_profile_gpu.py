@@ -48,7 +48,7 @@ def run(path: Path, prompts, out_lens, profiled: bool, smoke: bool) -> tuple[dic
     from torch.profiler import profile as torch_profile
 
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     llm = LLM(str(path), load_format="dummy", max_model_len=4096,
               max_num_seqs=256, max_num_batched_tokens=16384,

@@ -33,7 +33,7 @@ import torch
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 from kvpilot.engine.loadgen.datasets import SampleRequest, random_word_dataset
 from kvpilot.engine.loadgen.report import summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark

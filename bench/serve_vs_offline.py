@@ -52,7 +52,7 @@ from cpu_smoke import one_thread_per_process
 from fresh_process import call_in_fresh_process
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.event_loop import run_event_loop, settle_gc
+from kvpilot.engine.entrypoints.event_loop import run_event_loop, settle_gc
 from kvpilot.engine.loadgen.datasets import SampleRequest
 from kvpilot.engine.loadgen.report import RequestResult, summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark
@@ -114,7 +114,7 @@ def offline_throughput(path: str, flags: dict[str, Any], prompts: list[list[int]
                        out_lens: list[int]) -> dict[str, Any]:
     """Gives offline `LLM.generate`'s output tokens/s on the recipe (after a warm-up)."""
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     llm = LLM(path, load_format="dummy", **flags)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up, as nano-vllm does
@@ -135,7 +135,7 @@ def offline_batch1(path: str, flags: dict[str, Any], prompt_len: int, new_tokens
     """Gives the offline engine loop's ms per output token for one request (after the first
     token, after a warm-up request)."""
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=path, load_format="dummy", **flags))
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=new_tokens)

@@ -26,7 +26,7 @@ from e2e_gpu import LLAMA3_8B, fast_dummy_weights, model_dir, sync
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
 GRID = [(1, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024), (128, 256), (128, 2048)]
 SMOKE_GRID = [(1, 64), (4, 64), (8, 64), (4, 128)]

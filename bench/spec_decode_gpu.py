@@ -136,7 +136,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
     """Runs one scenario in this process; gives its rows (one per prompt kind and batch)."""
     from kvpilot.engine.contracts.args import EngineArgs
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
     path = Path(args.model_dir)
     scenario = args.scenario

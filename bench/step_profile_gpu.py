@@ -90,7 +90,7 @@ def profile(tp: int, steps: int, batch: int, out: Path, smoke: bool,
 
     from kvpilot.engine.contracts.args import EngineArgs
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
     shape = "tiny" if smoke else shape
     vocab = SHAPES[shape]["vocab_size"]

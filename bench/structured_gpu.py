@@ -196,7 +196,7 @@ def run_mode(model: str, mode: str, smoke: bool, fill_threads: int | None = None
     from kvpilot.engine.contracts.args import EngineArgs
     from kvpilot.engine.contracts.sampling_params import SamplingParams
     from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
     device = "cpu" if smoke else "cuda"
     batch, warm_steps, timed_steps = (4, 3, 150) if smoke else (64, 30, 300)
@@ -267,7 +267,7 @@ def validate_outputs(model: str, smoke: bool) -> int:
 
     from kvpilot.engine.contracts.sampling_params import SamplingParams
     from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     # room for long numbers: random weights may write hundreds of digits where the schema
     # bounds none, and a reply cut at max_tokens cannot parse

@@ -39,7 +39,7 @@ def profile_tp(tp: int, batch: int, smoke: bool) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     shape = "tiny" if smoke else "8b"
     cuda = not smoke

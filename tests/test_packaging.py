@@ -88,7 +88,7 @@ def test_wheels_split_the_engine_namespace(wheels: dict[str, Path]) -> None:
     control, engine = files("kvpilot"), files("kvpilot-engine")
     assert "kvpilot/engine/contracts/args.py" in control
     assert "kvpilot/engine/router/app.py" in control
-    assert "kvpilot/engine/llm_engine.py" in engine
+    assert "kvpilot/engine/engine_loop/llm_engine.py" in engine
     assert "kvpilot/engine/contracts/assets/tiny-tokenizer.json" in control
     assert not control & engine
     assert not any(n.startswith("kvpilot/engine/") and "/contracts/" not in n

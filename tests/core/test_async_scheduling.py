@@ -16,7 +16,7 @@ from core_helpers import Outputs, run_engine
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
-from kvpilot.engine.llm_engine import PLACEHOLDER, LLMEngine, needs_host_sampling
+from kvpilot.engine.engine_loop.llm_engine import PLACEHOLDER, LLMEngine, needs_host_sampling
 
 NUM_BLOCKS = 24
 

@@ -8,8 +8,8 @@ from helpers.checkpoints import load_hf_model
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm import LLM
-from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+from kvpilot.engine.entrypoints.llm import LLM
 
 PROMPTS = [list(range(300, 350)), [17, 400, 23, 9, 71], list(range(500, 521))]
 NEW_TOKENS = 8

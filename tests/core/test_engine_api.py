@@ -9,8 +9,8 @@ from core_helpers import run_engine
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm import LLM
-from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+from kvpilot.engine.entrypoints.llm import LLM
 
 PROMPT = list(range(100, 130))
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

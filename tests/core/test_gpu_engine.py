@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm import LLM
+from kvpilot.engine.entrypoints.llm import LLM
 
 PROMPTS = [list(range(10, 10 + n)) for n in (5, 40, 17, 90)]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -6,7 +6,7 @@ import pytest
 from core_helpers import FAMILIES, NEW_TOKENS
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm import LLM
+from kvpilot.engine.entrypoints.llm import LLM
 
 # name -> engine flags; 16 prompts of up to ~120 tokens plus 16 new tokens each
 CONFIGS = {

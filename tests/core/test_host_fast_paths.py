@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.model_runner import BatchEntry
-from kvpilot.engine.sampler import Sampler, SamplingRow
-from kvpilot.engine.step_batch import unpack_step
+from kvpilot.engine.worker.model_runner import BatchEntry
+from kvpilot.engine.worker.sampler import Sampler, SamplingRow
+from kvpilot.engine.worker.step_batch import unpack_step
 
 
 def reference_batch(entries: list[BatchEntry], bs: int) -> dict[str, list]:
@@ -44,7 +44,7 @@ def reference_batch(entries: list[BatchEntry], bs: int) -> dict[str, list]:
 
 @pytest.fixture(scope="module")
 def runner():
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
     return LLMEngine.from_engine_args(EngineArgs(model="tiny-llama", device="cpu",
                                                  num_kv_blocks=64, block_size=4)).runner
@@ -168,7 +168,7 @@ def test_cached_block_ids_follow_copy_on_write_and_fork():
     ("cpu", None, []),  # a CPU engine computes with torch's threads
 ])
 def test_a_gpu_engine_runs_torch_cpu_ops_on_one_thread(monkeypatch, device, env, threads):
-    from kvpilot.engine import device as device_module
+    from kvpilot.engine.worker import device as device_module
 
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)

@@ -12,7 +12,7 @@ from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.core.block_pool import BlockPool
 from kvpilot.engine.core.kv_events import KVEventLog
-from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
 CLEARED = {"cleared": True}
 

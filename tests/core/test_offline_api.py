@@ -11,8 +11,8 @@ import pytest
 from helpers.checkpoints import write_checkpoint
 
 from kvpilot.engine.contracts.speculative import SpeculativeConfig
-from kvpilot.engine.llm import LLM, SamplingParams
-from kvpilot.engine.offline_args import engine_args_of
+from kvpilot.engine.entrypoints.llm import LLM, SamplingParams
+from kvpilot.engine.entrypoints.offline_args import engine_args_of
 
 TINY = {"num_kv_blocks": 64, "max_model_len": 256}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from test_row_layout import assert_close, run
 
-from kvpilot.engine.piecewise_graphs import ENV, piecewise_mode, token_buckets
+from kvpilot.engine.worker.piecewise_graphs import ENV, piecewise_mode, token_buckets
 
 
 def test_buckets_end_at_the_largest_step():

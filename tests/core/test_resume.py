@@ -14,8 +14,8 @@ from core_helpers import Outputs, run_engine
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
-from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.seeding import position_seed
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+from kvpilot.engine.worker.seeding import position_seed
 
 PROMPT = list(range(100, 124))
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},

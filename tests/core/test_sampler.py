@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from kvpilot.engine.worker.sampler import Sampler, SamplingRow, prompt_logprobs
 
 LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0]])
 # the fused kernel runs on the GPU where there is one (Triton's interpreter on CPU otherwise)
@@ -101,7 +101,7 @@ def test_sampled_token_survives_every_filter(seed, top_k, top_p, min_p, temperat
 
 @pytest.mark.parametrize("vocab", [4096, 128256, 151936, 1000])
 def test_two_pass_argmax_is_torchs_argmax_ties_included(vocab):
-    from kvpilot.engine.sampler import argmax_rows
+    from kvpilot.engine.worker.sampler import argmax_rows
 
     gen = torch.Generator().manual_seed(vocab)
     # few distinct values: every row has ties, across chunk boundaries too

@@ -25,10 +25,10 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.outputs import CompletionOutput
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
-from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.row_layout import RowLayout
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 from kvpilot.engine.structured.bitmask import BitmaskBuffer
 from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
+from kvpilot.engine.worker.row_layout import RowLayout
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "tags"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},

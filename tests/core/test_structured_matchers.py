@@ -11,7 +11,7 @@ import pytest
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
-from kvpilot.engine.llm import LLM
+from kvpilot.engine.entrypoints.llm import LLM
 from kvpilot.engine.structured import matchers
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"],

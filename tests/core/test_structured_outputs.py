@@ -19,7 +19,7 @@ import torch
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
-from kvpilot.engine.llm import LLM
+from kvpilot.engine.entrypoints.llm import LLM
 from kvpilot.engine.structured.bitmask import apply_token_bitmask
 
 # strings are bounded (maxLength, pattern, enum) and objects closed (additionalProperties):

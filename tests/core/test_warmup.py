@@ -15,11 +15,11 @@ import random
 
 import pytest
 
-from kvpilot.engine import warmup
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
-from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop import warmup
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
 ARGS = dict(model="tiny-llama", num_kv_blocks=96, block_size=4, max_num_batched_tokens=32,
             max_model_len=256, max_num_seqs=8, warmup="on")

@@ -24,9 +24,9 @@ from kvpilot.engine.contracts.kv_protocol import (
     read_frame,
 )
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.roles import attach_role
 from kvpilot.engine.kv_transfer.tcp import TcpConnector
-from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.roles import attach_role
 from kvpilot.operator.local.supervisor import free_port
 
 BLOCK = 16

@@ -13,9 +13,9 @@ from helpers.engine_run import run
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.roles import attach_role
 from kvpilot.engine.kv_transfer import nixl_agent, nixl_region
-from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.roles import attach_role
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.operator.local.supervisor import free_port
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.core.outputs import EngineCoreOutput
-from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

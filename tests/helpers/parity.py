@@ -9,7 +9,7 @@ import random
 import pytest
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm import LLM
+from kvpilot.engine.entrypoints.llm import LLM
 
 NEW_TOKENS = 12
 BUDGET = 64  # tokens per step: the longer prompts are prefilled in chunks

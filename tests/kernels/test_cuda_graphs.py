@@ -11,7 +11,7 @@ from kernel_testing import ON_GPU
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.cuda_graphs import batch_buckets
+from kvpilot.engine.worker.cuda_graphs import batch_buckets
 
 
 @pytest.mark.parametrize(("max_num_seqs", "expected"), [
@@ -48,7 +48,7 @@ def first_divergence_ok(ref, got) -> tuple[bool, bool]:
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with compiled Triton")
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
 def test_triton_engine_greedy_matches_torch_backend(model):
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 1024) for _ in range(n)] for n in (1, 7, 16, 17, 100, 300, 33, 2)]
@@ -93,9 +93,9 @@ def test_replay_pads_the_batch_and_matches_eager(seq_lens, bucket_of):
     """The static-buffer plumbing on CPU: inputs copied in, padding rows neither write the
     cache nor change the real rows, and the real rows equal an eager forward."""
     from kvpilot.engine.contracts.args import EngineArgs
-    from kvpilot.engine.cuda_graphs import DecodeGraphs
     from kvpilot.engine.models.config import ModelConfig
     from kvpilot.engine.models.loader import load_model
+    from kvpilot.engine.worker.cuda_graphs import DecodeGraphs
 
     args = EngineArgs(model="tiny-llama", max_model_len=64)
     config = ModelConfig.from_engine_args(args, torch.device("cpu"))
@@ -149,7 +149,7 @@ def test_the_lm_head_warm_up_runs_every_decode_row_count():
     shape cost a served H100 batch one 12-17 ms step each time it shrank to a new one)."""
     from types import SimpleNamespace
 
-    from kvpilot.engine.model_runner import ModelRunner
+    from kvpilot.engine.worker.model_runner import ModelRunner
 
     rows: list[int] = []
     runner = SimpleNamespace(
@@ -166,8 +166,8 @@ def test_mixed_steps_through_piecewise_graphs_match_eager_ones(model, monkeypatc
     """Prompt chunks beside decodes (a 48-token budget) replay the piecewise graphs: greedy
     tokens as eager mixed steps give them (bf16 near-ties aside, as above), and KV written by
     the padded pieces read back correctly by later decode steps."""
-    from kvpilot.engine.llm import LLM
-    from kvpilot.engine.piecewise_graphs import ENV
+    from kvpilot.engine.entrypoints.llm import LLM
+    from kvpilot.engine.worker.piecewise_graphs import ENV
 
     rng = random.Random(1)
     prompts = [[rng.randrange(5, 1024) for _ in range(n)] for n in (3, 90, 17, 200, 41, 7, 130)]

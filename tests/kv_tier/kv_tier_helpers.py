@@ -5,8 +5,8 @@ from __future__ import annotations
 from helpers.engine_run import run
 
 from kvpilot.engine.contracts.args import EngineArgs
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 from kvpilot.engine.kv_connector.host_pool import HostKVPool
-from kvpilot.engine.llm_engine import LLMEngine
 
 BLOCK = 16
 GPU_BLOCKS = 16

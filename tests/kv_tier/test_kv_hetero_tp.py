@@ -9,9 +9,9 @@ from helpers.engine_run import run
 from kv_tier_helpers import BLOCK, make_engine, prefill_then_pull
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.roles import attach_role
 from kvpilot.engine.parallel.config import ParallelConfigError
-from kvpilot.engine.roles import attach_role
 from kvpilot.operator.local.supervisor import free_port
 
 PROMPT = [*range(60, 60 + 5 * BLOCK), 4, 5, 6, 7]  # 5 full blocks and a 4-token tail

@@ -16,9 +16,9 @@ from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
 from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.contracts.kv_protocol import ProtocolError, send_buffers
 from kvpilot.engine.contracts.sampling_params import SamplingParams
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.roles import attach_role
 from kvpilot.engine.kv_transfer import tcp
-from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.roles import attach_role
 from kvpilot.operator.local.supervisor import free_port
 
 PROMPT = [*range(40, 40 + 5 * BLOCK), 7, 8, 9]  # 5 full blocks and a 3-token tail

@@ -8,8 +8,8 @@ from helpers.engine_run import run
 from kv_tier_helpers import BLOCK, PROMPT, evict, make_engine, prefill_then_pull
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.roles import attach_role
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.roles import attach_role
 from kvpilot.operator.local.supervisor import free_port
 
 pytestmark = pytest.mark.gpu

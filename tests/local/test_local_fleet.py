@@ -22,7 +22,7 @@ from helpers import sse
 from kvpilot.engine.contracts.fleet_secret import FleetSecret
 from kvpilot.engine.contracts.kv_client import request_stats
 from kvpilot.engine.contracts.kv_protocol import kv_address
-from kvpilot.engine.roles import LEASE_SECONDS_ENV
+from kvpilot.engine.engine_loop.roles import LEASE_SECONDS_ENV
 from kvpilot.operator.local.cli import write_fleet_secret
 from kvpilot.operator.local.plan import plan_local
 from kvpilot.operator.local.supervisor import Supervisor, free_port
@@ -62,7 +62,7 @@ def aggregated():
     """Gives a function: the completions of PROMPTS and CHAT from one in-process aggregated
     engine under the given sampling fields."""
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     engine = TINY["spec"]["engine"]
     llm = LLM(model="tiny-llama", dtype=engine["dtype"], max_model_len=engine["maxModelLen"],

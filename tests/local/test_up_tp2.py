@@ -12,7 +12,7 @@ import psutil
 import pytest
 import yaml
 
-from kvpilot.engine.parallel.processes import WORKER_MODULE
+from kvpilot.engine.executor.processes import WORKER_MODULE
 from kvpilot.operator.local.plan import plan_local
 from kvpilot.operator.local.supervisor import Supervisor, free_port
 
@@ -27,7 +27,7 @@ PROMPT = "tensor parallel on a laptop"
 def single_rank_text(dtype: str, max_model_len: int, kv_cache_memory: str) -> str:
     """Gives the single-rank engine's greedy 8 tokens of PROMPT (the manifests share it)."""
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     return LLM("tiny-llama", dtype=dtype, max_model_len=max_model_len,
                kv_cache_memory=kv_cache_memory).generate(

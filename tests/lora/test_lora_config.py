@@ -100,7 +100,7 @@ def test_slots_lru_never_evicts_an_adapter_in_use():
 
 
 def _start(model: str, modules: list[str]):
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
     return LLMEngine.from_engine_args(EngineArgs(model=model, device="cpu", enable_lora=True,
                                                  lora_modules=modules))
@@ -156,7 +156,7 @@ def test_slots_invariants(max_loras, asks):
 
 def test_the_warm_up_runs_an_adapter_loaded_at_start_up(base_dir, adapters):
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(base_dir), enable_lora=True, lora_modules=[f"attn={adapters['attn']}"],

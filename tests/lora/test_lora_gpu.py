@@ -11,7 +11,7 @@ import torch
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.gpu
 NEW = 8

@@ -10,9 +10,9 @@ from helpers.engine_run import GREEDY, run
 from helpers.lora_adapters import hf_greedy
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 from kvpilot.engine.lora.layers import LoRAMapping
-from kvpilot.engine.row_layout import RowLayout
+from kvpilot.engine.worker.row_layout import RowLayout
 
 NEW = GREEDY.max_tokens or 0
 

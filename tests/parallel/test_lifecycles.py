@@ -21,8 +21,8 @@ import psutil
 import pytest
 import torch
 
-from kvpilot.engine.llm import LLM, SamplingParams
-from kvpilot.engine.parallel.processes import WORKER_MODULE
+from kvpilot.engine.entrypoints.llm import LLM, SamplingParams
+from kvpilot.engine.executor.processes import WORKER_MODULE
 
 SCRIPT = Path(__file__).with_name("two_engines.py")
 TOPOLOGIES = {"tp2": ["--tensor-parallel-size", "2"], "pp2": ["--pipeline-parallel-size", "2"]}

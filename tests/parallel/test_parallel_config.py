@@ -11,7 +11,7 @@ import pytest
 
 from kvpilot.engine.contracts.builtin_models import BUILTIN_CONFIGS
 from kvpilot.engine.contracts.rendezvous import Rendezvous, RendezvousError
-from kvpilot.engine.llm import LLM
+from kvpilot.engine.entrypoints.llm import LLM
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.parallel.config import ParallelConfig, ParallelConfigError, validate
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm import LLM
+from kvpilot.engine.entrypoints.llm import LLM
 
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 32

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.layers import RMSNorm
 from kvpilot.engine.models.loader import init_dummy_weights
+from kvpilot.engine.models.parallel_layers import RowParallelLinear, VocabShard
 from kvpilot.engine.models.registry import model_class
 from kvpilot.engine.parallel.groups import TPGroup
-from kvpilot.engine.parallel.layers import RowParallelLinear, VocabShard
 from kvpilot.engine.parallel.stage import PipelineStage
 
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM"]

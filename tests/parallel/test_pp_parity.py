@@ -17,7 +17,7 @@ from helpers.parity import (
 )
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm import LLM
+from kvpilot.engine.entrypoints.llm import LLM
 
 # name -> (model: a built-in name or an HF family with overrides, parallel flags)
 CASES = {

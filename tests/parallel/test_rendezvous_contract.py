@@ -21,7 +21,7 @@ import pytest
 
 from kvpilot.engine.contracts.args import EngineArgs, add_dataclass_args, from_namespace
 from kvpilot.engine.contracts.rendezvous import Rendezvous
-from kvpilot.engine.parallel.processes import free_port, rendezvous_env
+from kvpilot.engine.executor.processes import free_port, rendezvous_env
 from kvpilot.operator.api.inference_model import InferenceModelSpec
 from kvpilot.operator.api.pools import SPEC_BY_KIND
 from kvpilot.operator.planning.pool import resolve_pool
@@ -137,7 +137,7 @@ def pod_logs(tmp_path: Path) -> str:
 
 def test_two_pods_of_a_group_answer(tmp_path: Path):
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     want = LLM("tiny-llama", num_kv_blocks=64).generate(
         "the same rendered command on two pods",
@@ -184,7 +184,7 @@ def local_flags(args: list[str]) -> list[str]:
 
 def test_rendered_pp2_group_answers(tmp_path: Path):
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     group, _, nodes = rendered_group(RenderConfig(), PP_GROUP_SPEC)
     container = group["spec"]["template"]["spec"]["containers"][0]

@@ -26,7 +26,7 @@ from test_parallel_gpu import (
 )
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm import LLM
+from kvpilot.engine.entrypoints.llm import LLM
 from kvpilot.engine.parallel.all_reduce_choice import ONE_SHOT
 from kvpilot.engine.parallel.groups import TPGroup
 from kvpilot.engine.parallel.symm_mem_all_reduce import SEND_WORLD_SIZES, SENT
@@ -207,7 +207,7 @@ def rank_main(rank: int, port: int, out: str, world: int = 2) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_symm_mem_all_reduce_equals_nccl(tmp_path: Path, world: int):
     need_gpus(world)
-    from kvpilot.engine.parallel.processes import free_port
+    from kvpilot.engine.executor.processes import free_port
 
     port, out = free_port(), str(tmp_path / "result")
     ctx = multiprocessing.get_context("spawn")

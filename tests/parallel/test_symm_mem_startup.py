@@ -30,7 +30,7 @@ def test_this_torch_has_the_ops_with_the_arguments_passed():
 
 
 def test_a_cpu_engine_says_its_all_reduce_stays_on_gloo(caplog):
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     with caplog.at_level(logging.INFO, "kvpilot.engine"):
         llm = LLM("tiny-llama", tensor_parallel_size=2, kv_cache_memory="8MiB", device="cpu")

@@ -15,7 +15,7 @@ from helpers.parity import (
     run,
 )
 
-from kvpilot.engine.llm import LLM
+from kvpilot.engine.entrypoints.llm import LLM
 
 # name -> (model: a built-in name or an HF family, extra flags for both engines, TP=2 flags)
 CASES = {

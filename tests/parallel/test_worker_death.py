@@ -22,7 +22,7 @@ import psutil
 import pytest
 from helpers import sse
 
-from kvpilot.engine.parallel.processes import WORKER_MODULE
+from kvpilot.engine.executor.processes import WORKER_MODULE
 
 FLAGS = ["--model", "tiny-llama", "--device", "cpu", "--max-model-len", "4096",
          "--num-kv-blocks", "300", "--port", "0"]

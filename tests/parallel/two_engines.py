@@ -24,7 +24,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from kvpilot.engine.llm import LLM, SamplingParams
+from kvpilot.engine.entrypoints.llm import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

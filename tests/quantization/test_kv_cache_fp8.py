@@ -18,7 +18,7 @@ from helpers.paged import BlockAllocation
 
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm import LLM
+from kvpilot.engine.entrypoints.llm import LLM
 from kvpilot.kernels.paged_decode_attention import paged_decode_attention_ref
 from kvpilot.kernels.paged_prefill_attention import paged_prefill_attention_ref
 

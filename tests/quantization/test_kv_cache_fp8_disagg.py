@@ -13,8 +13,8 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.kv_client import request_pull
 from kvpilot.engine.contracts.kv_protocol import ProtocolError
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.roles import attach_role
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.roles import attach_role
 from kvpilot.operator.local.supervisor import free_port
 
 BLOCK, NUM_BLOCKS = 16, 64

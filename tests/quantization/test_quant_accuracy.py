@@ -19,7 +19,7 @@ from helpers.paged import BlockAllocation, step_logits
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.loader import load_model
-from kvpilot.engine.quantization.linear import QuantLinear
+from kvpilot.engine.models.quantized_linear import QuantLinear
 
 FAMILIES = ["llama", "llama-bias", "qwen3", "mixtral"]
 PROMPT_LENS = [9, 23, 40]

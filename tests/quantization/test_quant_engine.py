@@ -9,7 +9,7 @@ from helpers.quantized_checkpoints import write_quantized
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm import LLM
+from kvpilot.engine.entrypoints.llm import LLM
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 17, 99, 3, 250], list(range(40, 110)), [7] * 21]

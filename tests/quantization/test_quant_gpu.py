@@ -11,7 +11,7 @@ import torch
 from helpers.paged import BlockAllocation
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm import LLM
+from kvpilot.engine.entrypoints.llm import LLM
 from kvpilot.engine.quantization.methods import METHODS, fp8_matmul_ref, quantize_per_token
 from kvpilot.kernels.kv_cache_write import kv_cache_write, kv_cache_write_ref
 from kvpilot.kernels.paged_decode_attention import (

@@ -23,7 +23,7 @@ from kvpilot.engine.core.outputs import CompletionDelta, EngineCoreOutput
 
 if TYPE_CHECKING:
     from kvpilot.engine.core_process.entry import EngineBuilder
-    from kvpilot.engine.engine_core import ServedEngine
+    from kvpilot.engine.engine_loop.engine_core import ServedEngine
 
 
 class ByteTokenizer:

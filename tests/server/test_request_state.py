@@ -19,7 +19,7 @@ from kvpilot.engine.core_process.messages import (
     from_core_decoder,
     to_core_decoder,
 )
-from kvpilot.engine.request_state import RequestState, merge_deltas
+from kvpilot.engine.engine_loop.request_state import RequestState, merge_deltas
 
 PROMPT = list(b"Say:")
 EOS = ByteTokenizer.eos_token_id

@@ -17,9 +17,9 @@ from server_harness import start_server
 from kvpilot.cli.main import main
 from kvpilot.engine.contracts.args import EngineArgs, model_from_cli
 from kvpilot.engine.contracts.tokenizer import load_tokenizer, read_chat_template
-from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.model_runner import ModelRunner
-from kvpilot.engine.startup_log import LoadReport, log_load, log_topology, progress
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+from kvpilot.engine.worker.model_runner import ModelRunner
+from kvpilot.engine.worker.startup_log import LoadReport, log_load, log_topology, progress
 
 
 @pytest.mark.parametrize(("positional", "flag", "expected"), [

@@ -12,7 +12,7 @@ import uvloop
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvpilot.engine.event_loop import GC_YOUNG_OBJECTS, run_event_loop, settle_gc
+from kvpilot.engine.entrypoints.event_loop import GC_YOUNG_OBJECTS, run_event_loop, settle_gc
 
 
 def test_api_servers_run_on_uvloop() -> None:

@@ -120,7 +120,7 @@ def test_api_server_modules_do_not_import_torch() -> None:
     # an API server process starts fast: the engine core alone loads torch
     code = ("import sys, kvpilot.engine.server.cli, kvpilot.engine.server.app, "
             "kvpilot.engine.server.api_servers, kvpilot.engine.core_process.client, "
-            "kvpilot.engine.core_process.launch, kvpilot.engine.request_state; "
+            "kvpilot.engine.core_process.launch, kvpilot.engine.engine_loop.request_state; "
             "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)

@@ -18,7 +18,7 @@ LEAKS = '''
 import itertools, os
 
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
-from kvpilot.engine.request_state import RequestState
+from kvpilot.engine.engine_loop.request_state import RequestState
 
 _free, _freed = KVCacheManager.free, itertools.count(1)
 

@@ -17,11 +17,11 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.outputs import EngineStats
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.core_process.messages import StepOutputs, from_core_decoder
-from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.model_runner import BatchEntry, ModelRunner
-from kvpilot.engine.row_layout import RowLayout
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.spec_decode.draft_proposer import DraftModelProposer
+from kvpilot.engine.worker.model_runner import BatchEntry, ModelRunner
+from kvpilot.engine.worker.row_layout import RowLayout
 
 MAX_STEPS = 3000
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, ' \
@@ -220,7 +220,7 @@ def constrained(spec: str | None, **sampling) -> tuple[list[str], EngineStats]:
     import json
 
     from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     llm = LLM("tiny-llama", device="cpu", num_kv_blocks=128, speculative_config=spec)
     grammars = [StructuredOutputsParams(json=json.dumps(SCHEMA)),

@@ -7,7 +7,7 @@ import pytest
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[5, 6, 7, 8] * 6, list(range(100, 140)), [9, 10, 11] * 9 + [12]]

@@ -23,7 +23,7 @@ class Subcommand:
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand("kvpilot.engine.server.cli", "run the OpenAI-compatible engine server"),
-    "generate": Subcommand("kvpilot.engine.offline_cli", "generate offline from prompts (no server)"),
+    "generate": Subcommand("kvpilot.engine.entrypoints.offline_cli", "generate offline from prompts (no server)"),
     "route": Subcommand("kvpilot.engine.router.cli", "run the prefix- and load-aware router"),
     "up": Subcommand("kvpilot.operator.local.cli", "run an InferenceModel as local processes"),
     "operator": Subcommand("kvpilot.operator.cli", "run the Kubernetes operator (kopf)"),

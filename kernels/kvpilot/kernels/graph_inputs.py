@@ -1,6 +1,6 @@
 """A decode graph's inputs in one launch: a step's rows copied into the graph's fixed buffers.
 
-A decode step replays a CUDA graph that reads fixed buffers (`kvpilot.engine.cuda_graphs`).
+A decode step replays a CUDA graph that reads fixed buffers (`kvpilot.engine.worker.cuda_graphs`).
 Before the replay, the step's token ids, positions, KV slots, context lengths, launch order and
 block tables go into those buffers, and the padding rows up to the graph's bucket get slot -1,
 length 0 and their own index as their launch order. Done with torch's `copy_` and `fill_`

@@ -15,7 +15,7 @@ splits' partial outputs through their log-sum-exps; with one split (a large batc
 fills the GPU alone) stage 1 writes the output itself and stage 2 does not run.
 Contexts in one batch differ tenfold (100 to 2,000 tokens in the nano-vllm recipe), so
 the launch takes the sequences in the order the caller gives, longest first (the
-engine packs that order with each step, `kvpilot.engine.step_batch`): over the recipe's decode steps
+engine packs that order with each step, `kvpilot.engine.worker.step_batch`): over the recipe's decode steps
 that moved KV 5% faster (0.91 -> 0.96 of copy bandwidth, bench/decode_recipe_gpu.py).
 An fp8 (E4M3) cache is widened to float32 and multiplied by its per-layer scale
 right after each load.

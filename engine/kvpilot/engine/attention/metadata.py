@@ -37,7 +37,7 @@ class AttentionMetadata:
     # how many sequences after the decode rows lead up to the last one with a cached prefix
     # (None: unknown, as if all): those after have none, and the backend hands them to the
     # prefill launcher as a batch of their own, which its no-prefix kernel takes
-    # (step_batch.py puts the count in the header)
+    # (worker/step_batch.py puts the count in the header)
     prefixed_prefills: int | None = None
 
     @property

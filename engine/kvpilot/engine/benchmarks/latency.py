@@ -34,7 +34,7 @@ from kvpilot.engine.benchmarks.offline_engine import (
 if TYPE_CHECKING:
     from kvpilot.engine.contracts.outputs import RequestOutput
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 

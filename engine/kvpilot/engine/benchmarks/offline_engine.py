@@ -25,7 +25,7 @@ from kvpilot.engine.contracts.args import (
 if TYPE_CHECKING:
     from kvpilot.engine.contracts.outputs import RequestOutput
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
 T = TypeVar("T")
 
@@ -58,7 +58,7 @@ def engine_args(args: argparse.Namespace, command: str) -> EngineArgs:
 
 def open_llm(engine: EngineArgs) -> LLM:
     """Gives the offline engine built from `engine` (loads torch and the model)."""
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     return LLM(**asdict(engine))
 

@@ -4,7 +4,7 @@ with text, and the engine's stats.
 A streamed request's `RequestOutput`s are deltas: each holds the text, token ids and
 logprobs new since the one before. Otherwise a request has one, when it finishes, with
 everything. The engine core itself gives token-id deltas without text
-(`kvpilot.engine.core.outputs`); `kvpilot.engine.request_state` turns them into these.
+(`kvpilot.engine.core.outputs`); `kvpilot.engine.engine_loop.request_state` turns them into these.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ character ("\\ufffd") until the rest of its bytes arrive.
 
 Two sides run the text functions on the same tokens: the engine core, for
 requests with stop strings only (it must see the text to stop on time), and
-the API server (`kvpilot.engine.request_state`), which decodes every
+the API server (`kvpilot.engine.engine_loop.request_state`), which decodes every
 request's text. Both apply them token by token, so they find the same stop.
 """
 

@@ -4,7 +4,7 @@ The core sends these to the API server process once per step (msgspec, see
 `kvpilot.engine.core_process`), so they are msgspec Structs encoded as arrays:
 one step of 256 decoding requests is one message of a few kilobytes. Text is
 not part of them: the API server (or the offline `LLM`) decodes it
-(`kvpilot.engine.request_state`). `gc=False`: they hold no reference cycles,
+(`kvpilot.engine.engine_loop.request_state`). `gc=False`: they hold no reference cycles,
 and thousands are made per second, so the cyclic GC need not track them.
 """
 

@@ -24,7 +24,7 @@ from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.lora.slots import LoRASlots
 
 if TYPE_CHECKING:
-    from kvpilot.engine.kv_connector.base import KVConnector
+    from kvpilot.engine.core.kv_connector import KVConnector
 
 
 @dataclass

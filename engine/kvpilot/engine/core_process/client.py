@@ -43,7 +43,7 @@ from kvpilot.engine.core_process.messages import (
     ToCore,
     from_core_decoder,
 )
-from kvpilot.engine.request_state import RequestState, merge_deltas
+from kvpilot.engine.engine_loop.request_state import RequestState, merge_deltas
 from kvpilot.engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

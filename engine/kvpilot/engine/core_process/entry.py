@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from types import FrameType
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.engine_core import ServedEngine
+from kvpilot.engine.engine_loop.engine_core import ServedEngine
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_TRACEBACK_S = 8.0  # under launch.CoreProcess.stop's 10 s before SIGKILL
@@ -36,8 +36,8 @@ EngineBuilder = Callable[[EngineArgs, str, int], ServedEngine]
 def build_engine(engine_args: EngineArgs, host: str, http_port: int) -> ServedEngine:
     """Gives the engine `kvpilot serve` runs: `LLMEngine.from_engine_args`, and for a
     prefill/decode role its KV-transfer agent (on the HTTP port + KV_PORT_OFFSET)."""
-    from kvpilot.engine.llm_engine import LLMEngine
-    from kvpilot.engine.roles import attach_role
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.roles import attach_role
 
     return attach_role(LLMEngine.from_engine_args(engine_args), host, http_port)
 

@@ -28,6 +28,7 @@ import zmq
 
 from kvpilot.engine.contracts.outputs import EngineStats
 from kvpilot.engine.core.outputs import EngineCoreOutput
+from kvpilot.engine.core_process.lora_queries import lora_adapter_answer
 from kvpilot.engine.core_process.messages import (
     AbortRequests,
     AddRequest,
@@ -41,8 +42,7 @@ from kvpilot.engine.core_process.messages import (
     StepOutputs,
     to_core_decoder,
 )
-from kvpilot.engine.engine_core import ServedEngine
-from kvpilot.engine.lora.runtime import lora_adapter_answer
+from kvpilot.engine.engine_loop.engine_core import ServedEngine
 
 logger = logging.getLogger(__name__)
 # Log each core iteration longer than this many milliseconds, with where its time went

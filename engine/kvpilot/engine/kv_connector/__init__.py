@@ -1,2 +1,3 @@
-"""The KV connector seam: KV blocks that live outside the GPU's prefix cache (a host-memory
-tier, blocks pulled from a prefill engine) found by the scheduler and loaded by the step."""
+"""KV connectors: KV blocks that live outside the GPU's prefix cache (a host-memory tier,
+blocks pulled from a prefill engine), behind the seam the scheduler calls
+(`core/kv_connector.py`)."""

@@ -26,19 +26,19 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.block_hash import hash_prompt_tail
 from kvpilot.engine.contracts.nixl_memory import LANDING_BYTES
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
-from kvpilot.engine.core.kv_events import KVEventLog
-from kvpilot.engine.core.request import Sequence
-from kvpilot.engine.device import to_device
-from kvpilot.engine.executor import ModelExecutor
-from kvpilot.engine.kv_connector.base import (
+from kvpilot.engine.core.kv_connector import (
     BlockLoad,
     KVConnector,
     KVConnectorMetadata,
     KVConnectorStats,
 )
+from kvpilot.engine.core.kv_events import KVEventLog
+from kvpilot.engine.core.request import Sequence
+from kvpilot.engine.executor.model_executor import ModelExecutor
 from kvpilot.engine.kv_connector.host_pool import HostKVPool
-from kvpilot.engine.kv_connector.kv_shards import whole_block_bytes
 from kvpilot.engine.kv_transfer.block_checksums import block_checksums
+from kvpilot.engine.worker.device import to_device
+from kvpilot.engine.worker.kv_shards import whole_block_bytes
 from kvpilot.kernels.kv_cache_dtype import as_bytes
 
 LOW_32_BITS = 0xFFFFFFFF
@@ -228,8 +228,8 @@ def make_host_tier(args: EngineArgs, runner: ModelExecutor, kv: KVCacheManager
     engine cannot have one."""
     if args.kv_offload_gb <= 0 and args.role != "decode":
         return None
-    from kvpilot.engine.model_runner import ModelRunner
-    from kvpilot.engine.parallel.executor import MultiRankExecutor
+    from kvpilot.engine.executor.multi_rank_executor import MultiRankExecutor
+    from kvpilot.engine.worker.model_runner import ModelRunner
 
     what = (f"kv_offload_gb={args.kv_offload_gb}" if args.kv_offload_gb > 0
             else "role='decode'")

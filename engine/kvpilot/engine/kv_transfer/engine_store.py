@@ -36,10 +36,10 @@ import torch
 from kvpilot.engine.contracts.block_hash import UNSALTED, hash_prompt_blocks, hash_prompt_tail
 from kvpilot.engine.contracts.kv_protocol import ProtocolError, pack_checksum
 from kvpilot.engine.core.block_pool import BlockPool, KVCacheBlock
-from kvpilot.engine.device import to_device
 from kvpilot.engine.kv_transfer.block_checksums import block_checksums
 from kvpilot.engine.kv_transfer.fair_lock import FairLock
 from kvpilot.engine.kv_transfer.host_buffers import BufferPool, ReceiveBuffer
+from kvpilot.engine.worker.device import to_device
 from kvpilot.kernels.kv_cache_dtype import as_bytes
 
 # one reusable host buffer of `read` holds up to this many bytes (and at most 256 blocks): each
@@ -53,7 +53,7 @@ RECEIVE_BUFFER_BYTES = 64 * 2**20
 RECEIVE_BUFFERS = 8
 
 if TYPE_CHECKING:
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
 
 
@@ -151,7 +151,7 @@ class EngineBlockStore:
     def of_engine(cls, engine: LLMEngine) -> EngineBlockStore:
         """Gives the store over `engine`'s block pool and KV caches (one rank's: a
         tensor-parallel engine's caches are sharded, and config.validate refuses roles)."""
-        from kvpilot.engine.model_runner import ModelRunner
+        from kvpilot.engine.worker.model_runner import ModelRunner
 
         runner = engine.runner
         if not isinstance(runner, ModelRunner):

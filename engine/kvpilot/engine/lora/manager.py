@@ -77,7 +77,7 @@ class LoRAManager:
 
 def make_lora_manager(args: EngineArgs, runner: object) -> LoRAManager | None:
     """Gives the engine's LoRA manager over `runner`'s slots with --enable-lora, else None."""
-    from kvpilot.engine.model_runner import ModelRunner
+    from kvpilot.engine.worker.model_runner import ModelRunner
 
     if not args.enable_lora:
         return None

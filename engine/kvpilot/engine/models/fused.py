@@ -10,8 +10,8 @@ from torch import nn
 
 from kvpilot.engine.models.layers import FeedForward, Linear, RMSNorm
 from kvpilot.engine.models.llama import Attention
+from kvpilot.engine.models.parallel_layers import ParallelLMHead, RowParallelLinear
 from kvpilot.engine.models.rope import RotaryEmbedding
-from kvpilot.engine.parallel.layers import ParallelLMHead, RowParallelLinear
 
 if TYPE_CHECKING:
     from kvpilot.engine.parallel.symm_mem_all_reduce import SymmMemAllReduce

@@ -30,9 +30,7 @@ from kvpilot.engine.models.layers import (
     WeightSlot,
     whole,
 )
-from kvpilot.engine.models.rope import KernelRope, RotaryEmbedding, StepRope
-from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup, shard_slice
-from kvpilot.engine.parallel.layers import (
+from kvpilot.engine.models.parallel_layers import (
     VocabShard,
     linear_layout,
     lm_head,
@@ -40,6 +38,8 @@ from kvpilot.engine.parallel.layers import (
     sum_in_next_norm,
     vocab_embedding,
 )
+from kvpilot.engine.models.rope import KernelRope, RotaryEmbedding, StepRope
+from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup, shard_slice
 from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
 
 # builds one layer's feed-forward block (dense MLP or mixture of experts) for a TP rank

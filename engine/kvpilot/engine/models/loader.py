@@ -19,12 +19,12 @@ from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.fused import use_fused_kernels
 from kvpilot.engine.models.layers import WeightLayout, WeightSlot
 from kvpilot.engine.models.llama import LlamaForCausalLM
+from kvpilot.engine.models.quantized_linear import quantize_linears, scale_layout
 from kvpilot.engine.models.registry import model_class
 from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
 from kvpilot.engine.parallel.stage import PipelineStage
 from kvpilot.engine.quantization.config import resolve_quantization
-from kvpilot.engine.quantization.linear import quantize_linears, scale_layout
-from kvpilot.engine.startup_log import progress
+from kvpilot.engine.worker.startup_log import progress
 
 logger = logging.getLogger(__name__)
 DUMMY_STD = 0.02

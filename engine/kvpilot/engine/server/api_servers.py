@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from kvpilot.engine.contracts.args import EngineArgs, ServerArgs
 from kvpilot.engine.contracts.http_auth import HttpAuth
 from kvpilot.engine.core_process.launch import CoreHandle
-from kvpilot.engine.event_loop import run_event_loop, settle_gc
+from kvpilot.engine.entrypoints.event_loop import run_event_loop, settle_gc
 
 if TYPE_CHECKING:
     import uvicorn

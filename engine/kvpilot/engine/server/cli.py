@@ -9,7 +9,7 @@ exited, it stops the core. Nothing here imports torch: the core process does.
 
 With a world size above one the core starts its worker processes itself; on the
 other pods of a multi-node group (NODE_RANK > 0) this command runs those pods'
-workers only (`parallel/worker_pod.py`). A topology or model the engine refuses
+workers only (`executor/worker_pod.py`). A topology or model the engine refuses
 exits 2 with the reason.
 """
 
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpilot serve: {exc}", file=sys.stderr)
         return 2
     if rendezvous is not None and not rendezvous.is_driver_node:
-        from kvpilot.engine.parallel.worker_pod import serve_worker_pod
+        from kvpilot.engine.executor.worker_pod import serve_worker_pod
         return serve_worker_pod(engine_args, server_args, rendezvous)
     if not fleet.enabled and engine_args.role != "both" and not engine_args.insecure_kv:
         print(f"kvpilot serve: {INSECURE_ROLE_REFUSAL.format(role=engine_args.role)}",

@@ -18,7 +18,7 @@ from kvpilot.engine.contracts.outputs import RequestOutput
 from kvpilot.engine.contracts.router_args import RESUMABLE_HEADER, TOKEN_IDS_MARK
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
-from kvpilot.engine.request_state import RequestState
+from kvpilot.engine.engine_loop.request_state import RequestState
 
 _MARK = TOKEN_IDS_MARK.decode()
 

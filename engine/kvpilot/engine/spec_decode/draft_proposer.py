@@ -21,13 +21,13 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.speculative import SpeculativeConfig
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Sequence
-from kvpilot.engine.device import to_device
-from kvpilot.engine.model_runner import BatchEntry, ModelRunner
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.llama import LlamaForCausalLM
-from kvpilot.engine.row_layout import RowLayout
-from kvpilot.engine.sampler import processed_probs
 from kvpilot.engine.spec_decode.proposers import Drafts, exponential_rows
+from kvpilot.engine.worker.device import to_device
+from kvpilot.engine.worker.model_runner import BatchEntry, ModelRunner
+from kvpilot.engine.worker.row_layout import RowLayout
+from kvpilot.engine.worker.sampler import processed_probs
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:

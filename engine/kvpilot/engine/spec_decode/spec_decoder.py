@@ -24,9 +24,6 @@ from kvpilot.engine.contracts.speculative import NGRAM, parse_speculative_config
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Sequence
 from kvpilot.engine.core.scheduler import SchedulerOutput
-from kvpilot.engine.device import to_device
-from kvpilot.engine.model_runner import BatchEntry
-from kvpilot.engine.sampler import processed_probs
 from kvpilot.engine.spec_decode.draft_proposer import DraftModel, DraftModelProposer
 from kvpilot.engine.spec_decode.proposers import (
     Drafts,
@@ -36,6 +33,9 @@ from kvpilot.engine.spec_decode.proposers import (
     uniform_rows,
 )
 from kvpilot.engine.spec_decode.rejection_sampler import rejection_sample
+from kvpilot.engine.worker.device import to_device
+from kvpilot.engine.worker.model_runner import BatchEntry
+from kvpilot.engine.worker.sampler import processed_probs
 
 
 @dataclass

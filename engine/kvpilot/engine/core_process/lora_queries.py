@@ -4,7 +4,7 @@ between steps, and gives its answer with the HTTP status the API server returns.
 from __future__ import annotations
 
 from kvpilot.engine.core_process.messages import LoRAAdapterAnswer, LoRAAdapterQuery
-from kvpilot.engine.engine_core import LoRAServing, ServedEngine
+from kvpilot.engine.engine_loop.engine_core import LoRAServing, ServedEngine
 
 LORA_OPS = ("load", "unload", "list")
 

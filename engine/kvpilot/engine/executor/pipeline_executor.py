@@ -19,12 +19,15 @@ import torch
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.rendezvous import Rendezvous
-from kvpilot.engine.model_runner import BatchEntry
+from kvpilot.engine.executor.multi_rank_executor import (
+    MultiRankExecutor,
+    WorkerLostError,
+)
+from kvpilot.engine.executor.pipe_channel import PipeChannel
 from kvpilot.engine.parallel.config import ParallelConfig
-from kvpilot.engine.parallel.executor import MultiRankExecutor, WorkerLostError
-from kvpilot.engine.parallel.pipe_channel import PipeChannel
 from kvpilot.engine.parallel.stage import Intermediate
-from kvpilot.engine.step_batch import unpack_step
+from kvpilot.engine.worker.model_runner import BatchEntry
+from kvpilot.engine.worker.step_batch import unpack_step
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig

@@ -21,14 +21,14 @@ from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.contracts.args import EngineArgs, parse_size
 from kvpilot.engine.contracts.nixl_memory import nixl_device_bytes
-from kvpilot.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs
-from kvpilot.engine.device import StagingBuffer, limit_host_threads
 from kvpilot.engine.lora.layers import LoRAModel
 from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
 from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
-from kvpilot.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs, piecewise_mode
-from kvpilot.engine.startup_log import LoadReport
-from kvpilot.engine.step_batch import PackedStep, StepInputs, pack_step, unpack_step
+from kvpilot.engine.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
+from kvpilot.engine.worker.device import StagingBuffer, limit_host_threads
+from kvpilot.engine.worker.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs, piecewise_mode
+from kvpilot.engine.worker.startup_log import LoadReport
+from kvpilot.engine.worker.step_batch import PackedStep, StepInputs, pack_step, unpack_step
 from kvpilot.kernels.kv_cache_dtype import as_bytes
 
 if TYPE_CHECKING:

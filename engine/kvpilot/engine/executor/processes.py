@@ -1,6 +1,6 @@
 """The worker processes a node starts, and the watchdog that notices when one exits.
 
-Workers are fresh interpreters (`python -m kvpilot.engine.parallel.worker` with the
+Workers are fresh interpreters (`python -m kvpilot.engine.executor.worker_process` with the
 engine's own flags), not forks: no CUDA state or threads are inherited, and a
 spawned engine-core process (itself a child) may start them too. Each learns its
 rank and the rendezvous from its environment, in the names the operator renders for
@@ -33,7 +33,7 @@ from kvpilot.engine.contracts.rendezvous import (
 )
 
 logger = logging.getLogger(__name__)
-WORKER_MODULE = "kvpilot.engine.parallel.worker"
+WORKER_MODULE = "kvpilot.engine.executor.worker_process"
 RANK_ENV = "KVPILOT_RANK"  # the worker's global rank
 PARENT_ENV = "KVPILOT_PARENT_PID"  # the process that started it (checked after PDEATHSIG)
 WATCH_INTERVAL_S = 0.2

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kvpilot.engine.executor.step_channel import DRIVER
 from kvpilot.engine.parallel.distributed import RankContext
 from kvpilot.engine.parallel.stage import Intermediate
-from kvpilot.engine.parallel.step_channel import DRIVER
-from kvpilot.engine.step_batch import STOP, StepHeader, buffer_size
+from kvpilot.engine.worker.step_batch import STOP, StepHeader, buffer_size
 
 # sends kept in flight before the oldest is waited for (each holds its tensors alive)
 MAX_PENDING_SENDS = 16

@@ -28,15 +28,15 @@ from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
 from kvpilot.engine.core.kv_events import KVEventLog
 from kvpilot.engine.core.outputs import EngineCoreOutput
-from kvpilot.engine.engine_core import ModelLimits, ServedEngine
+from kvpilot.engine.engine_loop.engine_core import ModelLimits, ServedEngine
 from kvpilot.engine.kv_transfer.connector import KVTransport
 
 if TYPE_CHECKING:
     import torch
 
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
     from kvpilot.engine.kv_connector.landing_store import LandingStore
     from kvpilot.engine.kv_transfer.nixl_agent import NixlAgent
-    from kvpilot.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvpilot.roles")
 LEASE_SECONDS_ENV = "KVPILOT_KV_LEASE_SECONDS"

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from kvpilot.engine.models.layers import WeightLayout, WeightSlot
+from kvpilot.engine.models.parallel_layers import RowParallelLinear
 from kvpilot.engine.parallel.groups import TPGroup
-from kvpilot.engine.parallel.layers import RowParallelLinear
 from kvpilot.engine.quantization.methods import QuantMethod
 
 QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -22,8 +22,8 @@ import torch
 from kvpilot.engine.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from kvpilot.engine.device import StagingBuffer
-    from kvpilot.engine.model_runner import BatchEntry
+    from kvpilot.engine.worker.device import StagingBuffer
+    from kvpilot.engine.worker.model_runner import BatchEntry
 
 STEP, STOP = 1, 0  # StepHeader.command
 # StepHeader.command of a KV load (`StepChannel.send_load`): no step, blocks to write

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kvpilot.engine.parallel.distributed import RankContext
-from kvpilot.engine.step_batch import LOAD_KV, STOP, StepHeader, buffer_size
+from kvpilot.engine.worker.step_batch import LOAD_KV, STOP, StepHeader, buffer_size
 
 DRIVER = 0  # global rank that schedules, samples and broadcasts
 

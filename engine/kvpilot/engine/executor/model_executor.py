@@ -19,11 +19,11 @@ import torch
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.rendezvous import Rendezvous
 from kvpilot.engine.parallel.config import ParallelConfig, ParallelConfigError, validate
-from kvpilot.engine.startup_log import LoadReport, log_topology
+from kvpilot.engine.worker.startup_log import LoadReport, log_topology
 
 if TYPE_CHECKING:
-    from kvpilot.engine.model_runner import BatchEntry
     from kvpilot.engine.models.config import ModelConfig
+    from kvpilot.engine.worker.model_runner import BatchEntry
 
 
 class ModelExecutor(Protocol):
@@ -69,7 +69,7 @@ def make_executor(args: EngineArgs, model_config: ModelConfig, device: torch.dev
     """Gives the executor `args` ask for, after refusing any topology the engine cannot run
     (before a weight is loaded or a process started); `share_kv_blocks` turns one rank's
     own KV block count into what it keeps when a draft model shares the budget."""
-    from kvpilot.engine.model_runner import ModelRunner
+    from kvpilot.engine.worker.model_runner import ModelRunner
 
     parallel = ParallelConfig.from_engine_args(args)
     rendezvous = Rendezvous.from_env(env, parallel.world_size)
@@ -86,8 +86,8 @@ def make_executor(args: EngineArgs, model_config: ModelConfig, device: torch.dev
                  model_config.num_experts)
     if parallel.world_size == 1:
         return ModelRunner(args, model_config, device, agree_num_blocks=share_kv_blocks)
-    from kvpilot.engine.parallel.executor import MultiRankExecutor
-    from kvpilot.engine.parallel.processes import free_port
+    from kvpilot.engine.executor.multi_rank_executor import MultiRankExecutor
+    from kvpilot.engine.executor.processes import free_port
 
     if rendezvous is None:
         rendezvous = Rendezvous.local(parallel.world_size, free_port())
@@ -96,7 +96,7 @@ def make_executor(args: EngineArgs, model_config: ModelConfig, device: torch.dev
             f"NODE_RANK={rendezvous.node_rank}: only node rank 0 runs the engine; the other "
             "pods of a group run workers only (`kvpilot serve` does that by itself)")
     if parallel.pipeline_parallel_size > 1:
-        from kvpilot.engine.parallel.pipeline_executor import PipelineExecutor
+        from kvpilot.engine.executor.pipeline_executor import PipelineExecutor
 
         return PipelineExecutor(args, model_config, device.type, parallel, rendezvous)
     return MultiRankExecutor(args, model_config, device.type, parallel, rendezvous)

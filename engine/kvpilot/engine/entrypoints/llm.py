@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
-from kvpilot.engine.offline_args import engine_args_of
-from kvpilot.engine.offline_chat import Conversation, chat_token_ids, conversations_of
-from kvpilot.engine.request_state import RequestState
+from kvpilot.engine.engine_loop.request_state import RequestState
+from kvpilot.engine.entrypoints.offline_args import engine_args_of
+from kvpilot.engine.entrypoints.offline_chat import Conversation, chat_token_ids, conversations_of
 from kvpilot.engine.structured.grammar import check_grammar
 
 if TYPE_CHECKING:
-    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
 __all__ = ["LLM", "SamplingParams"]
 
@@ -50,7 +50,7 @@ class LLM:
     """Runs an LLMEngine to completion over a list of prompts (tests, benchmarks, scripts)."""
 
     def __init__(self, model: str, **engine_options: Any) -> None:
-        from kvpilot.engine.llm_engine import LLMEngine
+        from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
         self.engine_args = engine_args_of(model, engine_options)
         engine = LLMEngine.from_engine_args(self.engine_args)

@@ -21,7 +21,7 @@ from types import FrameType
 
 from kvpilot.engine.contracts.args import EngineArgs, ServerArgs
 from kvpilot.engine.contracts.rendezvous import Rendezvous
-from kvpilot.engine.parallel.processes import WorkerProcesses
+from kvpilot.engine.executor.processes import WorkerProcesses
 
 logger = logging.getLogger("kvpilot.serve")
 READY_LINE = "kvpilot serve: worker pod (node rank {node}) answering probes on http://{host}:{port}"

@@ -41,8 +41,8 @@ from typing import Any, Protocol
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
-from kvpilot.engine.engine_core import ModelLimits
-from kvpilot.engine.startup_log import WarmupReport
+from kvpilot.engine.engine_loop.engine_core import ModelLimits
+from kvpilot.engine.worker.startup_log import WarmupReport
 
 logger = logging.getLogger("kvpilot.engine")
 # bounds the warm-up's step loop (its requests finish in a few dozen steps)

@@ -4,7 +4,7 @@ Workers of the driver's stage receive each step from the driver; the other stage
 from the stage before them, with its activations, and pass on what they compute.
 
 Started by `parallel.processes.WorkerProcesses` as `python -m
-kvpilot.engine.parallel.worker <engine flags>`, with its rank and the rendezvous in
+kvpilot.engine.executor.worker_process <engine flags>`, with its rank and the rendezvous in
 its environment. It builds the same ModelRunner the driver does, over its shard.
 """
 
@@ -21,21 +21,21 @@ import torch
 
 from kvpilot.engine.contracts.args import EngineArgs, add_dataclass_args, from_namespace
 from kvpilot.engine.contracts.rendezvous import Rendezvous
-from kvpilot.engine.device import resolve_device
-from kvpilot.engine.kv_connector.kv_shards import write_blocks
-from kvpilot.engine.model_runner import ModelRunner
+from kvpilot.engine.executor.pipe_channel import PipeChannel
+from kvpilot.engine.executor.processes import PARENT_ENV, RANK_ENV
+from kvpilot.engine.executor.step_channel import ReceivedLoad, StepChannel
 from kvpilot.engine.parallel.config import ParallelConfig
 from kvpilot.engine.parallel.distributed import (
     RankContext,
     destroy_distributed,
     init_distributed,
 )
-from kvpilot.engine.parallel.pipe_channel import PipeChannel
-from kvpilot.engine.parallel.processes import PARENT_ENV, RANK_ENV
 from kvpilot.engine.parallel.stage import Intermediate
-from kvpilot.engine.parallel.step_channel import ReceivedLoad, StepChannel
 from kvpilot.engine.parallel.symm_mem_all_reduce import with_symm_mem
-from kvpilot.engine.step_batch import unpack_step
+from kvpilot.engine.worker.device import resolve_device
+from kvpilot.engine.worker.kv_shards import write_blocks
+from kvpilot.engine.worker.model_runner import ModelRunner
+from kvpilot.engine.worker.step_batch import unpack_step
 
 logger = logging.getLogger("kvpilot.worker")
 PR_SET_PDEATHSIG = 1

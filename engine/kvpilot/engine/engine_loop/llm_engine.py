@@ -3,7 +3,7 @@
 Not thread-safe: one thread (the core process's loop, or the offline LLM)
 drives it. Each `step()` returns a delta per request that got new tokens or
 finished in that step: its new token ids, not its whole output. Text is decoded
-by whoever reads the deltas (`kvpilot.engine.request_state`). With pipeline
+by whoever reads the deltas (`kvpilot.engine.engine_loop.request_state`). With pipeline
 parallelism several batches are in flight at once (`engine.batch_queue`); each is
 booked as a synchronous step when it comes back.
 """
@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpilot.engine.batch_queue import BatchQueue, PipelinedExecutor
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.fleet_secret import FleetSecret
 from kvpilot.engine.contracts.outputs import EngineStats, TokenLogprobs
@@ -35,25 +34,8 @@ from kvpilot.engine.core.outputs import EngineCoreOutput
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.core.resume import replay_resumed
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvpilot.engine.device import PinnedReadback, resolve_device, to_device
-from kvpilot.engine.executor import ModelExecutor, make_executor
-from kvpilot.engine.kv_connector.host_tier import make_host_tier
-from kvpilot.engine.lora.manager import make_lora_manager, unknown_adapter_fix
-from kvpilot.engine.model_runner import BatchEntry
-from kvpilot.engine.row_layout import RowLayout
-from kvpilot.engine.sampler import Sampler, SamplingRow, prompt_logprobs
-from kvpilot.engine.seeding import seeded_generator
-from kvpilot.engine.spec_decode.proposers import Drafts
-from kvpilot.engine.spec_decode.spec_decoder import (
-    SpecDecodeCounters,
-    SpecDecoder,
-    VerifyItem,
-    make_spec_decoder,
-)
-from kvpilot.engine.step_times import StepTimes, StepTokens
-from kvpilot.engine.structured.bitmask import apply_token_bitmask
-from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
-from kvpilot.engine.warmup import (
+from kvpilot.engine.engine_loop.step_times import StepTimes, StepTokens
+from kvpilot.engine.engine_loop.warmup import (
     PathLog,
     check_compile_cache,
     mark_cold,
@@ -61,6 +43,24 @@ from kvpilot.engine.warmup import (
     step_paths,
     warm_up,
 )
+from kvpilot.engine.executor.batch_queue import BatchQueue, PipelinedExecutor
+from kvpilot.engine.executor.model_executor import ModelExecutor, make_executor
+from kvpilot.engine.kv_connector.host_tier import make_host_tier
+from kvpilot.engine.lora.manager import make_lora_manager, unknown_adapter_fix
+from kvpilot.engine.spec_decode.proposers import Drafts
+from kvpilot.engine.spec_decode.spec_decoder import (
+    SpecDecodeCounters,
+    SpecDecoder,
+    VerifyItem,
+    make_spec_decoder,
+)
+from kvpilot.engine.structured.bitmask import apply_token_bitmask
+from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
+from kvpilot.engine.worker.device import PinnedReadback, resolve_device, to_device
+from kvpilot.engine.worker.model_runner import BatchEntry
+from kvpilot.engine.worker.row_layout import RowLayout
+from kvpilot.engine.worker.sampler import Sampler, SamplingRow, prompt_logprobs
+from kvpilot.engine.worker.seeding import seeded_generator
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
@@ -187,12 +187,12 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         """Gives an engine with the model, tokenizer and KV cache that `args` describe (a Hub
-        id resolved in the local cache), logging each start-up phase (startup_log.py)."""
-        from kvpilot.engine import startup_log as log
+        id resolved in the local cache), logging each start-up phase (worker/startup_log.py)."""
         from kvpilot.engine.contracts.tokenizer import load_tokenizer
         from kvpilot.engine.models.config import ModelConfig
         from kvpilot.engine.models.hub_cache import with_local_model
         from kvpilot.engine.models.loader import resolve_load_format
+        from kvpilot.engine.worker import startup_log as log
 
         started = time.perf_counter()
         args = with_local_model(args)

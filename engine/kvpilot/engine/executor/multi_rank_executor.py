@@ -21,15 +21,15 @@ import torch
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.rendezvous import Rendezvous
-from kvpilot.engine.kv_connector.kv_shards import write_blocks
-from kvpilot.engine.model_runner import BatchEntry, ModelRunner
+from kvpilot.engine.executor.processes import WorkerProcesses
+from kvpilot.engine.executor.step_channel import StepChannel
 from kvpilot.engine.parallel.config import ParallelConfig
 from kvpilot.engine.parallel.distributed import destroy_distributed, init_distributed
-from kvpilot.engine.parallel.processes import WorkerProcesses
-from kvpilot.engine.parallel.step_channel import StepChannel
 from kvpilot.engine.parallel.symm_mem_all_reduce import with_symm_mem
-from kvpilot.engine.startup_log import LoadReport
-from kvpilot.engine.step_batch import unpack_step
+from kvpilot.engine.worker.kv_shards import write_blocks
+from kvpilot.engine.worker.model_runner import BatchEntry, ModelRunner
+from kvpilot.engine.worker.startup_log import LoadReport
+from kvpilot.engine.worker.step_batch import unpack_step
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig

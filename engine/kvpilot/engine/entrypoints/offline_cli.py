@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpilot.engine.contracts.args import from_namespace, model_from_cli
     from kvpilot.engine.contracts.sampling_params import SamplingParams
-    from kvpilot.engine.llm import LLM
+    from kvpilot.engine.entrypoints.llm import LLM
 
     try:
         args.model = model_from_cli(None, args.model, "generate --model")

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.device import to_device
 from kvpilot.engine.structured.bitmask import apply_token_bitmask
+from kvpilot.engine.worker.device import to_device
 
 logger = logging.getLogger(__name__)
 
