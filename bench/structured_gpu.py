@@ -228,7 +228,7 @@ def run_mode(model: str, mode: str, smoke: bool, fill_threads: int | None = None
 
     def after_timed_step(decode: bool) -> None:
         nonlocal in_flight
-        in_flight += engine._inflight is not None
+        in_flight += engine.flights.inflight is not None
         if decode:
             grammar_ms.append(engine._phases.get("grammar", 0.0) * 1e3)
             wait_ms.append(engine._phases.get("mask_wait", 0.0) * 1e3)

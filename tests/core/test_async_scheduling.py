@@ -16,7 +16,8 @@ from core_helpers import Outputs, run_engine
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
-from kvpilot.engine.engine_loop.llm_engine import PLACEHOLDER, LLMEngine, needs_host_sampling
+from kvpilot.engine.engine_loop.flights import PLACEHOLDER, needs_host_sampling
+from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 
 NUM_BLOCKS = 24
 
@@ -115,7 +116,7 @@ def test_abort_while_a_token_is_in_flight():
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine._inflight is not None
+    assert engine.flights.inflight is not None
     engine.abort_request(["a"])
     out = engine.step()
     assert out[0].finished and out[0].completions[0].finish_reason == "abort"

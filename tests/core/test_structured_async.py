@@ -25,6 +25,7 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.outputs import CompletionOutput
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
+from kvpilot.engine.engine_loop.flights import AsyncFlights
 from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 from kvpilot.engine.structured.bitmask import BitmaskBuffer
 from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
@@ -96,7 +97,7 @@ def _run(mode: str, rows: bool = False) -> tuple[dict[str, list[int]], dict[str,
 
     def count(_step: int) -> None:
         nonlocal constrained_in_flight
-        flight = engine._inflight
+        flight = engine.flights.inflight
         if flight is not None and any(s.request.grammar is not None for s in flight.seqs):
             constrained_in_flight += 1
 
@@ -112,7 +113,7 @@ def test_async_steps_keep_structured_requests_in_flight_and_match_sync_steps(
     # fill_first: the previous forward is done (always on CPU), so the step takes the previous
     # tokens and starts its mask before its forward; forward_first: as when the GPU is busy
     if order == "forward_first":
-        monkeypatch.setattr(LLMEngine, "_fill_first", lambda *_: None)
+        monkeypatch.setattr(AsyncFlights, "fill_first", lambda *_: None)
     sync_tokens, _, sync_flights = _run("off")
     async_tokens, async_texts, async_flights = _run("on")
     assert sync_flights == 0
@@ -185,7 +186,7 @@ def test_abort_while_the_mask_fills_leaves_the_others_valid(monkeypatch: pytest.
 
     def abort_once_filling(step: int) -> None:
         if step == 3:
-            assert engine._inflight is not None and engine._inflight.tokens is None  # filling
+            assert engine.flights.inflight is not None and engine.flights.inflight.tokens is None  # filling
             engine.abort_request(["1"])
         permits.release()
 

@@ -49,7 +49,7 @@ def test_constrained_decode_steps_stay_async_and_replay_cuda_graphs() -> None:
             break
         engine.step()
         steps += 1
-        flight = engine._inflight
+        flight = engine.flights.inflight
         in_flight += flight is not None and any(s.request.grammar is not None
                                                 for s in flight.seqs)
     assert not engine.has_unfinished_requests()

@@ -4,9 +4,13 @@ Not thread-safe: one thread (the core process's loop, or the offline LLM)
 drives it. Each `step()` returns a delta per request that got new tokens or
 finished in that step: its new token ids, not its whole output. Text is decoded
 by whoever reads the deltas (`kvpilot.engine.engine_loop.request_state`). With pipeline
-parallelism several batches are in flight at once (`engine.batch_queue`); each is
+parallelism several batches are in flight at once (`executor/batch_queue.py`); each is
 booked as a synchronous step when it comes back.
-"""
+
+`LLMEngine` composes the step's parts, each in its own module: the step launched under
+async scheduling and read back by the next (`flights.py`), a synchronous step's sampling
+with its forks, beams and prompt logprobs (`beams.py`), and the booking of speculative
+verify rows (`spec_verify.py`)."""
 
 from __future__ import annotations
 
@@ -14,7 +18,6 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,7 +28,6 @@ from kvpilot.engine.contracts.outputs import EngineStats, TokenLogprobs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.speculative import DRAFT, parse_speculative_config
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
-from kvpilot.engine.core.beam_search import apply_selection, select_beams
 from kvpilot.engine.core.detokenizer import init_offsets
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_events import KVEventLog
@@ -34,6 +36,9 @@ from kvpilot.engine.core.outputs import EngineCoreOutput
 from kvpilot.engine.core.request import Request, Sequence, SequenceStatus
 from kvpilot.engine.core.resume import replay_resumed
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvpilot.engine.engine_loop.beams import StepSampling
+from kvpilot.engine.engine_loop.flights import AsyncFlights, needs_host_sampling
+from kvpilot.engine.engine_loop.spec_verify import apply_verified, mask_verify_rows
 from kvpilot.engine.engine_loop.step_times import StepTimes, StepTokens
 from kvpilot.engine.engine_loop.warmup import (
     PathLog,
@@ -54,64 +59,15 @@ from kvpilot.engine.spec_decode.spec_decoder import (
     VerifyItem,
     make_spec_decoder,
 )
-from kvpilot.engine.structured.bitmask import apply_token_bitmask
-from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
-from kvpilot.engine.worker.device import PinnedReadback, resolve_device, to_device
+from kvpilot.engine.structured.matchers import GrammarMatchers
+from kvpilot.engine.worker.device import resolve_device
 from kvpilot.engine.worker.model_runner import BatchEntry
 from kvpilot.engine.worker.row_layout import RowLayout
-from kvpilot.engine.worker.sampler import Sampler, SamplingRow, prompt_logprobs
-from kvpilot.engine.worker.seeding import seeded_generator
+from kvpilot.engine.worker.sampler import Sampler
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
     from kvpilot.engine.spec_decode.draft_proposer import DraftModel
-
-# a sampled token the host has not read back yet (async scheduling); never fed to the model:
-# the runner patches it on the device from the step in flight
-PLACEHOLDER = -1
-
-
-def needs_host_sampling(params: SamplingParams) -> bool:
-    """Gives whether a request's sampling needs the previous token on the host.
-
-    Penalties count output tokens, min_tokens bans stop ids by output length,
-    logprobs, n > 1 and beam search fork or read back per-step values: their
-    steps run synchronously even under async scheduling. A grammar's mask needs
-    the previous token too, but the engine reads it back while the GPU runs the
-    next forward (`_step_async`), so structured outputs keep async scheduling.
-    """
-    return bool(params.n > 1
-                or params.beam_width > 1 or params.logprobs is not None
-                or params.prompt_logprobs is not None or params.min_tokens
-                or params.presence_penalty or params.frequency_penalty
-                or params.repetition_penalty != 1.0)
-
-
-def forced_first(seq: Sequence) -> int | None:
-    """Gives the token `seq` emits instead of sampling: its request's `first_token_id` while
-    it has no output yet (a disaggregated prefill engine sampled that token already)."""
-    return seq.request.params.first_token_id if seq.num_output_tokens == 0 else None
-
-
-@dataclass
-class _InFlight:
-    """A launched step whose sampled tokens the host has not read yet.
-
-    A batch with grammar rows is sampled only once its mask is filled: until
-    `LLMEngine._sampled` queues the sampling, `tokens` is None and the logits,
-    rows and mask being filled wait here.
-    """
-
-    seqs: list[Sequence]  # in sampled-row order
-    tokens: torch.Tensor | None = None  # [len(seqs)] long, on the model's device
-    host: torch.Tensor | None = None  # the tokens' host copy (pinned on CUDA), once `ready`
-    ready: torch.cuda.Event | None = None
-    logits: torch.Tensor | None = None  # until sampled
-    rows: list[SamplingRow] | None = None
-    mask: MaskFill | None = None
-    computed: torch.cuda.Event | None = None  # recorded after the forward, while not sampled
-    accepted: bool = False  # the grammar matchers took these tokens already
-    token_ids: list[int] | None = None  # the tokens on the host, once read
 
 
 class LLMEngine:
@@ -166,8 +122,6 @@ class LLMEngine:
         self.batch_queue = BatchQueue(runner) if isinstance(runner, PipelinedExecutor) else None
         self.async_scheduling = self.batch_queue is None and spec is None and (
             mode == "on" or (mode == "auto" and runner.device.type == "cuda"))
-        self._inflight: _InFlight | None = None
-        self._gpu_wait_s = 0.0  # of the last step: waiting for the GPU's sampled tokens
         # of the last step, for the slow-iteration log: phase -> seconds, and its batch
         self._phases: dict[str, float] = {}
         self._last_plan: SchedulerOutput | None = None
@@ -181,8 +135,14 @@ class LLMEngine:
         self._steps_before = (0, 0, 0)  # the runner's step counts when the warm-up ended
         self.startup_seconds = 0.0  # from_engine_args' start to ready (set at its end)
         self._host_sampling: set[str] = set()  # live request ids that need host sampling
-        self._readback = PinnedReadback(engine_args.max_num_seqs)  # sampled ids to the host
         self._grammars: GrammarMatchers | None = None  # on the first structured request
+        # the step launched under async scheduling, read back by the next (`flights.py`)
+        self.flights = AsyncFlights(self.sampler, self.kv, self, lambda: self._grammars,
+                                    engine_args.max_num_seqs)
+        # a synchronous step's sampling: n > 1 forks, beams, logprobs (`beams.py`)
+        self.sampling = StepSampling(self.sampler, self.outputs, self.kv, self.scheduler,
+                                     model_config.eos_token_ids, runner.device,
+                                     self.append_token, lambda: self._grammars)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -283,7 +243,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.grammars().add(request)
         reason = self.scheduler.never_fits(request)
-        self._seed(seq)
+        self.sampling.seed(seq)
         if reason is not None or seq.finish_reason is not None:
             # fits the model but not this KV pool: finish at once rather than stall the queue;
             # or the resumed tokens ended the output (the client got its end but not the rest
@@ -299,7 +259,7 @@ class LLMEngine:
         self.paths.use(request_paths(params, lora_name is not None))
         if needs_host_sampling(params):
             self._host_sampling.add(request_id)
-        else:  # a grammar masks its verify rows (`_mask_verify_rows`)
+        else:  # a grammar masks its verify rows (`spec_verify.mask_verify_rows`)
             request.speculate = self.spec is not None
         self.scheduler.add(seq)
 
@@ -358,13 +318,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Gives whether a `step` has work (requests, or outputs still to return)."""
-        return (bool(self.requests) or bool(self._pending) or self._inflight is not None
+        return (bool(self.requests) or bool(self._pending) or self.flights.inflight is not None
                 or bool(self.batch_queue and self.batch_queue.batches))
-
-    def _seed(self, seq: Sequence) -> None:
-        """Gives a seeded request's sequence its generator, seeded per token (`seeding`)."""
-        if seq.request.params.seed is not None:
-            seq.generator = torch.Generator(device=self.runner.device)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -391,22 +346,24 @@ class LLMEngine:
         if self.batch_queue is not None:
             self._step_pipelined(self.batch_queue, results)
             return results
-        self._gpu_wait_s = 0.0
+        flights = self.flights
+        flights.gpu_wait_s = 0.0
         phases, clock = {}, time.perf_counter
-        self._phases, start = phases, clock()
-        flight = self._inflight
+        self._phases = flights.phases = phases
+        start = clock()
+        flight = flights.inflight
         if flight is not None and self._host_sampling:
             # a request that samples on the host needs its previous token first
-            self._resolve(self._sampled(flight), results)
-            self._inflight = flight = None
+            flights.resolve(flights.sampled(flight), results)
+            flights.inflight = flight = None
         plan = self.scheduler.schedule()
         if self.connector is not None:
             self._transfer_kv(plan)
         phases["schedule"], start = clock() - start, clock()
         if plan.is_empty:
             if flight is not None:
-                self._resolve(self._sampled(flight), results)
-                self._inflight = None
+                flights.resolve(flights.sampled(flight), results)
+                flights.inflight = None
             return results
         drafts = self.spec.prepare(plan) if self.spec is not None else {}
         entries = self._entries(plan)
@@ -419,9 +376,9 @@ class LLMEngine:
             s.request.grammar is not None for s, _ in plan.scheduled)
         mask = None
         if flight is not None:  # the forward takes its last tokens on the device
-            flight = self._sampled(flight)
+            flight = flights.sampled(flight)
             if constrained:
-                mask = self._fill_first(plan, entries, flight)
+                mask = flights.fill_first(plan, entries, flight)
         # the slow-step log tells the batch's own forward from what led up to it
         phases["prepare"], start = clock() - start, clock()
         runner = self.runner
@@ -435,52 +392,11 @@ class LLMEngine:
         self.paths.use(step_paths(mode, *(self._prefills if mode != "graph" else (False, False)),
                                   bool(drafts)))
         if launch_async:
-            self._step_async(plan, entries, logits, flight, results, constrained, mask)
+            flights.step(plan, entries, logits, flight, results, constrained, mask)
             return results
         self._book(plan, entries, logits, results, drafts)
         phases["sample"] = clock() - start
         return results
-
-    def _fill_first(self, plan: SchedulerOutput, entries: list[BatchEntry], flight: _InFlight
-                    ) -> MaskFill | None:
-        """Under async scheduling, for a batch with grammar rows whose previous forward is
-        done already (the mask fill, not the GPU, bounds the step): reads the previous
-        tokens, has the matchers take them and starts this step's mask before launching its
-        forward, which then runs beside the fill; gives the mask, else None (the forward
-        goes first and `_step_async` starts the fill after it)."""
-        if flight.computed is not None and not flight.computed.query():
-            return None  # the GPU is still busy: queue this forward first
-        start = time.perf_counter()
-        self._accept(flight)
-        grammars = self._grammars
-        assert grammars is not None
-        mask = grammars.start_bitmask(self._sampled_seqs(plan, entries))
-        self._phases["accept"] = time.perf_counter() - start
-        return mask
-
-    def _step_async(self, plan: SchedulerOutput, entries: list[BatchEntry], logits: torch.Tensor,
-                    flight: _InFlight | None, results: list[EngineCoreOutput],
-                    constrained: bool, mask: MaskFill | None) -> None:
-        """Launches the sampling of a step whose forward is queued, reads the previous step's
-        tokens back and books both. A batch with grammar rows reads the previous tokens first
-        and the matchers take them; their mask then fills on a background thread while this
-        thread books the previous step and schedules the next (the GPU runs the forward),
-        and the next step queues the sampling (`_sampled`) before its own forward. When the
-        fill is the longer of the two, `_fill_first` started `mask` before the forward."""
-        phases, clock = self._phases, time.perf_counter
-        start = clock()
-        if flight is not None and constrained and not flight.accepted:
-            self._accept(flight)
-            phases["accept"], start = clock() - start, clock()
-        launched = self._launch(plan, entries, logits, fill_mask=constrained, mask=mask)
-        phases["sample"], start = clock() - start, clock()
-        if flight is not None:
-            self._resolve(flight, results)
-        phases["resolve"] = clock() - start
-        start = clock()
-        self._advance(plan, launched.seqs)
-        phases["advance"] = clock() - start
-        self._inflight = launched
 
     def _step_pipelined(self, queue: BatchQueue, results: list[EngineCoreOutput]) -> None:
         """Submits a new batch while the pipeline has room and one can be scheduled; else
@@ -524,59 +440,20 @@ class LLMEngine:
             seq.num_computed_tokens = start + num_new
             cache_full_blocks(seq)
             if entry.logits == "all":
-                self._record_prompt_logprobs(seq, start, logits[first_row:row])
+                self.sampling.record_prompt_logprobs(seq, start, logits[first_row:row])
             if seq.num_computed_tokens == len(seq.token_ids):
                 request = seq.request
                 if request.forked or request.params.n == 1 or request.is_beam_search:
                     to_sample.append((seq, row - 1))
                 else:
-                    to_sample.extend(self._branches(seq, row - 1))
-        self._collect(self._sample(to_sample, logits), results)
+                    to_sample.extend(self.sampling.branches(seq, row - 1))
+        self.collect(self.sampling.sample(to_sample, logits, self._phases), results)
         if to_verify and self.spec is not None:
             if self._grammars is not None:
-                logits = self._mask_verify_rows(to_verify, logits, self._grammars)
-            self._collect(self._apply_verified(to_verify, self.spec.verify(to_verify, logits)),
-                          results)
-
-    @staticmethod
-    def _mask_verify_rows(items: list[VerifyItem], logits: torch.Tensor,
-                          grammars: GrammarMatchers) -> torch.Tensor:
-        """Gives `logits` with each constrained verify row masked by its grammar state (the
-        rejection sampler then keeps the constrained distribution, and greedy picks within
-        the grammar)."""
-        rows, masks = [], []
-        for item in items:
-            mask = grammars.draft_bitmask(item.seq, item.drafts.token_ids)
-            if mask is not None:
-                rows.extend(range(item.row, item.row + mask.shape[0]))
-                masks.append(mask)
-        if not rows:
-            return logits
-        index = to_device(rows, logits.device, torch.long)
-        masked = apply_token_bitmask(logits.index_select(0, index),
-                                     torch.cat(masks).to(logits.device))
-        return logits.index_copy(0, index, masked.to(logits.dtype))
-
-    def _apply_verified(self, items: list[VerifyItem], emitted: list[list[int]]
-                        ) -> list[Request]:
-        """Books verified drafts: the pending token and the accepted drafts become computed,
-        the emitted tokens are appended (stop checks per token), rejected slots are freed."""
-        now = time.monotonic()
-        touched: dict[str, Request] = {}
-        for item, tokens in zip(items, emitted, strict=True):
-            seq = item.seq
-            touched[seq.request.request_id] = seq.request
-            seq.num_computed_tokens += len(tokens)  # the pending token + the accepted drafts
-            for token in tokens:
-                if self._grammars is not None:
-                    self._grammars.accept(seq, token)
-                self._append(seq, token, None, None, now)
-                if seq.finish_reason is not None:
-                    break
-            if not seq.finished:
-                self.kv.free_tail(seq, seq.num_computed_tokens)
-                self.kv.cache_full_blocks(seq)
-        return list(touched.values())
+                logits = mask_verify_rows(to_verify, logits, self._grammars)
+            emitted = self.spec.verify(to_verify, logits)
+            self.collect(apply_verified(to_verify, emitted, self.kv, self._grammars,
+                                        self.append_token), results)
 
     def _transfer_kv(self, plan: SchedulerOutput) -> None:
         """Runs the connector's part of the step before its forward: evicted blocks out,
@@ -629,117 +506,7 @@ class LLMEngine:
         self._prefills = (fresh, cached)
         return entries
 
-    @staticmethod
-    def _sampled_seqs(plan: SchedulerOutput, entries: list[BatchEntry]) -> list[Sequence]:
-        """Gives the sequences a step samples, in logits-row order."""
-        return [seq for (seq, _), entry in zip(plan.scheduled, entries, strict=True)
-                if entry.logits == "last"]
-
-    def _launch(self, plan: SchedulerOutput, entries: list[BatchEntry], logits: torch.Tensor,
-                fill_mask: bool = False, mask: MaskFill | None = None) -> _InFlight:
-        """Queues sampling of a step's last rows and the copy of the tokens to the host; with
-        `fill_mask`, starts filling the grammar mask (unless `mask` is that, started already)
-        instead and leaves the sampling to `_sampled` (the matchers must have taken the
-        previous step's tokens)."""
-        seqs = self._sampled_seqs(plan, entries)
-        rows = [SamplingRow(seq.request.params, seq.token_ids, seq.request.num_prompt_tokens,
-                            seeded_generator(seq), forced_token_id=forced_first(seq))
-                for seq in seqs]
-        if len(seqs) != logits.shape[0]:  # rows that finish a prompt chunk only, not sampled
-            raise AssertionError("async steps sample every logits row")
-        grammars = self._grammars
-        if mask is None and fill_mask and grammars is not None:
-            mask = grammars.start_bitmask(seqs)
-        flight = _InFlight(seqs, logits=logits, rows=rows, mask=mask)
-        if mask is None:
-            return self._sampled(flight)
-        if logits.is_cuda:  # whether the next step may read these tokens before its forward
-            flight.computed = torch.cuda.Event()
-            flight.computed.record()
-        return flight
-
-    def _sampled(self, flight: _InFlight) -> _InFlight:
-        """Gives `flight` with its sampling queued (waiting for its grammar mask first, if
-        any) and the copy of its tokens to the host started."""
-        if flight.tokens is not None:
-            return flight
-        assert flight.logits is not None and flight.rows is not None
-        bitmask = None
-        if flight.mask is not None:
-            waited = time.perf_counter()
-            bitmask = flight.mask.wait()
-            self._phases["mask_wait"] = time.perf_counter() - waited
-            if self._grammars is not None:
-                self._phases["grammar"] = self._grammars.fill_seconds
-        logits, rows = flight.logits, flight.rows
-        flight.logits = flight.rows = flight.mask = None
-        tokens = self.sampler.sample_ids(logits, rows, bitmask) if flight.seqs else \
-            logits.new_empty(0, dtype=torch.long)
-        flight.tokens = tokens
-        if tokens.device.type != "cuda":
-            flight.host = tokens
-        else:
-            flight.host, flight.ready = self._readback.start(tokens)
-        return flight
-
-    def _advance(self, plan: SchedulerOutput, sampled: list[Sequence]) -> None:
-        """Books a launched step: computed counts, full blocks, a placeholder per sampled row."""
-        cache_full_blocks = self.kv.cache_full_blocks
-        finished = SequenceStatus.FINISHED
-        for seq, num_new in plan.scheduled:
-            if seq.status is finished:
-                continue  # stopped by the step just resolved: its row here is discarded
-            seq.num_computed_tokens += num_new
-            cache_full_blocks(seq)
-        for row, seq in enumerate(sampled):
-            if seq.status is not finished:
-                seq.token_ids.append(PLACEHOLDER)
-                seq.inflight_row = row
-
-    def _wait(self, flight: _InFlight) -> list[int]:
-        """Gives a sampled step's tokens on the host, waiting for them (read once)."""
-        if flight.token_ids is None:
-            if flight.ready is not None:
-                waited = time.perf_counter()
-                flight.ready.synchronize()
-                self._gpu_wait_s += time.perf_counter() - waited
-            assert flight.host is not None
-            flight.token_ids = flight.host.tolist()
-        return flight.token_ids
-
-    def _accept(self, flight: _InFlight) -> None:
-        """Has the grammar matchers take a launched step's tokens (before `_resolve` books
-        them), so the next mask can be filled meanwhile."""
-        grammars = self._grammars
-        assert grammars is not None
-        for seq, token in zip(flight.seqs, self._wait(self._sampled(flight)), strict=True):
-            if seq.inflight_row >= 0:  # else finished or aborted since the launch
-                grammars.accept(seq, token)
-        flight.accepted = True
-
-    def _resolve(self, flight: _InFlight, results: list[EngineCoreOutput]) -> None:
-        """Reads a launched (and sampled) step's tokens back and applies them (stop checks,
-        outputs).
-
-        Every sampled sequence ends with the step's placeholder; one that
-        finished or was aborted meanwhile has none and its token is dropped.
-        """
-        token_ids = self._wait(flight)
-        now = time.monotonic()
-        touched: dict[str, Request] = {}
-        grammars = None if flight.accepted else self._grammars
-        for seq, token in zip(flight.seqs, token_ids, strict=True):
-            if seq.inflight_row < 0:
-                continue  # finished or aborted since the launch
-            seq.inflight_row = -1
-            seq.token_ids.pop()
-            if grammars is not None:
-                grammars.accept(seq, token)
-            self._append(seq, token, None, None, now)
-            touched[seq.request.request_id] = seq.request
-        self._collect(touched.values(), results)
-
-    def _collect(self, touched: Iterable[Request], results: list[EngineCoreOutput]) -> None:
+    def collect(self, touched: Iterable[Request], results: list[EngineCoreOutput]) -> None:
         """Adds the outputs of requests that got tokens; forgets the finished ones."""
         finished_time = time.monotonic()
         for request in touched:
@@ -751,85 +518,10 @@ class LLMEngine:
             if finished or (self.stream_outputs and not request.is_beam_search):
                 results.append(self.outputs.build(request))
 
-    def _branches(self, seq: Sequence, row: int) -> list[tuple[Sequence, int]]:
-        """Gives the n sequences sampling from logits row `row`, forking the n - 1 new ones.
-
-        Called once per n > 1 request, when its prompt is done (step() checks `forked`).
-        """
-        request = seq.request
-        request.forked = True
-        out = [(seq, row)]
-        for index in range(1, request.params.n):
-            child = self._fork(seq)
-            child.index = index
-            self._seed(child)
-            out.append((child, row))
-        return out
-
-    def _fork(self, parent: Sequence) -> Sequence:
-        child = parent.fork()
-        self.kv.fork(parent, child)
-        if parent.status is SequenceStatus.RUNNING:
-            self.scheduler.add_running(child)
-        else:
-            self.scheduler.add(child)
-        return child
-
-    def _sample(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor
-                ) -> list[Request]:
-        if not to_sample:
-            return []
-        eos = self.model_config.eos_token_ids
-        rows = []
-        for seq, _ in to_sample:
-            params = seq.request.params
-            banned = None
-            if params.min_tokens and seq.num_output_tokens < params.min_tokens:
-                banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos))
-            num_lp = 2 * params.beam_width if params.beam_width > 1 else (params.logprobs or 0)
-            rows.append(SamplingRow(params, seq.token_ids, len(seq.request.prompt_token_ids),
-                                    seeded_generator(seq), banned, num_lp,
-                                    forced_first(seq)))
-        row_ids = [r for _, r in to_sample]
-        if row_ids != list(range(logits.shape[0])):
-            # forks share a row, prompt-logprob rows are skipped: gather the rows that sample
-            logits = logits.index_select(0, to_device(row_ids, logits.device, torch.long))
-        grammars = self._grammars
-        bitmask = grammars.bitmask([seq for seq, _ in to_sample]) if grammars else None
-        if grammars is not None:
-            self._phases["grammar"] = grammars.fill_seconds
-        out = self.sampler(logits, rows, bitmask)
-        now = time.monotonic()
-        touched: dict[str, Request] = {}
-        for i, (seq, _) in enumerate(to_sample):
-            request = seq.request
-            touched[request.request_id] = request
-            if request.is_beam_search:
-                seq.beam_candidates = list(zip(out.top_logprobs[i], out.top_ids[i], strict=True))
-                continue
-            lp, lp_map = None, None
-            if out.logprobs and request.params.logprobs is not None:
-                lp = out.logprobs[i]
-                k = request.params.logprobs
-                # logprobs=0 (or every row asking for 0): only the sampled token's logprob
-                top_ids = out.top_ids[i][:k] if out.top_ids else []
-                top_lps = out.top_logprobs[i][:k] if out.top_logprobs else []
-                lp_map = self.outputs.token_logprobs(out.token_ids[i], lp, out.ranks[i],
-                                                     top_ids, top_lps)
-            if bitmask is not None:
-                assert grammars is not None
-                grammars.accept(seq, out.token_ids[i])
-            self._append(seq, out.token_ids[i], lp, lp_map, now)
-        for request in touched.values():
-            if request.is_beam_search:
-                chosen = select_beams(request)
-                if chosen is not None:
-                    apply_selection(request, chosen, self._fork, self._drop_beam,
-                                    lambda s, t, lp: self._append(s, t, lp, None, now))
-        return list(touched.values())
-
-    def _append(self, seq: Sequence, token: int, lp: float | None, lp_map: TokenLogprobs | None,
-                now: float) -> None:
+    def append_token(self, seq: Sequence, token: int, lp: float | None,
+                     lp_map: TokenLogprobs | None, now: float) -> None:
+        """Appends a sampled `token` to `seq` (stop checks, output offsets); a sequence that
+        finished leaves the scheduler."""
         metrics = seq.request.metrics
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
@@ -837,25 +529,6 @@ class LLMEngine:
         self.outputs.append_token(seq, token, lp_map, lp)
         if seq.finish_reason is not None:
             self.scheduler.remove(seq)
-
-    def _drop_beam(self, seq: Sequence) -> None:
-        self.scheduler.remove(seq)
-        seq.request.seqs.remove(seq)
-
-    def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
-        request = seq.request
-        lps, k = request.prompt_logprobs, request.params.prompt_logprobs
-        if lps is None or k is None:
-            return  # only a request that asks for prompt logprobs gets their rows (_entries)
-        # row j predicts prompt position start + j + 1; rows already recorded are skipped
-        first = max(len(lps) - 1 - start, 0)
-        last = min(logits.shape[0], seq.num_prompt_tokens - 1 - start)
-        if first >= last:
-            return
-        targets = request.prompt_token_ids[start + first + 1:start + last + 1]
-        computed = prompt_logprobs(logits[first:last], targets, k)
-        for token, (lp, rank, ids, top) in zip(targets, computed, strict=True):
-            lps.append(self.outputs.token_logprobs(token, lp, rank, ids, top))
 
     # ---- stats and seams ------------------------------------------------------------------
 
@@ -887,7 +560,7 @@ class LLMEngine:
         batch = (f"{len(plan.scheduled)} seqs, {sum(n for _, n in plan.scheduled)} tokens, "
                  f"{self._last_mode or 'no forward'}, "
                  f"{len(plan.block_copies)} block copies") if plan else "no batch"
-        return f"GPU wait {self._gpu_wait_s * 1e3:.1f} ms [{phases} ms; {batch}]"
+        return f"GPU wait {self.flights.gpu_wait_s * 1e3:.1f} ms [{phases} ms; {batch}]"
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Has `callback(reason)` called, from another thread, if the executor breaks between

@@ -7,7 +7,7 @@ each entry to the drafts it really got and freeing the slots it left unused;
 after the target's one forward over [pending token, drafts...] (`logits="all"`),
 `verify` runs the rejection sampler over those rows (an all-greedy batch takes
 the argmax comparison it reduces to). The engine then books the accepted tokens
-(`LLMEngine._apply_verified`): only verified tokens ever count as computed, so
+(`engine_loop/spec_verify.py`): only verified tokens ever count as computed, so
 the prefix cache never hashes a draft, and the rejected drafts' slots are freed.
 Where decode graphs are captured, a step of decodes and short verifies replays a
 graph with each verify entry as single-token rows (`engine.row_layout`).
