@@ -18,9 +18,8 @@ from hypothesis import strategies as st
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
-from kvpilot.engine.worker.model_runner import BatchEntry
 from kvpilot.engine.worker.sampler import Sampler, SamplingRow
-from kvpilot.engine.worker.step_batch import unpack_step
+from kvpilot.engine.worker.step_batch import BatchEntry, unpack_step
 
 
 def reference_batch(entries: list[BatchEntry], bs: int) -> dict[str, list]:

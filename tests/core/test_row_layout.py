@@ -18,9 +18,9 @@ from test_engine_mixed_load import draw_params
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.engine_loop.llm_engine import LLMEngine
-from kvpilot.engine.worker.model_runner import BatchEntry
 from kvpilot.engine.worker.row_layout import RowLayout, as_rows, extra_tokens
 from kvpilot.engine.worker.startup_log import LoadReport
+from kvpilot.engine.worker.step_batch import BatchEntry
 
 BLOCKS = [3, 4]
 

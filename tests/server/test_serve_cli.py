@@ -18,8 +18,9 @@ from kvpilot.cli.main import main
 from kvpilot.engine.contracts.args import EngineArgs, model_from_cli
 from kvpilot.engine.contracts.tokenizer import load_tokenizer, read_chat_template
 from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+from kvpilot.engine.models.loader import progress
 from kvpilot.engine.worker.model_runner import ModelRunner
-from kvpilot.engine.worker.startup_log import LoadReport, log_load, log_topology, progress
+from kvpilot.engine.worker.startup_log import LoadReport, log_load, log_topology
 
 
 @pytest.mark.parametrize(("positional", "flag", "expected"), [

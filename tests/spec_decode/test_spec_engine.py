@@ -20,8 +20,9 @@ from kvpilot.engine.core_process.messages import StepOutputs, from_core_decoder
 from kvpilot.engine.engine_loop.llm_engine import LLMEngine
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.spec_decode.draft_proposer import DraftModelProposer
-from kvpilot.engine.worker.model_runner import BatchEntry, ModelRunner
+from kvpilot.engine.worker.model_runner import ModelRunner
 from kvpilot.engine.worker.row_layout import RowLayout
+from kvpilot.engine.worker.step_batch import BatchEntry
 
 MAX_STEPS = 3000
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, ' \

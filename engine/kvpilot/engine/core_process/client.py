@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -28,6 +28,7 @@ import zmq.asyncio
 from kvpilot.engine.contracts.outputs import EngineStats, RequestOutput
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.tokenizer import TokenizerLike
+from kvpilot.engine.core.outputs import EngineCoreOutput
 from kvpilot.engine.core_process.launch import CoreHandle
 from kvpilot.engine.core_process.messages import (
     AbortRequests,
@@ -44,7 +45,6 @@ from kvpilot.engine.core_process.messages import (
     from_core_decoder,
 )
 from kvpilot.engine.engine_loop.request_state import RequestState, merge_deltas
-from kvpilot.engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 # one request's outputs (deltas when streaming, else the final one); closing it before the
@@ -52,6 +52,27 @@ logger = logging.getLogger(__name__)
 OutputStream = AsyncGenerator[RequestOutput, None]
 # after the core's pipe closes, how long a CoreFailed (the reason) may still take to arrive
 EXIT_GRACE_S = 0.1
+
+
+class RequestMetrics(Protocol):
+    """What the client reports to the API server's metrics (`server.metrics.ServerMetrics`;
+    the core process room sits below the server)."""
+
+    def set_stats(self, stats: EngineStats) -> None:
+        """Takes the engine's latest gauges and counters."""
+        ...
+
+    def on_added(self, request_id: str, arrival_time: float, num_prompt_tokens: int = 0) -> None:
+        """Starts tracking a request the engine accepted."""
+        ...
+
+    def on_output(self, output: EngineCoreOutput, now: float | None = None) -> None:
+        """Observes a request's delta (TTFT, ITL, finish)."""
+        ...
+
+    def on_aborted(self, request_id: str, now: float | None = None) -> None:
+        """Counts a request the server aborted."""
+        ...
 
 
 class EngineDeadError(RuntimeError):
@@ -100,7 +121,7 @@ class CoreClient:
     """Talks to one engine core over a ZeroMQ DEALER socket; one per API server process."""
 
     def __init__(self, core: CoreHandle, tokenizer: TokenizerLike,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: RequestMetrics | None = None) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.metrics = metrics

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvpilot.engine.core.outputs import EngineCoreOutput
     from kvpilot.engine.core.scheduler import SchedulerOutput
     from kvpilot.engine.structured.matchers import GrammarMatchers, MaskFill
-    from kvpilot.engine.worker.model_runner import BatchEntry
+    from kvpilot.engine.worker.step_batch import BatchEntry
 
 # a sampled token the host has not read back yet (async scheduling); never fed to the model:
 # the runner patches it on the device from the step in flight

@@ -61,9 +61,9 @@ from kvpilot.engine.spec_decode.spec_decoder import (
 )
 from kvpilot.engine.structured.matchers import GrammarMatchers
 from kvpilot.engine.worker.device import resolve_device
-from kvpilot.engine.worker.model_runner import BatchEntry
 from kvpilot.engine.worker.row_layout import RowLayout
 from kvpilot.engine.worker.sampler import Sampler
+from kvpilot.engine.worker.step_batch import BatchEntry
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
@@ -91,7 +91,11 @@ class LLMEngine:
         self.connector = make_host_tier(engine_args, runner, self.kv)
         if self.connector is not None:
             self.kv.pool.on_evict = self.connector.on_evicted
-        self.lora = make_lora_manager(engine_args, runner)  # adapters (--enable-lora)
+        from kvpilot.engine.worker.model_runner import ModelRunner  # loads the model code
+
+        # adapters (--enable-lora): a single-rank runner's adapter layers
+        self.lora = make_lora_manager(
+            engine_args, runner.lora if isinstance(runner, ModelRunner) else None)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=engine_args.max_num_seqs,
             max_num_batched_tokens=engine_args.max_num_batched_tokens,

@@ -18,7 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from kvpilot.engine.core.scheduler import SchedulerOutput
-    from kvpilot.engine.worker.model_runner import BatchEntry
+    from kvpilot.engine.worker.step_batch import BatchEntry
 
 
 @runtime_checkable

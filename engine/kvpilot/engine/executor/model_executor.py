@@ -23,7 +23,7 @@ from kvpilot.engine.worker.startup_log import LoadReport, log_topology
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig
-    from kvpilot.engine.worker.model_runner import BatchEntry
+    from kvpilot.engine.worker.step_batch import BatchEntry
 
 
 class ModelExecutor(Protocol):

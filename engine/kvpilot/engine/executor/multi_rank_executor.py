@@ -27,9 +27,9 @@ from kvpilot.engine.parallel.config import ParallelConfig
 from kvpilot.engine.parallel.distributed import destroy_distributed, init_distributed
 from kvpilot.engine.parallel.symm_mem_all_reduce import with_symm_mem
 from kvpilot.engine.worker.kv_shards import write_blocks
-from kvpilot.engine.worker.model_runner import BatchEntry, ModelRunner
+from kvpilot.engine.worker.model_runner import ModelRunner
 from kvpilot.engine.worker.startup_log import LoadReport
-from kvpilot.engine.worker.step_batch import unpack_step
+from kvpilot.engine.worker.step_batch import BatchEntry, unpack_step
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig

@@ -26,8 +26,7 @@ from kvpilot.engine.executor.multi_rank_executor import (
 from kvpilot.engine.executor.pipe_channel import PipeChannel
 from kvpilot.engine.parallel.config import ParallelConfig
 from kvpilot.engine.parallel.stage import Intermediate
-from kvpilot.engine.worker.model_runner import BatchEntry
-from kvpilot.engine.worker.step_batch import unpack_step
+from kvpilot.engine.worker.step_batch import BatchEntry, unpack_step
 
 if TYPE_CHECKING:
     from kvpilot.engine.models.config import ModelConfig

@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -53,8 +53,22 @@ RECEIVE_BUFFER_BYTES = 64 * 2**20
 RECEIVE_BUFFERS = 8
 
 if TYPE_CHECKING:
-    from kvpilot.engine.engine_loop.llm_engine import LLMEngine
+    from kvpilot.engine.contracts.args import EngineArgs
+    from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 
+
+class CacheOwner(Protocol):
+    """What the store reads of an engine (`LLMEngine`; kv_transfer sits below the engine loop):
+    its KV cache manager, the executor holding the caches, its flags."""
+
+    @property
+    def kv(self) -> KVCacheManager: ...
+
+    @property
+    def runner(self) -> object: ...
+
+    @property
+    def engine_args(self) -> EngineArgs: ...
 
 
 class PendingRead:
@@ -148,7 +162,7 @@ class EngineBlockStore:
         self._spare_lock = threading.Lock()
 
     @classmethod
-    def of_engine(cls, engine: LLMEngine) -> EngineBlockStore:
+    def of_engine(cls, engine: CacheOwner) -> EngineBlockStore:
         """Gives the store over `engine`'s block pool and KV caches (one rank's: a
         tensor-parallel engine's caches are sharded, and config.validate refuses roles)."""
         from kvpilot.engine.worker.model_runner import ModelRunner

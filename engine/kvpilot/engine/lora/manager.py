@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.lora import parse_lora_modules
@@ -13,8 +13,14 @@ from kvpilot.engine.lora.layers import LoRAModel
 from kvpilot.engine.lora.peft_adapter import PeftAdapter, load_peft_adapter
 from kvpilot.engine.lora.slots import LoRASlots
 
-if TYPE_CHECKING:
-    from kvpilot.engine.core.request import Request
+
+class AdapterRequest(Protocol):
+    """What the manager reads of a request (`core.request.Request`; lora/ sits below core)."""
+
+    @property
+    def lora_name(self) -> str | None:
+        """The adapter the request runs with (None: the base model)."""
+        ...
 
 
 class LoRAManager:
@@ -52,12 +58,12 @@ class LoRAManager:
         if slot is not None:
             self.model.resident[slot] = None
 
-    def in_use(self, name: str, requests: Iterable[Request]) -> int:
+    def in_use(self, name: str, requests: Iterable[AdapterRequest]) -> int:
         """Gives how many of `requests` run with adapter `name`."""
         return sum(r.lora_name == name for r in requests)
 
-    def add_to(self, stats: EngineStats, running: Iterable[Request],
-               waiting: Iterable[Request]) -> None:
+    def add_to(self, stats: EngineStats, running: Iterable[AdapterRequest],
+               waiting: Iterable[AdapterRequest]) -> None:
         """Fills the LoRA fields of `stats` (vLLM's lora_requests_info gauge)."""
         stats.max_lora = self.slots.max_loras
         stats.running_lora_adapters = sorted({n for r in running if (n := r.lora_name)})
@@ -75,16 +81,15 @@ class LoRAManager:
         return slot
 
 
-def make_lora_manager(args: EngineArgs, runner: object) -> LoRAManager | None:
-    """Gives the engine's LoRA manager over `runner`'s slots with --enable-lora, else None."""
-    from kvpilot.engine.worker.model_runner import ModelRunner
-
+def make_lora_manager(args: EngineArgs, model: LoRAModel | None) -> LoRAManager | None:
+    """Gives the engine's LoRA manager over `model`'s slots (a single-rank runner's adapter
+    layers; None on many ranks) with --enable-lora, else None."""
     if not args.enable_lora:
         return None
-    if not isinstance(runner, ModelRunner) or runner.lora is None:
+    if model is None:
         raise ValueError("enable_lora needs a single-rank model runner: run on one GPU "
                          "(tensor and pipeline parallel size 1)")
-    return LoRAManager(args, runner.lora)
+    return LoRAManager(args, model)
 
 
 def unknown_adapter_fix(lora: LoRAManager | None) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -12,9 +11,7 @@ from kvpilot.engine.models.layers import FeedForward, Linear, RMSNorm
 from kvpilot.engine.models.llama import Attention
 from kvpilot.engine.models.parallel_layers import ParallelLMHead, RowParallelLinear
 from kvpilot.engine.models.rope import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from kvpilot.engine.parallel.symm_mem_all_reduce import SymmMemAllReduce
+from kvpilot.engine.parallel.symm_mem_all_reduce import SymmMemAllReduce
 
 
 def use_fused_kernels(model: nn.Module) -> list[str]:
@@ -53,7 +50,8 @@ def use_fused_kernels(model: nn.Module) -> list[str]:
             module.matmul = decode_linear
             swapped.update(("one_row_gemv", "tiled_gemm"))
             if isinstance(module, RowParallelLinear) and not module.reduce_output \
-                    and module.tp.symm_mem is not None and module.tp.symm_mem.fused:
+                    and isinstance(module.tp.symm_mem, SymmMemAllReduce) \
+                    and module.tp.symm_mem.fused:
                 module.matmul = _sending_linear(module.tp.symm_mem)
                 swapped.add("linear_send")
     # q/k norm + rotary in one launch (Qwen3) where it gives the bits of the three kernels

@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -24,9 +25,9 @@ from kvpilot.engine.models.registry import model_class
 from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
 from kvpilot.engine.parallel.stage import PipelineStage
 from kvpilot.engine.quantization.config import resolve_quantization
-from kvpilot.engine.worker.startup_log import progress
 
 logger = logging.getLogger(__name__)
+Item = TypeVar("Item")
 DUMMY_STD = 0.02
 # Checkpoint tensors that carry no weights the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -212,3 +213,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def progress(items: Iterable[Item], total: int, desc: str) -> Iterator[Item]:
+    """Gives `items`, with a progress bar on stderr when it is an interactive terminal (a pod's
+    log is not: the start-up log says enough, `worker/startup_log.py`)."""
+    if total <= 1 or not sys.stderr.isatty():
+        yield from items
+        return
+    from tqdm import tqdm
+
+    yield from tqdm(items, total=total, desc=desc, unit="file", file=sys.stderr, leave=False)

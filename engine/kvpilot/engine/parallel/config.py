@@ -18,12 +18,26 @@ its own (`kv_connector.kv_shards`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvpilot.engine.contracts.args import EngineArgs
 
 if TYPE_CHECKING:
-    from kvpilot.engine.models.config import ModelConfig
+    import torch
+
+
+class ModelShape(Protocol):
+    """What the topology checks and the all-reduce's sizing read of a model
+    (`models.config.ModelConfig` is one; parallel/ sits below the models)."""
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    num_experts: int
+    dtype: torch.dtype
 
 
 class ParallelConfigError(ValueError):
@@ -56,7 +70,7 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def _check_tensor(tp: int, config: ModelConfig) -> None:
+def _check_tensor(tp: int, config: ModelShape) -> None:
     flag = f"--tensor-parallel-size={tp}"
     heads, kv_heads = config.num_heads, config.num_kv_heads
     if heads % tp:
@@ -79,7 +93,7 @@ def _check_tensor(tp: int, config: ModelConfig) -> None:
             f"holds an equal slice of the MLP; use one of {_divisors(config.intermediate_size)}")
 
 
-def _check_expert(tp: int, ep: int, config: ModelConfig) -> None:
+def _check_expert(tp: int, ep: int, config: ModelShape) -> None:
     flag = f"--expert-parallel-size={ep}"
     if ep == 1:
         return
@@ -98,7 +112,7 @@ def _check_expert(tp: int, ep: int, config: ModelConfig) -> None:
             "(experts partitioned whole) or 1 (every expert sharded across the ranks)")
 
 
-def _check_pipeline(pp: int, config: ModelConfig, async_scheduling: str) -> None:
+def _check_pipeline(pp: int, config: ModelShape, async_scheduling: str) -> None:
     flag = f"--pipeline-parallel-size={pp}"
     if pp < 1 or pp > config.num_layers:
         raise ParallelConfigError(
@@ -110,7 +124,7 @@ def _check_pipeline(pp: int, config: ModelConfig, async_scheduling: str) -> None
             "batches instead; use --async-scheduling auto or off")
 
 
-def validate(parallel: ParallelConfig, config: ModelConfig, device: str,
+def validate(parallel: ParallelConfig, config: ModelShape, device: str,
              visible_devices: int, role: str = "both", ranks_per_node: int | None = None,
              async_scheduling: str = "auto") -> None:
     """Raises ParallelConfigError for every topology the engine cannot run as asked.

@@ -10,15 +10,30 @@ where `parallel.symm_mem_all_reduce` set that up, over the group's backend other
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from kvpilot.engine.parallel.all_reduce_choice import NCCL
 
-if TYPE_CHECKING:
-    from kvpilot.engine.parallel.symm_mem_all_reduce import SymmMemAllReduce
+
+class SmallAllReduce(Protocol):
+    """The group's all-reduce of small messages beside its backend's (torch symmetric memory:
+    `symm_mem_all_reduce.SymmMemAllReduce`, which is built over a `TPGroup`)."""
+
+    def choose(self, x: torch.Tensor) -> str:
+        """Gives the algorithm `x` takes (NCCL: the group's backend, not this)."""
+        ...
+
+    def all_reduce(self, x: torch.Tensor, algorithm: str) -> torch.Tensor:
+        """Gives `x` summed over the group, in place, by `algorithm`."""
+        ...
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Gives (norm(sum(x) + residual), sum(x) + residual) in one kernel, or None."""
+        ...
 
 
 def shard_slice(total: int, rank: int, size: int) -> slice:
@@ -35,7 +50,7 @@ class TPGroup:
     size: int = 1
     expert_size: int = 1
     group: dist.ProcessGroup | None = None  # None: one rank (or a model built only to inspect)
-    symm_mem: SymmMemAllReduce | None = None  # None: every all-reduce over `group`
+    symm_mem: SmallAllReduce | None = None  # None: every all-reduce over `group`
 
     @property
     def is_first(self) -> bool:

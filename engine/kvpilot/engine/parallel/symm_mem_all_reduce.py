@@ -54,7 +54,7 @@ from kvpilot.engine.parallel.groups import TPGroup
 if TYPE_CHECKING:
     from kvpilot.engine.contracts.args import EngineArgs
     from kvpilot.engine.contracts.rendezvous import Rendezvous
-    from kvpilot.engine.models.config import ModelConfig
+    from kvpilot.engine.parallel.config import ModelShape
     from kvpilot.engine.parallel.distributed import RankContext
     from kvpilot.kernels.all_reduce_rmsnorm import FusedSlots
 
@@ -256,14 +256,14 @@ class AllReduceSettings:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, args: EngineArgs, model_config: ModelConfig) -> AllReduceSettings:
+    def of(cls, args: EngineArgs, model_config: ModelShape) -> AllReduceSettings:
         return cls(args.disable_custom_all_reduce,
                    buffer_bytes(args.custom_all_reduce_max_bytes, args.max_num_seqs,
                                 model_config.hidden_size, model_config.dtype),
                    model_config.dtype)
 
 
-def with_symm_mem(ctx: RankContext, args: EngineArgs, model_config: ModelConfig,
+def with_symm_mem(ctx: RankContext, args: EngineArgs, model_config: ModelShape,
                   rendezvous: Rendezvous) -> RankContext:
     """Gives `ctx` with its TP group's all-reduce over symmetric memory where every rank can
     use it (else `ctx` as it was: NCCL, or gloo on CPU); every rank of the world calls it."""

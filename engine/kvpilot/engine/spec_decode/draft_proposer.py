@@ -25,9 +25,10 @@ from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.spec_decode.proposers import Drafts, exponential_rows
 from kvpilot.engine.worker.device import to_device
-from kvpilot.engine.worker.model_runner import BatchEntry, ModelRunner
+from kvpilot.engine.worker.model_runner import ModelRunner
 from kvpilot.engine.worker.row_layout import RowLayout
 from kvpilot.engine.worker.sampler import processed_probs
+from kvpilot.engine.worker.step_batch import BatchEntry
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:

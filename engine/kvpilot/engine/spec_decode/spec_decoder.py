@@ -34,8 +34,8 @@ from kvpilot.engine.spec_decode.proposers import (
 )
 from kvpilot.engine.spec_decode.rejection_sampler import rejection_sample
 from kvpilot.engine.worker.device import to_device
-from kvpilot.engine.worker.model_runner import BatchEntry
 from kvpilot.engine.worker.sampler import processed_probs
+from kvpilot.engine.worker.step_batch import BatchEntry
 
 
 @dataclass

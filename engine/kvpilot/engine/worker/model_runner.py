@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,7 +27,13 @@ from kvpilot.engine.worker.cuda_graphs import DecodeGraphs, capture_decode_graph
 from kvpilot.engine.worker.device import StagingBuffer, limit_host_threads
 from kvpilot.engine.worker.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs, piecewise_mode
 from kvpilot.engine.worker.startup_log import LoadReport
-from kvpilot.engine.worker.step_batch import PackedStep, StepInputs, pack_step, unpack_step
+from kvpilot.engine.worker.step_batch import (
+    BatchEntry,
+    PackedStep,
+    StepInputs,
+    pack_step,
+    unpack_step,
+)
 from kvpilot.kernels.kv_cache_dtype import as_bytes
 
 if TYPE_CHECKING:
@@ -36,20 +41,6 @@ if TYPE_CHECKING:
     from kvpilot.engine.models.llama import LlamaForCausalLM
 
 CPU_KV_CACHE_DEFAULT = "256MiB"
-
-
-@dataclass
-class BatchEntry:
-    """One sequence's part of a step: its new tokens from `start_pos`, its blocks, which logits."""
-
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int] | np.ndarray
-    logits: str = "last"  # "none" | "last" | "all" (prompt logprobs)
-    # >= 0: the last token is still being sampled by the step in flight (async scheduling);
-    # its id is row `patch_row` of that step's sampled tokens, read on the device
-    patch_row: int = -1
-    lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model)
 
 
 def select_attention_backend(args: EngineArgs, device: torch.device) -> AttentionBackend:

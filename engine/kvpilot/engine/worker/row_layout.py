@@ -28,8 +28,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kvpilot.engine.worker.model_runner import BatchEntry
 from kvpilot.engine.worker.startup_log import LoadReport
+from kvpilot.engine.worker.step_batch import BatchEntry
 
 # the K/V bytes a step's rows may read beyond its entries', as a share of the weight bytes
 EXTRA_READ_SHARE = 1.0

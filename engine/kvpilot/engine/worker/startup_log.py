@@ -10,15 +10,11 @@ the sizes are rank 0's (the driver's), said as per rank.
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 from kvpilot.engine.contracts.args import EngineArgs
 
 logger = logging.getLogger("kvpilot.engine")
-Item = TypeVar("Item")
 GIB = 2**30
 
 
@@ -121,14 +117,3 @@ def log_warmup(report: WarmupReport) -> None:
 def log_ready(seconds: float, max_model_len: int, max_num_seqs: int) -> None:
     logger.info("engine ready in %.2fs: max_model_len=%d, max_num_seqs=%d", seconds,
                 max_model_len, max_num_seqs)
-
-
-def progress(items: Iterable[Item], total: int, desc: str) -> Iterator[Item]:
-    """Gives `items`, with a progress bar on stderr when it is an interactive terminal (a pod's
-    log is not: there the log lines above say enough)."""
-    if total <= 1 or not sys.stderr.isatty():
-        yield from items
-        return
-    from tqdm import tqdm
-
-    yield from tqdm(items, total=total, desc=desc, unit="file", file=sys.stderr, leave=False)

@@ -1,5 +1,7 @@
 """One scheduled step as one int64 buffer: packed by the driver, unpacked by every rank.
 
+The engine loop describes a step as `BatchEntry`s, one per scheduled sequence.
+
 The driver (`pack_step`) lays the step out in numpy: the new tokens end to end
 (decodes first), their positions and KV slots, query start offsets, sequence
 lengths, the decode rows' launch order (longest context first), block tables, the (position, sampled row) pairs of tokens still being
@@ -23,11 +25,24 @@ from kvpilot.engine.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from kvpilot.engine.worker.device import StagingBuffer
-    from kvpilot.engine.worker.model_runner import BatchEntry
 
 STEP, STOP = 1, 0  # StepHeader.command
 # StepHeader.command of a KV load (`StepChannel.send_load`): no step, blocks to write
 LOAD_KV = 2
+
+
+@dataclass
+class BatchEntry:
+    """One sequence's part of a step: its new tokens from `start_pos`, its blocks, which logits."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int] | np.ndarray
+    logits: str = "last"  # "none" | "last" | "all" (prompt logprobs)
+    # >= 0: the last token is still being sampled by the step in flight (async scheduling);
+    # its id is row `patch_row` of that step's sampled tokens, read on the device
+    patch_row: int = -1
+    lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model)
 
 
 @dataclass(frozen=True)
