@@ -7,8 +7,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY cli cli
 COPY operator operator
-COPY engine/kvpilot/engine/contracts engine/kvpilot/engine/contracts
-COPY engine/kvpilot/engine/router engine/kvpilot/engine/router
+COPY engine/torch_free engine/torch_free
 # kvpilot and every dependency as wheels, resolved from kvpilot's own metadata.
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 

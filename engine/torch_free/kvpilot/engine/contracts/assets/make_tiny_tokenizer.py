@@ -1,6 +1,6 @@
 """Trains the bundled tiny byte-level BPE tokenizer (run once; the outputs are committed).
 
-    .venv/bin/python engine/kvpilot/engine/contracts/assets/make_tiny_tokenizer.py
+    .venv/bin/python engine/torch_free/kvpilot/engine/contracts/assets/make_tiny_tokenizer.py
 
 The corpus is the docstrings and comments of Python's own standard library plus a
 few lines of non-Latin text, so the merges look like English and code while the
