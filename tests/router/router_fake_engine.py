@@ -37,6 +37,7 @@ class FakeEngine:
     stream_delay: float = 0.0
     first_delay: float = 0.0  # seconds before a stream's first event (its TTFT)
     metrics_up: bool = True  # False: /metrics answers 503, as an engine still loading
+    silent: bool = False  # True: /metrics answers nothing until False again (one down)
     max_num_seqs: int = 0  # exported as kvpilot_max_num_seqs when set
     open_streams: int = 0  # streams being answered now
     peak_streams: int = 0  # the most at once
@@ -92,6 +93,8 @@ class FakeEngine:
 
         @app.get("/metrics")
         async def metrics() -> Response:
+            while self.silent:  # the router hears nothing from it: it has not come back
+                await asyncio.sleep(0.02)
             if not self.metrics_up:
                 return Response("loading", status_code=503)
             text = (f'vllm:num_requests_waiting{{model_name="tiny"}} {self.waiting}\n'

@@ -136,7 +136,10 @@ class RouterArgs:
                 "before it counts as stalled: out of rotation until it answers, its requests "
                 "that sent the client nothing yet retried elsewhere; 0 disables"})
     max_retries: int = field(default=2, metadata={
-        "help": "other instances tried when one fails before the first byte"})
+        "help": "other instances tried when one fails before the first byte; when those "
+                "failed too, the request holds (--hold-timeout) and gets up to as many tries "
+                "again, on instances it has not failed on or that came back (at most 1 + 2x "
+                "this in all)"})
     max_migrations: int = field(default=8, metadata={
         "help": "times one stream may move to another instance when its instance fails, "
                 "stalls (--stall-timeout) or drains after the first byte: the new instance "
@@ -147,7 +150,9 @@ class RouterArgs:
     eject_seconds: float = field(default=10.0, metadata={
         "help": "how long an instance stays ejected (doubles on repeat, at most 8x)"})
     hold_timeout: float = field(default=30.0, metadata={
-        "help": "seconds a request waits for a ready instance (scale from zero) before 503"})
+        "help": "seconds a request waits for a ready instance (scale from zero) before 503, "
+                "and, once every ready instance failed it before its first byte (or a "
+                "stream's when it moves), for one to come back or appear before 502"})
     kv_port_offset: int = field(default=KV_PORT_OFFSET, metadata={
         "help": "disaggregated: an engine's KV agent listens on its HTTP port plus this "
                 "(the engines' --kv-transfer-port 0 default)"})

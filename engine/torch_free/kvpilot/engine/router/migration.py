@@ -13,8 +13,8 @@ reads one stream, with no token twice or missing and usage counted once.
 
 What does not move (the stream ends with the error it gets today, saying why): a stream of
 several completions (`n` or `best_of` > 1, several prompts), a stream that already moved
-`--max-migrations` times, one with no other ready replica, and one whose continuation
-the new replica refuses (4xx). Non-streamed requests are retried whole before their
+`--max-migrations` times, one no other replica took within `--hold-timeout` of the break or
+within its tries (`router.tries`), and one whose continuation the new replica refuses (4xx). Non-streamed requests are retried whole before their
 first byte, as before (`proxy.py`).
 """
 

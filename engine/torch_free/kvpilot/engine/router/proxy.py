@@ -1,15 +1,18 @@
-"""Forwarding one request to engines: retries before the first byte, a clean error after it.
+"""Forwarding one request to engines: retries before the first byte, migration after it.
 
 The response (status, headers) is only sent back to the client once the first
 body bytes arrived from an engine, so every failure up to then — refused
 connection, timeout, 5xx, 429, a stream that closes empty, an instance found
-stalled (`router.stall`) — is retried on another instance. After the first byte a failure cannot be hidden: the client
-gets an OpenAI-style SSE error event and the stream ends.
+stalled (`router.stall`) — is retried on another instance, holding for one to come back
+when every ready one failed it (`router.tries`). After the first byte a stream that can
+move goes on on another instance (`router.migration`); any other failure ends it with an
+OpenAI-style SSE error event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -31,13 +34,15 @@ from kvpilot.engine.router.migration import (
     not_resumable,
 )
 from kvpilot.engine.router.stall import Stalled, until_stalled
+from kvpilot.engine.router.tries import Tries
 
 log = logging.getLogger("kvpilot.router")
 
 # Statuses that say "this instance, not this request": try another.
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
-
-
+# seconds between looks for an instance that came back while a request holds: answering a
+# health check moves its `last_heard` but sets no event
+HOLD_POLL = 0.2
 
 class NoInstance(Exception):
     """Raised when no instance of the wanted role became available in time."""
@@ -155,7 +160,8 @@ class Forwarder:
                    resume_pick: Callable[[set[str]], Awaitable[Instance]] | None = None,
                    on_migrate: Callable[[], None] = lambda: None,
                    unmovable: str | None = None) -> Response:
-        """Gives the client's response, trying up to 1 + max_retries instances picked by `pick`.
+        """Gives the client's response from an instance `pick` gives, tried as
+        `router.tries` says (up to 1 + 2 x max_retries times, holding up to hold_timeout).
 
         A stream that breaks after its first byte moves to an instance `resume_pick` (else
         `pick`) gives, at most max_migrations times, unless `unmovable` says why it may not;
@@ -167,43 +173,71 @@ class Forwarder:
             if blocked is None:
                 headers = {**headers, RESUMABLE_HEADER: "1"}
             mover = Mover(path, body, headers, resume_pick or pick, blocked, on_migrate)
-        tried: set[str] = set()
-        last_error, all_busy = "no instance tried", True
-        for attempt_no in range(self.max_retries + 1):
+        tries = Tries(self.max_retries, self.hold_timeout, arrival + self.request_timeout)
+        placed = await self._place(pick, path, body, headers, tries)
+        if placed is None:
+            if tries.made == 0:
+                return JSONResponse(error_object(503, tries.last_error, code="no_instance"), 503)
+            if tries.answer_busy:  # overloaded, not broken: the client should back off and retry
+                return JSONResponse(error_object(
+                    429, f"every instance is busy; last: {tries.last_error}",
+                    code="every_instance_busy"), 429)
+            return JSONResponse(error_object(502, tries.why(), code="upstream_error"), 502)
+        instance, result = placed
+        served = ",".join(filter(None, [served_by, instance.url]))
+        if isinstance(result, Response):
+            result.headers[SERVED_BY_HEADER] = served
+            return result
+        self.metrics.ttfb.observe(time.monotonic() - arrival)
+        return self._respond(result, arrival, served, mover)
+
+    async def _place(self, pick: Callable[[set[str]], Awaitable[Instance]], path: str,
+                     body: dict[str, Any], headers: dict[str, str], tries: Tries
+                     ) -> tuple[Instance, Attempt | Response] | None:
+        """Gives the instance that answered and its attempt (or the 4xx it refused the
+        request with); None when `tries` ran out (`router.tries`: `tries.why()`), or when no
+        instance was ready within `pick`'s hold before any try (`tries.last_error`)."""
+        previous = ""
+        while True:
+            if tries.made >= tries.budget and (tries.answer_busy or not tries.hold()):
+                return None
+            exclude = tries.excluded(self.fleet.instances)
             try:
-                instance = await pick(tried)
+                if tries.hold_until is None:  # nothing failed yet: `pick` holds on its own
+                    instance = await pick(exclude)
+                else:
+                    async with asyncio.timeout(tries.left(time.monotonic())):
+                        instance = await pick(exclude)
             except NoInstance as exc:
-                if tried:  # every ready instance failed already
-                    break
-                return JSONResponse(error_object(503, str(exc), code="no_instance"), 503)
-            tried.add(instance.url)
+                if not exclude:  # none was ready within the hold time
+                    tries.last_error = str(exc)
+                    return None
+                # every ready instance failed it: wait for one to come back, or a new one
+                left = tries.left(time.monotonic())
+                if tries.answer_busy or not tries.hold() or left <= 0:
+                    return None
+                await self._fleet_change(time.monotonic() + min(HOLD_POLL, left))
+                continue
+            except TimeoutError:  # the hold time ran out while `pick` waited
+                return None
+            if previous:
+                self.metrics.retries.labels(previous).inc()
+            tries.started()
             self._begin(instance)
             try:
                 # nothing has reached the client yet: a stalled instance's attempt moves on
-                result = await self._attempt(instance, path, body, headers,
-                                             arrival + self.request_timeout)
+                result = await self._attempt(instance, path, body, headers, tries.deadline)
             except (httpx.HTTPError, RetryableStatus, TimeoutError, OSError, Stalled) as exc:
                 busy = isinstance(exc, RetryableStatus) and exc.status == 429
-                all_busy = all_busy and busy
                 outcome = "busy" if busy else "stalled" if isinstance(exc, Stalled) else "error"
                 self._end(instance, outcome, refused=isinstance(exc, httpx.ConnectError))
-                last_error = f"{instance.url}: {exc!r}"
-                log.info("attempt %d on %s failed: %r", attempt_no + 1, instance.url, exc)
-                if attempt_no < self.max_retries:
-                    self.metrics.retries.labels(instance.url).inc()
+                tries.failed(instance.url, repr(exc), busy)
+                log.info("attempt %d on %s failed: %r", tries.made, instance.url, exc)
+                previous = instance.url
                 continue
-            served = ",".join(filter(None, [served_by, instance.url]))
             if isinstance(result, Response):
                 self._end(instance, "client_error")
-                result.headers[SERVED_BY_HEADER] = served
-                return result
-            self.metrics.ttfb.observe(time.monotonic() - arrival)
-            return self._respond(result, arrival, served, mover)
-        if all_busy:  # overloaded, not broken: the client should back off and retry
-            return JSONResponse(error_object(429, f"every instance is busy; last: {last_error}",
-                                             code="every_instance_busy"), 429)
-        return JSONResponse(error_object(502, f"all attempts failed; last: {last_error}",
-                                         code="upstream_error"), 502)
+            return instance, result
 
     def _respond(self, attempt: Attempt, arrival: float, served: str,
                  mover: Mover | None) -> Response:
@@ -339,51 +373,33 @@ class Forwarder:
                                  "times already")
         mover.migrations += 1
         body, headers = mover.record.continuation(mover.body, mover.headers)
-        tried = {left}
-        last = "no instance tried"
-        waited_until = time.monotonic() + self.hold_timeout
-        for _ in range(self.max_retries + 1):
-            try:
-                instance = await mover.pick(tried)
-            except NoInstance as exc:
-                last = str(exc)
-                # every ready instance failed it: wait for one to come back (a restart, a
-                # stalled one answering again) rather than end the stream
-                if not await self._fleet_change(waited_until):
-                    break
-                tried = {left}
-                continue
-            tried.add(instance.url)
-            self._begin(instance)
-            try:
-                result = await self._attempt(instance, mover.path, body, headers, deadline)
-            except (httpx.HTTPError, RetryableStatus, TimeoutError, OSError, Stalled) as exc:
-                self._end(instance, "stalled" if isinstance(exc, Stalled) else "error",
-                          refused=isinstance(exc, httpx.ConnectError))
-                last = f"{instance.url}: {exc!r}"
-                continue
-            if isinstance(result, Response):  # it refused the continuation
-                self._end(instance, "client_error")
-                return self._unmoved(why, f"{instance.url} refused the continuation: "
-                                     f"{bytes(result.body)[:300].decode(errors='replace')}")
-            took = time.monotonic() - why.at
-            self.metrics.migrations.labels(reason, "resumed").inc()
-            self.metrics.migration_seconds.observe(took)
-            log.info("stream %s moved to %s after %d tokens in %.3fs (%s: %s)",
-                     mover.record.response_id, instance.url, len(mover.record.token_ids), took,
-                     reason, why.message)
-            mover.on_migrate()
-            return result
-        return self._unmoved(why, f"no other instance took it ({last})")
+        # every ready instance may have failed it: it holds for one to come back (a
+        # restart, a stalled one answering again) rather than end the stream
+        tries = Tries(self.max_retries, self.hold_timeout, deadline, never=frozenset({left}),
+                      busy_holds=True)
+        tries.start_hold_time(why.at)
+        placed = await self._place(mover.pick, mover.path, body, headers, tries)
+        if placed is None:
+            return self._unmoved(why, f"no other instance took it: {tries.why()}")
+        instance, result = placed
+        if isinstance(result, Response):  # it refused the continuation
+            return self._unmoved(why, f"{instance.url} refused the continuation: "
+                                 f"{bytes(result.body)[:300].decode(errors='replace')}")
+        took = time.monotonic() - why.at
+        self.metrics.migrations.labels(reason, "resumed").inc()
+        self.metrics.migration_seconds.observe(took)
+        log.info("stream %s moved to %s after %d tokens in %.3fs (%s: %s)",
+                 mover.record.response_id, instance.url, len(mover.record.token_ids), took,
+                 reason, why.message)
+        mover.on_migrate()
+        return result
 
-    async def _fleet_change(self, until: float) -> bool:
-        """Gives whether an instance appeared or came back before `until`."""
+    async def _fleet_change(self, until: float) -> None:
+        """Returns once an instance appeared or came back from ejection or a stall, or at
+        `until`."""
         self.fleet.changed.clear()
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.fleet.changed.wait(), max(until - time.monotonic(), 0))
-        except TimeoutError:
-            return False
-        return True
 
     def _unmoved(self, why: Interruption, because: str) -> bytes:
         """Gives the events ending a stream that broke and could not move (counted)."""
