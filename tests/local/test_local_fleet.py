@@ -180,14 +180,11 @@ def test_killed_decode_mid_stream(disagg_fleet):
             victim = next(p for p, popen in supervisor.running if p.url == victim_url)
             popen = next(popen for p, popen in supervisor.running if p is victim)
             os.kill(popen.pid, signal.SIGKILL)
-            killed_at = time.monotonic()
-            last = ""
-            for line in lines:
-                if line:
-                    last = line
-            waited = time.monotonic() - killed_at
-        assert waited < 5, waited
-        assert "error" in json.loads(last.removeprefix("data: ")), last
+            after = [line for line in lines if line]
+        # the stream carries on on the surviving decode instance (the router's migration,
+        # decision 0130): no error event, and it ends as a whole stream does
+        assert after and after[-1] == "data: [DONE]", after[-3:]
+        assert not any('"error"' in line for line in after), [line for line in after if "error" in line]
         for _ in range(3):  # later requests go to the surviving decode instance
             response = client.post("/v1/completions", json={**body, "stream": False,
                                                             "max_tokens": 4})
