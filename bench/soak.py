@@ -13,7 +13,8 @@ the router, the router's prefix-index entries and the requests it counts in flig
 
 The first idle sample after a warm-up cycle is the baseline; the report gives each
 resource's drift (last - baseline) and its slope, and exit code 1 names what did not come
-back: KV blocks in use or router requests in flight above 0 at an idle sample, fds or
+back: KV blocks in use, router requests in flight or a failed probe request above 0 at an
+idle sample, fds or
 threads above baseline + 8 (bounded pools' headroom), RSS above baseline + max(24 MiB,
 5%), index entries above the engine's block count. Before each sample one request goes
 through the router, so its connection pool drops the keep-alive connections the engine
@@ -255,9 +256,15 @@ def idle_sample(fleet: Fleet, started: float) -> dict[str, float]:
         if busy == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    # one request through the router: its pool prunes the connections the engine closed
-    httpx.post(fleet.router_url + "/v1/completions", timeout=30, json={
-        "model": MODEL, "prompt": "probe", "max_tokens": 1})
+    # one request through the router: its pool prunes the connections the engine closed; one
+    # that does not come back (a leak that left the KV cache no room) is a failed sample,
+    # not the end of the run
+    try:
+        httpx.post(fleet.router_url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": "probe", "max_tokens": 1}).raise_for_status()
+        probe_failed = 0
+    except httpx.HTTPError:
+        probe_failed = 1
     time.sleep(1.5)  # the router polls /kv_events every 0.25 s
     text = httpx.get(fleet.engine_url + "/metrics", timeout=10).text
     blocks = metric(text, names.CACHE_CONFIG_INFO, names.NUM_GPU_BLOCKS_LABEL)
@@ -265,7 +272,8 @@ def idle_sample(fleet: Fleet, started: float) -> dict[str, float]:
     sample = {"seconds": round(time.monotonic() - started, 1),
               "kv_blocks_in_use": round(metric(text, names.KV_CACHE_USAGE_PERC) * blocks),
               "index_entries": metric(router_text, names.ROUTER_PREFIX_INDEX_ENTRIES),
-              "router_in_flight": metric(router_text, names.ROUTER_IN_FLIGHT)}
+              "router_in_flight": metric(router_text, names.ROUTER_IN_FLIGHT),
+              "probe_failed": probe_failed}
     for name, proc in fleet.processes().items():
         sample[f"rss_mib_{name}"] = round(proc.memory_info().rss / 2**20, 1)
         sample[f"fds_{name}"] = proc.num_fds()
@@ -283,7 +291,7 @@ def verdicts(samples: list[dict[str, float]], num_blocks: int) -> dict[str, dict
         if key == "seconds":
             continue
         drift = last[key] - base[key]
-        if key in ("kv_blocks_in_use", "router_in_flight"):
+        if key in ("kv_blocks_in_use", "router_in_flight", "probe_failed"):
             ok, rule = all(s[key] == 0 for s in samples), "0 at every idle sample"
         elif key == "index_entries":
             ok, rule = all(s[key] <= num_blocks for s in samples), f"<= {num_blocks} blocks"
