@@ -181,7 +181,8 @@ def test_mixed_steps_through_piecewise_graphs_match_eager_ones(model, monkeypatc
         runs[name] = llm.generate(prompts, params)
         mixed = llm.engine.runner.mixed_graphs
         if name == "piecewise":
-            assert mixed is not None and mixed.num_runs > 5, "hardly any step ran in pieces"
+            assert mixed is not None, "no piecewise graphs captured"
+            assert llm.engine.runner.num_piecewise_steps > 5, "hardly any step ran in pieces"
             assert llm.engine.runner.num_eager_steps == 0  # every step fits a bucket or a graph
         else:
             assert mixed is None

@@ -53,9 +53,6 @@ MAX_TOKENS = 512
 # padded rows cost the most relative to the step
 BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512)
 
-# (q/k/v of every layer, the final hidden states) of one bucket's capture
-Captured = tuple[list["AttentionInputs"], torch.Tensor]
-
 
 def token_buckets(max_tokens: int) -> list[int]:
     """Gives the captured token counts up to `max_tokens` (its last one is `max_tokens`)."""
@@ -93,7 +90,6 @@ class PiecewiseGraphs:
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
         self.attn_out = torch.zeros(max_tokens, attn.num_heads, attn.head_dim, dtype=dtype,
                                     device=device)
-        self.num_runs = 0  # steps served (tests and benchmarks read it)
 
     # ---- the pieces ----------------------------------------------------------------------
 
@@ -199,7 +195,6 @@ class PiecewiseGraphs:
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
         self.slot_mapping[n:bucket.size].fill_(-1)
-        self.num_runs += 1
         backend, out = self.model.attn_backend, self.attn_out[:n]
 
         def attention(layer: int, step: AttentionInputs) -> None:
