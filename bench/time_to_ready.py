@@ -53,7 +53,8 @@ def start(path: str, flags: dict[str, Any], cache: Path, log: Path, prompt: str
     args = EngineArgs(model=path, load_format="dummy", **flags).to_cli()
     command = [sys.executable, "-m", "kvpilot.cli", "serve", *args, "--port", "0",
                "--served-model-name", "served"]
-    env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
+    # steps over 30 ms are logged with their phases: where a slow first request spends it
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache), KVPILOT_SLOW_STEP_MS="30")
     began = time.perf_counter()
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -67,7 +68,7 @@ def start(path: str, flags: dict[str, Any], cache: Path, log: Path, prompt: str
         proc.terminate()
         proc.wait(120)
     lines = [line[:300] for line in log.read_text(errors="replace").splitlines()
-             if re.search(r"CUDA graphs|warm-up|compile cache", line)]
+             if re.search(r"CUDA graphs|warm-up|compile cache|first use|slow", line)]
     return {"seconds_to_ready": ready,
             "engine_startup_seconds": float(found.group(1)) if found else None,
             "cache_bytes_after": cache_bytes(cache), "first_ttft_ms": ttfts[0],

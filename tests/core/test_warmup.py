@@ -59,13 +59,19 @@ def traffic() -> list[tuple[str, list[int], SamplingParams]]:
 
 
 def serve(engine: LLMEngine) -> None:
-    for name, prompt, params in traffic():
-        engine.add_request(name, prompt, params)
-    for _ in range(3000):
-        if not engine.has_unfinished_requests():
-            return
-        engine.step()
-    raise AssertionError("the traffic did not finish")
+    """Serves a lone temperature-only request (a batch the fused sampling kernel draws on a
+    GPU, as one chat request's is), then the whole table at once."""
+    requests = traffic()
+    alone = [r for r in requests if r[0] == "temperature"]
+    for wave in (alone, requests):
+        for name, prompt, params in wave:
+            engine.add_request(f"{name}-{len(wave)}", prompt, params)
+        for _ in range(3000):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+        else:
+            raise AssertionError("the traffic did not finish")
 
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
@@ -73,8 +79,24 @@ def test_after_the_warm_up_no_request_takes_a_path_it_did_not_run(async_scheduli
     engine = LLMEngine.from_engine_args(EngineArgs(**ARGS, async_scheduling=async_scheduling))
     assert engine.paths.warm is not None
     assert {"prefill:fresh", "prefill:cached-prefix", "structured-outputs",
-            "sampler:penalties", "sampler:temperature"} <= engine.paths.warm
+            "sampler:penalties", "sampler:temperature", "sampler-batch:fused",
+            "sampler-batch:torch"} <= engine.paths.warm
     serve(engine)
+    assert engine.paths.cold == []
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_a_lone_temperature_request_finds_its_sampling_kernel_warm(async_scheduling):
+    """With a budget that takes every warm-up prompt in one step (as a GPU's does), a
+    temperature-only batch still ran in the warm-up: a lone chat request's batch, drawn by
+    the fused kernel on CUDA (its first use compiled it: ~1 s of the first TTFT on an H200)."""
+    engine = LLMEngine.from_engine_args(EngineArgs(**{
+        **ARGS, "max_num_batched_tokens": 256, "num_kv_blocks": 300},
+        async_scheduling=async_scheduling))
+    assert engine.paths.warm is not None and "sampler-batch:fused" in engine.paths.warm
+    engine.add_request("chat", [5, 6, 7], SamplingParams(temperature=1.0, max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
     assert engine.paths.cold == []
 
 

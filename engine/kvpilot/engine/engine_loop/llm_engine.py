@@ -112,7 +112,8 @@ class LLMEngine:
         self.rows = RowLayout.of(report)
         self._mixed_mode = report.mixed_graph_mode  # how mixed-step graphs hold attention
         # temperature-only batches in one Triton pass on CUDA, as the model's fused kernels
-        self.sampler = Sampler(fused=runner.device.type == "cuda")
+        self.paths = PathLog()  # code paths run: the warm-up's, and any first used after it
+        self.sampler = Sampler(fused=runner.device.type == "cuda", on_path=self.paths.use)
         self.outputs = OutputProcessor(tokenizer, model_config.eos_token_ids,
                                        model_config.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -135,7 +136,6 @@ class LLMEngine:
         self._last_mode = ""
         self.step_times = StepTimes()  # engine step wall times by that mode (/metrics)
         self.step_tokens = StepTokens()  # tokens per engine step (/metrics)
-        self.paths = PathLog()  # code paths run: the warm-up's, and any first used after it
         # whether the step being built has a prompt with nothing cached before it, and one
         # (or a verify) continuing a cached prefix: its prefill kernels (`_entries` sets them)
         self._prefills = (False, False)

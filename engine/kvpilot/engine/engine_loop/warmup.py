@@ -14,8 +14,9 @@ prefix cache, counters at zero):
 - a prefill as wide as the step budget (`--max-num-batched-tokens`), and one continuing
   a cached prefix (a prefix hit, or the second chunk of a chunked prompt);
 - decode steps and mixed steps beside them (graphs, piecewise graphs);
-- the sampler's paths: greedy, random (temperature only: the fused kernel on CUDA),
-  top-k/top-p/min-p, seeded, penalties, logit bias, logprobs, prompt logprobs, min_tokens;
+- the sampler's paths: greedy, random (temperature only, alone: a batch the fused kernel
+  draws on CUDA), top-k/top-p/min-p, seeded, penalties, logit bias, logprobs, prompt
+  logprobs, min_tokens;
 - a structured (json_schema) request: the grammar compiler and the token bitmask;
 - an adapter's rows, when `--lora-modules` loaded one at start-up (an adapter loaded later
   may compile its shapes on first use; the path log says so);
@@ -228,8 +229,11 @@ def warm_up(engine: WarmEngine) -> WarmupReport:
     requests, wide = _requests(engine)
     steps = 0
     # the widest prompt first, alone, so that its blocks are cached before the prefix hit
-    # looks them up (under async scheduling a request added beside it would miss them)
-    for wave in (requests[:1], requests[1:]):
+    # looks them up (under async scheduling a request added beside it would miss them); then
+    # the temperature-only request alone: a batch of it is the fused sampling kernel's (a
+    # batch with any other random row takes torch's ops), as a lone chat request's is
+    alone = [r for r in requests[1:] if r.name == "random"]
+    for wave in (requests[:1], alone, [r for r in requests[1:] if r not in alone]):
         for request in wave:
             engine.add_request(f"kvpilot-warmup-{request.name}", request.prompt,
                                request.params, lora_name=request.lora_name)

@@ -20,6 +20,7 @@ tokens. Bitmask, banned tokens, penalties and forced tokens apply as on the torc
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -180,8 +181,13 @@ class Sampler:
     """Turns a step's logits [N, vocab] into one next token per row; `fused` draws
     temperature-only batches with the Triton Gumbel-max kernel (module docstring)."""
 
-    def __init__(self, fused: bool = False) -> None:
+    def __init__(self, fused: bool = False,
+                 on_path: Callable[[list[str]], None] | None = None) -> None:
         self.fused = fused
+        # told each batch's kind ("sampler-batch:fused": every row greedy or temperature-only,
+        # the Triton kernel's batch on CUDA; "sampler-batch:torch": a random row needs torch's
+        # ops): the engine's path log, since a batch's kind is not any one request's
+        self.on_path = on_path
         if fused:
             try:
                 import kvpilot.kernels.sampling  # noqa: F401  (Triton, on the first fused batch)
@@ -210,7 +216,10 @@ class Sampler:
         """
         params = [r.params for r in rows]
         greedy = [p.greedy or p.beam_width > 1 for p in params]
-        fused = self.fused and not all(greedy) and all(map(_fusable, rows, greedy))
+        fusable = not all(greedy) and all(map(_fusable, rows, greedy))
+        fused = self.fused and fusable
+        if self.on_path is not None and not all(greedy):
+            self.on_path(["sampler-batch:fused" if fusable else "sampler-batch:torch"])
         # the model's logits (bf16 on a GPU) are widened only where arithmetic follows: the
         # kernel widens each logit as it loads it, and an argmax picks the same row either way
         if not fused and not all(greedy):
