@@ -11,7 +11,12 @@ written into a reused host buffer (`structured.bitmask`) and copied to the
 device without waiting. `start_bitmask` hands the fill to a background thread,
 which runs llguidance's parallel executor on one thread per CPU this process may
 use but one (the engine's own thread goes on meanwhile; llguidance's default, 80%
-of them, is one thread on two) and holds no GIL: under async scheduling the
+of them, is one thread on two) and holds no GIL. One row's walk cannot be shared
+by llguidance's threads, and in a length-bounded JSON string it outlasts a whole
+0.6B decode step: with the vocabulary split (`structured.vocab_split`), each
+request also gets a matcher per part of the vocabulary (compiled beside its own,
+in parallel), and a row without forced bytes is filled by its parts, each walking
+its share of the trie on a thread of its own. Under async scheduling the
 engine starts it once the previous step's tokens were accepted, books that step
 and schedules the next while it runs (the GPU runs the forward), and waits for it
 only to queue the sampling (`MaskFill.wait`). `bitmask` fills and waits at once.
@@ -38,6 +43,7 @@ import torch
 
 from kvpilot.engine.structured.bitmask import BitmaskBuffer
 from kvpilot.engine.structured.grammar import grammar_of
+from kvpilot.engine.structured.vocab_split import VocabSplit, split_parts
 
 if TYPE_CHECKING:
     from kvpilot.engine.core.request import Request, Sequence
@@ -71,11 +77,17 @@ class GrammarMatchers:
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar")
+        self._parts = split_parts(fill_threads(), vocab_size)
+        self._split: VocabSplit | None = None  # built on first use, when `_parts` > 1
+        self._setup = threading.Lock()  # the compile threads build the tokenizers once
+        # compiling drops the GIL: a request's matcher and its parts compile side by side
+        self._pool = ThreadPoolExecutor(self._parts if self._parts > 1 else 1,
+                                        thread_name_prefix="kvpilot-grammar")
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-mask")
         self._executor: llguidance.LLExecutor | None = None
         num_words = (vocab_size + 31) // 32  # one bit per token
         self._buffer = BitmaskBuffer(num_words, device)
+        self._scratch = torch.empty(0, num_words, dtype=torch.int32)  # the parts' full rows
         self.fill_seconds = 0.0  # of the last fill (the slow-iteration log's "grammar")
         words = np.zeros(num_words, dtype=np.uint32)
         for eos in self._eos:
@@ -88,17 +100,51 @@ class GrammarMatchers:
         params = request.params.structured_outputs
         if params is None:
             return
-        request.grammar = self._pool.submit(self._matcher, grammar_of(params),
-                                            request.params.resume_token_ids or [])
+        grammar, resumed = grammar_of(params), request.params.resume_token_ids or []
+        request.grammar = self._pool.submit(self._matcher, grammar, resumed)
+        # a Lark grammar may count tokens (max_tokens) or end lazily: its parts, which take
+        # a token as several, could disagree with it
+        if self._parts > 1 and params.grammar is None:
+            request.grammar_parts = self._pool.submit(self._part_matchers, grammar, resumed)
+
+    def _full_tokenizer(self) -> llguidance.LLTokenizer:
+        """Gives the vocabulary's llguidance tokenizer (~1 s for 150k tokens: once)."""
+        with self._setup:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos)
+            return self._tokenizer
+
+    def _vocab_split(self) -> VocabSplit:
+        """Gives the vocabulary's parts (a tokenizer each, ~0.3 s apiece: once); raises
+        ValueError when some byte has no single-byte token to spell tokens with."""
+        full = self._full_tokenizer()
+        with self._setup:
+            if self._split is None:
+                self._split = VocabSplit(full, self._vocab_size, self._eos, self._parts)
+            return self._split
+
+    def _part_matchers(self, grammar: str, resumed: list[int]) -> list[llguidance.LLMatcher]:
+        """Gives a matcher of `grammar` per part of the vocabulary, advanced over `resumed`;
+        none (the full matcher fills the row alone) when the parts cannot be made."""
+        try:
+            split = self._vocab_split()
+            parts = [new_matcher(tok, grammar) for tok in split.tokenizers]
+        except ValueError as exc:
+            log.warning("structured outputs: the mask is not split (%s)", exc)
+            return []
+        for k, matcher in enumerate(parts):
+            spelled = [piece for token in resumed for piece in split.spelling(k, token)]
+            if spelled and not matcher.consume_tokens(spelled):
+                return []  # the full matcher refuses it too and fails the request
+        return parts
 
     def _matcher(self, grammar: str, resumed: list[int]) -> llguidance.LLMatcher:
         """Gives a matcher of `grammar`, compiled for this request and advanced over the
         output another engine already sent (a migrated request's `resume_token_ids`)."""
-        if self._tokenizer is None:  # ~1 s for a 150k vocabulary: once, on first use
-            self._tokenizer = llguidance.LLTokenizer(
-                self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos)
+        tokenizer = self._full_tokenizer()
         try:
-            matcher = new_matcher(self._tokenizer, grammar)
+            matcher = new_matcher(tokenizer, grammar)
         except ValueError as exc:
             raise ValueError(f"does not compile: {exc}") from exc
         for i, token in enumerate(resumed):
@@ -119,6 +165,53 @@ class GrammarMatchers:
                 grammar = request.grammar = _fail(request, str(exc))
         return grammar if isinstance(grammar, llguidance.LLMatcher) else None
 
+    @staticmethod
+    def _resolved_parts(request: Request) -> list[llguidance.LLMatcher]:
+        """Gives `request`'s part matchers once compiled, without waiting for them (empty:
+        the full matcher fills the row; the parts catch up once they are there)."""
+        parts = request.grammar_parts
+        if isinstance(parts, Future):
+            if not parts.done():
+                return []
+            parts = request.grammar_parts = parts.result()
+            if not parts:
+                request.grammar_pending = []
+        return parts
+
+    def _catch_up(self, requests: list[Request]) -> None:
+        """Has the part matchers of `requests` take the tokens their full matchers took since
+        (spelled in each part's tokens), all rows at once on llguidance's threads, one token
+        per matcher a round; a request whose parts refuse one (a fault) is no longer split."""
+        split, executor = self._split, self._fill_executor()
+        assert split is not None
+        queues: list[tuple[Request, llguidance.LLMatcher, list[int]]] = []
+        for request in requests:
+            pending, request.grammar_pending = request.grammar_pending, []
+            for k, matcher in enumerate(self._resolved_parts(request)):
+                spelled = [p for token in pending for p in split.spelling(k, token)]
+                if spelled:
+                    queues.append((request, matcher, spelled))
+        failed: set[int] = set()
+        depth = max((len(q) for _, _, q in queues), default=0)
+        for j in range(depth):
+            batch = [(r, m, q[j]) for r, m, q in queues if len(q) > j and id(r) not in failed]
+            if not batch:
+                break
+            took = executor.consume_token_par([(m, token) for _, m, token in batch])
+            for (request, _, _), ok in zip(batch, took, strict=True):
+                if not ok and id(request) not in failed:
+                    failed.add(id(request))
+                    log.warning("request %s: a vocabulary part's matcher refused a token the "
+                                "full one took; its mask is filled whole from now on",
+                                request.request_id)
+                    request.grammar_parts = []
+
+    def _fill_executor(self) -> llguidance.LLExecutor:
+        """Gives llguidance's parallel executor (made on first use)."""
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(fill_threads())
+        return self._executor
+
     def start_bitmask(self, seqs: list[Sequence]) -> MaskFill | None:
         """Starts filling the [len(seqs), ceil(vocab / 32)] int32 mask of allowed tokens on a
         background thread, or gives None when no sequence is constrained; a failed grammar's
@@ -130,20 +223,33 @@ class GrammarMatchers:
         if not rows:
             return None
         mask = self._buffer.rows(len(seqs))
-        constrained = []
+        constrained: list[tuple[llguidance.LLMatcher, int]] = []
+        split_rows: list[tuple[Request, int]] = []
         for request, row in rows:
             matcher = self._resolved(request)  # waits here for a grammar still compiling
             if matcher is None:
                 mask[row] = self._eos_only
+            # forced bytes become canonical tokens through the trie, which differs per part
+            elif self._resolved_parts(request) and not matcher.compute_ff_bytes():
+                split_rows.append((request, row))
             else:
                 constrained.append((matcher, row))
-        if not constrained:
+        if split_rows:
+            self._catch_up([request for request, _ in split_rows])
+            for request, row in split_rows:
+                if not request.grammar_parts:  # its parts failed to catch up
+                    matcher = self._resolved(request)
+                    assert matcher is not None
+                    constrained.append((matcher, row))
+            split_rows = [(r, row) for r, row in split_rows if r.grammar_parts]
+        if not constrained and not split_rows:
             return MaskFill(self._buffer, mask, None)
         # the fill thread needs the GIL to start, and a thread waiting for it gets it only
         # when this one blocks or after the 5 ms switch interval: without this handshake the
         # fill began only at `MaskFill.wait`, in series with the step's host work
         started = threading.Event()
-        filling = self._fill_pool.submit(self._started_fill, started, constrained, mask)
+        parts = [(self._resolved_parts(r), row) for r, row in split_rows]
+        filling = self._fill_pool.submit(self._started_fill, started, constrained, parts, mask)
         started.wait()
         return MaskFill(self._buffer, mask, filling)
 
@@ -153,24 +259,47 @@ class GrammarMatchers:
         return fill.wait() if fill is not None else None
 
     def _started_fill(self, started: threading.Event,
-                      constrained: list[tuple[llguidance.LLMatcher, int]], mask: torch.Tensor
+                      constrained: list[tuple[llguidance.LLMatcher, int]],
+                      parts: list[tuple[list[llguidance.LLMatcher], int]], mask: torch.Tensor
                       ) -> None:
         """Lets `start_bitmask` return, then fills: this thread keeps the GIL until the
         fill drops it."""
         started.set()
-        self._fill(constrained, mask)
+        self._fill(constrained, parts, mask)
 
-    def _fill(self, constrained: list[tuple[llguidance.LLMatcher, int]], mask: torch.Tensor
-              ) -> None:
-        """Writes the constrained rows of `mask` (on the background thread, without the GIL)."""
+    def _fill(self, constrained: list[tuple[llguidance.LLMatcher, int]],
+              parts: list[tuple[list[llguidance.LLMatcher], int]], mask: torch.Tensor) -> None:
+        """Writes the constrained rows of `mask` (on the background thread, without the GIL):
+        the rows of `constrained` by their matchers, the rows of `parts` by their parts'
+        matchers, each part's range of words taken from its own full row of scratch."""
         started = time.perf_counter()
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor(fill_threads())
+        executor = self._fill_executor()
         # llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a
         # function at import (seconds of every engine start for a helper we do not use)
         assert mask.dtype == torch.int32 and mask.is_contiguous() and mask.device.type == "cpu"
-        self._executor.unsafe_compute_mask_ptr(constrained, mask.data_ptr(),
-                                               mask.shape[1] * 4, mask.shape[0])
+        if not parts:
+            executor.unsafe_compute_mask_ptr(constrained, mask.data_ptr(), mask.shape[1] * 4,
+                                             mask.shape[0])
+            self.fill_seconds = time.perf_counter() - started
+            return
+        split = self._split
+        assert split is not None
+        base = len(constrained)
+        slots = base + split.parts * len(parts)
+        if self._scratch.shape[0] < slots:
+            self._scratch = torch.empty(slots, mask.shape[1], dtype=torch.int32)
+        scratch = self._scratch[:slots]
+        # the split rows (the costly ones) first in line for the threads
+        jobs = [(matcher, base + i * split.parts + k)
+                for i, (matchers, _) in enumerate(parts) for k, matcher in enumerate(matchers)]
+        jobs += [(matcher, slot) for slot, (matcher, _) in enumerate(constrained)]
+        executor.unsafe_compute_mask_ptr(jobs, scratch.data_ptr(), mask.shape[1] * 4, slots)
+        if constrained:
+            mask[[row for _, row in constrained]] = scratch[:base]
+        rows = [row for _, row in parts]
+        by_part = scratch[base:].view(len(parts), split.parts, -1)
+        for k, (lo, hi) in enumerate(split.words):
+            mask[rows, lo:hi] = by_part[:, k, lo:hi]
         self.fill_seconds = time.perf_counter() - started
 
     def draft_bitmask(self, seq: Sequence, drafts: list[int]) -> torch.Tensor | None:
@@ -201,6 +330,8 @@ class GrammarMatchers:
         if seq.request.grammar is None:
             return
         matcher = self._resolved(seq.request)
+        if seq.request.grammar_parts:  # they take it before their next fill (`_catch_up`)
+            seq.request.grammar_pending.append(token)
         if matcher is not None and not matcher.consume_token(token):
             # the mask allowed only grammar tokens: a matcher fault, not the model's
             log.warning("request %s: grammar matcher refused token %d: %s",
