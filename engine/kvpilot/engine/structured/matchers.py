@@ -77,7 +77,7 @@ class GrammarMatchers:
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._parts = split_parts(fill_threads(), vocab_size)
+        self._parts = split_parts()
         self._split: VocabSplit | None = None  # built on first use, when `_parts` > 1
         self._setup = threading.Lock()  # the compile threads build the tokenizers once
         # compiling drops the GIL: a request's matcher and its parts compile side by side

@@ -4,7 +4,7 @@ llguidance fills a row's mask by walking the token trie under the grammar's lexe
 Inside a JSON string bounded by `maxLength` its precomputed string slices do not
 apply, and the walk visits nearly the whole 150k-token trie: 2-3 ms for one row
 on the hosts we measured, longer than a whole 0.6B decode step, and one row
-cannot be split across llguidance's threads (decision 0137). So each constrained
+cannot be split across llguidance's threads (decision 0139). So each constrained
 request also gets one matcher per part of the vocabulary: part k is an llguidance
 tokenizer of the same size in which the tokens outside its id range are empty
 (not in its trie, never allowed), so its walk visits about 1/parts of the trie,
@@ -28,17 +28,17 @@ from collections.abc import Sequence
 import llguidance
 
 _ENV = "KVPILOT_MASK_SPLIT"  # parts of the vocabulary per constrained row; 1: no split
-_MIN_VOCAB = 16_384  # below this a row's walk is cheap: nothing to gain
 
 
-def split_parts(fill_threads: int, vocab_size: int) -> int:
+def split_parts() -> int:
     """Gives how many parts to cut the vocabulary into for the mask fill: `KVPILOT_MASK_SPLIT`
-    when set (1 turns the split off), else 4 for a vocabulary of 16k tokens or more on a host
-    with at least 8 fill threads (fewer are kept busy by the batch's rows already), else 1;
-    raises ValueError naming the variable when it is not an integer from 1 to 16."""
-    raw = os.environ.get(_ENV, "")
-    if not raw:
-        return 4 if fill_threads >= 8 and vocab_size >= _MIN_VOCAB else 1
+    (unset or 1: no split); raises ValueError naming the variable when it is not an integer
+    from 1 to 16.
+
+    Off unless set: the parts cost CPU of their own (each takes every token, spelled, and
+    fills its share with fixed costs of its own), so whether they pay off on a host and shape
+    is what `bench/issue44/structured_lora.sh` measures on the GPU host (decision 0139)."""
+    raw = os.environ.get(_ENV, "") or "1"
     if not raw.isdigit() or not 1 <= int(raw) <= 16:
         raise ValueError(f"{_ENV}={raw!r} is not a number of vocabulary parts: set an integer "
                          "from 1 (no split) to 16, or unset it")
