@@ -1,15 +1,16 @@
 """Issue 44's serving benchmark: Poisson arrivals at fractions of the measured saturation.
 
-For each model shape and each mixed-step mode (piecewise graphs on, and off with
+For each model shape and each mixed-step mode (`full`: one graph a step, attention inside,
+the GPU's default; `piecewise`: attention between graphs; `off`: eager,
 KVPILOT_PIECEWISE_GRAPHS=0), in a fresh `kvpilot serve --api-server-count 2` with dummy
 weights: the nano-vllm recipe's requests (random ids, input and output lengths uniform in
 100..1024, ignore_eos) sent all at once (rate inf) give the saturation request rate; then
 the same kind of requests (another seed) arrive as a Poisson process at each `--fractions`
 of it. Reported per run: output tok/s, ITL and TPOT p50/p99 (and their ratios), TTFT, and the
-engine's forwards by mode (decode graph, piecewise, eager) from /metrics, with the step-time
+engine's forwards by mode (decode graph, full or piecewise mixed graph, eager) from /metrics, with the step-time
 histogram per mode (`kvpilot_engine_step_seconds`).
 
-    python bench/poisson_gpu.py --out DIR [--shapes 0.6b,8b] [--modes on,off]
+    python bench/poisson_gpu.py --out DIR [--shapes 0.6b,8b] [--modes full,piecewise,off]
         [--fractions 0.5,0.8] [--requests 400] [--max-num-batched-tokens 512]
     python bench/poisson_gpu.py --out DIR --smoke   # tiny CPU run of every phase
 """
@@ -80,7 +81,7 @@ def row(summary: dict[str, Any], steps: dict[str, dict[str, float]]) -> dict[str
 
 
 def run_shape(shape: str, mode: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """Gives one server's rate-inf and Poisson rows for `shape` with piecewise graphs `mode`."""
+    """Gives one server's rate-inf and Poisson rows for `shape` with mixed-step graphs `mode`."""
     if args.smoke:
         config, flags = TINY, {"device": "cpu", "max_model_len": 256, "max_num_seqs": 16,
                                "num_kv_blocks": 128}
@@ -96,8 +97,12 @@ def run_shape(shape: str, mode: str, args: argparse.Namespace, tmp: Path) -> dic
     flags |= {"served_model_name": "served",
               "max_num_batched_tokens": args.max_num_batched_tokens}
     path = str(model_dir(tmp, shape, config))
-    os.environ["KVPILOT_PIECEWISE_GRAPHS"] = "0" if mode == "off" else (
-        "1" if args.smoke else "")
+    if mode not in ("full", "piecewise", "off"):
+        raise SystemExit(f"--modes: {mode!r} is not full, piecewise or off")
+    # on the CPU smoke run: the called pieces (the interpreter would take minutes for full)
+    os.environ["KVPILOT_PIECEWISE_GRAPHS"] = {"off": "0", "piecewise": "piecewise",
+                                              "full": ""}[mode] if not args.smoke else (
+        "0" if mode == "off" else "1")
     vocab = config["vocab_size"]
     out: dict[str, Any] = {"shape": shape, "piecewise": mode, "flags": flags}
     with kvpilot_serve(path, flags, 2, tmp / f"serve-{shape}-{mode}.log") as (base, proc):
@@ -125,8 +130,8 @@ def run_shape(shape: str, mode: str, args: argparse.Namespace, tmp: Path) -> dic
 
 
 def markdown(results: list[dict[str, Any]], header: str) -> str:
-    lines = [header, "", "| shape | piecewise | load | tok/s | ITL p50 | ITL p99 | p99/p50 | "
-             "TPOT p50 | TPOT p99 | p99/p50 | TTFT p99 | steps: graph / piecewise / eager "
+    lines = [header, "", "| shape | mixed graphs | load | tok/s | ITL p50 | ITL p99 | p99/p50 | "
+             "TPOT p50 | TPOT p99 | p99/p50 | TTFT p99 | steps: graph / full / piecewise / eager "
              "(p99 ms at most) |", "|" + "---|" * 12]
     for r in results:
         for key, label in [("rate_inf", "rate inf"),
@@ -136,14 +141,14 @@ def markdown(results: list[dict[str, Any]], header: str) -> str:
             steps = " / ".join(
                 f"{int(x['steps'].get(m, {}).get('count', 0))} "
                 f"({x['steps'].get(m, {}).get('p99_ms_at_most')})"
-                for m in ("graph", "piecewise", "eager"))
+                for m in ("graph", "full", "piecewise", "eager"))
             lines.append(
                 f"| {r['shape']} | {r['piecewise']} | {label} | {x['output_tok_s']:.0f} | "
                 f"{x['itl_p50_ms']:.2f} | {x['itl_p99_ms']:.2f} | {x['itl_p99_over_p50']:.2f} | "
                 f"{x['tpot_p50_ms']:.2f} | {x['tpot_p99_ms']:.2f} | "
                 f"{x['tpot_p99_over_p50']:.2f} | {x['ttft_p99_ms']:.0f} | {steps} |")
     lines += ["", "First request after ready (alone) against a later one (alone, warm): "
-              + "; ".join(f"{r['shape']} piecewise {r['piecewise']}: TTFT "
+              + "; ".join(f"{r['shape']} mixed graphs {r['piecewise']}: TTFT "
                           f"{r['first_request']['ttft_ms']:.1f} ms vs "
                           f"{r['first_request']['warm_ttft_ms']:.1f} ms "
                           f"({r['first_request']['ratio']:.2f}x; prompts "
@@ -155,7 +160,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", default="0.6b,8b")
-    parser.add_argument("--modes", default="on,off", help="piecewise graphs on and/or off")
+    parser.add_argument("--modes", default="full,off",
+                        help="mixed-step graphs: full, piecewise and/or off")
     parser.add_argument("--fractions", default="0.5,0.8",
                         type=lambda s: [float(x) for x in s.split(",")])
     parser.add_argument("--requests", type=int, default=400)

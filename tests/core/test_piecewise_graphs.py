@@ -1,10 +1,12 @@
-"""Mixed steps through piecewise graphs (`engine.piecewise_graphs`): the same tokens and
+"""Mixed steps through mixed-step graphs (`worker.piecewise_graphs`): the same tokens and
 logprobs as the plain eager forward, for every kind of request.
 
-On CUDA the pieces between attentions are replayed graphs; on CPU there are no graphs, so
-KVPILOT_PIECEWISE_GRAPHS=1 has the runner call the same pieces on the same fixed buffers
-(padding rows with slot -1, attention between pieces writing one shared output buffer):
-the path a GPU takes, short of the replay. (tests/kernels/test_piecewise_gpu.py compares
+On CUDA a bucket is one replayed graph (full: attention inside, the unified kernel over
+fixed metadata) or one per stretch between attentions (piecewise); on CPU there are no
+graphs, so KVPILOT_PIECEWISE_GRAPHS=1 (piecewise) or =full has the runner call the same
+work on the same fixed buffers (padding rows with slot -1, padding sequences of length 0,
+one shared attention output buffer; full runs the unified Triton kernel in the interpreter):
+the path a GPU takes, short of the replay. (tests/kernels/test_cuda_graphs.py compares
 replayed graphs against eager on a GPU.)
 """
 
@@ -26,11 +28,15 @@ def test_the_switch(monkeypatch):
     import torch
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert (piecewise_mode(cpu), piecewise_mode(cuda)) == ("off", "replay")
+    assert (piecewise_mode(cpu), piecewise_mode(cuda)) == (("off", False), ("replay", True))
     monkeypatch.setenv(ENV, "1")
-    assert (piecewise_mode(cpu), piecewise_mode(cuda)) == ("call", "replay")
+    assert (piecewise_mode(cpu), piecewise_mode(cuda)) == (("call", False), ("replay", False))
+    monkeypatch.setenv(ENV, "piecewise")
+    assert (piecewise_mode(cpu), piecewise_mode(cuda)) == (("off", False), ("replay", False))
+    monkeypatch.setenv(ENV, "full")
+    assert (piecewise_mode(cpu), piecewise_mode(cuda)) == (("call", True), ("replay", True))
     monkeypatch.setenv(ENV, "0")
-    assert (piecewise_mode(cpu), piecewise_mode(cuda)) == ("off", "off")
+    assert (piecewise_mode(cpu), piecewise_mode(cuda)) == (("off", False), ("off", False))
 
 
 def counted_run(monkeypatch, seed: int, async_scheduling: str, mode: str):
@@ -42,16 +48,19 @@ def counted_run(monkeypatch, seed: int, async_scheduling: str, mode: str):
 
     outputs, _ = run(seed, async_scheduling, None, on_engine=keep)
     runner = runs["engine"].runner
+    if mode in ("1", "full"):
+        assert runner.mixed_graphs.mode == ("full" if mode == "full" else "piecewise")
     return outputs, runner.num_piecewise_steps, runner.num_eager_steps
 
 
-@pytest.mark.parametrize("async_scheduling", ["off", "on"])
-@pytest.mark.parametrize("seed", [7, 15])
+@pytest.mark.parametrize(("mode", "async_scheduling", "seed"),
+                         [("1", "off", 7), ("1", "on", 15), ("full", "off", 15),
+                          ("full", "on", 7)])
 def test_every_kind_of_request_gives_the_same_output_through_the_pieces(
-        monkeypatch, seed, async_scheduling):
+        monkeypatch, mode, seed, async_scheduling):
     plain, pieces_off, eager_off = counted_run(monkeypatch, seed, async_scheduling, "0")
     assert pieces_off == 0 and eager_off > 0
-    pieces, piecewise, eager = counted_run(monkeypatch, seed, async_scheduling, "1")
+    pieces, piecewise, eager = counted_run(monkeypatch, seed, async_scheduling, mode)
     # every step fits the 32-token budget's buckets: none runs eagerly
     assert piecewise == eager_off and eager == 0
     assert any(prompt_lps for _, prompt_lps in plain.values())

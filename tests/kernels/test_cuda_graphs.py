@@ -161,11 +161,13 @@ def test_the_lm_head_warm_up_runs_every_decode_row_count():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with compiled Triton")
+@pytest.mark.parametrize("mixed_mode", ["full", "piecewise"])
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
-def test_mixed_steps_through_piecewise_graphs_match_eager_ones(model, monkeypatch):
-    """Prompt chunks beside decodes (a 48-token budget) replay the piecewise graphs: greedy
-    tokens as eager mixed steps give them (bf16 near-ties aside, as above), and KV written by
-    the padded pieces read back correctly by later decode steps."""
+def test_mixed_steps_through_piecewise_graphs_match_eager_ones(model, mixed_mode, monkeypatch):
+    """Prompt chunks beside decodes (a 48-token budget) replay the mixed-step graphs, full
+    (attention inside: the unified kernel) or piecewise: greedy tokens as eager mixed steps
+    give them (bf16 near-ties aside, as above), and KV written by the padded graphs read back
+    correctly by later decode steps."""
     from kvpilot.engine.entrypoints.llm import LLM
     from kvpilot.engine.worker.piecewise_graphs import ENV
 
@@ -175,21 +177,21 @@ def test_mixed_steps_through_piecewise_graphs_match_eager_ones(model, monkeypatc
     common = {"device": "cuda", "num_kv_blocks": 256, "max_num_seqs": 8, "block_size": 16,
               "max_num_batched_tokens": 48, "enable_prefix_caching": True}
     runs = {}
-    for name, env in [("eager-mixed", "0"), ("piecewise", "")]:
+    for name, env in [("eager-mixed", "0"), ("graphs", mixed_mode)]:
         monkeypatch.setenv(ENV, env)
         llm = LLM(model, **common)
         runs[name] = llm.generate(prompts, params)
         mixed = llm.engine.runner.mixed_graphs
-        if name == "piecewise":
-            assert mixed is not None, "no piecewise graphs captured"
-            assert llm.engine.runner.num_piecewise_steps > 5, "hardly any step ran in pieces"
+        if name == "graphs":
+            assert mixed is not None and mixed.mode == mixed_mode, "no mixed graphs captured"
+            assert llm.engine.runner.num_piecewise_steps > 5, "hardly any step ran in graphs"
             assert llm.engine.runner.num_eager_steps == 0  # every step fits a bucket or a graph
         else:
             assert mixed is None
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    verdicts = [first_divergence_ok(r, g) for r, g in zip(runs["eager-mixed"], runs["piecewise"],
+    verdicts = [first_divergence_ok(r, g) for r, g in zip(runs["eager-mixed"], runs["graphs"],
                                                             strict=True)]
     assert all(ok for _, ok in verdicts), verdicts
     assert sum(exact for exact, _ in verdicts) >= len(prompts) // 2, verdicts

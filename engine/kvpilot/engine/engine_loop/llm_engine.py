@@ -108,7 +108,9 @@ class LLMEngine:
                                       draft)
         # short multi-token entries run as single-token rows where a decode graph then
         # replays the step (`engine.row_layout`)
-        self.rows = RowLayout.of(runner.load_report())
+        report = runner.load_report()
+        self.rows = RowLayout.of(report)
+        self._mixed_mode = report.mixed_graph_mode  # how mixed-step graphs hold attention
         # temperature-only batches in one Triton pass on CUDA, as the model's fused kernels
         self.sampler = Sampler(fused=runner.device.type == "cuda")
         self.outputs = OutputProcessor(tokenizer, model_config.eos_token_ids,
@@ -129,7 +131,8 @@ class LLMEngine:
         # of the last step, for the slow-iteration log: phase -> seconds, and its batch
         self._phases: dict[str, float] = {}
         self._last_plan: SchedulerOutput | None = None
-        self._last_mode = ""  # how the last step's forward ran: graph, piecewise or eager
+        # how the last step's forward ran: graph, full or piecewise (mixed graphs), or eager
+        self._last_mode = ""
         self.step_times = StepTimes()  # engine step wall times by that mode (/metrics)
         self.step_tokens = StepTokens()  # tokens per engine step (/metrics)
         self.paths = PathLog()  # code paths run: the warm-up's, and any first used after it
@@ -391,7 +394,7 @@ class LLMEngine:
                                 flight.tokens if flight is not None else None)
         phases["forward"], start = clock() - start, clock()
         mode = self._last_mode = "graph" if runner.num_graph_steps != before[0] else (
-            "piecewise" if runner.num_piecewise_steps != before[1] else "eager")
+            self._mixed_mode if runner.num_piecewise_steps != before[1] else "eager")
         # rows in a decode graph ran no prefill kernel (`row_layout`)
         self.paths.use(step_paths(mode, *(self._prefills if mode != "graph" else (False, False)),
                                   bool(drafts)))
@@ -597,6 +600,7 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             graph_steps=self.runner.num_graph_steps - self._steps_before[0],
             piecewise_steps=self.runner.num_piecewise_steps - self._steps_before[1],
+            mixed_graph_mode=self._mixed_mode,
             eager_steps=self.runner.num_eager_steps - self._steps_before[2],
             step_seconds={mode: list(c) for mode, c in self.step_times.counts.items()},
             step_seconds_sum=dict(self.step_times.sums),

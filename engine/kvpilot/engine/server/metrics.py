@@ -113,7 +113,7 @@ class _StatsCollector(Collector):
         steps = CounterMetricFamily(names.MODEL_STEPS, "model forwards, by graph replay or eager",
                                     labels=[*label, names.MODE_LABEL])
         steps.add_metric([*value, "graph"], float(stats.graph_steps))
-        steps.add_metric([*value, "piecewise"], float(stats.piecewise_steps))
+        steps.add_metric([*value, stats.mixed_graph_mode], float(stats.piecewise_steps))
         steps.add_metric([*value, "eager"], float(stats.eager_steps))
         yield steps
         step_times = HistogramMetricFamily(

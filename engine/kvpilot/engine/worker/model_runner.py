@@ -25,7 +25,12 @@ from kvpilot.engine.parallel.groups import SINGLE_RANK, TPGroup
 from kvpilot.engine.parallel.stage import Intermediate, PipelineStage
 from kvpilot.engine.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from kvpilot.engine.worker.device import StagingBuffer, limit_host_threads
-from kvpilot.engine.worker.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs, piecewise_mode
+from kvpilot.engine.worker.piecewise_graphs import (
+    MAX_TOKENS,
+    PiecewiseGraphs,
+    StaticBatch,
+    piecewise_mode,
+)
 from kvpilot.engine.worker.startup_log import LoadReport
 from kvpilot.engine.worker.step_batch import (
     BatchEntry,
@@ -130,12 +135,13 @@ class ModelRunner:
         self.graph_seconds = time.perf_counter() - started
 
     def _capture_mixed_graphs(self) -> PiecewiseGraphs | None:
-        """Gives the mixed steps' piecewise graphs (`piecewise_graphs`), or None where they do
-        not apply: KVPILOT_PIECEWISE_GRAPHS=0, --enforce-eager, a mixture of experts (its
-        captured path runs every expert on every token), or CPU unless the variable is 1."""
+        """Gives the mixed steps' graphs (`piecewise_graphs`: full on a GPU, attention
+        inside), or None where they do not apply: KVPILOT_PIECEWISE_GRAPHS=0, --enforce-eager,
+        a mixture of experts (its captured path runs every expert on every token), or CPU
+        unless the variable is 1 or full."""
         from kvpilot.engine.models.llama import MLP
 
-        mode = piecewise_mode(self.device)
+        mode, full = piecewise_mode(self.device)
         decoder = self.model.model
         if mode == "off" or self.args.enforce_eager or not all(
                 isinstance(layer.mlp, MLP) for layer in decoder.decoder_layers()):
@@ -145,7 +151,10 @@ class ModelRunner:
         graphs = PiecewiseGraphs(
             self.model, self.kv_caches, min(MAX_TOKENS, self.args.max_num_batched_tokens),
             self.config.dtype, self.device, replay=mode == "replay",
-            prologue=self.lora.group_tokens if self.lora is not None else None)
+            prologue=self.lora.group_tokens if self.lora is not None else None,
+            full=StaticBatch(self.args.max_num_seqs,
+                             -(-self.config.max_model_len // self.block_size), self.device)
+            if full else None)
         graphs.capture()
         return graphs
 
@@ -182,7 +191,8 @@ class ModelRunner:
                           self.bytes_per_block, tuple(graphs.buckets) if graphs else None,
                           self.graph_seconds,
                           tuple(mixed.buckets) if mixed is not None and mixed.replay else (),
-                          mixed.memory_bytes() if mixed is not None else 0)
+                          mixed.memory_bytes() if mixed is not None else 0,
+                          mixed.mode if mixed is not None else "full")
 
     def _new_caches(self, num_blocks: int) -> list[torch.Tensor]:
         cfg = self.config
@@ -239,13 +249,13 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Gives the hidden states of one flat batch (decode steps replay a CUDA graph, mixed
-        steps of up to MAX_TOKENS tokens their piecewise graphs)."""
+        steps of up to MAX_TOKENS tokens their mixed graphs)."""
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_replay(meta, kv_caches):
             self.num_graph_steps += 1
             return graphs.replay(input_ids, positions, meta)
         mixed = self.mixed_graphs
-        if mixed is not None and mixed.can_run(input_ids.shape[0], kv_caches):
+        if mixed is not None and mixed.can_run(input_ids.shape[0], kv_caches, meta):
             self.num_piecewise_steps += 1
             return mixed.run(input_ids, positions, meta)
         self.num_eager_steps += 1

@@ -25,6 +25,17 @@ bucket costs about T x layers x (q + k + v) bytes of GPU memory; the start-up lo
 how much. On CPU there are no graphs: `replay=False` calls the pieces themselves on
 the same buffers each step, so the tests run the same path (padding, fixed buffers,
 attention between pieces) as a GPU does.
+
+Full graphs (the default on a GPU). Piecewise, a step still launches each layer's
+attention from Python: about 0.35 ms a layer of host time on an H200 host, so a 0.6B-shaped
+mixed step took 9-13 ms against a 2.5 ms decode replay
+(bench/results/issue44-poisson-H200-2026-12-04/). With `full`, each bucket is ONE graph,
+attention included: the attention is `kernels/unified_attention`, whose launch depends on
+the token count and a fixed sequence capacity only, reading the step's query starts, lengths
+and block tables from fixed buffers too (padding sequences: length 0). A step then costs its
+input copies and one replay. `KVPILOT_PIECEWISE_GRAPHS=piecewise` keeps attention outside
+(for side-by-side runs); on CPU, `=full` calls the same full path with the unified kernel
+under Triton's interpreter (TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -43,8 +54,9 @@ if TYPE_CHECKING:
     from kvpilot.engine.models.llama import AttentionInputs, LlamaForCausalLM
     from kvpilot.engine.models.rope import StepRope
 
-# "0": mixed steps run eagerly (the layout before, for side-by-side runs); "1": also on CPU,
-# where the pieces are called rather than replayed (the tests' way onto the GPU's path)
+# "0": mixed steps run eagerly (the layout before, for side-by-side runs); "piecewise": a GPU
+# keeps attention outside the graphs; "1" / "full": also on CPU, where the pieces are called
+# rather than replayed (the tests' way onto the GPU's path), attention outside / unified
 ENV = "KVPILOT_PIECEWISE_GRAPHS"
 # the largest bucket: steps of more tokens run eagerly (their GEMMs outweigh the host's
 # launch time) unless --max-num-batched-tokens is lower
@@ -76,11 +88,14 @@ class PiecewiseGraphs:
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor],
                  max_tokens: int, dtype: torch.dtype, device: torch.device, replay: bool,
-                 prologue: Callable[[int], None] | None = None) -> None:
+                 prologue: Callable[[int], None] | None = None,
+                 full: StaticBatch | None = None) -> None:
         self.model = model
         self.layers = model.model.decoder_layers()
         self.kv_caches = kv_caches
         self.replay = replay
+        self.full = full  # the fixed metadata of full graphs; None: attention runs outside
+        self.captured_bytes = 0  # GPU memory the full graphs' pool took
         self.prologue = prologue  # run first in piece 0 with the token count (LoRA's grouping)
         self.buckets = {n: _Bucket(n) for n in token_buckets(max_tokens)}
         self.max_tokens = max_tokens
@@ -158,6 +173,9 @@ class PiecewiseGraphs:
         if not self.replay:
             return
         recorder = _Recorder()
+        if self.full is not None:
+            self._capture_full(recorder)
+            return
         for bucket in sorted(self.buckets.values(), key=lambda b: -b.size):
             self._pieces(bucket, nullcontext)  # warm-up
             torch.cuda.synchronize()
@@ -166,10 +184,51 @@ class PiecewiseGraphs:
             bucket.graphs = recorder.graphs
         torch.cuda.synchronize()
 
+    @property
+    def mode(self) -> str:
+        """Gives "full" (attention inside the graphs) or "piecewise" (attention outside)."""
+        return "full" if self.full is not None else "piecewise"
+
     def memory_bytes(self) -> int:
-        """Gives the GPU memory the buckets' q/k/v hold (the start-up log's number)."""
+        """Gives the GPU memory the buckets hold (the start-up log's number): the full graphs'
+        pool, or every piece's q/k/v."""
+        if self.full is not None:
+            return self.captured_bytes
         return sum(t.untyped_storage().nbytes() for b in self.buckets.values()
                    for s in b.attention[:1] for t in (s.q,)) * len(self.layers)
+
+    def _capture_full(self, recorder: _Recorder) -> None:
+        """Records each bucket as one graph, its attentions the unified kernel's over the fixed
+        metadata (every sequence empty while capturing: the launches are what is recorded)."""
+        before = torch.cuda.memory_reserved()
+        for bucket in sorted(self.buckets.values(), key=lambda b: -b.size):
+            attention = self._unified_attention(bucket.size)
+            self._pieces(bucket, nullcontext, attention)  # warm-up: compiles, cuBLAS picks
+            torch.cuda.synchronize()
+            recorder.graphs = []
+            with recorder.record():
+                bucket.hidden = self._pieces(bucket, nullcontext, attention)[1]
+            bucket.graphs = recorder.graphs
+        torch.cuda.synchronize()
+        self.captured_bytes = torch.cuda.memory_reserved() - before
+
+    def _unified_attention(self, size: int) -> Callable[[int, AttentionInputs], None]:
+        """Gives the attention between pieces of a full graph of `size` tokens: the KV write
+        (unless fused) and `unified_attention` over the fixed metadata into the shared output."""
+        from kvpilot.kernels.kv_cache_write import kv_cache_write
+        from kvpilot.kernels.unified_attention import unified_attention
+
+        full, out, slots = self.full, self.attn_out[:size], self.slot_mapping[:size]
+        assert full is not None
+
+        def attention(layer: int, step: AttentionInputs) -> None:
+            attn, cache = self.layers[layer].self_attn, self.kv_caches[layer]
+            if not step.kv_written:
+                kv_cache_write(step.k, step.v, cache, slots, attn.kv_scales)
+            unified_attention(step.q, cache, full.block_tables, full.query_start_loc,
+                              full.seq_lens, attn.scale, out, attn.kv_scales)
+
+        return attention
 
     def release(self) -> None:
         """Frees the captured graphs; later mixed steps run eagerly."""
@@ -180,10 +239,13 @@ class PiecewiseGraphs:
                 graph.reset()
         self.buckets = {}
 
-    def can_run(self, num_tokens: int, kv_caches: list[torch.Tensor]) -> bool:
-        """Gives whether a step of `num_tokens` tokens over `kv_caches` fits a bucket."""
+    def can_run(self, num_tokens: int, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> bool:
+        """Gives whether a step of `num_tokens` tokens over `kv_caches` fits a bucket (and,
+        for full graphs, its sequences and block tables fit the fixed metadata)."""
         return bool(self.buckets) and num_tokens <= self.max_tokens \
-            and kv_caches is self.kv_caches
+            and kv_caches is self.kv_caches \
+            and (self.full is None or self.full.fits(meta))
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
@@ -195,6 +257,14 @@ class PiecewiseGraphs:
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
         self.slot_mapping[n:bucket.size].fill_(-1)
+        if self.full is not None:
+            self.full.copy_in(meta, n)
+            if not self.replay:  # the same graph's work, called
+                return self._pieces(bucket, nullcontext, self._unified_attention(bucket.size)
+                                    )[1][:n]
+            bucket.graphs[0].replay()
+            assert bucket.hidden is not None
+            return bucket.hidden[:n]
         backend, out = self.model.attn_backend, self.attn_out[:n]
 
         def attention(layer: int, step: AttentionInputs) -> None:
@@ -211,6 +281,32 @@ class PiecewiseGraphs:
         bucket.graphs[-1].replay()
         assert bucket.hidden is not None
         return bucket.hidden[:n]
+
+
+class StaticBatch:
+    """The fixed query starts, lengths and block tables that full graphs' attention reads,
+    for up to `max_seqs` sequences of up to `max_blocks` blocks: a step's are copied in, the
+    rest are padding sequences (length 0, starting at the step's last token)."""
+
+    def __init__(self, max_seqs: int, max_blocks: int, device: torch.device) -> None:
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+
+    def fits(self, meta: AttentionMetadata) -> bool:
+        """Gives whether `meta`'s sequences and block tables fit the buffers."""
+        return meta.num_seqs <= self.seq_lens.shape[0] \
+            and meta.block_tables.shape[1] <= self.block_tables.shape[1]
+
+    def copy_in(self, meta: AttentionMetadata, num_tokens: int) -> None:
+        """Copies a step of `num_tokens` tokens' metadata in; later sequences become padding
+        (the kernel reads a sequence's table only below its length: stale rows are unread)."""
+        seqs, width = meta.num_seqs, meta.block_tables.shape[1]
+        self.query_start_loc[:seqs + 1].copy_(meta.query_start_loc, non_blocking=True)
+        self.query_start_loc[seqs + 1:].fill_(num_tokens)
+        self.seq_lens[:seqs].copy_(meta.seq_lens, non_blocking=True)
+        self.seq_lens[seqs:].zero_()
+        self.block_tables[:seqs, :width].copy_(meta.block_tables, non_blocking=True)
 
 
 class _Recorder:
@@ -238,12 +334,13 @@ class _Recorder:
         self.graphs.append(graph)
 
 
-def piecewise_mode(device: torch.device) -> str:
-    """Gives how mixed steps run on `device`: "replay" (CUDA graphs), "call" (the pieces
-    called: CPU with KVPILOT_PIECEWISE_GRAPHS=1) or "off"."""
+def piecewise_mode(device: torch.device) -> tuple[str, bool]:
+    """Gives how mixed steps run on `device`: ("replay" (CUDA graphs), "call" (the pieces
+    called: CPU with KVPILOT_PIECEWISE_GRAPHS=1 or full) or "off"), and whether attention
+    is inside the graphs (full: the GPU's default, or =full)."""
     value = os.environ.get(ENV, "")
     if value == "0":
-        return "off"
+        return "off", False
     if device.type == "cuda":
-        return "replay"
-    return "call" if value == "1" else "off"
+        return "replay", value not in ("piecewise", "1")
+    return ("call", value == "full") if value in ("1", "full") else ("off", False)

@@ -43,8 +43,9 @@ class LoadReport:
     """Decode batch sizes captured as CUDA graphs; None: none captured."""
     graph_seconds: float
     mixed_graph_tokens: tuple[int, ...] = ()
-    """Token counts of the mixed steps' piecewise graphs (none: mixed steps run eagerly)."""
-    mixed_graph_bytes: int = 0  # GPU memory the piecewise graphs' q/k/v hold
+    """Token counts of the mixed steps' graphs (none: mixed steps run eagerly)."""
+    mixed_graph_bytes: int = 0  # GPU memory the mixed graphs hold (pool, or pieces' q/k/v)
+    mixed_graph_mode: str = "full"  # attention inside the graphs ("full") or "piecewise"
 
 
 def gib(num_bytes: int) -> str:
@@ -98,7 +99,7 @@ def log_load(report: LoadReport, load_format: str, kv_budget: str, why_no_graphs
     else:
         tokens = report.mixed_graph_tokens
         mixed = (f" and {len(tokens)} mixed-step token counts ({min(tokens)}..{max(tokens)}, "
-                 f"piecewise, {gib(report.mixed_graph_bytes)} of q/k/v)") if tokens else \
+                 f"{report.mixed_graph_mode}, {gib(report.mixed_graph_bytes)})") if tokens else \
             " (mixed steps eager)"
         logger.info("CUDA graphs: captured %d decode batch sizes (%d..%d)%s%s in %.2fs",
                     len(sizes), min(sizes), max(sizes), mixed, rank, report.graph_seconds)

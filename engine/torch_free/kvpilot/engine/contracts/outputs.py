@@ -87,7 +87,8 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens computed (hits excluded)
     generation_tokens: int = 0
     graph_steps: int = 0  # forwards replayed by a decode graph
-    piecewise_steps: int = 0  # mixed steps run by piecewise graphs, attention between them
+    piecewise_steps: int = 0  # mixed steps run by mixed-step graphs (full or piecewise)
+    mixed_graph_mode: str = "full"  # attention inside those graphs, or "piecewise": between
     eager_steps: int = 0  # forwards run eagerly (longer steps, pipeline stages, CPU)
     # engine step times by forward mode: per STEP_SECONDS_BUCKETS bound, then +Inf, the
     # steps that fell there (not cumulative), and their sum of seconds
