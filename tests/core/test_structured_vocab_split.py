@@ -125,16 +125,6 @@ def _run(monkeypatch: pytest.MonkeyPatch, parts: int) -> tuple[dict[str, list[in
     """Gives each request's tokens from an async engine with the vocabulary in `parts`, and
     how many rows its parts filled."""
     monkeypatch.setenv("KVPILOT_MASK_SPLIT", str(parts))
-    split_rows = 0
-    fill = GrammarMatchers._fill
-
-    def counting(self: GrammarMatchers, constrained: list, split: list, mask: torch.Tensor
-                 ) -> None:
-        nonlocal split_rows
-        split_rows += len(split)
-        fill(self, constrained, split, mask)
-
-    monkeypatch.setattr(GrammarMatchers, "_fill", counting)
     engine = LLMEngine.from_engine_args(EngineArgs(
         model="tiny-llama", device="cpu", max_num_seqs=6, async_scheduling="on"))
     for i in range(8):
@@ -150,8 +140,8 @@ def _run(monkeypatch: pytest.MonkeyPatch, parts: int) -> tuple[dict[str, list[in
     for request_id, tokens in done.items():
         assert request_id and jsonschema.validate(json.loads(engine.tokenizer.decode(tokens)),
                                                   SCHEMA) is None
+    split_rows = engine.grammars().split_rows
     engine.shutdown()
-    monkeypatch.setattr(GrammarMatchers, "_fill", fill)
     return done, split_rows
 
 

@@ -89,6 +89,7 @@ class GrammarMatchers:
         self._buffer = BitmaskBuffer(num_words, device)
         self._scratch = torch.empty(0, num_words, dtype=torch.int32)  # the parts' full rows
         self.fill_seconds = 0.0  # of the last fill (the slow-iteration log's "grammar")
+        self.split_rows = 0  # rows filled by their vocabulary parts so far (the bench's count)
         words = np.zeros(num_words, dtype=np.uint32)
         for eos in self._eos:
             words[eos // 32] |= np.uint32(1 << (eos % 32))
@@ -242,6 +243,7 @@ class GrammarMatchers:
                     assert matcher is not None
                     constrained.append((matcher, row))
             split_rows = [(r, row) for r, row in split_rows if r.grammar_parts]
+            self.split_rows += len(split_rows)
         if not constrained and not split_rows:
             return MaskFill(self._buffer, mask, None)
         # the fill thread needs the GIL to start, and a thread waiting for it gets it only
