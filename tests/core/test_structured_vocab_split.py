@@ -1,8 +1,8 @@
 """A row's grammar mask filled by the vocabulary's parts (`structured.vocab_split`) equals the
 mask its whole-vocabulary matcher fills: along random walks through a schema with bounded
 strings (each step's rows compared bit for bit), and as the tokens of a whole engine run under
-async scheduling. The parts take the tokens the full matcher took only before their next fill:
-a part that missed one would fill a stale mask, and these tests would see it."""
+async scheduling. The parts take each token when the full matcher does (spelled in their own
+tokens): a part that missed one would fill a stale mask, and these tests would see it."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ its share of the trie on a thread of its own. Under async scheduling the
 engine starts it once the previous step's tokens were accepted, books that step
 and schedules the next while it runs (the GPU runs the forward), and waits for it
 only to queue the sampling (`MaskFill.wait`). `bitmask` fills and waits at once.
-The sampler applies the whole batch's mask in one select. `accept` advances a
-matcher by the sampled token. A grammar that fails in the core (the API server
+The sampler applies the whole batch's mask in one select. `accept_tokens` advances
+a batch's matchers (and parts) by their sampled tokens on llguidance's threads. A grammar that fails in the core (the API server
 checked it, so this is a library fault) sets the request's error and allows only
 EOS, so the request ends at once and its reader gets the error. Matcher state
 follows the output tokens, which survive preemption (recompute keeps them), so
@@ -166,46 +166,32 @@ class GrammarMatchers:
                 grammar = request.grammar = _fail(request, str(exc))
         return grammar if isinstance(grammar, llguidance.LLMatcher) else None
 
-    @staticmethod
-    def _resolved_parts(request: Request) -> list[llguidance.LLMatcher]:
-        """Gives `request`'s part matchers once compiled, without waiting for them (empty:
-        the full matcher fills the row; the parts catch up once they are there)."""
+    def _ready_parts(self, request: Request) -> list[llguidance.LLMatcher]:
+        """Gives `request`'s part matchers once compiled and level with its full matcher,
+        without waiting for them (empty: the full matcher fills the row alone). Parts that
+        finished compiling take the tokens accepted meanwhile first (once per request)."""
         parts = request.grammar_parts
         if isinstance(parts, Future):
             if not parts.done():
                 return []
             parts = request.grammar_parts = parts.result()
-            if not parts:
-                request.grammar_pending = []
+            pending, request.grammar_pending = request.grammar_pending, []
+            split = self._split
+            for k, matcher in enumerate(parts):
+                assert split is not None  # the parts were made from it
+                spelled = [p for token in pending for p in split.spelling(k, token)]
+                if spelled and not matcher.consume_tokens(spelled):
+                    self._drop_parts(request)
+                    return []
         return parts
 
-    def _catch_up(self, requests: list[Request]) -> None:
-        """Has the part matchers of `requests` take the tokens their full matchers took since
-        (spelled in each part's tokens), all rows at once on llguidance's threads, one token
-        per matcher a round; a request whose parts refuse one (a fault) is no longer split."""
-        split, executor = self._split, self._fill_executor()
-        assert split is not None
-        queues: list[tuple[Request, llguidance.LLMatcher, list[int]]] = []
-        for request in requests:
-            pending, request.grammar_pending = request.grammar_pending, []
-            for k, matcher in enumerate(self._resolved_parts(request)):
-                spelled = [p for token in pending for p in split.spelling(k, token)]
-                if spelled:
-                    queues.append((request, matcher, spelled))
-        failed: set[int] = set()
-        depth = max((len(q) for _, _, q in queues), default=0)
-        for j in range(depth):
-            batch = [(r, m, q[j]) for r, m, q in queues if len(q) > j and id(r) not in failed]
-            if not batch:
-                break
-            took = executor.consume_token_par([(m, token) for _, m, token in batch])
-            for (request, _, _), ok in zip(batch, took, strict=True):
-                if not ok and id(request) not in failed:
-                    failed.add(id(request))
-                    log.warning("request %s: a vocabulary part's matcher refused a token the "
-                                "full one took; its mask is filled whole from now on",
-                                request.request_id)
-                    request.grammar_parts = []
+    @staticmethod
+    def _drop_parts(request: Request) -> None:
+        """Fills `request`'s rows whole from now on: one of its parts refused a token its full
+        matcher took (a library fault, logged)."""
+        log.warning("request %s: a vocabulary part's matcher refused a token the full one "
+                    "took; its mask is filled whole from now on", request.request_id)
+        request.grammar_parts = []
 
     def _fill_executor(self) -> llguidance.LLExecutor:
         """Gives llguidance's parallel executor (made on first use)."""
@@ -225,33 +211,25 @@ class GrammarMatchers:
             return None
         mask = self._buffer.rows(len(seqs))
         constrained: list[tuple[llguidance.LLMatcher, int]] = []
-        split_rows: list[tuple[Request, int]] = []
+        split_rows: list[tuple[list[llguidance.LLMatcher], int]] = []
         for request, row in rows:
             matcher = self._resolved(request)  # waits here for a grammar still compiling
             if matcher is None:
                 mask[row] = self._eos_only
             # forced bytes become canonical tokens through the trie, which differs per part
-            elif self._resolved_parts(request) and not matcher.compute_ff_bytes():
-                split_rows.append((request, row))
+            elif (parts := self._ready_parts(request)) and not matcher.compute_ff_bytes():
+                split_rows.append((parts, row))
             else:
                 constrained.append((matcher, row))
-        if split_rows:
-            self._catch_up([request for request, _ in split_rows])
-            for request, row in split_rows:
-                if not request.grammar_parts:  # its parts failed to catch up
-                    matcher = self._resolved(request)
-                    assert matcher is not None
-                    constrained.append((matcher, row))
-            split_rows = [(r, row) for r, row in split_rows if r.grammar_parts]
-            self.split_rows += len(split_rows)
+        self.split_rows += len(split_rows)
         if not constrained and not split_rows:
             return MaskFill(self._buffer, mask, None)
         # the fill thread needs the GIL to start, and a thread waiting for it gets it only
         # when this one blocks or after the 5 ms switch interval: without this handshake the
         # fill began only at `MaskFill.wait`, in series with the step's host work
         started = threading.Event()
-        parts = [(self._resolved_parts(r), row) for r, row in split_rows]
-        filling = self._fill_pool.submit(self._started_fill, started, constrained, parts, mask)
+        filling = self._fill_pool.submit(self._started_fill, started, constrained, split_rows,
+                                         mask)
         started.wait()
         return MaskFill(self._buffer, mask, filling)
 
@@ -328,18 +306,59 @@ class GrammarMatchers:
         return out
 
     def accept(self, seq: Sequence, token: int) -> None:
-        """Advances `seq`'s matcher by its sampled `token` (nothing for unconstrained ones)."""
-        if seq.request.grammar is None:
+        """Advances `seq`'s matcher (and its parts) by its sampled `token`."""
+        self.accept_tokens([(seq, token)])
+
+    def accept_tokens(self, taken: list[tuple[Sequence, int]]) -> None:
+        """Advances the matchers of the constrained sequences of `taken` (and their parts, each
+        token spelled in the part's own) by their sampled tokens, all at once on llguidance's
+        threads, one token per matcher a round. A full matcher that refuses its token fails
+        its request (the mask allowed only grammar tokens: a matcher fault, not the model's);
+        a part that refuses one drops the request's split."""
+        queues: list[tuple[Request, llguidance.LLMatcher, list[int], bool]] = []
+        for seq, token in taken:
+            request = seq.request
+            if request.grammar is None:
+                continue
+            matcher = self._resolved(request)
+            if matcher is None:
+                continue
+            queues.append((request, matcher, [token], False))
+            if isinstance(request.grammar_parts, Future) and not request.grammar_parts.done():
+                request.grammar_pending.append(token)  # `_ready_parts` feeds them once there
+                continue
+            split = self._split
+            for k, part in enumerate(self._ready_parts(request)):
+                assert split is not None
+                queues.append((request, part, split.spelling(k, token), True))
+        if not queues:
             return
-        matcher = self._resolved(seq.request)
-        if seq.request.grammar_parts:  # they take it before their next fill (`_catch_up`)
-            seq.request.grammar_pending.append(token)
-        if matcher is not None and not matcher.consume_token(token):
-            # the mask allowed only grammar tokens: a matcher fault, not the model's
-            log.warning("request %s: grammar matcher refused token %d: %s",
-                        seq.request.request_id, token, matcher.get_error())
-            seq.request.grammar = _fail(seq.request, f"refused token {token}: "
-                                        f"{matcher.get_error()}")
+        if len(queues) == 1:  # one matcher (a synchronous step's row): no executor round
+            request, matcher, tokens, is_part = queues[0]
+            self._took(request, matcher, is_part, all(matcher.consume_token(t) for t in tokens))
+            return
+        executor = self._fill_executor()
+        for j in range(max(len(tokens) for _, _, tokens, _ in queues)):
+            # a failed request takes no more; nor do parts dropped by a refusal
+            batch = [q for q in queues if len(q[2]) > j and not isinstance(q[0].grammar, str)
+                     and (not q[3] or q[0].grammar_parts)]
+            if not batch:
+                break
+            took = executor.consume_token_par([(m, tokens[j]) for _, m, tokens, _ in batch])
+            for (request, matcher, _, is_part), ok in zip(batch, took, strict=True):
+                self._took(request, matcher, is_part, ok)
+
+    def _took(self, request: Request, matcher: llguidance.LLMatcher, is_part: bool, ok: bool
+              ) -> None:
+        """Acts on whether `matcher` (`request`'s, or one of its parts) took its token."""
+        if ok:
+            return
+        if is_part:
+            self._drop_parts(request)
+            return
+        log.warning("request %s: grammar matcher refused a token: %s", request.request_id,
+                    matcher.get_error())
+        request.grammar = _fail(request, f"refused a token: {matcher.get_error()}")
 
     def shutdown(self) -> None:
         """Stops the compiling and filling threads: what is queued is dropped, what runs
