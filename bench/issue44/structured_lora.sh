@@ -8,6 +8,7 @@
 #
 #     bash bench/issue44/structured_lora.sh                    # the GPU host, after carrying .whl/
 #     KVPILOT_BENCH_SMOKE=1 bash bench/issue44/structured_lora.sh   # CPU, tiny models, ~1 min
+#     ONLY=structured-0.6b,lora-0.6b bash bench/issue44/structured_lora.sh   # some parts only
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "${KVPILOT_BENCH_SMOKE:-0}" = 1 ]; then
@@ -26,9 +27,11 @@ start=$(date +%s)
 # name, time limit (s), command: each ratio's engines run in one child of this call, in turn
 run() {
   local name=$1 limit=$2; shift 2
+  case ",${ONLY:-$name}," in *",$name,"*) ;; *) return ;; esac
   echo "== $name ($(( $(date +%s) - start )) s in): $*" | tee -a "$OUT/logs.txt"
   timeout $(( limit * scale )) "$PY" "$@" "${smoke[@]}" >> "$OUT/logs.txt" 2>&1
   echo "   exit $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/logs.txt"
+  grep -h "^| \|^ratio\|^slowdown" "$OUT/$name/results.md" 2>/dev/null | cut -c1-160
 }
 run structured-0.6b 105 bench/structured_gpu.py "$OUT/structured-0.6b" --shape 0.6b --no-checks \
   --modes json_schema,unconstrained_matched,json_schema_split --mask-split 4
