@@ -3,7 +3,8 @@
 # against unconstrained requests ending at the same lengths, and 8 LoRA adapters against the
 # base model, at the Qwen3-0.6B and Llama-3-8B shapes (dummy weights), each ratio from engines
 # of this call. At 0.6B json_schema also runs with each row's mask filled by 4 parts of the
-# vocabulary (KVPILOT_MASK_SPLIT=4, decision 0139). Writes $OUT/<part>/results.{json,md},
+# vocabulary (KVPILOT_MASK_SPLIT=4, decision 0139), and last, on the CPUs alone, the engine's
+# mask fill whole and in 4 parts (bench/structured_mask_split.py). Writes $OUT/<part>/results.{json,md},
 # $OUT/logs.txt and $OUT/summary.md.
 #
 #     bash bench/issue44/structured_lora.sh                    # the GPU host, after carrying .whl/
@@ -33,12 +34,15 @@ run() {
   echo "   exit $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/logs.txt"
   grep -h "^| \|^ratio\|^slowdown" "$OUT/$name/results.md" 2>/dev/null | cut -c1-160
 }
-run structured-0.6b 105 bench/structured_gpu.py "$OUT/structured-0.6b" --shape 0.6b --no-checks \
+run structured-0.6b 100 bench/structured_gpu.py "$OUT/structured-0.6b" --shape 0.6b --no-checks \
   --modes json_schema,unconstrained_matched,json_schema_split --mask-split 4
-run lora-0.6b 50 bench/lora_gpu.py "$OUT/lora-0.6b" --shape 0.6b --modes base,lora8
-run structured-8b 75 bench/structured_gpu.py "$OUT/structured-8b" --shape 8b --no-checks \
+run lora-0.6b 45 bench/lora_gpu.py "$OUT/lora-0.6b" --shape 0.6b --modes base,lora8
+run structured-8b 70 bench/structured_gpu.py "$OUT/structured-8b" --shape 8b --no-checks \
   --modes json_schema,unconstrained_matched
-run lora-8b 60 bench/lora_gpu.py "$OUT/lora-8b" --shape 8b --modes base,lora8
+run lora-8b 55 bench/lora_gpu.py "$OUT/lora-8b" --shape 8b --modes base,lora8
+# CPU only: the engine's mask fill at batch 64 on this host's threads, whole and in 4 parts
+run mask-split 30 bench/structured_mask_split.py "$OUT/mask-split" --splits 1,4 --warm 30 \
+  --steps 100
 
 "$PY" - "$OUT" <<'PYEOF' | tee "$OUT/summary.md"
 import json, sys
