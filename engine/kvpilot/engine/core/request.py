@@ -121,6 +121,11 @@ class Request:
     # the structured-output matcher (structured/matchers.py): a Future while it compiles,
     # the error message once it failed
     grammar: Future[llguidance.LLMatcher] | llguidance.LLMatcher | str | None = None
+    # its matchers of the vocabulary's parts (structured/vocab_split.py; empty: not split), and
+    # the tokens the full matcher took that they have not taken yet
+    grammar_parts: Future[list[llguidance.LLMatcher]] | list[llguidance.LLMatcher] = \
+        field(default_factory=list)
+    grammar_pending: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

@@ -234,9 +234,11 @@ class AsyncFlights:
         them), so the next mask can be filled meanwhile."""
         grammars = self.grammars()
         assert grammars is not None
-        for seq, token in zip(flight.seqs, self.wait(self.sampled(flight)), strict=True):
-            if seq.inflight_row >= 0:  # else finished or aborted since the launch
-                grammars.accept(seq, token)
+        # one batch on llguidance's threads (the fill waits for it), not a call per row
+        grammars.accept_tokens([
+            (seq, token) for seq, token in zip(flight.seqs, self.wait(self.sampled(flight)),
+                                               strict=True)
+            if seq.inflight_row >= 0])  # else finished or aborted since the launch
         flight.accepted = True
 
     def resolve(self, flight: InFlight, results: list[EngineCoreOutput]) -> None:
@@ -250,13 +252,15 @@ class AsyncFlights:
         now = time.monotonic()
         touched: dict[str, Request] = {}
         grammars = None if flight.accepted else self.grammars()
+        if grammars is not None:
+            grammars.accept_tokens([(seq, token) for seq, token in
+                                    zip(flight.seqs, token_ids, strict=True)
+                                    if seq.inflight_row >= 0])
         for seq, token in zip(flight.seqs, token_ids, strict=True):
             if seq.inflight_row < 0:
                 continue  # finished or aborted since the launch
             seq.inflight_row = -1
             seq.token_ids.pop()
-            if grammars is not None:
-                grammars.accept(seq, token)
             self.book.append_token(seq, token, None, None, now)
             touched[seq.request.request_id] = seq.request
         self.book.collect(touched.values(), results)

@@ -11,12 +11,17 @@ written into a reused host buffer (`structured.bitmask`) and copied to the
 device without waiting. `start_bitmask` hands the fill to a background thread,
 which runs llguidance's parallel executor on one thread per CPU this process may
 use but one (the engine's own thread goes on meanwhile; llguidance's default, 80%
-of them, is one thread on two) and holds no GIL: under async scheduling the
+of them, is one thread on two) and holds no GIL. One row's walk cannot be shared
+by llguidance's threads, and in a length-bounded JSON string it outlasts a whole
+0.6B decode step: with the vocabulary split (`structured.vocab_split`), each
+request also gets a matcher per part of the vocabulary (compiled beside its own,
+in parallel), and a row without forced bytes is filled by its parts, each walking
+its share of the trie on a thread of its own. Under async scheduling the
 engine starts it once the previous step's tokens were accepted, books that step
 and schedules the next while it runs (the GPU runs the forward), and waits for it
 only to queue the sampling (`MaskFill.wait`). `bitmask` fills and waits at once.
-The sampler applies the whole batch's mask in one select. `accept` advances a
-matcher by the sampled token. A grammar that fails in the core (the API server
+The sampler applies the whole batch's mask in one select. `accept_tokens` advances
+a batch's matchers (and parts) by their sampled tokens on llguidance's threads. A grammar that fails in the core (the API server
 checked it, so this is a library fault) sets the request's error and allows only
 EOS, so the request ends at once and its reader gets the error. Matcher state
 follows the output tokens, which survive preemption (recompute keeps them), so
@@ -38,6 +43,7 @@ import torch
 
 from kvpilot.engine.structured.bitmask import BitmaskBuffer
 from kvpilot.engine.structured.grammar import grammar_of
+from kvpilot.engine.structured.vocab_split import VocabSplit, split_parts
 
 if TYPE_CHECKING:
     from kvpilot.engine.core.request import Request, Sequence
@@ -71,12 +77,19 @@ class GrammarMatchers:
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar")
+        self._parts = split_parts()
+        self._split: VocabSplit | None = None  # built on first use, when `_parts` > 1
+        self._setup = threading.Lock()  # the compile threads build the tokenizers once
+        # compiling drops the GIL: a request's matcher and its parts compile side by side
+        self._pool = ThreadPoolExecutor(self._parts if self._parts > 1 else 1,
+                                        thread_name_prefix="kvpilot-grammar")
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-mask")
         self._executor: llguidance.LLExecutor | None = None
         num_words = (vocab_size + 31) // 32  # one bit per token
         self._buffer = BitmaskBuffer(num_words, device)
+        self._scratch = torch.empty(0, num_words, dtype=torch.int32)  # the parts' full rows
         self.fill_seconds = 0.0  # of the last fill (the slow-iteration log's "grammar")
+        self.split_rows = 0  # rows filled by their vocabulary parts so far (the bench's count)
         words = np.zeros(num_words, dtype=np.uint32)
         for eos in self._eos:
             words[eos // 32] |= np.uint32(1 << (eos % 32))
@@ -88,17 +101,51 @@ class GrammarMatchers:
         params = request.params.structured_outputs
         if params is None:
             return
-        request.grammar = self._pool.submit(self._matcher, grammar_of(params),
-                                            request.params.resume_token_ids or [])
+        grammar, resumed = grammar_of(params), request.params.resume_token_ids or []
+        request.grammar = self._pool.submit(self._matcher, grammar, resumed)
+        # a Lark grammar may count tokens (max_tokens) or end lazily: its parts, which take
+        # a token as several, could disagree with it
+        if self._parts > 1 and params.grammar is None:
+            request.grammar_parts = self._pool.submit(self._part_matchers, grammar, resumed)
+
+    def _full_tokenizer(self) -> llguidance.LLTokenizer:
+        """Gives the vocabulary's llguidance tokenizer (~1 s for 150k tokens: once)."""
+        with self._setup:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos)
+            return self._tokenizer
+
+    def _vocab_split(self) -> VocabSplit:
+        """Gives the vocabulary's parts (a tokenizer each, ~0.3 s apiece: once); raises
+        ValueError when some byte has no single-byte token to spell tokens with."""
+        full = self._full_tokenizer()
+        with self._setup:
+            if self._split is None:
+                self._split = VocabSplit(full, self._vocab_size, self._eos, self._parts)
+            return self._split
+
+    def _part_matchers(self, grammar: str, resumed: list[int]) -> list[llguidance.LLMatcher]:
+        """Gives a matcher of `grammar` per part of the vocabulary, advanced over `resumed`;
+        none (the full matcher fills the row alone) when the parts cannot be made."""
+        try:
+            split = self._vocab_split()
+            parts = [new_matcher(tok, grammar) for tok in split.tokenizers]
+        except ValueError as exc:
+            log.warning("structured outputs: the mask is not split (%s)", exc)
+            return []
+        for k, matcher in enumerate(parts):
+            spelled = [piece for token in resumed for piece in split.spelling(k, token)]
+            if spelled and not matcher.consume_tokens(spelled):
+                return []  # the full matcher refuses it too and fails the request
+        return parts
 
     def _matcher(self, grammar: str, resumed: list[int]) -> llguidance.LLMatcher:
         """Gives a matcher of `grammar`, compiled for this request and advanced over the
         output another engine already sent (a migrated request's `resume_token_ids`)."""
-        if self._tokenizer is None:  # ~1 s for a 150k vocabulary: once, on first use
-            self._tokenizer = llguidance.LLTokenizer(
-                self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos)
+        tokenizer = self._full_tokenizer()
         try:
-            matcher = new_matcher(self._tokenizer, grammar)
+            matcher = new_matcher(tokenizer, grammar)
         except ValueError as exc:
             raise ValueError(f"does not compile: {exc}") from exc
         for i, token in enumerate(resumed):
@@ -119,6 +166,39 @@ class GrammarMatchers:
                 grammar = request.grammar = _fail(request, str(exc))
         return grammar if isinstance(grammar, llguidance.LLMatcher) else None
 
+    def _ready_parts(self, request: Request) -> list[llguidance.LLMatcher]:
+        """Gives `request`'s part matchers once compiled and level with its full matcher,
+        without waiting for them (empty: the full matcher fills the row alone). Parts that
+        finished compiling take the tokens accepted meanwhile first (once per request)."""
+        parts = request.grammar_parts
+        if isinstance(parts, Future):
+            if not parts.done():
+                return []
+            parts = request.grammar_parts = parts.result()
+            pending, request.grammar_pending = request.grammar_pending, []
+            split = self._split
+            for k, matcher in enumerate(parts):
+                assert split is not None  # the parts were made from it
+                spelled = [p for token in pending for p in split.spelling(k, token)]
+                if spelled and not matcher.consume_tokens(spelled):
+                    self._drop_parts(request)
+                    return []
+        return parts
+
+    @staticmethod
+    def _drop_parts(request: Request) -> None:
+        """Fills `request`'s rows whole from now on: one of its parts refused a token its full
+        matcher took (a library fault, logged)."""
+        log.warning("request %s: a vocabulary part's matcher refused a token the full one "
+                    "took; its mask is filled whole from now on", request.request_id)
+        request.grammar_parts = []
+
+    def _fill_executor(self) -> llguidance.LLExecutor:
+        """Gives llguidance's parallel executor (made on first use)."""
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(fill_threads())
+        return self._executor
+
     def start_bitmask(self, seqs: list[Sequence]) -> MaskFill | None:
         """Starts filling the [len(seqs), ceil(vocab / 32)] int32 mask of allowed tokens on a
         background thread, or gives None when no sequence is constrained; a failed grammar's
@@ -130,20 +210,26 @@ class GrammarMatchers:
         if not rows:
             return None
         mask = self._buffer.rows(len(seqs))
-        constrained = []
+        constrained: list[tuple[llguidance.LLMatcher, int]] = []
+        split_rows: list[tuple[list[llguidance.LLMatcher], int]] = []
         for request, row in rows:
             matcher = self._resolved(request)  # waits here for a grammar still compiling
             if matcher is None:
                 mask[row] = self._eos_only
+            # forced bytes become canonical tokens through the trie, which differs per part
+            elif (parts := self._ready_parts(request)) and not matcher.compute_ff_bytes():
+                split_rows.append((parts, row))
             else:
                 constrained.append((matcher, row))
-        if not constrained:
+        self.split_rows += len(split_rows)
+        if not constrained and not split_rows:
             return MaskFill(self._buffer, mask, None)
         # the fill thread needs the GIL to start, and a thread waiting for it gets it only
         # when this one blocks or after the 5 ms switch interval: without this handshake the
         # fill began only at `MaskFill.wait`, in series with the step's host work
         started = threading.Event()
-        filling = self._fill_pool.submit(self._started_fill, started, constrained, mask)
+        filling = self._fill_pool.submit(self._started_fill, started, constrained, split_rows,
+                                         mask)
         started.wait()
         return MaskFill(self._buffer, mask, filling)
 
@@ -153,24 +239,47 @@ class GrammarMatchers:
         return fill.wait() if fill is not None else None
 
     def _started_fill(self, started: threading.Event,
-                      constrained: list[tuple[llguidance.LLMatcher, int]], mask: torch.Tensor
+                      constrained: list[tuple[llguidance.LLMatcher, int]],
+                      parts: list[tuple[list[llguidance.LLMatcher], int]], mask: torch.Tensor
                       ) -> None:
         """Lets `start_bitmask` return, then fills: this thread keeps the GIL until the
         fill drops it."""
         started.set()
-        self._fill(constrained, mask)
+        self._fill(constrained, parts, mask)
 
-    def _fill(self, constrained: list[tuple[llguidance.LLMatcher, int]], mask: torch.Tensor
-              ) -> None:
-        """Writes the constrained rows of `mask` (on the background thread, without the GIL)."""
+    def _fill(self, constrained: list[tuple[llguidance.LLMatcher, int]],
+              parts: list[tuple[list[llguidance.LLMatcher], int]], mask: torch.Tensor) -> None:
+        """Writes the constrained rows of `mask` (on the background thread, without the GIL):
+        the rows of `constrained` by their matchers, the rows of `parts` by their parts'
+        matchers, each part's range of words taken from its own full row of scratch."""
         started = time.perf_counter()
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor(fill_threads())
+        executor = self._fill_executor()
         # llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a
         # function at import (seconds of every engine start for a helper we do not use)
         assert mask.dtype == torch.int32 and mask.is_contiguous() and mask.device.type == "cpu"
-        self._executor.unsafe_compute_mask_ptr(constrained, mask.data_ptr(),
-                                               mask.shape[1] * 4, mask.shape[0])
+        if not parts:
+            executor.unsafe_compute_mask_ptr(constrained, mask.data_ptr(), mask.shape[1] * 4,
+                                             mask.shape[0])
+            self.fill_seconds = time.perf_counter() - started
+            return
+        split = self._split
+        assert split is not None
+        base = len(constrained)
+        slots = base + split.parts * len(parts)
+        if self._scratch.shape[0] < slots:
+            self._scratch = torch.empty(slots, mask.shape[1], dtype=torch.int32)
+        scratch = self._scratch[:slots]
+        # the split rows (the costly ones) first in line for the threads
+        jobs = [(matcher, base + i * split.parts + k)
+                for i, (matchers, _) in enumerate(parts) for k, matcher in enumerate(matchers)]
+        jobs += [(matcher, slot) for slot, (matcher, _) in enumerate(constrained)]
+        executor.unsafe_compute_mask_ptr(jobs, scratch.data_ptr(), mask.shape[1] * 4, slots)
+        if constrained:
+            mask[[row for _, row in constrained]] = scratch[:base]
+        rows = [row for _, row in parts]
+        by_part = scratch[base:].view(len(parts), split.parts, -1)
+        for k, (lo, hi) in enumerate(split.words):
+            mask[rows, lo:hi] = by_part[:, k, lo:hi]
         self.fill_seconds = time.perf_counter() - started
 
     def draft_bitmask(self, seq: Sequence, drafts: list[int]) -> torch.Tensor | None:
@@ -197,16 +306,59 @@ class GrammarMatchers:
         return out
 
     def accept(self, seq: Sequence, token: int) -> None:
-        """Advances `seq`'s matcher by its sampled `token` (nothing for unconstrained ones)."""
-        if seq.request.grammar is None:
+        """Advances `seq`'s matcher (and its parts) by its sampled `token`."""
+        self.accept_tokens([(seq, token)])
+
+    def accept_tokens(self, taken: list[tuple[Sequence, int]]) -> None:
+        """Advances the matchers of the constrained sequences of `taken` (and their parts, each
+        token spelled in the part's own) by their sampled tokens, all at once on llguidance's
+        threads, one token per matcher a round. A full matcher that refuses its token fails
+        its request (the mask allowed only grammar tokens: a matcher fault, not the model's);
+        a part that refuses one drops the request's split."""
+        queues: list[tuple[Request, llguidance.LLMatcher, list[int], bool]] = []
+        for seq, token in taken:
+            request = seq.request
+            if request.grammar is None:
+                continue
+            matcher = self._resolved(request)
+            if matcher is None:
+                continue
+            queues.append((request, matcher, [token], False))
+            if isinstance(request.grammar_parts, Future) and not request.grammar_parts.done():
+                request.grammar_pending.append(token)  # `_ready_parts` feeds them once there
+                continue
+            split = self._split
+            for k, part in enumerate(self._ready_parts(request)):
+                assert split is not None
+                queues.append((request, part, split.spelling(k, token), True))
+        if not queues:
             return
-        matcher = self._resolved(seq.request)
-        if matcher is not None and not matcher.consume_token(token):
-            # the mask allowed only grammar tokens: a matcher fault, not the model's
-            log.warning("request %s: grammar matcher refused token %d: %s",
-                        seq.request.request_id, token, matcher.get_error())
-            seq.request.grammar = _fail(seq.request, f"refused token {token}: "
-                                        f"{matcher.get_error()}")
+        if len(queues) == 1:  # one matcher (a synchronous step's row): no executor round
+            request, matcher, tokens, is_part = queues[0]
+            self._took(request, matcher, is_part, all(matcher.consume_token(t) for t in tokens))
+            return
+        executor = self._fill_executor()
+        for j in range(max(len(tokens) for _, _, tokens, _ in queues)):
+            # a failed request takes no more; nor do parts dropped by a refusal
+            batch = [q for q in queues if len(q[2]) > j and not isinstance(q[0].grammar, str)
+                     and (not q[3] or q[0].grammar_parts)]
+            if not batch:
+                break
+            took = executor.consume_token_par([(m, tokens[j]) for _, m, tokens, _ in batch])
+            for (request, matcher, _, is_part), ok in zip(batch, took, strict=True):
+                self._took(request, matcher, is_part, ok)
+
+    def _took(self, request: Request, matcher: llguidance.LLMatcher, is_part: bool, ok: bool
+              ) -> None:
+        """Acts on whether `matcher` (`request`'s, or one of its parts) took its token."""
+        if ok:
+            return
+        if is_part:
+            self._drop_parts(request)
+            return
+        log.warning("request %s: grammar matcher refused a token: %s", request.request_id,
+                    matcher.get_error())
+        request.grammar = _fail(request, f"refused a token: {matcher.get_error()}")
 
     def shutdown(self) -> None:
         """Stops the compiling and filling threads: what is queued is dropped, what runs
