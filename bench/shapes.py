@@ -37,3 +37,38 @@ def write_model_dir(path: Path, config: dict) -> Path:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(path / "tokenizer.json"))
     return path
+
+
+def write_random_checkpoint(path: Path, config: dict, seed: int = 0, dtype: str = "bfloat16",
+                            device: str = "cpu") -> Path:
+    """Writes a model dir that `load_format="auto"` serves (what `kvpilot up --model-dir`
+    needs, its manifest naming no built-in config): `config` as config.json, the bundled
+    tiny tokenizer (so `config` must use its vocabulary) and a one-file safetensors
+    checkpoint of N(0, 0.02) tensors (norms: ones), named and shaped as the engine's own
+    model class loads them; gives `path`."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from kvpilot.engine.contracts.builtin_models import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+    from kvpilot.engine.models.config import ModelConfig
+    from kvpilot.engine.models.registry import model_class
+
+    model_config = ModelConfig.from_hf(config, dtype=getattr(torch, dtype))
+    with torch.device("meta"):  # only the names and shapes: nothing is allocated
+        layout = model_class(model_config.architecture)(model_config).weight_layout()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, slot in layout.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(slot.shape, dtype=model_config.dtype)
+        else:
+            tensors[name] = torch.empty(slot.shape, dtype=model_config.dtype, device=device
+                                        ).normal_(0.0, 0.02, generator=generator).cpu()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    shutil.copy(TOKENIZER_FILE, path / "tokenizer.json")
+    shutil.copy(TOKENIZER_CONFIG_FILE, path / "tokenizer_config.json")
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
