@@ -114,6 +114,9 @@ class Stream:
     headers: dict[str, str] = field(default_factory=dict)
     words: tuple[int, ...] = (12, 20)
     max_tokens: int = 16
+    # the flood's client stands in for machines of its own: on a small host it runs at the
+    # lowest CPU priority, so its own work does not take the fleet's cores (--flood-nice)
+    nice: int = 0
 
 
 def prompt(rng: random.Random, words: int, salt: str = "") -> str:
@@ -173,6 +176,8 @@ async def open_loop(url: str, streams: list[Stream], seconds: float, seed: int,
 
 def _stream_in_process(url: str, stream: Stream, seconds: float, seed: int,
                        timeout: float) -> tuple[list[Result], float]:
+    if stream.nice:
+        os.nice(stream.nice)
     return asyncio.run(open_loop(url, [stream], seconds, seed, timeout))
 
 
@@ -254,21 +259,25 @@ def run_noisy_or_priorities(kind: str, args: argparse.Namespace, log: Path) -> d
     alone: list[Result] = []
     both: list[Result] = []
     rounds: list[dict] = []
+    pinned: list[str] = []
     try:
         fleet.wait_ready()
+        if args.pin_engines:
+            pinned = [*pin_engines(fleet.proc.pid), pin_router(fleet.proc.pid)]
         shape = {"words": (args.words, args.words + 20), "max_tokens": args.max_tokens}
         base = Stream("probe", 1.0, **shape)
         capacity = asyncio.run(closed_loop(fleet.url, base, 8, args.capacity_seconds))
         if kind == "noisy":
             quiet = Stream("B", 0.2 * capacity, {"x-gateway-inference-fairness-id": "B"}, **shape)
-            loud = Stream("A", 3.0 * capacity, {"x-gateway-inference-fairness-id": "A"}, **shape)
+            loud = Stream("A", 3.0 * capacity, {"x-gateway-inference-fairness-id": "A"},
+                          nice=args.flood_nice, **shape)
         else:
             quiet = Stream("high", 0.2 * capacity, {"x-gateway-inference-objective": "high",
                                                     "x-gateway-inference-fairness-id": "h"},
                            **shape)
             loud = Stream("low", 3.0 * capacity, {"x-gateway-inference-objective": "low",
                                                   "x-gateway-inference-fairness-id": "l"},
-                          **shape)
+                          nice=args.flood_nice, **shape)
         for n in range(args.rounds):
             # new seeds every phase: no prompt repeats, so no phase hits the prefix cache
             one_alone, wall_alone = open_loops(fleet.url, [quiet], args.seconds, 100 * n + 10,
@@ -287,7 +296,7 @@ def run_noisy_or_priorities(kind: str, args: argparse.Namespace, log: Path) -> d
     finally:
         fleet.close()
     seconds = args.rounds * args.seconds
-    out = {"capacity_req_per_s": capacity,
+    out = {"capacity_req_per_s": capacity, "pinned": pinned,
            "reserved_slots_fraction": args.reserved_slots_fraction,
            f"{quiet.group}_alone": summary(alone, quiet.group, seconds),
            f"{quiet.group}_under_load": summary(both, quiet.group, seconds),
@@ -342,6 +351,19 @@ def pin_engines(up_pid: int) -> list[str]:
     return done
 
 
+def pin_router(up_pid: int) -> str:
+    """Pins the router of `kvpilot up` (pid `up_pid`) to the host's last core, beside one
+    engine on the first (`pin_engines`): on a small host the router relaying the flood's
+    streams then takes no time from the engine's steps; gives what it did."""
+    core = (os.cpu_count() or 1) - 1
+    for pid, (parent, argv) in processes().items():
+        if parent == up_pid and "route" in argv:
+            subprocess.run(["taskset", "-a", "-p", "-c", str(core), str(pid)], check=True,
+                           capture_output=True)
+            return f"router {pid} on core {core}"
+    raise RuntimeError(f"no router among kvpilot up's ({up_pid}) children")
+
+
 def with_flag(argv: list[str], flag: str, value: str) -> list[str]:
     out = list(argv)
     if flag in out:
@@ -390,7 +412,8 @@ def run_placement(args: argparse.Namespace, log: Path) -> dict:
             rounds.append(row)
         hit_rates = {p: prefix_hit_rate(urls[p]) for p in policies}
         coefficients = [line for line in httpx.get(urls[policies[1]] + "/metrics").text
-                        .splitlines() if line.startswith("kvpilot_router_latency_model_coef")]
+                        .splitlines() if line.startswith(("kvpilot_router_latency_model_coef",
+                                                       "kvpilot_router_latency_model_speed"))]
     finally:
         if second is not None:
             second.send_signal(signal.SIGINT)
@@ -423,7 +446,7 @@ def prefix_hit_rate(url: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--scenarios", default="noisy,priorities,placement")
     parser.add_argument("--seconds", type=float, default=20.0, help="each open-loop phase")
     parser.add_argument("--rounds", type=int, default=2,
@@ -431,6 +454,9 @@ def main() -> None:
                              "rounds of (prefix-aware, predicted-latency)")
     parser.add_argument("--reserved-slots-fraction", type=float, default=0.125,
                         help="noisy/priorities: spec.router.flowControl.reservedSlotsFraction")
+    parser.add_argument("--flood-nice", type=int, default=0,
+                        help="noisy/priorities: niceness added to the flood's client process "
+                             "(19: the flood's client yields the host's cores to the fleet)")
     parser.add_argument("--capacity-seconds", type=float, default=15.0)
     parser.add_argument("--warmup-seconds", type=float, default=15.0)
     parser.add_argument("--client-timeout", type=float, default=60.0,
@@ -442,7 +468,8 @@ def main() -> None:
     parser.add_argument("--chat-rate", type=float, default=3.0)
     parser.add_argument("--doc-rate", type=float, default=1.0)
     parser.add_argument("--pin-engines", action=argparse.BooleanOptionalAction, default=True,
-                        help="placement: each engine replica on a core of its own (taskset)")
+                        help="each engine replica on a core of its own (taskset); noisy and "
+                             "priorities: the router on the last core")
     parser.add_argument("--doc-words", type=int, default=300,
                         help="placement: a document's words (+0..100)")
     parser.add_argument("--slo-ms", type=float, default=1000.0)

@@ -111,4 +111,5 @@ PRIORITY_LABEL = "priority"
 # predicted-latency placement: each replica's latency model, term by term, and SLO outcomes
 ROUTER_LATENCY_MODEL_COEFFICIENT = "kvpilot_router_latency_model_coefficient"
 ROUTER_LATENCY_MODEL_SAMPLES = "kvpilot_router_latency_model_samples"
+ROUTER_LATENCY_MODEL_SPEED = "kvpilot_router_latency_model_speed"
 ROUTER_SLO_REQUESTS = "kvpilot_router_slo_requests"  # by outcome: met, missed

@@ -69,10 +69,11 @@ class RouterArgs:
         "help": "seconds between discovery refreshes and /metrics scrapes"})
     policy: str = field(default="prefix-aware", metadata={"choices": POLICIES, "help":
         "predicted-latency: the replica with the lowest predicted TTFT that meets the "
-        "request's objectives (per-replica models learnt from served requests; prefix-aware "
-        "until every candidate's model has --latency-min-samples)"})
+        "request's objectives (one model of the pool learnt from served requests, times a "
+        "speed per replica; prefix-aware until the model has --latency-min-samples and each "
+        "candidate has served one)"})
     latency_min_samples: int = field(default=20, metadata={
-        "help": "predicted-latency: streamed requests a replica's model learns from before "
+        "help": "predicted-latency: streamed requests the pool's model learns from before "
                 "placement trusts it"})
     flow_control: bool = field(default=False, metadata={
         "help": "hold requests in per-flow queues while every replica is saturated, dispatch "

@@ -1,11 +1,12 @@
-"""Predicted-latency placement's shell: each replica's models and live load, and the trip of
-one request through them (the load it adds, the TTFT and TPOT samples it gives back)."""
+"""Predicted-latency placement's shell: the pool's model, each replica's live load, and the
+trip of one request through them (the load it adds, the TTFT and TPOT samples it gives back)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -15,15 +16,14 @@ from kvpilot.engine.contracts import metric_names as names
 from kvpilot.engine.contracts.router_objectives import PREDICTED_TTFT_HEADER
 from kvpilot.engine.router.flow_control import Admission
 from kvpilot.engine.router.flow_ticket import FlowTicket
-from kvpilot.engine.router.latency_model import ReplicaModel, TpotFeatures, TtftFeatures
+from kvpilot.engine.router.latency_model import PoolModel, TpotFeatures, TtftFeatures
 from kvpilot.engine.router.latency_placement import Prediction
 
 
 @dataclass
 class ReplicaState:
-    """A replica's models and what the router has on it now."""
+    """What the router has on a replica now."""
 
-    model: ReplicaModel = field(default_factory=ReplicaModel)
     prefilling_tokens: float = 0.0  # new prompt tokens of its requests not streaming yet
     decoding: int = 0  # its requests streaming
 
@@ -32,17 +32,22 @@ class ReplicaState:
 
 
 class LatencyModels:
-    """Every replica's state, and the metrics that explain the models."""
+    """The pool's model, every replica's state, and the metrics that explain the model."""
 
     def __init__(self, min_samples: int, registry: CollectorRegistry) -> None:
         self.min_samples = min_samples
+        self.model = PoolModel()
         self.replicas: dict[str, ReplicaState] = {}
-        self.coefficient = Gauge(names.ROUTER_LATENCY_MODEL_COEFFICIENT, "a replica's latency "
-                                 "model, term by term: seconds per request, per 1,000 tokens or "
-                                 "per request on the replica", ["instance", "target", "term"],
-                                 registry=registry)
-        self.samples = Gauge(names.ROUTER_LATENCY_MODEL_SAMPLES, "requests a replica's latency "
-                             "model learnt from", ["instance", "target"], registry=registry)
+        self.coefficient = Gauge(names.ROUTER_LATENCY_MODEL_COEFFICIENT, "the pool's latency "
+                                 "model, term by term, on a replica of speed 1: seconds per "
+                                 "request, per 1,000 tokens or per request on the replica",
+                                 ["target", "term"], registry=registry)
+        self.speed = Gauge(names.ROUTER_LATENCY_MODEL_SPEED, "how much slower than the pool's "
+                           "model a replica runs now (its predictions' multiplier)",
+                           ["instance", "target"], registry=registry)
+        self.samples = Gauge(names.ROUTER_LATENCY_MODEL_SAMPLES, "requests the latency model "
+                             "learnt from, by the replica that served them",
+                             ["instance", "target"], registry=registry)
         self.slo = Counter(names.ROUTER_SLO_REQUESTS, "streamed requests with a TTFT objective "
                            "by outcome: met or missed (time to first byte at the router)",
                            ["outcome"], registry=registry)
@@ -55,25 +60,39 @@ class LatencyModels:
         wanted = set(urls)
         for url in [u for u in self.replicas if u not in wanted]:
             del self.replicas[url]
+            self.model.forget(url)
             for target in ("ttft", "tpot"):
-                self.samples.remove(url, target)
+                for gauge in (self.samples, self.speed):
+                    with contextlib.suppress(KeyError):  # it never served a stream
+                        gauge.remove(url, target)
 
     def warm(self, urls: Iterable[str]) -> bool:
-        """Gives whether every one of these replicas' TTFT models is warm."""
-        return all(self.state(url).model.warm(self.min_samples) for url in urls)
+        """Gives whether the model predicts for these replicas (`PoolModel.warm`)."""
+        return self.model.warm(self.min_samples, urls)
 
     def predict(self, url: str, new_tokens: float, context_tokens: float) -> Prediction:
         state = self.state(url)
-        return Prediction(url, state.model.predict_ttft(state.ttft_features(new_tokens)),
-                          state.model.predict_tpot(TpotFeatures(state.decoding + 1,
-                                                                context_tokens)))
+        return Prediction(url, self.model.predict_ttft(url, state.ttft_features(new_tokens)),
+                          self.model.predict_tpot(url, TpotFeatures(state.decoding + 1,
+                                                                    context_tokens)))
 
-    def export(self, url: str) -> None:
-        model = self.state(url).model
-        for target, fit in (("ttft", model.ttft), ("tpot", model.tpot)):
-            self.samples.labels(url, target).set(fit.samples)
+    def observe_ttft(self, url: str, features: TtftFeatures, ttft: float) -> None:
+        self.model.observe_ttft(url, features, ttft)
+        self.samples.labels(url, "ttft").inc()
+        self.export()
+
+    def observe_tpot(self, url: str, features: TpotFeatures, tpot: float) -> None:
+        self.model.observe_tpot(url, features, tpot)
+        self.samples.labels(url, "tpot").inc()
+        self.export()
+
+    def export(self) -> None:
+        for target, fit in (("ttft", self.model.ttft), ("tpot", self.model.tpot)):
             for term, value in fit.coefficients().items():
-                self.coefficient.labels(url, target, term).set(value)
+                self.coefficient.labels(target, term).set(value)
+        for url, speed in self.model.speeds.items():
+            self.speed.labels(url, "ttft").set(speed.ttft)
+            self.speed.labels(url, "tpot").set(speed.tpot)
 
 
 class RequestLatency:
@@ -125,16 +144,15 @@ class RequestLatency:
             return response
         ttft = time.monotonic() - self.sent
         state = self.models.replicas[url]
-        state.model.ttft.update(features.vector(), ttft)
+        self.models.observe_ttft(url, features, ttft)
         if self.ticket.ttft_slo_s is not None:
             self.models.slo.labels("met" if ttft <= self.ticket.ttft_slo_s else "missed").inc()
         tpot = TpotFeatures(state.decoding + 1, self.context_tokens)
         state.decoding += 1
-        self.models.export(url)
-        response.body_iterator = self._observe(response.body_iterator, state, tpot)
+        response.body_iterator = self._observe(response.body_iterator, url, state, tpot)
         return response
 
-    async def _observe(self, chunks: AsyncContentStream, state: ReplicaState,
+    async def _observe(self, chunks: AsyncContentStream, url: str, state: ReplicaState,
                        tpot: TpotFeatures) -> AsyncIterator[Content]:
         """Relays the stream, counting its events for a TPOT sample at its end."""
         events, first, last = 0, 0.0, 0.0
@@ -150,8 +168,8 @@ class RequestLatency:
                 yield chunk
         finally:
             state.decoding = max(0, state.decoding - 1)
-            if events >= 2:
-                state.model.tpot.update(tpot.vector(), (last - first) / (events - 1))
+            if events >= 2 and url in self.models.replicas:
+                self.models.observe_tpot(url, tpot, (last - first) / (events - 1))
             close = getattr(chunks, "aclose", None)
             if close is not None:
                 await close()
