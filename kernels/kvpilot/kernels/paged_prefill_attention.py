@@ -87,6 +87,25 @@ def _program(query_start_loc_ptr):
 
 
 @jit
+def load_paged_kv(k_base, table, pos, end, offs_d, stride_kv, stride_slot, k_scale, v_scale,
+                  like, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
+    """Gives the K and V rows [BLOCK_N, HEAD_DIM] of a sequence's positions `pos` (zeros from
+    `end` on), gathered through its block `table` from the paged cache (`k_base`: its K rows
+    of one KV head; V sits `stride_kv` further), an fp8 cache widened and scaled, in the
+    dtype of `like`."""
+    valid = pos < end
+    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+    kv_off = slot[:, None] * stride_slot + offs_d[None, :]
+    k = tl.load(k_base + kv_off, mask=valid[:, None], other=0.0)
+    v = tl.load(k_base + stride_kv + kv_off, mask=valid[:, None], other=0.0)
+    if KV_FP8:
+        k = (k.to(tl.float32) * k_scale).to(like.dtype)
+        v = (v.to(tl.float32) * v_scale).to(like.dtype)
+    return k, v
+
+
+@jit
 def _cached_prefix(q, qk_scale, k_base, table, ctx_len, stride_kv, stride_slot, k_scale,
                    v_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
@@ -103,14 +122,8 @@ def _cached_prefix(q, qk_scale, k_base, table, ctx_len, stride_kv, stride_slot, 
     for n0 in range(0, ctx_len, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < ctx_len
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        kv_off = slot[:, None] * stride_slot + offs_d[None, :]
-        k = tl.load(k_base + kv_off, mask=valid[:, None], other=0.0)
-        v = tl.load(k_base + stride_kv + kv_off, mask=valid[:, None], other=0.0)
-        if KV_FP8:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        k, v = load_paged_kv(k_base, table, pos, ctx_len, offs_d, stride_kv, stride_slot,
+                             k_scale, v_scale, q, BLOCK_SIZE, KV_FP8)
         if FMA:
             acc, m_i, l_i = _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], True)
         else:

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kvpilot.kernels.jit import jit
 from kvpilot.kernels.kv_cache_dtype import FP8_KV_DTYPE
-from kvpilot.kernels.paged_prefill_attention import LOG2E, _tile_fma
+from kvpilot.kernels.paged_prefill_attention import LOG2E, _tile_fma, load_paged_kv
 
 
 @jit
@@ -51,23 +51,6 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
         else:
             hi = mid
     return lo - 1
-
-
-@jit
-def _load_kv(k_base, table, pos, end, offs_d, stride_kv, stride_slot, k_scale, v_scale, like,
-             BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
-    """Gives the K and V rows [BLOCK_N, HEAD_DIM] of positions `pos` (zeros from `end` on),
-    gathered through the sequence's block `table`, in the dtype of `like`."""
-    valid = pos < end
-    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
-    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-    kv_off = slot[:, None] * stride_slot + offs_d[None, :]
-    k = tl.load(k_base + kv_off, mask=valid[:, None], other=0.0)
-    v = tl.load(k_base + stride_kv + kv_off, mask=valid[:, None], other=0.0)
-    if KV_FP8:
-        k = (k.to(tl.float32) * k_scale).to(like.dtype)
-        v = (v.to(tl.float32) * v_scale).to(like.dtype)
-    return k, v
 
 
 # lengths, tables and the sequence count change every step: no specialisation on them, or
@@ -111,13 +94,13 @@ def _unified_kernel(
     open_end = (ctx_len + first) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(ctx_len + first + BLOCK_Q, ctx_len + q_len)
     for n0 in range(0, open_end, BLOCK_N):
-        k, v = _load_kv(k_base, table, n0 + offs_n, open_end, offs_d, stride_kv, stride_slot,
-                        k_scale, v_scale, q, BLOCK_SIZE, KV_FP8)
+        k, v = load_paged_kv(k_base, table, n0 + offs_n, open_end, offs_d, stride_kv,
+                             stride_slot, k_scale, v_scale, q, BLOCK_SIZE, KV_FP8)
         acc, m_i, l_i = _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, True, False)
     for n0 in range(open_end, kv_end, BLOCK_N):
         pos = n0 + offs_n
-        k, v = _load_kv(k_base, table, pos, kv_end, offs_d, stride_kv, stride_slot,
-                        k_scale, v_scale, q, BLOCK_SIZE, KV_FP8)
+        k, v = load_paged_kv(k_base, table, pos, kv_end, offs_d, stride_kv, stride_slot,
+                             k_scale, v_scale, q, BLOCK_SIZE, KV_FP8)
         mask = (pos[None, :] < kv_end) & (pos[None, :] <= row_pos[:, None])
         acc, m_i, l_i = _tile_fma(acc, m_i, l_i, q, k, v, qk_scale, mask, True)
 
