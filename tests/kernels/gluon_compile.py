@@ -24,8 +24,10 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from kvpilot.kernels import prefill_attention_gluon as kernel
 
-# (head_dim, GQA group, dtype): the cases the GPU tests run, compiled here on any machine
-CASES = ((128, 1, "bf16"), (128, 4, "fp16"), (64, 8, "bf16"))
+# (head_dim, GQA group, dtype, cached prefixes): the cases the GPU tests run, compiled here on
+# any machine
+CASES = ((128, 1, "bf16", False), (128, 4, "fp16", False), (64, 8, "bf16", False),
+         (128, 4, "bf16", True))
 
 
 def descriptor(shape: list[int], dtype: str) -> str:
@@ -46,25 +48,25 @@ def launch_attrs() -> dict:
             for name in ("out_ptr", "stride_ot", "stride_oh") if name in kept}
 
 
-def compile_case(head_dim: int, group: int, dtype: str) -> dict:
+def compile_case(head_dim: int, group: int, dtype: str, prefix: bool) -> dict:
     signature = {
         "q_desc": descriptor([kernel.HALF, head_dim], dtype),
         "k_desc": descriptor([kernel.BLOCK_N, head_dim], dtype),
         "v_desc": descriptor([kernel.BLOCK_N, head_dim], dtype),
-        "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
+        "qsl_ptr": "*i32", "kvs_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": f"*{dtype}",
         "o_desc": descriptor([kernel.HALF, head_dim], dtype),
         "stride_ot": "i32", "stride_oh": "i32",
         "qk_scale": "fp32", "num_heads": "i32", "num_seqs": "i32", "num_m": "i32", "group": "i32",
         "GROUP": "constexpr", "HEAD_DIM": "constexpr", "NUM_STAGES": "constexpr",
-        "Q_BUFS": "constexpr", "TMA_STORE": "constexpr"}
+        "Q_BUFS": "constexpr", "TMA_STORE": "constexpr", "PREFIX": "constexpr"}
     constants = {"GROUP": group, "HEAD_DIM": head_dim, "NUM_STAGES": kernel.STAGES,
-                 "Q_BUFS": kernel.Q_BUFFERS, "TMA_STORE": True}
+                 "Q_BUFS": kernel.Q_BUFFERS, "TMA_STORE": True, "PREFIX": prefix}
     compiled = triton.compile(
         GluonASTSource(kernel._prefill_kernel, signature, constants, launch_attrs()),
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": 4, "maxnreg": kernel.MAX_REGS})
     ptx = compiled.asm["ptx"]
-    result = {"head_dim": head_dim, "group": group, "dtype": dtype,
+    result = {"head_dim": head_dim, "group": group, "dtype": dtype, "prefix": prefix,
               "shared": compiled.metadata.shared, "cubin": len(compiled.asm.get("cubin", b"")),
               "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": "setmaxnreg" in ptx,
               # the output's global stores, by width (b16: one element per instruction)

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_testing import ON_GPU, rel_err, tolerance
+from paged_fixtures import random_paged_cache
 
+from kvpilot.kernels import paged_prefill_attention as prefill_launcher
 from kvpilot.kernels import prefill_attention_gluon as gluon_kernel
 from kvpilot.kernels.paged_prefill_attention import (
     paged_prefill_attention,
@@ -39,7 +41,7 @@ def test_kernel_compiles_for_hopper_within_its_budget():
                           text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     cases = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(cases) == 3
+    assert len(cases) == 4 and [case["prefix"] for case in cases].count(True) == 1
     for case in cases:
         assert 0 < case["shared"] <= H100_SHARED_BYTES, case
         assert case["cubin"] > 0 and case["wgmma"] > 0 and case["setmaxnreg"], case
@@ -187,3 +189,100 @@ def test_launcher_takes_gluon_only_without_a_prefix(monkeypatch):
     for max_prefix_len in (None, 0):
         paged_prefill_attention(*args, max_prefix_len=max_prefix_len)
     assert calls == [1]
+
+
+def _prefixed_case(query_lens, prefix_lens, heads, kv_heads, head_dim, block_size, dtype, device,
+                   decode_rows=0, seed=0):
+    """Gives (q, k, v, cache, tables, starts, lens, host starts, host lens): a batch whose
+    sequences have cached prefixes in a shuffled paged cache, spare slots poisoned with NaN;
+    `decode_rows` leading rows belong to no sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [q + p for q, p in zip(query_lens, prefix_lens, strict=True)]
+    cache, tables = random_paged_cache(seq_lens, kv_heads, head_dim, block_size, dtype, device,
+                                       gen)
+    q, k, v = _qkv(decode_rows + sum(query_lens), heads, kv_heads, head_dim, dtype, device)
+    starts_cpu = [decode_rows + s for s in [0, *torch.tensor(query_lens).cumsum(0).tolist()]]
+    starts = torch.tensor(starts_cpu, dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return q, k, v, cache, tables, starts, lens, starts_cpu, seq_lens
+
+
+def test_gather_prefixed_kv_lays_out_each_sequence():
+    """Each sequence's keys are its cached prefix (from its own blocks, in order) then its new
+    rows of k and v, from kv_starts[b]; the slots after its last key are zeros, not the
+    cache's NaN-poisoned tail."""
+    query_lens, prefix_lens, block_size = [3, 20, 1], [0, 17, 32], 8
+    _, k, v, cache, tables, _, lens, starts_cpu, seq_lens = _prefixed_case(
+        query_lens, prefix_lens, 4, 2, 16, block_size, torch.float32, "cpu", decode_rows=2)
+    gathered = gluon_kernel.gather_prefixed_kv(k, v, cache, tables, lens, starts_cpu, seq_lens)
+    assert gathered.max_seq_len == max(seq_lens) and gathered.seq_lens is lens
+    kv_starts = gathered.kv_starts.tolist()
+    ends = [*kv_starts[1:], gathered.k.shape[0]]
+    for b, (q_len, prefix) in enumerate(zip(query_lens, prefix_lens, strict=True)):
+        pos = torch.arange(prefix)
+        slots = tables[b, pos // block_size].long() * block_size + pos % block_size
+        for i, new in ((0, k), (1, v)):
+            rows = (gathered.k, gathered.v)[i][kv_starts[b]:ends[b]]
+            cached = cache[i].reshape(-1, *cache.shape[3:])[slots]
+            assert torch.equal(rows[:prefix], cached)
+            assert torch.equal(rows[prefix:prefix + q_len],
+                               new[starts_cpu[b]:starts_cpu[b] + q_len])
+            assert not rows[prefix + q_len:].any()  # zeros (a NaN is truthy)
+    assert not gathered.k.isnan().any() and not gathered.v.isnan().any()
+
+
+def test_which_prefixed_batches_gather_for_gluon(monkeypatch):
+    """A batch with cached prefixes runs on the Gluon kernel (keys gathered) only where the
+    kernel takes it prefixes aside (here: as on a Hopper), the host's lengths are given, the
+    cache holds q's dtype, every sequence has GATHER_MIN_QUERY new tokens and the gathered
+    keys fit GATHER_MAX_BYTES."""
+    monkeypatch.setattr(prefill_launcher, "_gluon_takes",
+                        lambda q, k, v, max_prefix_len: max_prefix_len == 0)
+    q, k, v, cache, _, _, _, starts_cpu, seq_lens = _prefixed_case(
+        [128, 200], [16, 0], 2, 2, 64, 16, torch.bfloat16, "cpu")
+    gathers = prefill_launcher._gluon_gathers
+    assert gathers(q, k, v, cache, starts_cpu, seq_lens)
+    assert not gathers(q, k, v, cache, None, seq_lens)
+    assert not gathers(q, k, v, cache, starts_cpu, None)
+    assert not gathers(q, k, v, cache.float(), starts_cpu, seq_lens)  # not q's dtype
+    short = [0, 127, 327]  # the first sequence one token short
+    assert not gathers(q[:327], k[:327], v[:327], cache, short, [143, 200])
+    # K and V, 2 heads x 64 x 2 bytes a row, rows of whole blocks (144 and 208) plus a block each
+    needed = 2 * (2 * 64 * 2) * (144 + 16 + 208 + 16)
+    monkeypatch.setattr(gluon_kernel, "GATHER_MAX_BYTES", needed)
+    assert gathers(q, k, v, cache, starts_cpu, seq_lens)
+    monkeypatch.setattr(gluon_kernel, "GATHER_MAX_BYTES", needed - 1)
+    assert not gathers(q, k, v, cache, starts_cpu, seq_lens)
+    monkeypatch.setattr(gluon_kernel, "GATHER_PREFIX", False)
+    monkeypatch.setattr(gluon_kernel, "GATHER_MAX_BYTES", 1 << 30)
+    assert not gathers(q, k, v, cache, starts_cpu, seq_lens)
+
+
+# (query_lens, prefix_lens, heads, kv_heads, head_dim, block_size): prefixes on and off block
+# and K/V-tile boundaries, no prefix beside prefixes, a long prefix, GQA 1, 4 and 8
+PREFIXED_CASES = [
+    ([128, 300, 129], [0, 17, 1000], 8, 2, 128, 16),
+    ([2049, 128], [4096, 5], 32, 8, 128, 16),
+    ([500, 640], [193, 128], 16, 16, 64, 32),
+]
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("query_lens", "prefix_lens", "heads", "kv_heads", "head_dim",
+                          "block_size"), PREFIXED_CASES)
+def test_gluon_prefill_with_cached_prefixes(query_lens, prefix_lens, heads, kv_heads, head_dim,
+                                            block_size, dtype):
+    """Through the launcher with the host's lengths: keys gathered from a shuffled, NaN-poisoned
+    paged cache; decode rows before the first sequence are never written."""
+    q, k, v, cache, tables, starts, lens, starts_cpu, seq_lens = _prefixed_case(
+        query_lens, prefix_lens, heads, kv_heads, head_dim, block_size, dtype, "cuda",
+        decode_rows=3, seed=len(query_lens))
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    paged_prefill_attention(q, k, v, cache, tables, starts, lens, max(query_lens),
+                            head_dim**-0.5, out=out, max_prefix_len=None, use_gluon=True,
+                            query_start_loc_cpu=starts_cpu, seq_lens_cpu=seq_lens)
+    assert out[:3].isnan().all()
+    ref = paged_prefill_attention_ref(q, k, v, cache, tables, starts, lens, head_dim**-0.5)
+    assert rel_err(out[3:], ref[3:]) < tolerance(dtype)

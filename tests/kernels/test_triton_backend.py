@@ -95,3 +95,33 @@ def test_prefill_launches_split_after_the_last_prefixed_sequence(monkeypatch, pr
     got = TritonAttentionBackend(num_sms=4).forward(q, k, v, cache, meta, 0.125)
     assert calls == launches
     assert rel_err(got, want) < tolerance(torch.float32)
+
+
+@pytest.mark.parametrize(("query_lens", "fast", "host"), [
+    # decodes, a chunk after a prefix, a fresh prompt: the prefixed launch gets the host's
+    # absolute row offsets and sequence lengths
+    ([1, 1, 130, 200], True, ([2, 132], [150])),
+    ([1, 1, 127, 100], True, (None, None)),  # no sequence has GATHER_MIN_QUERY new tokens
+    ([1, 1, 130, 200], False, (None, None)),  # no Gluon kernel: nothing to gather for
+])
+def test_prefixed_launch_gets_the_host_lengths(monkeypatch, query_lens, fast, host):
+    """The launch of sequences with a cached prefix carries host copies of its query offsets
+    and sequence lengths (which let the Gluon kernel take it, keys gathered) where a sequence
+    is long enough for that and the Gluon kernel runs; the launch without prefixes needs none."""
+    from kvpilot.engine.attention import triton_backend
+
+    _, meta = make_step(query_lens, [5, 9, 20, 0], 16, seed=1)
+    calls = []
+    monkeypatch.setattr(triton_backend, "paged_prefill_attention",
+                        lambda *args, **kwargs: calls.append(
+                            (kwargs["max_prefix_len"], kwargs["query_start_loc_cpu"],
+                             kwargs["seq_lens_cpu"])))
+    monkeypatch.setattr(triton_backend, "no_prefix_kernel_ok", lambda q, k, v: fast)
+    tokens = sum(query_lens)
+    q, k, v = torch.zeros(tokens, 2, 16), torch.zeros(tokens, 1, 16), torch.zeros(tokens, 1, 16)
+    out = torch.zeros_like(q)
+    TritonAttentionBackend._prefill(q, k, v, torch.zeros(2, 8, 16, 1, 16), meta, 0.25,
+                                    (1.0, 1.0), 2, out)
+    assert calls[0] == (None, *host)
+    if fast:  # the fresh prompt apart, at max_prefix_len 0
+        assert calls[1] == (0, None, None)

@@ -31,6 +31,8 @@ without a device sync.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +45,8 @@ try:  # Gluon's Hopper API (Triton 3.6 on); with an older Triton the Triton kern
     from kvpilot.kernels import prefill_attention_gluon as _gluon
 except (ImportError, AttributeError):  # pragma: no cover
     _gluon = None
+# the fewest new tokens a sequence with a cached prefix needs to run on the Gluon kernel
+GATHER_MIN_QUERY = _gluon.GATHER_MIN_QUERY if _gluon is not None else 128
 
 LOG2E = 1.4426950408889634
 
@@ -298,6 +302,23 @@ def _gluon_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _gluon is not None and _gluon.gluon_prefill_ok(q, k, v, max_prefix_len)
 
 
+def _gluon_gathers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   query_start_loc_cpu: list[int] | None, seq_lens_cpu: list[int] | None
+                   ) -> bool:
+    """Whether a batch with cached prefixes runs on the Gluon kernel, its keys gathered first
+    (`prefill_attention_gluon.gather_prefixed_kv`): the kernel takes the batch but for its
+    prefixes, the cache holds q's dtype (not fp8), the host knows the lengths, every sequence
+    has at least GATHER_MIN_QUERY new tokens and the gathered keys fit GATHER_MAX_BYTES."""
+    if _gluon is None or not _gluon.GATHER_PREFIX or not _gluon_takes(q, k, v, 0) \
+            or kv_cache.dtype != q.dtype or query_start_loc_cpu is None or seq_lens_cpu is None:
+        return False
+    if min(b - a for a, b in itertools.pairwise(query_start_loc_cpu)) < GATHER_MIN_QUERY:
+        return False
+    block_size, row_bytes = kv_cache.shape[2], kv_cache[0, 0, 0].numel() * q.element_size()
+    rows = sum(-(-n // block_size) * block_size + block_size for n in seq_lens_cpu)
+    return 2 * rows * row_bytes <= _gluon.GATHER_MAX_BYTES
+
+
 def no_prefix_kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Gives whether `paged_prefill_attention` takes a batch of these q/k/v with no cached
     prefix (`max_prefix_len=0`) through the Gluon kernel: a caller with sequences of both
@@ -324,19 +345,36 @@ def paged_prefill_attention(
     use_tma: bool | None = None,  # None: where tma_layout_ok says the descriptors can be made
     max_prefix_len: int | None = None,  # the longest cached prefix in the batch (None: unknown)
     use_gluon: bool | None = None,  # None: where gluon_prefill_ok says the Gluon kernel runs
+    query_start_loc_cpu: list[int] | None = None,  # host copies of query_start_loc and
+    seq_lens_cpu: list[int] | None = None,  # seq_lens: let prefixed batches take Gluon
 ) -> torch.Tensor:
     """Gives the causal attention output [T, num_heads, head_dim] of every new token.
 
-    A batch with no cached prefix (`max_prefix_len` 0) on Hopper runs the warp-specialised
-    Gluon kernel of `prefill_attention_gluon` where `gluon_prefill_ok` holds; the tile and
-    TMA arguments are then unused."""
+    On Hopper the warp-specialised Gluon kernel of `prefill_attention_gluon` runs a batch
+    with no cached prefix (`max_prefix_len` 0) where `gluon_prefill_ok` holds, and a batch
+    with prefixes whose lengths the host copies give, where `_gluon_gathers` holds, on keys
+    gathered from the cache; the tile and TMA arguments are then unused."""
     gluon = _gluon if _gluon_takes(q, k, v, max_prefix_len) else None
+    prefixed = None
+    if gluon is None and use_gluon is not False and _gluon_gathers(
+            q, k, v, kv_cache, query_start_loc_cpu, seq_lens_cpu):
+        assert _gluon is not None and query_start_loc_cpu is not None and seq_lens_cpu is not None
+        gluon = _gluon
+        prefixed = gluon.gather_prefixed_kv(k, v, kv_cache, block_tables, seq_lens,
+                                            query_start_loc_cpu, seq_lens_cpu)
     if use_gluon and gluon is None:
         raise ValueError("use_gluon: needs Triton 3.6+ (Gluon), a Hopper GPU (compute capability "
                          "9.x), KVPILOT_GLUON_PREFILL not 0, fp16/bf16 q/k/v with head_dim 64 "
                          "or 128 whose heads are contiguous within a token (16-byte aligned "
-                         "rows), no cached prefix (max_prefix_len=0), and no CUDA-graph capture")
+                         "rows), no CUDA-graph capture, and no cached prefix (max_prefix_len=0) "
+                         "unless the host's lengths are given (query_start_loc_cpu, "
+                         "seq_lens_cpu), the cache is 16-bit and every sequence has 128 or "
+                         "more new tokens")
     if gluon is not None and use_gluon is not False:
+        if prefixed is not None:
+            return gluon.gluon_prefill_attention(q, prefixed.k, prefixed.v, query_start_loc,
+                                                 max_query_len, scale, out=out,
+                                                 prefixed=prefixed)
         return gluon.gluon_prefill_attention(q, k, v, query_start_loc, max_query_len, scale,
                                              out=out)
     num_heads, head_dim = q.shape[1], q.shape[2]

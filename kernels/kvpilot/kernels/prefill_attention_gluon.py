@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -80,6 +81,14 @@ def _jit(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
 LOG2E = 1.4426950408889634
 # KVPILOT_GLUON_PREFILL=0 keeps every prefill on the Triton kernels (an A/B switch)
 ENABLED = os.environ.get("KVPILOT_GLUON_PREFILL", "1") != "0"
+# Sequences with a cached prefix (a long prompt's later chunks) run here too, their keys
+# gathered from the paged cache first (`gather_prefixed_kv`), where each has at least
+# GATHER_MIN_QUERY new tokens (below that the gather's copy is a large share of the work:
+# it moves each prefix key twice more, the attention reads it once per 128 queries) and
+# the gathered keys take at most GATHER_MAX_BYTES; KVPILOT_GLUON_PREFIX=0 keeps them on the
+# Triton kernels (an A/B switch)
+GATHER_PREFIX = os.environ.get("KVPILOT_GLUON_PREFIX", "1") != "0"
+GATHER_MIN_QUERY, GATHER_MAX_BYTES = 128, 1 << 30
 HEAD_DIMS = (64, 128)  # the head sizes tested on an H100 (test_prefill_attention_gluon.py)
 HALF = 64  # query rows per consumer warpgroup (one 64-row warpgroup MMA)
 BLOCK_N = 128  # keys per K/V block
@@ -110,6 +119,54 @@ def gluon_prefill_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
+@dataclass(frozen=True)
+class PrefixedKV:
+    """Keys and values of sequences with a cached prefix, each sequence's rows contiguous:
+    rows kv_starts[b] to kv_starts[b] + seq_lens[b] hold its cached prefix, then its new
+    tokens."""
+    k: torch.Tensor  # [rows, num_kv_heads, head_dim]
+    v: torch.Tensor
+    kv_starts: torch.Tensor  # [B] int32
+    seq_lens: torch.Tensor  # [B] int32, cached + new tokens
+    max_seq_len: int
+
+
+def gather_prefixed_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc_cpu: list[int], seq_lens_cpu: list[int]) -> PrefixedKV:
+    """Gives the batch's keys and values with each cached prefix copied out of the paged cache
+    ([2, num_blocks, block_size, num_kv_heads, head_dim], 16-bit) and the new tokens' rows of
+    k, v after it. Sequence b's new tokens are rows query_start_loc_cpu[b] to [b + 1] of k, v
+    (a host copy of the launch's query_start_loc: no device sync), its length seq_lens_cpu[b].
+    Its region is its prefix blocks' slots plus its new tokens, whole blocks copied, then the
+    new rows written over the last block's tail; the slots after its last key are zeroed (the
+    kernel masks those keys, but a NaN there would still reach the output through a zero
+    weight)."""
+    block_size = kv_cache.shape[2]
+    regions = []  # (first row, prefix blocks, first new row in k/v, new rows, sequence length)
+    rows = 0
+    for b, n in enumerate(seq_lens_cpu):
+        q0, q_len = query_start_loc_cpu[b], query_start_loc_cpu[b + 1] - query_start_loc_cpu[b]
+        blocks = -(-(n - q_len) // block_size)
+        regions.append((rows, blocks, q0, q_len, n))
+        rows += blocks * block_size + q_len
+    shape = (rows, *kv_cache.shape[3:])
+    gathered = []
+    for cache, new in zip(kv_cache, (k, v), strict=True):
+        out = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+        for b, (start, blocks, q0, q_len, n) in enumerate(regions):
+            if blocks:
+                torch.index_select(cache, 0, block_tables[b, :blocks], out=out[
+                    start:start + blocks * block_size].view(blocks, block_size, *shape[1:]))
+            out[start + n - q_len:start + n].copy_(new[q0:q0 + q_len])
+            out[start + n:start + blocks * block_size + q_len].zero_()
+        gathered.append(out)
+    kv_starts = torch.tensor([region[0] for region in regions], dtype=torch.int32)
+    if kv_cache.is_cuda:  # (pinned: the copy queues behind the step's work, no host wait)
+        kv_starts = kv_starts.pin_memory().to(kv_cache.device, non_blocking=True)
+    return PrefixedKV(gathered[0], gathered[1], kv_starts, seq_lens, max(seq_lens_cpu))
+
+
 # (a Gluon function reads a module global only as a constexpr)
 _HALF, _BLOCK_N = gl.constexpr(HALF), gl.constexpr(BLOCK_N)
 _CONSUMER_REGS, _LOADER_REGS = gl.constexpr(CONSUMER_REGS), gl.constexpr(LOADER_REGS)
@@ -126,10 +183,12 @@ def _barriers(n: gl.constexpr, count: gl.constexpr):
 
 @_jit
 def _tile(t, sched, BLOCK_M: gl.constexpr):
-    """Gives tile t's (head, first query row, sequence's first token, its length, K/V
-    blocks): (sequence, head) pairs in groups of `group`, each group's longest tiles first;
-    no blocks for a tile past its sequence's end."""
-    qsl_ptr, num_heads, num_seqs, num_m, group = sched
+    """Gives tile t's (head, first query row, sequence's first query token, its query length,
+    K/V blocks, the sequence's first key row, its cached prefix length): (sequence, head)
+    pairs in groups of `group`, each group's longest tiles first; no blocks for a tile past
+    its sequence's end. Without PREFIX a sequence's keys are its query rows; with it they
+    start at kvs_ptr[seq] and hold seq_lens[seq] - query length cached keys first."""
+    qsl_ptr, kvs_ptr, seq_lens_ptr, num_heads, num_seqs, num_m, group, PREFIX = sched
     g = t // (group * num_m)
     r = t - g * group * num_m
     size = gl.minimum(group, num_heads * num_seqs - g * group)  # the last group is short
@@ -139,9 +198,15 @@ def _tile(t, sched, BLOCK_M: gl.constexpr):
     m0 = (num_m - 1 - r // size) * BLOCK_M
     q_start = gl.load(qsl_ptr + seq)
     q_len = gl.load(qsl_ptr + seq + 1) - q_start
-    n_blocks = gl.where(m0 < q_len, (gl.minimum(m0 + BLOCK_M, q_len) + _BLOCK_N - 1) // _BLOCK_N,
-                        0)
-    return head, m0, q_start, q_len, n_blocks
+    if PREFIX:
+        kv_start = gl.load(kvs_ptr + seq)
+        prefix = gl.load(seq_lens_ptr + seq) - q_len
+    else:
+        kv_start = q_start
+        prefix = q_len * 0
+    n_blocks = gl.where(m0 < q_len,
+                        (prefix + gl.minimum(m0 + BLOCK_M, q_len) + _BLOCK_N - 1) // _BLOCK_N, 0)
+    return head, m0, q_start, q_len, n_blocks, kv_start, prefix
 
 
 @_jit
@@ -153,11 +218,11 @@ def _load_partition(descs, bufs, bars, sched, out, GROUP: gl.constexpr,
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
     num_stages: gl.constexpr = k_smem.type.shape[0]
     q_buffers: gl.constexpr = q_smem.type.shape[0] // 2
-    num_tiles = sched[1] * sched[2] * sched[3]
+    num_tiles = sched[3] * sched[4] * sched[5]
     c = 0  # K/V blocks loaded, over all of this program's tiles
     qi = 0  # tiles with work
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        head, m0, q_start, _, n_blocks = _tile(t, sched, 2 * _HALF)
+        head, m0, q_start, _, n_blocks, kv_start, _ = _tile(t, sched, 2 * _HALF)
         if n_blocks > 0:
             b = qi % q_buffers
             mbarrier.wait(q_empty.index(b), ((qi // q_buffers) & 1) ^ 1)
@@ -171,11 +236,11 @@ def _load_partition(descs, bufs, bars, sched, out, GROUP: gl.constexpr,
                 ph = ((c // num_stages) & 1) ^ 1
                 mbarrier.wait(k_empty.index(s), ph)
                 mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                _tma_load(k_desc, [q_start + j * _BLOCK_N, kv_col], k_ready.index(s),
+                _tma_load(k_desc, [kv_start + j * _BLOCK_N, kv_col], k_ready.index(s),
                           k_smem.index(s))
                 mbarrier.wait(v_empty.index(s), ph)
                 mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                _tma_load(v_desc, [q_start + j * _BLOCK_N, kv_col], v_ready.index(s),
+                _tma_load(v_desc, [kv_start + j * _BLOCK_N, kv_col], v_ready.index(s),
                           v_smem.index(s))
                 c += 1
             qi += 1
@@ -219,15 +284,16 @@ def _consume(bufs, bars, sched, out, W: gl.constexpr, HEAD_DIM: gl.constexpr):
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([_HALF, _BLOCK_N], gl.float32, layout=s_layout)
-    num_tiles = sched[1] * sched[2] * sched[3]
+    num_tiles = sched[3] * sched[4] * sched[5]
     c = 0
     qi = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        head, m0, q_start, q_len, n_blocks = _tile(t, sched, 2 * _HALF)
+        head, m0, q_start, q_len, n_blocks, _, prefix = _tile(t, sched, 2 * _HALF)
         if n_blocks > 0:
             b = qi % q_buffers
             row0 = m0 + W * _HALF
-            rows = row0 + gl.arange(0, _HALF, layout=row_layout)
+            diag0 = prefix + row0  # the first row's position among the sequence's keys
+            rows = diag0 + gl.arange(0, _HALF, layout=row_layout)
             cols = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             m_i = gl.full([_HALF], float("-inf"), gl.float32, layout=row_layout)
             l_i = gl.full([_HALF], 0.0, gl.float32, layout=row_layout)
@@ -241,7 +307,7 @@ def _consume(bufs, bars, sched, out, W: gl.constexpr, HEAD_DIM: gl.constexpr):
                               is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(st), count=1)
-            p, alpha, m_i, l_i = _scores(s, m_i, l_i, rows, cols, 0, row0, qk_scale)
+            p, alpha, m_i, l_i = _scores(s, m_i, l_i, rows, cols, 0, diag0, qk_scale)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, n_blocks):
                 # block j's scores and block j-1's P @ V run while block j's softmax does
@@ -256,7 +322,7 @@ def _consume(bufs, bars, sched, out, W: gl.constexpr, HEAD_DIM: gl.constexpr):
                 acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s,))
                 mbarrier.arrive(k_empty.index(st), count=1)
-                p, alpha, m_i, l_i = _scores(s, m_i, l_i, rows, cols, j, row0, qk_scale)
+                p, alpha, m_i, l_i = _scores(s, m_i, l_i, rows, cols, j, diag0, qk_scale)
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
@@ -300,11 +366,11 @@ def _consume_second(descs, bufs, bars, sched, out, GROUP: gl.constexpr,
 # instead of 128 b16 ones); unspecialised, the kernel ran at 0.83-0.96x the fastest SDPA
 # backend on an H100, specialised at 0.95-1.04x (bench/results/issue21-H100-2026-11-28/)
 @_jit(do_not_specialize=["num_seqs", "num_m", "group"],
-      do_not_specialize_on_alignment=["qsl_ptr"])
-def _prefill_kernel(q_desc, k_desc, v_desc, qsl_ptr, out_ptr, o_desc, stride_ot, stride_oh,
-                    qk_scale, num_heads, num_seqs, num_m, group, GROUP: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    Q_BUFS: gl.constexpr, TMA_STORE: gl.constexpr):
+      do_not_specialize_on_alignment=["qsl_ptr", "kvs_ptr", "seq_lens_ptr"])
+def _prefill_kernel(q_desc, k_desc, v_desc, qsl_ptr, kvs_ptr, seq_lens_ptr, out_ptr, o_desc,
+                    stride_ot, stride_oh, qk_scale, num_heads, num_seqs, num_m, group,
+                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    Q_BUFS: gl.constexpr, TMA_STORE: gl.constexpr, PREFIX: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, _HALF, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -315,7 +381,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, qsl_ptr, out_ptr, o_desc, stride_ot,
             _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, 2), _barriers(NUM_STAGES, 2))
     descs = (q_desc, k_desc, v_desc)
     bufs = (q_smem, k_smem, v_smem)
-    sched = (qsl_ptr, num_heads, num_seqs, num_m, group)
+    sched = (qsl_ptr, kvs_ptr, seq_lens_ptr, num_heads, num_seqs, num_m, group, PREFIX)
     out = (out_ptr, o_desc, stride_ot, stride_oh, qk_scale, TMA_STORE)
     gl.warp_specialize([
         (_consume, (bufs, bars, sched, out, 0, HEAD_DIM)),
@@ -342,11 +408,14 @@ def gluon_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                             out: torch.Tensor | None = None, q_buffers: int = Q_BUFFERS,
                             stages: int = STAGES, l2_bytes: int = L2_BYTES,
-                            programs: int | None = None) -> torch.Tensor:
-    """Gives the causal attention output [T, num_heads, head_dim] of sequences with no cached
-    prefix (`gluon_prefill_ok` must hold); `q_buffers`, `stages`, `l2_bytes` and `programs`
-    (default: one per SM) are the benchmark's and the tests' knobs."""
-    tokens, num_heads, head_dim = q.shape
+                            programs: int | None = None,
+                            prefixed: PrefixedKV | None = None) -> torch.Tensor:
+    """Gives the causal attention output [T, num_heads, head_dim] of a batch of sequences
+    (`gluon_prefill_ok` must hold, prefixes aside). Without `prefixed` no sequence has a
+    cached prefix and k, v are the new tokens' rows beside q's; with it, k and v hold each
+    sequence's keys from its first (`gather_prefixed_kv`). `q_buffers`, `stages`, `l2_bytes`
+    and `programs` (default: one per SM) are the benchmark's and the tests' knobs."""
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads = k.shape[1]
     if out is None:
         out = torch.empty_like(q)
@@ -357,24 +426,29 @@ def gluon_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_layout, kv_layout = _smem_layouts(head_dim, q.dtype)
 
     def descriptor(x: torch.Tensor, rows: int, layout) -> TensorDescriptor:
-        flat = x.view(tokens, x.shape[1] * head_dim)  # heads contiguous: one 2-D row per token
+        flat = x.view(x.shape[0], x.shape[1] * head_dim)  # heads contiguous: a 2-D row a token
         return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, head_dim],
                                 layout)
 
     num_m = triton.cdiv(max_query_len, 2 * HALF)
     # (sequence, head) pairs per group: as many as have l2_bytes of K/V between them (the
     # GQA group's heads share theirs)
-    kv_bytes_per_head = 2 * max_query_len * head_dim * q.element_size() * num_kv_heads / num_heads
+    max_kv_len = prefixed.max_seq_len if prefixed is not None else max_query_len
+    kv_bytes_per_head = 2 * max_kv_len * head_dim * q.element_size() * num_kv_heads / num_heads
     group = max(1, min(num_heads * num_seqs, int(l2_bytes // kv_bytes_per_head)))
     tiles = num_heads * num_seqs * num_m
     grid = (min(tiles, programs or _num_sms(q.device.index or 0)),)
     q_desc = descriptor(q, HALF, q_layout)
     # the output leaves by TMA where its rows allow a descriptor (else q's stands in, unread)
     tma_store = tma_rows_ok(out)
+    # without a prefix the key starts and lengths are query_start_loc's, never read
+    kv_starts = prefixed.kv_starts if prefixed is not None else query_start_loc
+    seq_lens = prefixed.seq_lens if prefixed is not None else query_start_loc
     _prefill_kernel[grid](
         q_desc, descriptor(k, BLOCK_N, kv_layout), descriptor(v, BLOCK_N, kv_layout),
-        query_start_loc, out, descriptor(out, HALF, q_layout) if tma_store else q_desc,
+        query_start_loc, kv_starts, seq_lens, out,
+        descriptor(out, HALF, q_layout) if tma_store else q_desc,
         out.stride(0), out.stride(1), scale * LOG2E, num_heads, num_seqs, num_m, group,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, NUM_STAGES=stages, Q_BUFS=q_buffers,
-        TMA_STORE=tma_store, num_warps=4, maxnreg=MAX_REGS)
+        TMA_STORE=tma_store, PREFIX=prefixed is not None, num_warps=4, maxnreg=MAX_REGS)
     return out

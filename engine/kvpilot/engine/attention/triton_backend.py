@@ -10,12 +10,15 @@ syncs), so one decode step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.kernels.kv_cache_write import kv_cache_write
 from kvpilot.kernels.paged_decode_attention import default_num_splits, paged_decode_attention
 from kvpilot.kernels.paged_prefill_attention import (
+    GATHER_MIN_QUERY,
     no_prefix_kernel_ok,
     paged_prefill_attention,
 )
@@ -64,17 +67,33 @@ class TritonAttentionBackend:
         a prefix-cache hit), then the rest as a batch with no prefix, which the launcher gives
         its faster no-prefix kernel where that runs (else one launch takes them all)."""
         end, prefixed = meta.num_seqs, meta.prefixed_prefills
+        fast = no_prefix_kernel_ok(q, k, v)
         if prefixed is None:  # unknown: every sequence may have a prefix
             split = end
         elif prefixed == 0:
             split = num_decodes
         else:  # two launches only where the second takes the faster kernel
-            split = num_decodes + prefixed if no_prefix_kernel_ok(q, k, v) else end
+            split = num_decodes + prefixed if fast else end
         for first, last, prefix in ((num_decodes, split, None), (split, end, 0)):
             if first < last:
                 # query_start_loc holds absolute row offsets, so the kernels take their
                 # sequences' slices and index the full q/k/v/out
+                starts, lens = (TritonAttentionBackend._host_lengths(meta, first, last)
+                                if prefix is None and fast else (None, None))
                 paged_prefill_attention(q, k, v, kv_cache, meta.block_tables[first:last],
                                         meta.query_start_loc[first:last + 1],
                                         meta.seq_lens[first:last], meta.max_query_len, scale,
-                                        out=out, kv_scales=kv_scales, max_prefix_len=prefix)
+                                        out=out, kv_scales=kv_scales, max_prefix_len=prefix,
+                                        query_start_loc_cpu=starts, seq_lens_cpu=lens)
+
+    @staticmethod
+    def _host_lengths(meta: AttentionMetadata, first: int, last: int
+                      ) -> tuple[list[int] | None, list[int] | None]:
+        """Gives host copies of query_start_loc[first:last + 1] and seq_lens[first:last],
+        which let the launcher run sequences with a cached prefix on the Gluon kernel; (None,
+        None) where the metadata has none or no sequence is long enough for that to pay."""
+        qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
+        if qlens is None or slens is None or meta.max_query_len < GATHER_MIN_QUERY:
+            return None, None
+        starts = list(itertools.accumulate(qlens[:last], initial=0))
+        return starts[first:], slens[first:last]
