@@ -286,3 +286,20 @@ def test_gluon_prefill_with_cached_prefixes(query_lens, prefix_lens, heads, kv_h
     assert out[:3].isnan().all()
     ref = paged_prefill_attention_ref(q, k, v, cache, tables, starts, lens, head_dim**-0.5)
     assert rel_err(out[3:], ref[3:]) < tolerance(dtype)
+
+
+def test_gather_reserve_bytes(monkeypatch):
+    """The memory an engine keeps beside its KV cache for one layer's gathered keys: on a
+    Hopper GPU with a 16-bit cache, the bound given, at most GATHER_MAX_BYTES; else none."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    reserve = prefill_launcher.gather_reserve_bytes
+    assert reserve(cuda, torch.bfloat16, 4096, 1000) == 4096 * 1000
+    assert reserve(cuda, torch.float16, 4096, 1 << 20) == gluon_kernel.GATHER_MAX_BYTES
+    assert reserve(cuda, torch.float8_e4m3fn, 4096, 1000) == 0  # fp8: the Triton kernel
+    assert reserve(torch.device("cpu"), torch.bfloat16, 4096, 1000) == 0
+    monkeypatch.setattr(gluon_kernel, "GATHER_PREFIX", False)
+    assert reserve(cuda, torch.bfloat16, 4096, 1000) == 0
+    monkeypatch.setattr(gluon_kernel, "GATHER_PREFIX", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert reserve(cuda, torch.bfloat16, 4096, 1000) == 0

@@ -319,6 +319,21 @@ def _gluon_gathers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     return 2 * rows * row_bytes <= _gluon.GATHER_MAX_BYTES
 
 
+def gather_reserve_bytes(device: torch.device, kv_dtype: torch.dtype, kv_bytes_per_token: int,
+                         max_tokens: int) -> int:
+    """Gives the GPU memory an engine keeps beside its KV cache for one layer's keys and values
+    gathered for the Gluon kernel (freed after each layer): `kv_bytes_per_token` (one layer,
+    K and V) times `max_tokens` (every sequence's tokens, the most a step's prefixed sequences
+    hold), at most GATHER_MAX_BYTES; 0 where no prefix is ever gathered (not a Hopper GPU
+    under CUDA, an fp8 cache, Gluon off or missing)."""
+    if _gluon is None or not (_gluon.ENABLED and _gluon.GATHER_PREFIX) \
+            or torch.version.hip is not None or device.type != "cuda" \
+            or kv_dtype not in (torch.float16, torch.bfloat16) \
+            or torch.cuda.get_device_capability(device)[0] != 9:
+        return 0
+    return min(_gluon.GATHER_MAX_BYTES, kv_bytes_per_token * max_tokens)
+
+
 def no_prefix_kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Gives whether `paged_prefill_attention` takes a batch of these q/k/v with no cached
     prefix (`max_prefix_len=0`) through the Gluon kernel: a caller with sequences of both

@@ -231,9 +231,16 @@ class ModelRunner:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
         nixl = nixl_device_bytes(self.args)  # its send region or landing pool, made later
-        free_bytes = int(total * self.args.gpu_memory_utilization) - peak - nixl
+        # a long prompt's later chunks gather one layer's cached keys at a time (decision 0140)
+        from kvpilot.kernels.paged_prefill_attention import gather_reserve_bytes  # (Triton)
+
+        gather = gather_reserve_bytes(
+            self.device, self.kv_dtype, self.bytes_per_block // (self.block_size * len(
+                self.stage.layers)), self.args.max_num_seqs * self.config.max_model_len)
+        free_bytes = int(total * self.args.gpu_memory_utilization) - peak - nixl - gather
         if free_bytes < self.bytes_per_block:
-            beside = f" and {nixl / 2**30:.0f} GiB of NIXL buffers" if nixl else ""
+            beside = "".join(f" and {size / 2**30:.1f} GiB of {what}" for size, what in (
+                (nixl, "NIXL buffers"), (gather, "keys gathered for long prompts")) if size)
             raise ValueError(f"gpu_memory_utilization={self.args.gpu_memory_utilization} leaves no "
                              f"room for the KV cache after the model{beside}: raise it or lower "
                              "max_num_batched_tokens")
