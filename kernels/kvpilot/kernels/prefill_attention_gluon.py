@@ -3,7 +3,7 @@
 # off for this file only, every other rule still applies to it.
 # pyright: reportAssignmentType=false, reportArgumentType=false, reportOperatorIssue=false
 # pyright: reportGeneralTypeIssues=false, reportIndexIssue=false, reportCallIssue=false
-"""Prefill attention for Hopper in Gluon: warp-specialised, persistent, causal, no cached prefix.
+"""Prefill attention for Hopper in Gluon: warp-specialised, persistent, causal.
 
 Triton's language leaves the schedule of a flash-attention loop to the compiler; on an
 H100 the best of kvpilot's Triton kernels reached 0.76-0.86 of cuDNN attention (issue 21,
@@ -25,10 +25,12 @@ a kernel say which warps do what, and this one is laid out the way FlashAttentio
   of whole rows. Stored from registers instead, with the MMA layout's two adjacent columns a
   thread, the output took 7% of the kernel's time at N=2048 (14% at N=1024).
 
-The batch is the flat layout of `paged_prefill_attention`, restricted to sequences with no
-cached prefix: sequence b's queries, keys and values are rows query_start_loc[b] to
-query_start_loc[b+1] of q, k, v ([tokens, heads, head_dim], heads contiguous in a token),
-read through TMA descriptors over [tokens, heads * head_dim]. A descriptor tile may run into
+The batch is the flat layout of `paged_prefill_attention`. Without a cached prefix, sequence
+b's queries, keys and values are rows query_start_loc[b] to query_start_loc[b+1] of q, k, v
+([tokens, heads, head_dim], heads contiguous in a token), read through TMA descriptors over
+[tokens, heads * head_dim]. With prefixes (`PrefixedKV`, decision 0140) its keys and values
+are first gathered from the paged cache into one contiguous region per sequence, rows
+kv_starts[b] on, the prefix first; query row i then sits at key position prefix + i. A descriptor tile may run into
 the next sequence's rows (or past the tensor's end, which reads zeros): those keys lie right
 of every stored row's diagonal and are masked by causality alone, and rows past a sequence
 are never stored: a half-tile that ends a sequence part-way is stored from registers,
