@@ -14,7 +14,7 @@ from router_fake_engine import FakeEngine
 from kvpilot.engine.router.flow_control import Admission, FlowControl
 from kvpilot.engine.router.flow_metrics import FlowMetrics
 from kvpilot.engine.router.flow_queue import QueueLimits
-from kvpilot.engine.router.flow_share import WINDOW_S, FlowUsage, reserve_of
+from kvpilot.engine.router.flow_share import RATE_FLOOR_S, WINDOW_S, FlowUsage, reserve_of
 from kvpilot.engine.router.flow_ticket import FlowTicket
 from kvpilot.engine.router.saturation import (
     LoadView,
@@ -68,6 +68,24 @@ HIGH, LOW = ("h", 10), ("l", 0)
 def test_who_may_take_the_reserve(arrivals, in_flight, key, room, allowed):
     usage = usage_of(arrivals, in_flight)
     assert usage.taker(100.0, set(), 8, 0.25)(key, room) is allowed
+
+
+def test_a_flood_that_just_began_is_a_flood_at_once():
+    # B sent 3/s for the whole window; A's flood began 20 ms ago with its second request
+    usage = FlowUsage()
+    for n in range(30):
+        usage.arrived(B, 100.0 - WINDOW_S + 0.05 + n / 3)
+    usage.arrived(A, 99.98)
+    usage.arrived(A, 100.0)
+    usage.dispatched(A)
+    may_take = usage.taker(100.0, set(), 8, 0.25)
+    assert usage.rate(A, 100.0) == pytest.approx(2 / RATE_FLOOR_S)
+    assert usage.rate(B, 100.0) == pytest.approx(3.0, rel=0.02)
+    # the reserve stays B's: A's two requests outweigh B's 30 (a count over the window
+    # would have called A the quiet one and given it B's slots for the flood's first second)
+    assert not may_take(A, 2)
+    assert may_take(B, 2)
+    assert may_take(A, 3)  # above the reserve: anyone
 
 
 def test_a_flow_silent_for_the_window_stops_counting():

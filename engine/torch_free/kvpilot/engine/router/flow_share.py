@@ -9,8 +9,13 @@ flood's to finish, however early it leaves the router's queue. The rule, per flo
   `kvpilot_max_num_seqs`);
 - a flow is **active** while it has a request in flight or queued, or sent one within the
   last `WINDOW_S` (a quiet flow between two requests still counts);
-- a flow is **quiet** when it sent fewer than its fair share of its band's requests in that
-  window (fewer than 1/n of them, n the band's active flows) or is its band's only flow;
+- a flow's **rate** is its arrivals in that window over the time since the first of them
+  (at least `RATE_FLOOR_S`): a flood that began a moment ago is a flood at once, where a
+  count over the whole window made it look quieter than a steady flow for its first second
+  (measured: the flood's first requests took the reserve, the quiet flow's next ones
+  waited ~1 s for a slot, `bench/results/flow_control-CPU-2026-12-05`);
+- a flow is **quiet** when its rate is under its fair share of its band's (under 1/n of
+  the band's summed rates, n the band's active flows) or it is its band's only flow;
 - the last `reserve` free slots (`ceil(reserved_slots_fraction * slots)`) go only to quiet
   flows of the highest active band: any other request takes a slot only while more than
   `reserve` are free. So a flood holds at most `slots - reserve` while anyone else sends,
@@ -30,6 +35,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 WINDOW_S = 10.0
+# the shortest span a flow's rate is measured over: a flood's first two requests, a few ms
+# apart, are already 4/s (more than a steady flow of 3/s), one request of a flow silent until
+# now no more than 2/s
+RATE_FLOOR_S = 0.5
 
 FlowKey = tuple[str, int]  # (flow, priority band)
 
@@ -41,15 +50,13 @@ def reserve_of(slots: int, reserved_slots_fraction: float) -> int:
 
 @dataclass
 class FlowUsage:
-    """Each flow's requests in flight and its arrivals in the window, by (flow, band)."""
+    """Each flow's requests in flight and its arrival times in the window, by (flow, band)."""
 
     in_flight: Counter[FlowKey] = field(default_factory=Counter)
-    arrivals: deque[tuple[float, FlowKey]] = field(default_factory=deque)
-    recent: Counter[FlowKey] = field(default_factory=Counter)  # arrivals in the window
+    arrivals: dict[FlowKey, deque[float]] = field(default_factory=dict)  # in the window
 
     def arrived(self, key: FlowKey, now: float) -> None:
-        self.arrivals.append((now, key))
-        self.recent[key] += 1
+        self.arrivals.setdefault(key, deque()).append(now)
 
     def dispatched(self, key: FlowKey) -> None:
         self.in_flight[key] += 1
@@ -62,23 +69,34 @@ class FlowUsage:
     def active(self, now: float, queued: set[FlowKey]) -> set[FlowKey]:
         """Gives the flows active at `now` (`queued`: those with a request queued); forgets
         the arrivals older than the window."""
-        while self.arrivals and self.arrivals[0][0] < now - WINDOW_S:
-            _, key = self.arrivals.popleft()
-            self.recent[key] -= 1
-            if not self.recent[key]:
-                del self.recent[key]
-        return set(self.recent) | set(self.in_flight) | queued
+        for key in list(self.arrivals):
+            times = self.arrivals[key]
+            while times and times[0] < now - WINDOW_S:
+                times.popleft()
+            if not times:
+                del self.arrivals[key]
+        return set(self.arrivals) | set(self.in_flight) | queued
+
+    def rate(self, key: FlowKey, now: float) -> float:
+        """Gives the flow's arrivals per second: those in the window over the time since the
+        first of them, at least RATE_FLOOR_S (call `active` first: it trims the window)."""
+        times = self.arrivals.get(key)
+        if not times:
+            return 0.0
+        return len(times) / max(now - times[0], RATE_FLOOR_S)
 
     def taker(self, now: float, queued: set[FlowKey], slots: int,
               reserved_slots_fraction: float) -> Callable[[FlowKey, int], bool]:
         """Gives, as of `now` for a pool of `slots`, whether a request of a flow may take
         one of `room` free slots (`queued`: the flows with a request queued)."""
-        flows = Counter(priority for _, priority in self.active(now, queued))
+        active = self.active(now, queued)
+        flows = Counter(priority for _, priority in active)
         top = max(flows, default=0)
         reserve = reserve_of(slots, reserved_slots_fraction)
-        sent = Counter()
-        for (_, priority), n in self.recent.items():
-            sent[priority] += n
+        rates = {key: self.rate(key, now) for key in active}
+        band_rate: dict[int, float] = {}
+        for (_, priority), rate in rates.items():
+            band_rate[priority] = band_rate.get(priority, 0.0) + rate
 
         def may_take(key: FlowKey, room: int) -> bool:
             if room <= 0:
@@ -86,6 +104,6 @@ class FlowUsage:
             if room > reserve:
                 return True
             band = key[1]
-            quiet = flows[band] <= 1 or self.recent[key] * flows[band] < sent[band]
+            quiet = flows[band] <= 1 or rates.get(key, 0.0) * flows[band] < band_rate.get(band, 0.0)
             return band >= top and quiet
         return may_take
