@@ -79,13 +79,28 @@ def test_a_flood_that_just_began_is_a_flood_at_once():
     usage.arrived(A, 100.0)
     usage.dispatched(A)
     may_take = usage.taker(100.0, set(), 8, 0.25)
-    assert usage.rate(A, 100.0) == pytest.approx(2 / RATE_FLOOR_S)
-    assert usage.rate(B, 100.0) == pytest.approx(3.0, rel=0.02)
+    assert usage.rate(A) == pytest.approx(2 / RATE_FLOOR_S)
+    assert usage.rate(B) == pytest.approx(3.0, rel=0.05)
     # the reserve stays B's: A's two requests outweigh B's 30 (a count over the window
     # would have called A the quiet one and given it B's slots for the flood's first second)
     assert not may_take(A, 2)
     assert may_take(B, 2)
     assert may_take(A, 3)  # above the reserve: anyone
+
+
+def test_a_flow_that_stopped_keeps_its_rate_until_it_leaves_the_window():
+    # the probe sent 15/s from 85 s to 92 s; B sends 4/s; at 100 s, 3 of 8 slots are held
+    usage = FlowUsage()
+    probe = ("probe", 0)
+    for n in range(105):
+        usage.arrived(probe, 85.0 + n / 15)
+    for n in range(40):
+        usage.arrived(B, 90.2 + n / 4)
+    may_take = usage.taker(100.0, set(), 8, 0.625)
+    assert usage.rate(probe) == pytest.approx(15.0, rel=0.05)
+    # B stays the quiet one: the reserve is still B's (the probe's 30 arrivals left in the
+    # window over the 10 s up to now, 3/s, made B the heavier flow and its 4th request wait)
+    assert may_take(B, 5)
 
 
 def test_a_flow_silent_for_the_window_stops_counting():

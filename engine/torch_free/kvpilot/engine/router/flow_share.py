@@ -9,11 +9,14 @@ flood's to finish, however early it leaves the router's queue. The rule, per flo
   `kvpilot_max_num_seqs`);
 - a flow is **active** while it has a request in flight or queued, or sent one within the
   last `WINDOW_S` (a quiet flow between two requests still counts);
-- a flow's **rate** is its arrivals in that window over the time since the first of them
-  (at least `RATE_FLOOR_S`): a flood that began a moment ago is a flood at once, where a
-  count over the whole window made it look quieter than a steady flow for its first second
-  (measured: the flood's first requests took the reserve, the quiet flow's next ones
-  waited ~1 s for a slot, `bench/results/flow_control-CPU-2026-12-05`);
+- a flow's **rate** is its arrivals in that window over the time from the first of them to
+  the last (at least `RATE_FLOOR_S`): what it sends while it sends. A flood that began a
+  moment ago is a flood at once, where a count over the whole window made it look quieter
+  than a steady flow for its first second (measured: the flood's first requests took the
+  reserve, the quiet flow's next ones waited ~1 s for a slot,
+  `bench/results/flow_control-CPU-2026-12-05`); and a flow that stopped keeps its rate
+  until it leaves the window, where a rate up to now decayed and made a steady flow the
+  heavier one of the two (its requests then waited for slots held by nobody else);
 - a flow is **quiet** when its rate is under its fair share of its band's (under 1/n of
   the band's summed rates, n the band's active flows) or it is its band's only flow;
 - the last `reserve` free slots (`ceil(reserved_slots_fraction * slots)`) go only to quiet
@@ -77,13 +80,13 @@ class FlowUsage:
                 del self.arrivals[key]
         return set(self.arrivals) | set(self.in_flight) | queued
 
-    def rate(self, key: FlowKey, now: float) -> float:
-        """Gives the flow's arrivals per second: those in the window over the time since the
-        first of them, at least RATE_FLOOR_S (call `active` first: it trims the window)."""
+    def rate(self, key: FlowKey) -> float:
+        """Gives the flow's arrivals per second: those in the window over the time from the
+        first of them to the last, at least RATE_FLOOR_S (`active` trims the window)."""
         times = self.arrivals.get(key)
         if not times:
             return 0.0
-        return len(times) / max(now - times[0], RATE_FLOOR_S)
+        return len(times) / max(times[-1] - times[0], RATE_FLOOR_S)
 
     def taker(self, now: float, queued: set[FlowKey], slots: int,
               reserved_slots_fraction: float) -> Callable[[FlowKey, int], bool]:
@@ -93,7 +96,7 @@ class FlowUsage:
         flows = Counter(priority for _, priority in active)
         top = max(flows, default=0)
         reserve = reserve_of(slots, reserved_slots_fraction)
-        rates = {key: self.rate(key, now) for key in active}
+        rates = {key: self.rate(key) for key in active}
         band_rate: dict[int, float] = {}
         for (_, priority), rate in rates.items():
             band_rate[priority] = band_rate.get(priority, 0.0) + rate
