@@ -14,7 +14,13 @@ from router_fake_engine import FakeEngine
 from kvpilot.engine.router.flow_control import Admission, FlowControl
 from kvpilot.engine.router.flow_metrics import FlowMetrics
 from kvpilot.engine.router.flow_queue import QueueLimits
-from kvpilot.engine.router.flow_share import RATE_FLOOR_S, WINDOW_S, FlowUsage, reserve_of
+from kvpilot.engine.router.flow_share import (
+    RATE_FLOOR_S,
+    WINDOW_S,
+    FlowUsage,
+    engine_priority,
+    reserve_of,
+)
 from kvpilot.engine.router.flow_ticket import FlowTicket
 from kvpilot.engine.router.saturation import (
     LoadView,
@@ -228,3 +234,37 @@ async def test_router_holds_requests_to_the_engines_slots(fleet):
     assert engine.peak_streams == 2
     assert 'kvpilot_router_flow_requests_total{flow="A",outcome="dispatched",priority="0"} 8.0' \
         in metrics
+
+
+@pytest.mark.parametrize(("key", "quiet", "priority"), [
+    (("h", 10), True, -21), (("h", 10), False, -20), (B, True, -1), (A, False, 0),
+    (("batch", -2), True, 3), (("batch", -2), False, 4)])
+def test_the_engine_priority_keeps_bands_then_quiet_flows_first(key, quiet, priority):
+    assert engine_priority(key, quiet) == priority
+
+
+async def test_the_router_sends_the_engine_its_flow_control_order(fleet):
+    """With flow control on, the body an engine gets carries the request's engine priority
+    (the client's own is replaced: a client may not jump the engine's queue); without it,
+    the client's stands."""
+    engine = FakeEngine("e1", chunks=2)
+    objectives = '[{"name": "high", "priority": 10}]'
+    router, _ = await fleet([engine], flow_control=True, objectives=objectives)
+    body = {"model": "tiny", "prompt": "hi", "stream": True, "priority": -100}
+    async with httpx.AsyncClient(timeout=WAIT * 3) as client:
+        for headers in ({"x-gateway-inference-fairness-id": "A"},
+                        {"x-gateway-inference-fairness-id": "A",
+                         "x-gateway-inference-objective": "high"}):
+            response = await client.post(f"{router}/v1/completions", json=body, headers=headers)
+            assert response.status_code == 200
+    # each the only flow of its band: quiet
+    assert [b["priority"] for b in engine.bodies] == [-1, -21]
+
+
+async def test_without_flow_control_the_clients_priority_reaches_the_engine(fleet):
+    engine = FakeEngine("e1", chunks=2)
+    router, _ = await fleet([engine])
+    body = {"model": "tiny", "prompt": "hi", "stream": True, "priority": -100}
+    async with httpx.AsyncClient(timeout=WAIT * 3) as client:
+        assert (await client.post(f"{router}/v1/completions", json=body)).status_code == 200
+    assert [b["priority"] for b in engine.bodies] == [-100]
