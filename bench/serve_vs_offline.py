@@ -52,7 +52,8 @@ from cpu_smoke import one_thread_per_process
 from fresh_process import call_in_fresh_process
 
 from kvpilot.engine.contracts.args import EngineArgs
-from kvpilot.engine.entrypoints.event_loop import run_event_loop, settle_gc
+from kvpilot.engine.contracts.streaming_gc import settle_gc
+from kvpilot.engine.entrypoints.event_loop import run_event_loop
 from kvpilot.engine.loadgen.datasets import SampleRequest
 from kvpilot.engine.loadgen.report import RequestResult, summarize
 from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark

@@ -137,3 +137,20 @@ def test_prefill_pool_spec_round_trips():
                                               "prefill": {"replicas": 2}})
     prefill = next(o for o in render(spec) if o["kind"] == "PrefillPool")
     assert PrefillPoolSpec.model_validate(prefill["spec"]).replicas == 2
+
+
+@pytest.mark.parametrize(("router", "extra", "policy"), [
+    ({}, [], "fcfs"),  # no flow control: the engine's default
+    ({"flowControl": {}}, [], "priority"),  # the router's engine priorities are honoured
+    ({"flowControl": {}}, ["--scheduling-policy", "fcfs"], "fcfs"),  # extraArgs decide
+])
+def test_flow_control_runs_the_engines_by_priority(router, extra, policy):
+    spec = InferenceModelSpec.model_validate({**TINY, "router": router,
+                                              "engine": {"extraArgs": extra}})
+    pool = next(o for o in render(spec) if o["kind"] == "DecodePool")
+    pool = {**pool, "metadata": {**pool["metadata"], "uid": "u2"}}
+    deployment = render_pool(pool, resolve_pool(DecodePoolSpec.model_validate(pool["spec"]), spec),
+                             RenderConfig())[0]
+    argv = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    engine: EngineArgs = from_namespace(EngineArgs, parse(serve_cli.add_arguments, argv))
+    assert engine.scheduling_policy == policy

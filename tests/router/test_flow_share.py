@@ -14,7 +14,13 @@ from router_fake_engine import FakeEngine
 from kvpilot.engine.router.flow_control import Admission, FlowControl
 from kvpilot.engine.router.flow_metrics import FlowMetrics
 from kvpilot.engine.router.flow_queue import QueueLimits
-from kvpilot.engine.router.flow_share import WINDOW_S, FlowUsage, reserve_of
+from kvpilot.engine.router.flow_share import (
+    RATE_FLOOR_S,
+    WINDOW_S,
+    FlowUsage,
+    engine_priority,
+    reserve_of,
+)
 from kvpilot.engine.router.flow_ticket import FlowTicket
 from kvpilot.engine.router.saturation import (
     LoadView,
@@ -68,6 +74,39 @@ HIGH, LOW = ("h", 10), ("l", 0)
 def test_who_may_take_the_reserve(arrivals, in_flight, key, room, allowed):
     usage = usage_of(arrivals, in_flight)
     assert usage.taker(100.0, set(), 8, 0.25)(key, room) is allowed
+
+
+def test_a_flood_that_just_began_is_a_flood_at_once():
+    # B sent 3/s for the whole window; A's flood began 20 ms ago with its second request
+    usage = FlowUsage()
+    for n in range(30):
+        usage.arrived(B, 100.0 - WINDOW_S + 0.05 + n / 3)
+    usage.arrived(A, 99.98)
+    usage.arrived(A, 100.0)
+    usage.dispatched(A)
+    may_take = usage.taker(100.0, set(), 8, 0.25)
+    assert usage.rate(A) == pytest.approx(2 / RATE_FLOOR_S)
+    assert usage.rate(B) == pytest.approx(3.0, rel=0.05)
+    # the reserve stays B's: A's two requests outweigh B's 30 (a count over the window
+    # would have called A the quiet one and given it B's slots for the flood's first second)
+    assert not may_take(A, 2)
+    assert may_take(B, 2)
+    assert may_take(A, 3)  # above the reserve: anyone
+
+
+def test_a_flow_that_stopped_keeps_its_rate_until_it_leaves_the_window():
+    # the probe sent 15/s from 85 s to 92 s; B sends 4/s; at 100 s, 3 of 8 slots are held
+    usage = FlowUsage()
+    probe = ("probe", 0)
+    for n in range(105):
+        usage.arrived(probe, 85.0 + n / 15)
+    for n in range(40):
+        usage.arrived(B, 90.2 + n / 4)
+    may_take = usage.taker(100.0, set(), 8, 0.625)
+    assert usage.rate(probe) == pytest.approx(15.0, rel=0.05)
+    # B stays the quiet one: the reserve is still B's (the probe's 30 arrivals left in the
+    # window over the 10 s up to now, 3/s, made B the heavier flow and its 4th request wait)
+    assert may_take(B, 5)
 
 
 def test_a_flow_silent_for_the_window_stops_counting():
@@ -195,3 +234,37 @@ async def test_router_holds_requests_to_the_engines_slots(fleet):
     assert engine.peak_streams == 2
     assert 'kvpilot_router_flow_requests_total{flow="A",outcome="dispatched",priority="0"} 8.0' \
         in metrics
+
+
+@pytest.mark.parametrize(("key", "quiet", "priority"), [
+    (("h", 10), True, -21), (("h", 10), False, -20), (B, True, -1), (A, False, 0),
+    (("batch", -2), True, 3), (("batch", -2), False, 4)])
+def test_the_engine_priority_keeps_bands_then_quiet_flows_first(key, quiet, priority):
+    assert engine_priority(key, quiet) == priority
+
+
+async def test_the_router_sends_the_engine_its_flow_control_order(fleet):
+    """With flow control on, the body an engine gets carries the request's engine priority
+    (the client's own is replaced: a client may not jump the engine's queue); without it,
+    the client's stands."""
+    engine = FakeEngine("e1", chunks=2)
+    objectives = '[{"name": "high", "priority": 10}]'
+    router, _ = await fleet([engine], flow_control=True, objectives=objectives)
+    body = {"model": "tiny", "prompt": "hi", "stream": True, "priority": -100}
+    async with httpx.AsyncClient(timeout=WAIT * 3) as client:
+        for headers in ({"x-gateway-inference-fairness-id": "A"},
+                        {"x-gateway-inference-fairness-id": "A",
+                         "x-gateway-inference-objective": "high"}):
+            response = await client.post(f"{router}/v1/completions", json=body, headers=headers)
+            assert response.status_code == 200
+    # each the only flow of its band: quiet
+    assert [b["priority"] for b in engine.bodies] == [-1, -21]
+
+
+async def test_without_flow_control_the_clients_priority_reaches_the_engine(fleet):
+    engine = FakeEngine("e1", chunks=2)
+    router, _ = await fleet([engine])
+    body = {"model": "tiny", "prompt": "hi", "stream": True, "priority": -100}
+    async with httpx.AsyncClient(timeout=WAIT * 3) as client:
+        assert (await client.post(f"{router}/v1/completions", json=body)).status_code == 200
+    assert [b["priority"] for b in engine.bodies] == [-100]

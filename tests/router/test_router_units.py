@@ -254,3 +254,28 @@ def test_the_router_does_not_log_its_scrapes_at_info(tmp_path):
         _, err = router.communicate(timeout=30)
         fake.wait(30)
     assert "HTTP Request" not in err, err[-2000:]
+
+
+@pytest.mark.parametrize(("level", "access_log"), [("info", False), ("debug", True)])
+def test_the_router_serves_with_a_settled_gc_and_an_access_log_only_when_debugging(
+        level, access_log):
+    # in a process of its own: the start-up heap it freezes stays frozen
+    code = f"""
+import argparse, gc, uvicorn
+from kvpilot.engine.router import cli
+seen = {{}}
+def serve(self, sockets=None):
+    seen.update(access_log=self.config.access_log, frozen=gc.get_freeze_count(),
+                young=gc.get_threshold()[0])
+uvicorn.Server.run = serve
+parser = argparse.ArgumentParser()
+cli.add_arguments(parser)
+assert cli.run(parser.parse_args(["--instances", "both=http://127.0.0.1:9", "--port", "0",
+                                  "--log-level", "{level}"])) == 0
+print(seen["access_log"], seen["frozen"] > 0, seen["young"])
+"""
+    from kvpilot.engine.contracts.streaming_gc import GC_YOUNG_OBJECTS
+
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout.split()
+    assert out == [str(access_log), "True", str(GC_YOUNG_OBJECTS)]

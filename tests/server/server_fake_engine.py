@@ -7,12 +7,14 @@ functools.partial, so the spawned process can import and call it).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpilot.engine.contracts.args import EngineArgs
@@ -158,6 +160,24 @@ def fake_engine(engine_args: EngineArgs, host: str, http_port: int, step_delay: 
     """Gives the engine a core process serves in the tests (an `entry.EngineBuilder`)."""
     return FakeEngine(step_delay, fail_on_step=fail_on_step, break_on_step=break_on_step,
                       break_after_s=break_after_s)
+
+
+class GcNotingEngine(FakeEngine):
+    """A FakeEngine that writes to `path`, at each step, how many objects its process froze
+    out of the cyclic GC's walks."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def step(self) -> list[EngineCoreOutput]:
+        Path(self.path).write_text(str(gc.get_freeze_count()))
+        return super().step()
+
+
+def fake_engine_noting_gc(engine_args: EngineArgs, host: str, http_port: int, path: str
+                          ) -> FakeEngine:
+    return GcNotingEngine(path)
 
 
 def fake_engine_with_a_worker(engine_args: EngineArgs, host: str, http_port: int) -> FakeEngine:

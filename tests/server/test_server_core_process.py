@@ -21,6 +21,7 @@ from server_fake_engine import (
     ByteTokenizer,
     fake_engine,
     fake_engine_deaf_to_sigterm,
+    fake_engine_noting_gc,
     fake_engine_signalled_off_the_main_thread,
     fake_engine_with_a_worker,
 )
@@ -68,6 +69,15 @@ def test_the_core_may_start_processes_of_its_own() -> None:
     with engine_core(fake_engine_with_a_worker) as core, \
             serve_in_thread(fake_app(core)) as running:
         assert httpx.post(f"{running.base_url}/v1/completions", json=BODY).status_code == 200
+
+
+def test_the_core_steps_with_its_start_up_heap_frozen_out_of_the_gc(tmp_path: Path) -> None:
+    # on any device: a full collection walking the model's heap stalls every request
+    noted = tmp_path / "frozen"
+    build = functools.partial(fake_engine_noting_gc, path=str(noted))
+    with engine_core(build) as core, serve_in_thread(fake_app(core)) as running:
+        assert httpx.post(f"{running.base_url}/v1/completions", json=BODY).status_code == 200
+    assert int(noted.read_text()) > 0
 
 
 def test_slow_step_does_not_block_http() -> None:

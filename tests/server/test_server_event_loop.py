@@ -12,7 +12,8 @@ import uvloop
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvpilot.engine.entrypoints.event_loop import GC_YOUNG_OBJECTS, run_event_loop, settle_gc
+from kvpilot.engine.contracts.streaming_gc import GC_YOUNG_OBJECTS, settle_gc
+from kvpilot.engine.entrypoints.event_loop import run_event_loop
 
 
 def test_api_servers_run_on_uvloop() -> None:

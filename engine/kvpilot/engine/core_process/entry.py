@@ -11,6 +11,7 @@ process goes away.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import multiprocessing
 import os
@@ -97,6 +98,12 @@ def run_engine_core(config: CoreConfig, pipe: Connection) -> None:
         _exiting()
         pipe.send(CoreStartFailed(f"{type(exc).__name__}: {exc}", refused=False))
         raise SystemExit(1) from exc
+    # this process serves this one engine for its whole life: its start-up heap (model,
+    # tokenizer, torch's state) goes out of the cyclic GC's walks on any device, as
+    # `LLMEngine.freeze_gc_heap` does on CUDA for an engine in any process (a CPU core's
+    # full collection walked it for ~110 ms, a stall of every request, under a flood)
+    gc.collect()
+    gc.freeze()
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.SNDHWM, 0)  # never drop an API server's outputs

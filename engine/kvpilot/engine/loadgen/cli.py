@@ -104,7 +104,8 @@ def dataset_spec(args: argparse.Namespace) -> DatasetSpec:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpilot.engine.entrypoints.event_loop import run_event_loop, settle_gc
+    from kvpilot.engine.contracts.streaming_gc import settle_gc
+    from kvpilot.engine.entrypoints.event_loop import run_event_loop
     from kvpilot.engine.loadgen.datasets import sample_requests
     from kvpilot.engine.loadgen.report import RequestResult, format_table, parse_slos, summarize
     from kvpilot.engine.loadgen.runner import BenchConfig, run_benchmark

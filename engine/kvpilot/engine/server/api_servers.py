@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING
 
 from kvpilot.engine.contracts.args import EngineArgs, ServerArgs
 from kvpilot.engine.contracts.http_auth import HttpAuth
+from kvpilot.engine.contracts.streaming_gc import settle_gc
 from kvpilot.engine.core_process.launch import CoreHandle
-from kvpilot.engine.entrypoints.event_loop import run_event_loop, settle_gc
+from kvpilot.engine.entrypoints.event_loop import run_event_loop
 
 if TYPE_CHECKING:
     import uvicorn

@@ -41,7 +41,9 @@ OBJECTIVE_RULES = [
 
 
 class FlowControlSpec(ApiModel):
-    """Queue requests per flow and priority while every engine is saturated."""
+    """Queue requests per flow and priority while every engine is saturated. The engines then
+    run --scheduling-policy priority (unless spec.engine.extraArgs sets it): the router sends
+    each request's band, quiet flows first, as its engine priority."""
 
     model_config = ConfigDict(json_schema_extra=validations(FLOW_RULES))
 

@@ -88,6 +88,18 @@ def _pick(own: Section | None, inherited: Section | None, default: Section) -> S
     return inherited if inherited is not None else default
 
 
+def with_flow_order(engine: EngineSpec, owner: InferenceModelSpec | None) -> EngineSpec:
+    """Gives `engine` with `--scheduling-policy priority` added to its extraArgs when the
+    owner's router runs flow control (spec.router.flowControl) and they leave the policy
+    unset: the router then sends each request's engine priority (its band, quiet flows
+    first), which only that policy honours."""
+    if owner is None or owner.router.flow_control is None or any(
+            arg.split("=", 1)[0] == "--scheduling-policy" for arg in engine.extra_args):
+        return engine
+    return engine.model_copy(update={"extra_args": [*engine.extra_args,
+                                                    "--scheduling-policy", "priority"]})
+
+
 def resolve_pool(spec: AnyPoolSpec, owner: InferenceModelSpec | None) -> ResolvedPool:
     """Gives the pool with every section filled (own value, else `owner`'s, else the default)
     and its placement planned; raises ValueError naming the field when it cannot run: the
@@ -98,7 +110,8 @@ def resolve_pool(spec: AnyPoolSpec, owner: InferenceModelSpec | None) -> Resolve
         raise ValueError(f"spec.modelRef={spec.model_ref!r} names no InferenceModel in this "
                          "namespace: create it or set spec.model inline")
     template = "prefill" if spec.role == "prefill" else "decode"
-    engine = _pick(spec.engine, owner.engine if owner else None, EngineSpec())
+    engine = with_flow_order(_pick(spec.engine, owner.engine if owner else None, EngineSpec()),
+                             owner)
     topology = _pick(spec.topology, owner.pool_topology(template) if owner else None,
                      TopologySpec())
     accelerator = _pick(spec.accelerator, owner.accelerator if owner else None,

@@ -78,7 +78,9 @@ class RouterArgs:
     flow_control: bool = field(default=False, metadata={
         "help": "hold requests in per-flow queues while every replica is saturated, dispatch "
                 f"by priority band and fairly across flows ({FAIRNESS_ID_HEADER}, else the API "
-                "key's tenant), shed with 429 + Retry-After from the lowest band first"})
+                "key's tenant), shed with 429 + Retry-After from the lowest band first; each "
+                "request goes with its engine priority (band, quiet flows first) as the body's "
+                "priority, for engines under --scheduling-policy priority"})
     saturation_queue_depth: int = field(default=2, metadata={
         "help": "flow control: a replica that does not export kvpilot_max_num_seqs is "
                 "saturated once its engine queue (scraped vllm:num_requests_waiting plus what "
@@ -88,9 +90,9 @@ class RouterArgs:
         "help": "flow control: ... or its scraped vllm:kv_cache_usage_perc reaches this"})
     reserved_slots_fraction: float = field(default=0.125, metadata={
         "help": "flow control: of the pool's slots (its engines' kvpilot_max_num_seqs), the "
-                "fraction whose last free ones go only to flows with fewer requests in flight "
-                "than their fair share (slots / active flows), so a quiet flow finds a free "
-                "slot under a flood; 0: none kept"})
+                "fraction whose last free ones go only to flows sending under their fair "
+                "share of their band's rate (arrivals of the last 10 s over their span), so "
+                "a quiet flow finds a free slot under a flood; 0: none kept"})
     max_queued_per_flow: int = field(default=64, metadata={
         "help": "flow control: requests one flow may have queued in one band; more are shed"})
     max_queued_requests: int = field(default=1024, metadata={

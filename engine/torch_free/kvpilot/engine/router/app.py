@@ -174,6 +174,8 @@ class Router:
             body, hashes, client, lambda i: self.index.match_tiers(i.url, hashes))
         if isinstance(trip, Response):
             return trip
+        if trip.admission.engine_priority is not None:  # flow control's order, in the engine
+            body = {**body, "priority": trip.admission.engine_priority}
         try:
             response = await self._route(path, body, headers, pinned, adapter, hashes, trip)
         except BaseException:

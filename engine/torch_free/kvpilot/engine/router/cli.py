@@ -10,6 +10,7 @@ import sys
 from kvpilot.engine.contracts.args import add_dataclass_args, from_namespace, resolve_api_key
 from kvpilot.engine.contracts.fleet_secret import UNAUTHENTICATED_WARNING, FleetSecret
 from kvpilot.engine.contracts.router_args import RouterArgs
+from kvpilot.engine.contracts.streaming_gc import settle_gc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +58,12 @@ def run(args: argparse.Namespace) -> int:
               f"({exc.strerror or exc}): pick another --port or stop the process that holds "
               "it", file=sys.stderr)
         return 2
-    config = uvicorn.Config(app, log_level=router_args.log_level, timeout_graceful_shutdown=5)
+    # as the engine's API servers: no access-log line per request unless debugging (a
+    # flood's shed requests alone were ~40 lines/s), and a GC that never walks the start-up
+    # heap (a full collection of it stalled every relayed stream ~110 ms under a flood)
+    config = uvicorn.Config(app, log_level=router_args.log_level, timeout_graceful_shutdown=5,
+                            access_log=router_args.log_level == "debug")
+    settle_gc()
     with sock:
         uvicorn.Server(config).run(sockets=[sock])
     return 0

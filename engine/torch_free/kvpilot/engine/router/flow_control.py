@@ -7,6 +7,11 @@ under their fair share). Otherwise it is queued and waits until `drain` dispatch
 (whenever a request ends, a scrape lands, or the tick runs), its queue time-out passes,
 it is shed to make room, or its client goes away. A shed or timed-out request gets a
 429 with `Retry-After`: how long the queue ahead of it takes at the recent dispatch rate.
+
+A request let through carries its engine priority (`flow_share.engine_priority`: its band,
+quiet flows first), which the router sends to the engine as the body's `priority`: under
+the engines' `--scheduling-policy priority` the request that flow control would let go
+first also leaves the engine's waiting queue first.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from starlette.responses import AsyncContentStream, Content
 from kvpilot.engine.contracts.openai_errors import error_object
 from kvpilot.engine.router.flow_metrics import FlowMetrics
 from kvpilot.engine.router.flow_queue import FlowQueue, QueueLimits, Waiter, retry_after_s
-from kvpilot.engine.router.flow_share import FlowKey, FlowUsage
+from kvpilot.engine.router.flow_share import FlowKey, FlowUsage, engine_priority
 from kvpilot.engine.router.flow_ticket import FlowTicket
 from kvpilot.engine.router.saturation import LoadView, SaturationLimits, pool_headroom, slots
 
@@ -69,11 +74,13 @@ class ClientGone(Exception):
 
 class Admission:
     """A request flow control let through: `begun` once a replica took it, `ended` once its
-    response is over (each idempotent); `watch` ends it with its response's body."""
+    response is over (each idempotent); `watch` ends it with its response's body.
+    `engine_priority`: the body's `priority` for the engine (None: the client's stands)."""
 
     def __init__(self, control: FlowControl | None = None, flow: FlowKey = ("", 0),
-                 in_transit: bool = False) -> None:
+                 in_transit: bool = False, engine_priority: int | None = None) -> None:
         self._control, self._flow, self._in_transit = control, flow, in_transit
+        self.engine_priority = engine_priority
 
     @property
     def key(self) -> FlowKey:
@@ -151,6 +158,11 @@ class FlowControl:
                                 self.reserved_slots_fraction)
         return lambda key, room: room is None or rule(key, room)
 
+    def engine_priority(self, key: FlowKey) -> int:
+        """Gives the engine priority of a request of flow `key` let through now."""
+        quiet = self.usage.quiet(time.monotonic(), self.queue.flows())
+        return engine_priority(key, quiet(key))
+
     def flow_ended(self, key: FlowKey) -> None:
         """Notes that a request of flow `key` ended (its slot is free) and lets others go."""
         self.usage.ended(key)
@@ -187,7 +199,7 @@ class FlowControl:
         room = self.room()
         if not self.queue and meets and self.taker(now)(ticket.key, room):
             self._dispatched(ticket, now, now)
-            return Admission(self, ticket.key)
+            return Admission(self, ticket.key, engine_priority=self.engine_priority(ticket.key))
         waiter = Waiter(ticket.flow, ticket.priority, now)
         for shed in self.queue.offer(waiter):
             self._shed(shed, ticket if shed is waiter else None)
@@ -211,7 +223,8 @@ class FlowControl:
                 gone.cancel()
         if future.done():
             future.result()  # raises Shed
-            return Admission(self, waiter.key, in_transit=True)
+            return Admission(self, waiter.key, in_transit=True,
+                             engine_priority=self.engine_priority(waiter.key))
         self._leave(waiter, future)
         raise ClientGone
 
