@@ -43,12 +43,12 @@ KVPILOT = [sys.executable, "-m", "kvpilot.cli.main"]
 MODEL = "tiny-llama"
 
 
-def manifest(replicas: int, router: dict) -> dict:
+def manifest(replicas: int, router: dict, step_tokens: int = 512) -> dict:
     return {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceModel",
             "metadata": {"name": "bench"},
             "spec": {"model": {"name": MODEL, "source": "dummy:tiny-llama"},
                      "engine": {"dtype": "float32", "maxModelLen": 4096, "maxNumSeqs": 8,
-                                "maxNumBatchedTokens": 512, "kvCacheMemory": "128MiB"},
+                                "maxNumBatchedTokens": step_tokens, "kvCacheMemory": "128MiB"},
                      "accelerator": {"vendor": "cpu"}, "servingMode": "aggregated",
                      "decode": {"replicas": replicas}, "router": {"replicas": 1, **router}}}
 
@@ -255,7 +255,7 @@ def run_noisy_or_priorities(kind: str, args: argparse.Namespace, log: Path) -> d
                               "queueTimeoutSeconds": 20,
                               "reservedSlotsFraction": args.reserved_slots_fraction},
               "objectives": [{"name": "high", "priority": 10}, {"name": "low", "priority": 0}]}
-    fleet = Fleet(manifest(1, router), args.port, log / kind)
+    fleet = Fleet(manifest(1, router, args.max_num_batched_tokens), args.port, log / kind)
     alone: list[Result] = []
     both: list[Result] = []
     rounds: list[dict] = []
@@ -379,7 +379,8 @@ def run_placement(args: argparse.Namespace, log: Path) -> dict:
     arrival times and prompt lengths, with each policy's own prompt words (no prompt
     repeats: the same prefix-hit rate, about zero, for both)."""
     policies = ("prefix-aware", "predicted-latency")
-    fleet = Fleet(manifest(2, {"policy": policies[0]}), args.port, log / "placement")
+    fleet = Fleet(manifest(2, {"policy": policies[0]}, args.max_num_batched_tokens), args.port,
+                  log / "placement")
     second: subprocess.Popen[bytes] | None = None
     results: dict[str, list[Result]] = {p: [] for p in policies}
     rounds: list[dict] = []
@@ -458,6 +459,9 @@ def main() -> None:
                         help="noisy/priorities: niceness added to the flood's client process "
                              "(19: the flood's client yields the host's cores to the fleet)")
     parser.add_argument("--capacity-seconds", type=float, default=15.0)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="the engines' step budget (maxNumBatchedTokens): a new request "
+                             "waits out the step in progress")
     parser.add_argument("--warmup-seconds", type=float, default=15.0)
     parser.add_argument("--client-timeout", type=float, default=60.0,
                         help="a request unanswered this long counts as hung")
