@@ -1,6 +1,7 @@
 """`kvpilot up` scaling 2 -> 1 while long greedy streams run on both replicas: the leaving
-replica hands its streams over after `--drain-handover-timeout` (5 s by default), the
-router resumes them on the other, and the replica exits in seconds instead of after its
+replica hands its streams over after `--drain-handover-timeout` (1 s here, through
+spec.engine.extraArgs: the tiny model decodes so fast that a default 5 s could see a loaded
+machine's streams end on their own before it), the router resumes them on the other, and the replica exits in seconds instead of after its
 longest generation; every stream ends as an undisturbed run of it does (they all send one
 prompt, greedy: those that moved and those that did not give the same text).
 """
@@ -61,7 +62,8 @@ async def generate(url: str, prompts: list[str], started: asyncio.Event | None =
 def test_a_leaving_replica_hands_its_streams_over_and_exits_in_seconds(tmp_path):
     manifest = yaml.safe_load(EXAMPLE.read_text())
     manifest["spec"]["decode"]["replicas"] = 2
-    manifest["spec"]["engine"].update(maxModelLen=2048, kvCacheMemory="256MiB")
+    manifest["spec"]["engine"].update(maxModelLen=2048, kvCacheMemory="256MiB",
+                                      extraArgs=["--drain-handover-timeout", "1"])
     path, log, port = tmp_path / "fleet.yaml", tmp_path / "up.log", free_port()
     path.write_text(yaml.safe_dump(manifest))
     url = f"http://127.0.0.1:{port}"
