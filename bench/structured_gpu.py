@@ -15,9 +15,12 @@ once) for a fixed number of steps, in three modes, each its own engine:
 - `unconstrained_matched` (after `json_schema`): unconstrained requests whose outputs
   end at the lengths the constrained ones ended at, in turn: the same mix of prefills
   and decodes, so output tok/s compares like with like;
-- `json_schema_split`: `json_schema` with each row's mask filled by `--mask-split` parts of
-  the vocabulary (`KVPILOT_MASK_SPLIT`, `structured/vocab_split.py`), its ratio to the
-  same round's `unconstrained_matched` reported beside `json_schema`'s.
+- `json_schema_guidance`: `json_schema` matched by llguidance (`--structured-outputs-backend
+  guidance`; `json_schema` runs the default, `auto`: xgrammar for this schema), its ratio
+  to the same round's `unconstrained_matched` reported beside `json_schema`'s;
+- `json_schema_split`: `json_schema_guidance` with each row's mask filled by `--mask-split`
+  parts of the vocabulary (`KVPILOT_MASK_SPLIT`, `structured/vocab_split.py`), reported
+  the same way.
 
 `--repeat N` runs the modes N rounds in turn; the matched ratio is given per round and as
 their median (the eager steps' host time varies from engine process to process: one
@@ -78,7 +81,8 @@ SCHEMA = {
     },
 }
 MODES = ("unconstrained", "unconstrained_sync", "json_schema", "unconstrained_matched")
-SPLIT_MODE = "json_schema_split"  # json_schema with the vocabulary split (--mask-split)
+GUIDANCE_MODE = "json_schema_guidance"  # json_schema matched by llguidance
+SPLIT_MODE = "json_schema_split"  # llguidance with the vocabulary split (--mask-split)
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -212,11 +216,13 @@ def run_mode(model: str, mode: str, smoke: bool, fill_threads: int | None = None
         model=model, load_format="dummy", device=device, max_model_len=1024,
         dtype="float32" if smoke else "bfloat16", max_num_seqs=batch,
         async_scheduling="off" if mode == "unconstrained_sync" else "auto",
+        structured_outputs_backend="guidance" if mode in (GUIDANCE_MODE, SPLIT_MODE)
+        else "auto",
         kv_cache_memory="64MiB" if smoke else None, gpu_memory_utilization=0.85))
     vocab = engine.model_config.vocab_size
     rng = random.Random(1)
     structured = (StructuredOutputsParams(json=json.dumps(SCHEMA))
-                  if mode in ("json_schema", SPLIT_MODE) else None)
+                  if mode in ("json_schema", GUIDANCE_MODE, SPLIT_MODE) else None)
     # the constrained requests end when their JSON does; the others at 256 tokens (ignore_eos)
     params = SamplingParams(temperature=1.0, max_tokens=256, structured_outputs=structured,
                             ignore_eos=structured is None)
@@ -382,6 +388,7 @@ def main() -> int:
                                           / base["decode_step_ms_median"])
         result["slowdown_tok_per_s"] = base["output_tok_per_s"] / constrained["output_tok_per_s"]
     for constrained_mode, key in (("json_schema", "slowdown_tok_per_s_matched"),
+                                  (GUIDANCE_MODE, "slowdown_guidance_tok_per_s_matched"),
                                   (SPLIT_MODE, "slowdown_split_tok_per_s_matched")):
         ratios = []  # each round's unconstrained_matched / constrained tok/s
         for i in range(args.repeat):
@@ -403,7 +410,10 @@ def main() -> int:
     lines.append(f"\nslowdown (json_schema / unconstrained, decode step): "
                  f"{result.get('slowdown_decode_step')}; output tok/s, unconstrained_matched / "
                  f"json_schema: {result.get('slowdown_tok_per_s_matched')} (median of rounds "
-                 f"{result.get('slowdown_tok_per_s_matched_rounds')}); with the vocabulary in "
+                 f"{result.get('slowdown_tok_per_s_matched_rounds')}); llguidance: "
+                 f"{result.get('slowdown_guidance_tok_per_s_matched')} (rounds "
+                 f"{result.get('slowdown_guidance_tok_per_s_matched_rounds')}); llguidance with "
+                 f"the vocabulary in "
                  f"{args.mask_split} parts: {result.get('slowdown_split_tok_per_s_matched')} "
                  f"(rounds {result.get('slowdown_split_tok_per_s_matched_rounds')}); valid "
                  f"outputs: {result['valid_outputs_of_8']}/8 (goal: <= 1.10, 8/8)")

@@ -49,7 +49,7 @@ def run_split(tokenizer_json: str, eos: int, parts: int, warm: int, steps: int,
     from kvpilot.engine.structured.matchers import GrammarMatchers, fill_threads
 
     vocab = QWEN3_0_6B["vocab_size"]
-    grammars = GrammarMatchers(tokenizer_json, vocab, [eos], torch.device("cpu"))
+    grammars = GrammarMatchers(tokenizer_json, vocab, [eos], torch.device("cpu"), "guidance")
     params = SamplingParams(temperature=1.0, max_tokens=10**6, structured_outputs=
                             StructuredOutputsParams(json=json.dumps(SCHEMA)))
     rng = random.Random(0)

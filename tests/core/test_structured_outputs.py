@@ -50,9 +50,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 SEEDS = range(3)
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM("tiny-llama", device="cpu", max_num_seqs=32)
+@pytest.fixture(scope="module", params=["auto", "guidance"])
+def llm(request: pytest.FixtureRequest) -> LLM:
+    """The engine under each structured-outputs backend (auto: JSON schemas by xgrammar)."""
+    return LLM("tiny-llama", device="cpu", max_num_seqs=32,
+               structured_outputs_backend=request.param)
 
 
 def _json_params(schema: dict[str, Any], seed: int, max_tokens: int = 400) -> SamplingParams:

@@ -82,7 +82,7 @@ def test_split_masks_equal_whole_masks_along_random_walks(monkeypatch: pytest.Mo
     monkeypatch.setenv("KVPILOT_MASK_SPLIT", str(parts))
     tokenizer_json, eos = (load_tokenizer("tiny-llama").to_json(), EOS) if vocab == VOCAB \
         else _synthetic_tokenizer(vocab)
-    grammars = GrammarMatchers(tokenizer_json, vocab, eos, torch.device("cpu"))
+    grammars = GrammarMatchers(tokenizer_json, vocab, eos, torch.device("cpu"), "guidance")
     reference = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=eos)
     grammar = grammar_of(_params(0).structured_outputs)  # pyright: ignore[reportArgumentType]
     rng = random.Random(parts)
@@ -126,7 +126,8 @@ def _run(monkeypatch: pytest.MonkeyPatch, parts: int) -> tuple[dict[str, list[in
     how many rows its parts filled."""
     monkeypatch.setenv("KVPILOT_MASK_SPLIT", str(parts))
     engine = LLMEngine.from_engine_args(EngineArgs(
-        model="tiny-llama", device="cpu", max_num_seqs=6, async_scheduling="on"))
+        model="tiny-llama", device="cpu", max_num_seqs=6, async_scheduling="on",
+        structured_outputs_backend="guidance"))  # the split is llguidance's
     for i in range(8):
         engine.add_request(str(i), [5 + i, 6, 7], _params(i))
     done: dict[str, list[int]] = {}

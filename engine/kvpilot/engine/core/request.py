@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # for the annotation only: the scheduling core runs without t
 
     import llguidance
     import torch
+    import xgrammar
 
 _seq_ids = itertools.count()
 
@@ -120,7 +121,8 @@ class Request:
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     # the structured-output matcher (structured/matchers.py): a Future while it compiles,
     # the error message once it failed
-    grammar: Future[llguidance.LLMatcher] | llguidance.LLMatcher | str | None = None
+    grammar: (Future[llguidance.LLMatcher | xgrammar.GrammarMatcher] | llguidance.LLMatcher
+              | xgrammar.GrammarMatcher | str | None) = None
     # its matchers of the vocabulary's parts (structured/vocab_split.py; empty: not split), and
     # the tokens the full matcher took that they have not taken yet
     grammar_parts: Future[list[llguidance.LLMatcher]] | list[llguidance.LLMatcher] = \

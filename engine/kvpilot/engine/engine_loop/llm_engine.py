@@ -280,7 +280,8 @@ class LLMEngine:
                                  "model with one, or drop structured_outputs")
             self._grammars = GrammarMatchers(to_json(), self.model_config.vocab_size,
                                              list(self.model_config.eos_token_ids),
-                                             self.runner.device)
+                                             self.runner.device,
+                                             self.engine_args.structured_outputs_backend)
         return self._grammars
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:

@@ -1,6 +1,11 @@
 """Per-request grammar matchers in the engine core, and the batch's token bitmask.
 
-A request with `structured_outputs` gets an llguidance matcher: compiled in a
+A request's JSON schema gets an xgrammar matcher under `--structured-outputs-backend
+auto` (the default; `structured.xgrammar_backend` says which schemas, and why): its
+rows are filled on xgrammar's threads beside llguidance's, in the same background
+fill, and it advances by `BatchGrammarMatcher.batch_accept_token`. Everything else
+(regexes, choices, Lark grammars; every constraint under `guidance`) is matched by
+llguidance, as follows. A request with such a constraint gets an llguidance matcher: compiled in a
 background thread when the request is added (~1-2 ms for a JSON schema on a 152k
 vocabulary), waited for only when its first token is sampled. Each request
 compiles its own: llguidance's `deep_copy` of a compiled matcher shares its
@@ -40,16 +45,19 @@ from typing import TYPE_CHECKING
 import llguidance
 import numpy as np
 import torch
+import xgrammar
 
 from kvpilot.engine.structured.bitmask import BitmaskBuffer
 from kvpilot.engine.structured.grammar import grammar_of
 from kvpilot.engine.structured.vocab_split import VocabSplit, split_parts
+from kvpilot.engine.structured.xgrammar_backend import XgrammarMatchers, xgrammar_schema
 
 if TYPE_CHECKING:
     from kvpilot.engine.core.request import Request, Sequence
 
 log = logging.getLogger(__name__)
 _MAX_FILL_THREADS = 32  # llguidance's own cap
+Matcher = llguidance.LLMatcher | xgrammar.GrammarMatcher
 
 
 def fill_threads() -> int:
@@ -72,7 +80,9 @@ class GrammarMatchers:
     """Compiles and advances the grammar matchers of constrained requests."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
-                 device: torch.device) -> None:
+                 device: torch.device, backend: str = "auto") -> None:
+        self._backend = backend
+        self._xgrammar: XgrammarMatchers | None = None  # on the first schema it matches
         self._tokenizer_json = tokenizer_json
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
@@ -101,12 +111,24 @@ class GrammarMatchers:
         params = request.params.structured_outputs
         if params is None:
             return
-        grammar, resumed = grammar_of(params), request.params.resume_token_ids or []
+        resumed = request.params.resume_token_ids or []
+        schema = xgrammar_schema(params, self._backend)
+        if schema is not None:
+            request.grammar = self._pool.submit(self._xgrammar_of().matcher, schema, resumed)
+            return
+        grammar = grammar_of(params)
         request.grammar = self._pool.submit(self._matcher, grammar, resumed)
         # a Lark grammar may count tokens (max_tokens) or end lazily: its parts, which take
         # a token as several, could disagree with it
         if self._parts > 1 and params.grammar is None:
             request.grammar_parts = self._pool.submit(self._part_matchers, grammar, resumed)
+
+    def _xgrammar_of(self) -> XgrammarMatchers:
+        """Gives the xgrammar side (its compiler is built on the first schema's compile)."""
+        if self._xgrammar is None:
+            self._xgrammar = XgrammarMatchers(self._tokenizer_json, self._vocab_size,
+                                              self._eos, fill_threads())
+        return self._xgrammar
 
     def _full_tokenizer(self) -> llguidance.LLTokenizer:
         """Gives the vocabulary's llguidance tokenizer (~1 s for 150k tokens: once)."""
@@ -155,7 +177,7 @@ class GrammarMatchers:
         return matcher
 
     @staticmethod
-    def _resolved(request: Request) -> llguidance.LLMatcher | None:
+    def _resolved(request: Request) -> Matcher | None:
         """Gives `request`'s matcher once compiled; None once its grammar failed (the request
         then carries the error and may only end)."""
         grammar = request.grammar
@@ -164,7 +186,8 @@ class GrammarMatchers:
                 grammar = request.grammar = grammar.result()
             except ValueError as exc:  # a grammar that does not compile, or a resume it refuses
                 grammar = request.grammar = _fail(request, str(exc))
-        return grammar if isinstance(grammar, llguidance.LLMatcher) else None
+        return grammar if isinstance(grammar, llguidance.LLMatcher | xgrammar.GrammarMatcher) \
+            else None
 
     def _ready_parts(self, request: Request) -> list[llguidance.LLMatcher]:
         """Gives `request`'s part matchers once compiled and level with its full matcher,
@@ -212,24 +235,30 @@ class GrammarMatchers:
         mask = self._buffer.rows(len(seqs))
         constrained: list[tuple[llguidance.LLMatcher, int]] = []
         split_rows: list[tuple[list[llguidance.LLMatcher], int]] = []
+        schemas: list[tuple[xgrammar.GrammarMatcher, int]] = []
         for request, row in rows:
             matcher = self._resolved(request)  # waits here for a grammar still compiling
             if matcher is None:
                 mask[row] = self._eos_only
+            elif isinstance(matcher, xgrammar.GrammarMatcher):
+                if matcher.is_terminated():  # took EOS: its token is discarded
+                    mask[row] = self._eos_only
+                else:
+                    schemas.append((matcher, row))
             # forced bytes become canonical tokens through the trie, which differs per part
             elif (parts := self._ready_parts(request)) and not matcher.compute_ff_bytes():
                 split_rows.append((parts, row))
             else:
                 constrained.append((matcher, row))
         self.split_rows += len(split_rows)
-        if not constrained and not split_rows:
+        if not constrained and not split_rows and not schemas:
             return MaskFill(self._buffer, mask, None)
         # the fill thread needs the GIL to start, and a thread waiting for it gets it only
         # when this one blocks or after the 5 ms switch interval: without this handshake the
         # fill began only at `MaskFill.wait`, in series with the step's host work
         started = threading.Event()
         filling = self._fill_pool.submit(self._started_fill, started, constrained, split_rows,
-                                         mask)
+                                         schemas, mask)
         started.wait()
         return MaskFill(self._buffer, mask, filling)
 
@@ -240,19 +269,34 @@ class GrammarMatchers:
 
     def _started_fill(self, started: threading.Event,
                       constrained: list[tuple[llguidance.LLMatcher, int]],
-                      parts: list[tuple[list[llguidance.LLMatcher], int]], mask: torch.Tensor
+                      parts: list[tuple[list[llguidance.LLMatcher], int]],
+                      schemas: list[tuple[xgrammar.GrammarMatcher, int]], mask: torch.Tensor
                       ) -> None:
         """Lets `start_bitmask` return, then fills: this thread keeps the GIL until the
         fill drops it."""
         started.set()
-        self._fill(constrained, parts, mask)
+        begun = time.perf_counter()
+        self._fill(constrained, parts, schemas, mask)
+        self.fill_seconds = time.perf_counter() - begun
 
     def _fill(self, constrained: list[tuple[llguidance.LLMatcher, int]],
-              parts: list[tuple[list[llguidance.LLMatcher], int]], mask: torch.Tensor) -> None:
+              parts: list[tuple[list[llguidance.LLMatcher], int]],
+              schemas: list[tuple[xgrammar.GrammarMatcher, int]], mask: torch.Tensor) -> None:
         """Writes the constrained rows of `mask` (on the background thread, without the GIL):
-        the rows of `constrained` by their matchers, the rows of `parts` by their parts'
-        matchers, each part's range of words taken from its own full row of scratch."""
-        started = time.perf_counter()
+        xgrammar's rows on its threads, then llguidance's (`_fill_guidance`)."""
+        if schemas:
+            assert self._xgrammar is not None  # made with the schemas' matchers
+            self._xgrammar.batch.batch_fill_next_token_bitmask(
+                [m for m, _ in schemas], mask, [row for _, row in schemas])
+        if constrained or parts:
+            self._fill_guidance(constrained, parts, mask)
+
+    def _fill_guidance(self, constrained: list[tuple[llguidance.LLMatcher, int]],
+                       parts: list[tuple[list[llguidance.LLMatcher], int]], mask: torch.Tensor
+                       ) -> None:
+        """Writes llguidance's rows of `mask`: the rows of `constrained` by their matchers,
+        the rows of `parts` by their parts' matchers, each part's range of words taken from
+        its own full row of scratch."""
         executor = self._fill_executor()
         # llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a
         # function at import (seconds of every engine start for a helper we do not use)
@@ -260,7 +304,6 @@ class GrammarMatchers:
         if not parts:
             executor.unsafe_compute_mask_ptr(constrained, mask.data_ptr(), mask.shape[1] * 4,
                                              mask.shape[0])
-            self.fill_seconds = time.perf_counter() - started
             return
         split = self._split
         assert split is not None
@@ -280,7 +323,6 @@ class GrammarMatchers:
         by_part = scratch[base:].view(len(parts), split.parts, -1)
         for k, (lo, hi) in enumerate(split.words):
             mask[rows, lo:hi] = by_part[:, k, lo:hi]
-        self.fill_seconds = time.perf_counter() - started
 
     def draft_bitmask(self, seq: Sequence, drafts: list[int]) -> torch.Tensor | None:
         """Gives the int32 [len(drafts) + 1, words] masks of a speculating sequence's verify
@@ -295,6 +337,8 @@ class GrammarMatchers:
         if matcher is None:
             out[:] = self._eos_only
             return out
+        if isinstance(matcher, xgrammar.GrammarMatcher):
+            return self._xgrammar_draft_bitmask(matcher, drafts, out)
         valid = matcher.validate_tokens(drafts)
         for j in range(valid + 1):
             words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
@@ -303,6 +347,23 @@ class GrammarMatchers:
                 matcher.consume_token(drafts[j])
         out[valid + 1:] = out[valid]
         matcher.rollback(valid)
+        return out
+
+    def _xgrammar_draft_bitmask(self, matcher: xgrammar.GrammarMatcher, drafts: list[int],
+                                out: torch.Tensor) -> torch.Tensor:
+        """`draft_bitmask` for an xgrammar matcher: takes the drafts while it can, filling a
+        row before each, then rolls back; past EOS (the grammar ended) rows allow only EOS."""
+        taken = 0
+        for j in range(len(drafts) + 1):
+            if matcher.is_terminated():
+                out[j:] = self._eos_only
+                break
+            matcher.fill_next_token_bitmask(out, j)
+            if j == len(drafts) or not matcher.accept_token(drafts[j]):
+                out[j + 1:] = out[j]
+                break
+            taken += 1
+        matcher.rollback(taken)
         return out
 
     def accept(self, seq: Sequence, token: int) -> None:
@@ -316,12 +377,16 @@ class GrammarMatchers:
         its request (the mask allowed only grammar tokens: a matcher fault, not the model's);
         a part that refuses one drops the request's split."""
         queues: list[tuple[Request, llguidance.LLMatcher, list[int], bool]] = []
+        schemas: list[tuple[Request, xgrammar.GrammarMatcher, int]] = []
         for seq, token in taken:
             request = seq.request
             if request.grammar is None:
                 continue
             matcher = self._resolved(request)
             if matcher is None:
+                continue
+            if isinstance(matcher, xgrammar.GrammarMatcher):
+                schemas.append((request, matcher, token))
                 continue
             queues.append((request, matcher, [token], False))
             if isinstance(request.grammar_parts, Future) and not request.grammar_parts.done():
@@ -331,6 +396,15 @@ class GrammarMatchers:
             for k, part in enumerate(self._ready_parts(request)):
                 assert split is not None
                 queues.append((request, part, split.spelling(k, token), True))
+        if schemas:
+            assert self._xgrammar is not None  # made with the schemas' matchers
+            took = self._xgrammar.batch.batch_accept_token([m for _, m, _ in schemas],
+                                                           [t for _, _, t in schemas])
+            for (request, _, token), ok in zip(schemas, took, strict=True):
+                if not ok:
+                    log.warning("request %s: grammar matcher refused token %d",
+                                request.request_id, token)
+                    request.grammar = _fail(request, f"refused token {token}")
         if not queues:
             return
         if len(queues) == 1:  # one matcher (a synchronous step's row): no executor round

@@ -24,6 +24,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 WARMUP_MODES = ("auto", "on", "off")
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")
 QUANTIZATIONS = ("none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 KV_TRANSPORTS = ("tcp", "nixl")  # how a decode engine pulls KV (kv_transfer/nixl_agent.py)
@@ -103,6 +104,11 @@ class EngineArgs:
         "help": "run every code path real traffic takes (prefill widths, the sampler's, "
                 "structured outputs, speculative verifies) before saying ready, so no first "
                 "request waits for a compile; auto: on CUDA"})
+    structured_outputs_backend: str = field(default="auto", metadata={
+        "choices": STRUCTURED_OUTPUTS_BACKENDS,
+        "help": "auto: JSON schemas (response_format json_schema/json_object, guided_json) "
+                "by xgrammar, regexes, choices, Lark grammars and schemas with keywords "
+                "xgrammar does not enforce by llguidance; guidance: all by llguidance"})
     async_scheduling: str = field(default="auto", metadata={"choices": ASYNC_SCHEDULING,
         "help": "schedule and launch step n+1 while the GPU runs step n (one step of lag on "
                 "stop checks); auto: on for CUDA. While any live request has penalties, "
@@ -176,6 +182,7 @@ class EngineArgs:
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("scheduling_policy", SCHEDULING_POLICIES), ("role", ROLES),
                               ("async_scheduling", ASYNC_SCHEDULING),
+                              ("structured_outputs_backend", STRUCTURED_OUTPUTS_BACKENDS),
                               ("quantization", QUANTIZATIONS),
                               ("kv_cache_dtype", KV_CACHE_DTYPES),
                               ("kv_transport", KV_TRANSPORTS)):
