@@ -7,15 +7,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/c11"
 source bench/device_env.sh
-# test tools and the tokenizer library where the image lacks them (not shadowing its own)
-for mod in pytest:pytest- pytest_timeout:pytest_timeout hypothesis:hypothesis tokenizers:tokenizers \
-           yaml:pyyaml; do
-  python3 -c "import ${mod%%:*}" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
-    --target /tmp/site .whl/optional/${mod#*:}*.whl 2>&1 | tail -1
-done
-python3 -c "import pluggy, iniconfig" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
-  --target /tmp/site .whl/optional/pluggy*.whl .whl/optional/iniconfig*.whl .whl/optional/pygments*.whl \
-  .whl/optional/sortedcontainers*.whl 2>&1 | tail -1
+source bench/issue44/optional_wheels.sh
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } | tee "$OUT/c11/machine.txt"

@@ -6,12 +6,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source bench/device_env.sh
-# test tools and the tokenizer library where the image lacks them (not shadowing its own)
-for mod in pytest:pytest- pytest_timeout:pytest_timeout hypothesis:hypothesis tokenizers:tokenizers \
-           yaml:pyyaml; do
-  python3 -c "import ${mod%%:*}" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
-    --target /tmp/site .whl/optional/${mod#*:}*.whl 2>&1 | tail -1
-done
+source bench/issue44/optional_wheels.sh
 python3 -c 'import xgrammar, llguidance; print("xgrammar and llguidance import")' 2>&1 | tee "$OUT/imports.txt"
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/core/test_structured_gpu.py \
   tests/core/test_structured_xgrammar.py 2>&1 | tail -5 | tee "$OUT/gpu-tests.log"
