@@ -20,11 +20,14 @@ import itertools, os
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.engine_loop.request_state import RequestState
 
-_free, _freed = KVCacheManager.free, itertools.count(1)
+_free, _freed, _forgotten = KVCacheManager.free, itertools.count(1), itertools.count(1)
 
 
 def leaky_free(self, seq):
-    if next(_freed) % 40 == 0:  # forget the blocks: their ref counts never drop
+    # forget the blocks of one freed sequence in 40 (their ref counts never drop), at most 4
+    # sequences' worth: enough to see, never so many that a loaded machine's longer run fills
+    # the cache and its requests hang
+    if next(_freed) % 40 == 0 and next(_forgotten) <= 4:
         self.block_tables.pop(seq.seq_id, None)
         return
     _free(self, seq)
