@@ -74,8 +74,13 @@ def serve(engine: LLMEngine) -> None:
             raise AssertionError("the traffic did not finish")
 
 
+@pytest.mark.parametrize("mixed_graphs", ["0", "full", "1"])
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
-def test_after_the_warm_up_no_request_takes_a_path_it_did_not_run(async_scheduling):
+def test_after_the_warm_up_no_request_takes_a_path_it_did_not_run(monkeypatch, async_scheduling,
+                                                                   mixed_graphs):
+    """Under each way mixed steps run: eagerly, and the GPU's graphs (attention inside them,
+    the default, or outside), whose pieces a CPU calls rather than replays."""
+    monkeypatch.setenv("KVPILOT_PIECEWISE_GRAPHS", mixed_graphs)
     engine = LLMEngine.from_engine_args(EngineArgs(**ARGS, async_scheduling=async_scheduling))
     assert engine.paths.warm is not None
     assert {"prefill:fresh", "prefill:cached-prefix", "structured-outputs",
@@ -152,3 +157,39 @@ def test_an_unwritable_compile_cache_is_refused_naming_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"TRITON_CACHE_DIR=.*a-file/cache cannot be written.*"
                                          r"install -d -o 1000"):
         warmup.check_compile_cache({"TRITON_CACHE_DIR": str(blocker / "cache")})
+
+
+def test_mixed_graph_steps_are_warmed_beside_decode_graphs(monkeypatch):
+    """A GPU's steps: decode-only batches (and short prompts laid out as rows) replay the
+    decode graphs, a prompt beside decodes runs the mixed graphs up to 512 tokens, wider
+    steps eagerly. With a budget over 512 tokens, every warm-up prompt is either a row
+    layout's or wider than the mixed graphs unless the warm-up runs a prompt beside a decode
+    on purpose. Simulated on CPU: the mixed graphs' pieces are called, decode-only steps
+    counted as replays, and the row layout given a GPU's graph sizes."""
+    from kvpilot.engine.worker import model_runner, row_layout
+
+    monkeypatch.setenv("KVPILOT_PIECEWISE_GRAPHS", "full")
+    monkeypatch.setattr(row_layout.RowLayout, "of", classmethod(
+        lambda cls, report: cls(max_rows=64, max_extra_tokens=400)))
+    eager_or_mixed = model_runner.ModelRunner.forward
+
+    def forward(self, input_ids, positions, meta, kv_caches):
+        if meta.max_query_len == 1:  # a decode graph's step on a GPU
+            self.num_graph_steps += 1
+            return self.model(input_ids, positions, kv_caches, meta)
+        return eager_or_mixed(self, input_ids, positions, meta, kv_caches)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "forward", forward)
+    engine = LLMEngine.from_engine_args(EngineArgs(**{
+        **ARGS, "max_num_batched_tokens": 1024, "max_model_len": 1100, "num_kv_blocks": 700}))
+    assert engine.paths.warm is not None
+    assert {"forward:graph", "forward:eager", "forward:full"} <= engine.paths.warm
+    # a prompt arriving while another request decodes: the mixed graphs' step
+    engine.add_request("decoding", [5] * 6, SamplingParams(temperature=0, max_tokens=8,
+                                                           ignore_eos=True))
+    engine.step()
+    engine.add_request("arriving", list(range(5, 205)), SamplingParams(temperature=0,
+                                                                      max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.paths.cold == []

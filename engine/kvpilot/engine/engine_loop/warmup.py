@@ -13,7 +13,8 @@ prefix cache, counters at zero):
 
 - a prefill as wide as the step budget (`--max-num-batched-tokens`), and one continuing
   a cached prefix (a prefix hit, or the second chunk of a chunked prompt);
-- decode steps and mixed steps beside them (graphs, piecewise graphs);
+- decode steps and mixed steps beside them (graphs, piecewise graphs): at the end a prompt
+  as wide as the largest mixed graph arrives while another request decodes;
 - the sampler's paths: greedy, random (temperature only, alone: a batch the fused kernel
   draws on CUDA), top-k/top-p/min-p, seeded, penalties, logit bias, logprobs, prompt
   logprobs, min_tokens;
@@ -43,6 +44,7 @@ from kvpilot.engine.contracts.args import EngineArgs
 from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
 from kvpilot.engine.engine_loop.engine_core import ModelLimits
+from kvpilot.engine.worker.piecewise_graphs import MAX_TOKENS as MIXED_MAX_TOKENS
 from kvpilot.engine.worker.startup_log import WarmupReport
 
 logger = logging.getLogger("kvpilot.engine")
@@ -200,6 +202,11 @@ def _requests(engine: WarmEngine) -> tuple[list[_Request], int]:
             temperature=0, max_tokens=4,
             structured_outputs=StructuredOutputsParams(json=WARMUP_SCHEMA))),
     ]
+    # a prompt arriving while another request decodes, as wide as the mixed steps' largest
+    # graph less that decode: with a budget over MAX_TOKENS every other warm-up prompt is
+    # either wider (eager) or short enough for the decode graphs' rows (`row_layout`)
+    requests += [_Request("decoding", prompt(8), greedy(max_tokens=8)),
+                 _Request("mixed", prompt(max(1, min(MIXED_MAX_TOKENS, wide) - 1)), greedy())]
     if engine.lora is not None and engine.lora.adapters:  # one loaded at start-up
         requests.append(_Request("lora", prompt(24), greedy(),
                                  lora_name=next(iter(engine.lora.adapters))))
@@ -229,17 +236,27 @@ def warm_up(engine: WarmEngine) -> WarmupReport:
     requests, wide = _requests(engine)
     steps = 0
     # the widest prompt first, alone, so that its blocks are cached before the prefix hit
-    # looks them up (under async scheduling a request added beside it would miss them); then
-    # the temperature-only request alone: a batch of it is the fused sampling kernel's (a
-    # batch with any other random row takes torch's ops), as a lone chat request's is
+    # looks them up (under async scheduling a request added beside it would miss them); the
+    # temperature-only request alone: a batch of it is the fused sampling kernel's (a
+    # batch with any other random row takes torch's ops), as a lone chat request's is; last
+    # the mixed step: one request decoding (its prefill and first decode launched), then
+    # a prompt beside it
+    named = {r.name: r for r in requests}
     alone = [r for r in requests[1:] if r.name == "random"]
-    for wave in (requests[:1], alone, [r for r in requests[1:] if r not in alone]):
+    decoding, mixed = [named["decoding"]], named["mixed"]
+    rest = [r for r in requests[1:] if r not in (*alone, *decoding, mixed)]
+    for wave, steps_first, beside in ((requests[:1], 0, None), (alone, 0, None),
+                                      (rest, 0, None), (decoding, 2, mixed)):
         for request in wave:
             engine.add_request(f"kvpilot-warmup-{request.name}", request.prompt,
                                request.params, lora_name=request.lora_name)
         while engine.has_unfinished_requests() and steps < MAX_STEPS:
+            if beside is not None and steps_first == 0:
+                engine.add_request(f"kvpilot-warmup-{beside.name}", beside.prompt, beside.params)
+                beside = None
             engine.step()
             steps += 1
+            steps_first -= 1
     if engine.has_unfinished_requests():
         raise RuntimeError(f"the warm-up's requests did not finish in {MAX_STEPS} steps")
     engine.reset_after_warmup()
