@@ -112,14 +112,20 @@ def run(seed: int, async_scheduling: str, layout: RowLayout | None,
 
 
 def assert_close(want: list, got: list) -> None:
-    """Asserts two lists of per-token logprob maps hold the same tokens, ranks and values."""
+    """Asserts two lists of per-token logprob maps hold the same tokens, ranks and values. A
+    token deep in the tail may swap places with a neighbour whose logprob is within float32
+    rounding of its own (seen: rank 674 against 675 at -7.0586, the values 5e-7 apart), so
+    ranks past the first 20 may differ by one."""
     assert len(want) == len(got)
     for a, b in zip(want, got, strict=True):
         assert (a is None) == (b is None)
         if a is not None:
             assert a.keys() == b.keys()
-            assert all(a[t].rank == b[t].rank and abs(a[t].logprob - b[t].logprob) < 1e-4
-                       for t in a)
+            for t in a:
+                assert abs(a[t].logprob - b[t].logprob) < 1e-4, (t, a[t], b[t])
+                assert a[t].rank == b[t].rank or (
+                    min(a[t].rank, b[t].rank) > 20 and abs(a[t].rank - b[t].rank) == 1), \
+                    (t, a[t], b[t])
 
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
