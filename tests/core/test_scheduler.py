@@ -43,6 +43,25 @@ def test_decodes_come_before_a_continuing_prefill():
     assert scheduled_ids(run_step(s)) == [("short", 1), ("long", 5)]
 
 
+@pytest.mark.parametrize(("policy", "expected"), [
+    # fcfs: the running prefill's next chunk first, taking the whole budget
+    ("fcfs", [("decoding", 1), ("low", 11)]),
+    # priority: the more important new prompt first, whole; the prefill takes what is left
+    ("priority", [("decoding", 1), ("high", 6), ("low", 5)]),
+])
+def test_a_more_important_prompt_goes_before_a_running_prefills_next_chunk(policy, expected):
+    s = make_scheduler(max_num_batched_tokens=12, policy=policy)
+    _admit(s, make_request("decoding", 2, priority=0))
+    run_step(s)
+    _admit(s, make_request("low", list(range(200, 230)), priority=5))
+    assert scheduled_ids(run_step(s)) == [("decoding", 1), ("low", 11)]
+    _admit(s, make_request("high", list(range(300, 306)), priority=0))
+    assert scheduled_ids(run_step(s)) == expected
+    if policy == "priority":  # a newcomer less important than the running prefill waits
+        _admit(s, make_request("lower", 4, priority=9))
+        assert scheduled_ids(run_step(s)) == [("decoding", 1), ("high", 1), ("low", 10)]
+
+
 def test_unchunked_recompute_longer_than_the_budget_still_runs():
     s = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False, caching=False)
     request = make_request("r", 6, max_tokens=8)

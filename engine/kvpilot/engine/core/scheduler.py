@@ -1,7 +1,9 @@
 """Iteration-level scheduling: which sequences compute how many tokens in the next step.
 
 Each step spends a token budget (`max_num_batched_tokens`) on running sequences
-first — decodes, then continuing prefill chunks — and then admits waiting ones.
+first — decodes, then continuing prefill chunks — and then admits waiting ones; under the
+`priority` policy a waiting sequence more important than a running prefill is admitted
+before that prefill's next chunk.
 When the KV cache runs out, the least important running sequence (lowest
 priority, then newest arrival) is preempted by recompute: its blocks are freed
 and it waits again with its generated tokens kept. Under pipeline parallelism the
@@ -144,8 +146,16 @@ class Scheduler:
         out = SchedulerOutput()
         key = self._key
         order = sorted(self.running, key=lambda s: (not s.is_decode, key(s)))
+        # under `priority`, a waiting request more important than a running prefill is
+        # admitted before that prefill's next chunk (else a low band's long prompt, chunked
+        # over several steps, takes each step's budget first and a high band's prompt is
+        # split behind it)
+        first_prefill = next((i for i, s in enumerate(order) if not s.is_decode), None) \
+            if cfg.policy == "priority" and self.waiting else None
         running = SequenceStatus.RUNNING
-        for seq in order:
+        for i, seq in enumerate(order):
+            if i == first_prefill:
+                budget = self._admit_waiting(budget, planned, out, max_seqs, before=key(seq))
             if budget == 0 or (max_seqs is not None and len(planned) >= max_seqs):
                 break
             num_new = len(seq.token_ids) - seq.num_computed_tokens
@@ -207,7 +217,11 @@ class Scheduler:
                 or self.lora_slots.acquire(name, in_use) is not None)
 
     def _admit_waiting(self, budget: int, planned: dict, out: SchedulerOutput,
-                       max_seqs: int | None) -> None:
+                       max_seqs: int | None, before: tuple[int, float, int] | None = None
+                       ) -> int:
+        """Admits waiting sequences in order while the budget, the sequence limit and the
+        KV cache allow (only those more important than `before`, when given); gives the
+        budget left."""
         cfg = self.config
         in_use = {name for s in self.running if (name := s.request.lora_name) is not None} \
             if self.lora_slots is not None else set()
@@ -218,7 +232,7 @@ class Scheduler:
             # compute; a request whose adapter has no slot waits for one
             seq = next((s for s in self.waiting if s.beam_candidates is None
                         and self._has_lora_slot(s, in_use)), None)
-            if seq is None:
+            if seq is None or (before is not None and self._key(seq) >= before):
                 break
             hits, hit_tokens = self.kv.get_computed_blocks(seq)
             external = (self.connector.get_num_new_matched_tokens(seq, hit_tokens)
@@ -245,6 +259,7 @@ class Scheduler:
                 in_use.add(seq.request.lora_name)
             planned[seq.seq_id] = (seq, num_new, copies)
             budget -= num_new
+        return budget
 
     def _preempt_idle(self, out: SchedulerOutput) -> bool:
         """Preempts the least important running sequence with nothing to compute, if any.
