@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -82,9 +83,11 @@ async def test_repeated_failures_eject_the_instance(fleet):
 
 
 @pytest.mark.parametrize(("modes", "status", "message"), [
-    (("fail500", "fail500"), 502, "all 7 attempts failed (--max-retries=5"),
+    # how many attempts fit depends on when the instances' health checks bring them back (7,
+    # and 8 on a loaded machine): the message names the count and the bound
+    (("fail500", "fail500"), 502, r"all [78] attempts failed \(--max-retries=5"),
     (("busy429", "busy429"), 429, "every instance is busy"),
-    (("busy429", "fail500"), 502, "all 7 attempts failed (--max-retries=5"),
+    (("busy429", "fail500"), 502, r"all [78] attempts failed \(--max-retries=5"),
 ])
 async def test_all_instances_failing(fleet, modes, status, message):
     # max_retries exceeds the instance count: once each was tried the request holds, each
@@ -96,7 +99,7 @@ async def test_all_instances_failing(fleet, modes, status, message):
         response = await client.post("/v1/completions", json=COMPLETION)
         assert asyncio.get_running_loop().time() - start < 5
     assert response.status_code == status
-    assert message in response.json()["error"]["message"]
+    assert re.search(message, response.json()["error"]["message"])
 
 
 async def test_stream_cut_after_first_byte_ends_with_an_error_event(fleet):
