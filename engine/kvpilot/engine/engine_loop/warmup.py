@@ -235,28 +235,37 @@ def warm_up(engine: WarmEngine) -> WarmupReport:
     started = time.perf_counter()
     requests, wide = _requests(engine)
     steps = 0
-    # the widest prompt first, alone, so that its blocks are cached before the prefix hit
-    # looks them up (under async scheduling a request added beside it would miss them); the
-    # temperature-only request alone: a batch of it is the fused sampling kernel's (a
-    # batch with any other random row takes torch's ops), as a lone chat request's is; last
-    # the mixed step: one request decoding (its prefill and first decode launched), then
-    # a prompt beside it
-    named = {r.name: r for r in requests}
-    alone = [r for r in requests[1:] if r.name == "random"]
-    decoding, mixed = [named["decoding"]], named["mixed"]
-    rest = [r for r in requests[1:] if r not in (*alone, *decoding, mixed)]
-    for wave, steps_first, beside in ((requests[:1], 0, None), (alone, 0, None),
-                                      (rest, 0, None), (decoding, 2, mixed)):
-        for request in wave:
-            engine.add_request(f"kvpilot-warmup-{request.name}", request.prompt,
-                               request.params, lora_name=request.lora_name)
-        while engine.has_unfinished_requests() and steps < MAX_STEPS:
-            if beside is not None and steps_first == 0:
-                engine.add_request(f"kvpilot-warmup-{beside.name}", beside.prompt, beside.params)
-                beside = None
+
+    def add(request: _Request) -> None:
+        engine.add_request(f"kvpilot-warmup-{request.name}", request.prompt, request.params,
+                           lora_name=request.lora_name)
+
+    def run(limit: int = MAX_STEPS) -> None:
+        nonlocal steps
+        for _ in range(limit):
+            if not engine.has_unfinished_requests() or steps >= MAX_STEPS:
+                return
             engine.step()
             steps += 1
-            steps_first -= 1
+
+    # the widest prompt first, alone, so that its blocks are cached before the prefix hit
+    # looks them up (under async scheduling a request added beside it would miss them); then
+    # the temperature-only request alone: a batch of it is the fused sampling kernel's (a
+    # batch with any other random row takes torch's ops), as a lone chat request's is; last
+    # the mixed step: one request decoding (its prefill and first decode launched), then a
+    # prompt beside it
+    by_name = {r.name: r for r in requests}
+    decoding, mixed = by_name["decoding"], by_name["mixed"]
+    alone = [r for r in requests[1:] if r.name == "random"]
+    rest = [r for r in requests[1:] if r not in (*alone, decoding, mixed)]
+    for wave in (requests[:1], alone, rest):
+        for request in wave:
+            add(request)
+        run()
+    add(decoding)
+    run(limit=2)
+    add(mixed)
+    run()
     if engine.has_unfinished_requests():
         raise RuntimeError(f"the warm-up's requests did not finish in {MAX_STEPS} steps")
     engine.reset_after_warmup()
