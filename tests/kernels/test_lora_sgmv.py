@@ -141,3 +141,28 @@ def test_lora_sgmv_large_bf16_batch_on_gpu(tokens: int, k: int):
     out = lora_sgmv_(base.clone(), x, a, b, group_by_slot(idx, 8))
     ref = base.float() + lora_ref(x.float(), a.float(), b.float(), idx)
     assert rel_err(out, ref) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("parts", "reads_parts_only"), [
+    ((32, 16, 16), True),  # q|k|v: every part ends on a block of 16 columns
+    ((48, 48), True),  # gate|up
+    ((40, 24), False),  # part 0 ends inside a column block: the whole rank is read
+])
+def test_expand_reads_only_a_merged_parts_rank_columns(parts, reads_parts_only):
+    """B of a merged projection holds part p's adapter in its rank columns p*R/P..; the
+    rest is zero in the engine. Filled with noise here, it is left out of the product when
+    the parts line up with the column blocks, and read (so it shows) when they do not."""
+    slots = [0, -1, 1, 1, 0, 2]
+    rank, k, n = 8 * len(parts), 32, sum(parts)
+    x, a, b, base, idx = _case(len(slots), slots, 3, rank, k, n, torch.float32, 5)
+    stacked = torch.zeros_like(b)
+    width, first = rank // len(parts), 0
+    for p, rows in enumerate(parts):
+        cols = slice(p * width, (p + 1) * width)
+        stacked[:, first:first + rows, cols] = b[:, first:first + rows, cols]
+        first += rows
+    noisy = stacked + (stacked == 0) * 5.0  # noise wherever a part has no adapter
+    out = lora_sgmv_(base.clone(), x, a, noisy, group_by_slot(idx, 3), block_n=16,
+                     block_k=16, parts=parts)
+    ref = base.float() + lora_ref(x.float(), a.float(), stacked.float(), idx)
+    assert (rel_err(out, ref) < tolerance(torch.float32)) == reads_parts_only

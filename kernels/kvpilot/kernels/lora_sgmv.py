@@ -20,6 +20,11 @@ gate_up expand (N = 28672, then BLOCK_N 32) launched 4 x 896 x 8 ~ 28k programs 
 a count and exit, and with 8 adapters x 8 tokens only 1 in 4 did work. Here that expand has
 12 x 448 programs (BLOCK_N 64, `EXPAND_BLOCK_N`), 8 x 448 of them busy.
 
+A merged projection (q|k|v, gate|up) stacks its parts' adapters along the rank, part p's
+B nonzero only in its own rank columns (`lora.layers`). Given the parts' sizes, expand
+reads only a column block's own part's columns: a third of q|k|v's B and half of
+gate|up's, where the zeros were read and multiplied before.
+
 Shrink splits K over SPLIT_K programs per block when the batch has few token blocks
 (decode): unsplit, a decode step's shrink was one program per adapter walking all of K
 (3072 for a 0.6B model's down_proj) in 32-wide steps, ~10-30 us of latency on an almost
@@ -138,8 +143,9 @@ def _shrink_kernel(x_ptr, a_ptr, tmp_ptr, order_ptr, block_slot_ptr, block_start
 
 @jit
 def _expand_kernel(tmp_ptr, b_ptr, out_ptr, order_ptr, block_slot_ptr, block_start_ptr,
-                   block_count_ptr, N, R, stride_tt, stride_bs, stride_bn, stride_ot,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                   block_count_ptr, N, P0_END, P1_END, stride_tt, stride_bs, stride_bn,
+                   stride_ot, R_PART: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     block, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(block_slot_ptr + block)
     if slot < 0:
@@ -149,19 +155,38 @@ def _expand_kernel(tmp_ptr, b_ptr, out_ptr, order_ptr, block_slot_ptr, block_sta
     rows = tl.load(order_ptr + tl.load(block_start_ptr + block) + offs_m, mask=m_ok, other=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    # the rank columns of this column block's part (its part's B is zero elsewhere)
+    first = pid_n * BLOCK_N
+    r_base = tl.where(first >= P1_END, 2 * R_PART, tl.where(first >= P0_END, R_PART, 0))
     offs_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        r_ok = (r0 + offs_r) < R
-        t = tl.load(tmp_ptr + rows[:, None] * stride_tt + (r0 + offs_r)[None, :],
+    for r0 in range(0, R_PART, BLOCK_R):
+        r_ok = (r0 + offs_r) < R_PART
+        cols = r_base + r0 + offs_r
+        t = tl.load(tmp_ptr + rows[:, None] * stride_tt + cols[None, :],
                     mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + (r0 + offs_r)[None, :],
+        b = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + cols[None, :],
                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         acc += tl.dot(t, tl.trans(b.to(tl.float32)))
     mask = m_ok[:, None] & n_ok[None, :]
     ptrs = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
     prev = tl.load(ptrs, mask=mask, other=0.0)
     tl.store(ptrs, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def expand_parts(parts: tuple[int, ...], n: int, rank: int, block_n: int
+                 ) -> tuple[int, int, int]:
+    """Gives expand's (P0_END, P1_END, R_PART): where parts 0 and 1 end among the output
+    rows and each part's rank columns. A column block reads only its part's columns, so
+    every part but the last must end on a multiple of `block_n` and the rank must split
+    evenly; otherwise (or for one part) the whole rank is read everywhere (n, n, rank)."""
+    if len(parts) < 2:
+        return n, n, rank
+    assert len(parts) <= 3 and sum(parts) == n, f"parts {parts} do not cover {n} rows"
+    ends = [sum(parts[:i + 1]) for i in range(len(parts) - 1)]
+    if rank % len(parts) or any(end % block_n for end in ends):
+        return n, n, rank
+    return ends[0], ends[1] if len(ends) > 1 else n, rank // len(parts)
 
 
 def shrink_splits(tokens: int) -> bool:
@@ -185,12 +210,16 @@ def lora_sgmv_(out: torch.Tensor,  # [T, N], rows dense: the base layer's output
                b: torch.Tensor,  # [S, N, R]
                grouped: SlotGroups,  # group_by_slot's
                block_n: int = EXPAND_BLOCK_N, block_k: int = 64,
-               split_k: int | None = None, tmp: torch.Tensor | None = None) -> torch.Tensor:
+               split_k: int | None = None, tmp: torch.Tensor | None = None,
+               parts: tuple[int, ...] = ()) -> torch.Tensor:
     """Adds the LoRA delta of every token's slot to `out` in place; gives `out`. `grouped`
     is `group_by_slot(slots, S)`, computed once per step for every layer; its block_m is
     the kernels' BLOCK_M. `split_k`: the programs that share one block's K (default
     `split_k_for`). `tmp`: a zeroed float32 [T, R] (rows may be strided) for shrink's
-    output, else one is made."""
+    output, else one is made. `parts`: a merged projection's output rows per part (at most
+    3, summing to N), whose B is nonzero only in part p's R/len(parts) rank columns from
+    p*R/len(parts) (`lora.layers` stacks them so): expand then reads only those (see
+    `expand_parts`)."""
     tokens, k = x.shape
     rank = a.shape[1]
     n = b.shape[1]
@@ -206,12 +235,14 @@ def lora_sgmv_(out: torch.Tensor,  # [T, N], rows dense: the base layer's output
                                                             device=x.device)
     assert tmp.shape == (tokens, rank) and tmp.dtype == torch.float32 and tmp.stride(1) == 1
     table = (grouped.order, grouped.block_slot, grouped.block_start, grouped.block_count)
+    p0_end, p1_end, r_part = expand_parts(parts, n, rank, block_n)
     _shrink_kernel[(num_blocks * split_k, triton.cdiv(rank, block_r))](
         x, a, tmp, *table, rank, k,
         x.stride(0), a.stride(0), a.stride(1), tmp.stride(0),
         BLOCK_M=grouped.block_m, BLOCK_N=block_r, BLOCK_K=block_k, SPLIT_K=split_k)
     _expand_kernel[(num_blocks, triton.cdiv(n, block_n))](
-        tmp, b, out, *table, n, rank,
-        tmp.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        BLOCK_M=grouped.block_m, BLOCK_N=block_n, BLOCK_R=block_r)
+        tmp, b, out, *table, n, p0_end, p1_end,
+        tmp.stride(0), b.stride(0), b.stride(1), out.stride(0), R_PART=r_part,
+        BLOCK_M=grouped.block_m, BLOCK_N=block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(min(r_part, 64))))
     return out

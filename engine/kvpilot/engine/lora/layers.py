@@ -102,7 +102,8 @@ class _Seam:
 
             workspace = mapping.workspace
             tmp = None if workspace is None else workspace[self.index, :, :self.a.shape[1]]
-            lora_sgmv_(out, x, self.a, self.b, mapping.grouped, tmp=tmp)
+            lora_sgmv_(out, x, self.a, self.b, mapping.grouped, tmp=tmp,
+                       parts=tuple(rows.stop - rows.start for rows in self.part_rows))
             return
         for slot, rows in mapping.groups:
             out.index_add_(0, rows, (x[rows] @ self.a[slot].T) @ self.b[slot].T)
