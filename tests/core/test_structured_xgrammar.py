@@ -100,32 +100,3 @@ def test_rollback_and_resume_keep_the_matchers_state(matchers: XgrammarMatchers)
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match=r"refuses resume_token_ids\[0\]"):
         matchers.matcher(json.dumps(BOUNDED), tokenizer.encode("x", add_special_tokens=False))
-
-
-def test_rows_spread_over_the_threads_land_in_their_rows_and_report_in_order() -> None:
-    """Five matchers in different states over three of our row threads: each mask row is
-    the one its matcher fills alone, and `accept` gives each token's verdict in its place."""
-    tokenizer = load_tokenizer("tiny-llama")
-    spread = XgrammarMatchers(tokenizer.to_json(), tokenizer.vocab_size, [2], threads=3)
-    try:
-        texts = ['{"name":"', "", '{"name":"a', '{"', '{"name":"ab"']
-        batch = [spread.matcher(json.dumps(BOUNDED), tokenizer.encode(text,
-                                                                      add_special_tokens=False))
-                 for text in texts]
-        words = (tokenizer.vocab_size + 31) // 32
-        mask = torch.zeros(len(batch) + 2, words, dtype=torch.int32)
-        rows = [6, 0, 3, 1, 4]  # out of order, rows 2 and 5 left alone
-        spread.fill(batch, mask, rows)
-        alone = torch.zeros(1, words, dtype=torch.int32)
-        for matcher, row in zip(batch, rows, strict=True):
-            matcher.fill_next_token_bitmask(alone, 0)
-            assert torch.equal(mask[row], alone[0]), row
-        assert not mask[[2, 5]].any()
-        brace = tokenizer.encode("}", add_special_tokens=False)[-1]
-        letter = tokenizer.encode("a", add_special_tokens=False)[-1]
-        # a string's letter; nothing but '{' opens; a letter in a string; '}' inside an
-        # object's key; the object closes after its only property
-        assert spread.accept(batch, [letter, letter, letter, brace, brace]) == \
-            [True, False, True, False, True]
-    finally:
-        spread.shutdown()

@@ -5,15 +5,8 @@ with `maxLength` its slices do not apply and one row walks nearly the whole voca
 (2-3 ms for 152k tokens, longer than a whole 0.6B decode step, decision 0139). xgrammar
 precomputes, per grammar position, which tokens are allowed whatever the stack below
 (its adaptive token-mask cache), so a row costs tens to hundreds of microseconds and
-the batch's rows spread over threads (a matcher's fill and accept drop the GIL). vLLM's
+the batch's rows spread over its threads (`BatchGrammarMatcher`, no GIL). vLLM's
 default backend is xgrammar for the same reason.
-
-The threads are ours and live as long as the engine: xgrammar's own
-`BatchGrammarMatcher` starts and joins a new pool of its `max_threads` threads on every
-fill, which cost more than the rows it spread (dev CPU, 2 threads: 80 us for one trivial
-row, against 1 us on one thread; on the GPU hosts' sandboxed kernel more, and with 15
-threads a 64-row fill took 4.9 ms, `bench/xgrammar_pool_probe.py`). Rows go to the
-threads striped (row i to thread i mod n), each thread filling its rows one by one.
 
 `auto` sends a request's `json` schema (and `json_object`) here and everything else to
 llguidance: regexes, choices and Lark grammars (a dialect xgrammar does not read), and
@@ -29,8 +22,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import xgrammar
@@ -95,38 +86,7 @@ class XgrammarMatchers:
         self._threads = threads
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._setup = threading.Lock()
-        self._rows = ThreadPoolExecutor(threads, thread_name_prefix="xgrammar") \
-            if threads > 1 else None
-
-    def _striped(self, work: Any, items: Sequence[Any]) -> list[Any]:
-        """Gives `work(item)` for every item in order, the items striped over the threads."""
-        pool = self._rows
-        if pool is None or len(items) < 2:
-            return [work(item) for item in items]
-        n = min(self._threads, len(items))
-        parts = list(pool.map(lambda k: [work(item) for item in items[k::n]], range(n)))
-        out: list[Any] = [None] * len(items)
-        for k, part in enumerate(parts):
-            out[k::n] = part
-        return out
-
-    def fill(self, matchers: Sequence[xgrammar.GrammarMatcher], mask: Any,
-             rows: Sequence[int]) -> None:
-        """Writes row `rows[i]` of `mask` (int32 [batch, words], on the host) for
-        `matchers[i]`, the rows spread over the threads."""
-        self._striped(lambda item: item[0].fill_next_token_bitmask(mask, item[1]),
-                      list(zip(matchers, rows, strict=True)))
-
-    def accept(self, matchers: Sequence[xgrammar.GrammarMatcher], tokens: Sequence[int]
-               ) -> list[bool]:
-        """Advances `matchers[i]` by `tokens[i]` on the threads; gives whether each took it."""
-        return self._striped(lambda item: item[0].accept_token(item[1]),
-                             list(zip(matchers, tokens, strict=True)))
-
-    def shutdown(self) -> None:
-        """Joins the row threads."""
-        if self._rows is not None:
-            self._rows.shutdown(wait=True)
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
 
     def _compiler_of(self) -> xgrammar.GrammarCompiler:
         """Gives the vocabulary's compiler (~1 s for 150k tokens: once)."""
