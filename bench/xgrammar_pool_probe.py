@@ -125,7 +125,7 @@ def rows(threads: list[int], steps: int, batch: int = 64, vocab_size: int = 1519
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--threads", default="1,2,4,8,15")
     parser.add_argument("--steps", type=int, default=60, help="steps of the 64-row walk")
     args = parser.parse_args()

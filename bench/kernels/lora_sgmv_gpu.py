@@ -106,7 +106,7 @@ def run_shape(name: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--shapes", default="0.6b,8b")
     args = parser.parse_args()
     print(json.dumps({"gpu": torch.cuda.get_device_name()}))
