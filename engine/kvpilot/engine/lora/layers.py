@@ -96,6 +96,10 @@ class _Seam:
     b: torch.Tensor  # [S, out, P*R]
     index: int  # its rows in the mapping's workspace
 
+    def __post_init__(self) -> None:
+        # each part's output rows, for the kernel's part-aware expand (made once, not per call)
+        self.parts = tuple(rows.stop - rows.start for rows in self.part_rows)
+
     def delta_into(self, out: torch.Tensor, x: torch.Tensor, mapping: LoRAMapping) -> None:
         if mapping.grouped is not None:
             from kvpilot.kernels.lora_sgmv import lora_sgmv_
@@ -103,7 +107,7 @@ class _Seam:
             workspace = mapping.workspace
             tmp = None if workspace is None else workspace[self.index, :, :self.a.shape[1]]
             lora_sgmv_(out, x, self.a, self.b, mapping.grouped, tmp=tmp,
-                       parts=tuple(rows.stop - rows.start for rows in self.part_rows))
+                       parts=self.parts)
             return
         for slot, rows in mapping.groups:
             out.index_add_(0, rows, (x[rows] @ self.a[slot].T) @ self.b[slot].T)
