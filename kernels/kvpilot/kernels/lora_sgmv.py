@@ -34,6 +34,10 @@ of those adds varies, so the delta is not bitwise reproducible from run to run (
 rounding in rank space). Over 32 token blocks (512 tokens): no split, plain stores. A caller
 running many seams per forward passes `tmp`, a slice of one workspace it zeroed once (one
 memset per forward, not per seam).
+
+Both kernels launch with PDL where the GPU has it (`kvpilot.kernels.pdl`, as the decode
+step's other Triton kernels): each program waits for the kernel before it first thing, so a
+launch overlaps only the previous grid's drain. A decode step runs eight of them per layer.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels.jit import jit
+from kvpilot.kernels.pdl import pdl_args, wait_for_previous
 
 BLOCK_M = 16  # tokens per block (and per program)
 EXPAND_BLOCK_N = 64  # expand's output columns per program
@@ -114,7 +119,8 @@ def group_by_slot(slots: torch.Tensor, num_slots: int, block_m: int = BLOCK_M) -
 def _shrink_kernel(x_ptr, a_ptr, tmp_ptr, order_ptr, block_slot_ptr, block_start_ptr,
                    block_count_ptr, R, K, stride_xt, stride_as, stride_ar, stride_tt,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr):
+                   SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     pid_bk, pid_n = tl.program_id(0), tl.program_id(1)
     block, pid_k = pid_bk // SPLIT_K, pid_bk % SPLIT_K
     slot = tl.load(block_slot_ptr + block)
@@ -145,7 +151,8 @@ def _shrink_kernel(x_ptr, a_ptr, tmp_ptr, order_ptr, block_slot_ptr, block_start
 def _expand_kernel(tmp_ptr, b_ptr, out_ptr, order_ptr, block_slot_ptr, block_start_ptr,
                    block_count_ptr, N, P0_END, P1_END, stride_tt, stride_bs, stride_bn,
                    stride_ot, R_PART: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     block, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(block_slot_ptr + block)
     if slot < 0:
@@ -239,10 +246,11 @@ def lora_sgmv_(out: torch.Tensor,  # [T, N], rows dense: the base layer's output
     _shrink_kernel[(num_blocks * split_k, triton.cdiv(rank, block_r))](
         x, a, tmp, *table, rank, k,
         x.stride(0), a.stride(0), a.stride(1), tmp.stride(0),
-        BLOCK_M=grouped.block_m, BLOCK_N=block_r, BLOCK_K=block_k, SPLIT_K=split_k)
+        BLOCK_M=grouped.block_m, BLOCK_N=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
+        **pdl_args(x))
     _expand_kernel[(num_blocks, triton.cdiv(n, block_n))](
         tmp, b, out, *table, n, p0_end, p1_end,
         tmp.stride(0), b.stride(0), b.stride(1), out.stride(0), R_PART=r_part,
         BLOCK_M=grouped.block_m, BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(min(r_part, 64))))
+        BLOCK_R=max(16, triton.next_power_of_2(min(r_part, 64))), **pdl_args(x))
     return out
