@@ -9,11 +9,15 @@ each phase a bounded open-loop run of streamed completions with Poisson arrivals
   requests lost (no answer) or hung (past the client's time-out).
 - priorities: the same fleet shape; objective `high` (priority 10) at 0.2 C alone, then
   with objective `low` (priority 0) at 3 C (`x-gateway-inference-objective`).
-- placement: two replicas, a mixed workload of short chats and long documents (unique
-  prompts: the prefix-hit rate is the same, about zero, for both policies) at a fixed
-  rate, once with `prefix-aware` and once with `predicted-latency`. Reports TTFT p50/p99,
-  SLO attainment (TTFT <= --slo-ms), throughput and the predictor's error (|predicted -
-  observed| / observed, from the router's x-kvpilot-predicted-ttft-ms).
+- placement: two replicas, a mixed workload of short chats and long documents at a fixed
+  rate, once with `prefix-aware` and once with `predicted-latency`. By default every prompt
+  is unique (the prefix-hit rate is the same, about zero, for both policies); with
+  `--shared-documents K` a document request asks a question (its own `--question-words`)
+  about one of K shared documents drawn with Zipf popularity (`--popularity-exponent`), so
+  the workload offers both policies the same prefixes to hit. Reports TTFT p50/p99, SLO
+  attainment (TTFT <= --slo-ms), throughput, each router's prefix-hit rate and the
+  predictor's error (|predicted - observed| / observed, from the router's
+  x-kvpilot-predicted-ttft-ms).
 
     nice -n 10 .venv/bin/python bench/flow_control.py --scenarios noisy,priorities,placement
 """
@@ -117,6 +121,10 @@ class Stream:
     # the flood's client stands in for machines of its own: on a small host it runs at the
     # lowest CPU priority, so its own work does not take the fleet's cores (--flood-nice)
     nice: int = 0
+    # shared documents: a request's prompt is one of these (drawn by `popularity`) followed by
+    # its own `words`; none: the prompt is its own words only
+    documents: tuple[str, ...] = ()
+    popularity: tuple[float, ...] = ()
 
 
 def prompt(rng: random.Random, words: int, salt: str = "") -> str:
@@ -125,7 +133,10 @@ def prompt(rng: random.Random, words: int, salt: str = "") -> str:
 
 async def one(client: httpx.AsyncClient, url: str, stream: Stream, rng: random.Random,
               timeout: float, salt: str = "") -> Result:
-    body = {"model": MODEL, "prompt": prompt(rng, rng.randint(*stream.words), salt),
+    text = prompt(rng, rng.randint(*stream.words), salt)
+    if stream.documents:
+        text = rng.choices(stream.documents, stream.popularity)[0] + " " + text
+    body = {"model": MODEL, "prompt": text,
             "max_tokens": stream.max_tokens, "ignore_eos": True, "stream": True}
     result = Result(stream.group)
     start = time.perf_counter()
@@ -393,17 +404,17 @@ def run_placement(args: argparse.Namespace, log: Path) -> dict:
             second = subprocess.Popen(argv, stdout=router_log, stderr=subprocess.STDOUT)
         urls = {policies[0]: fleet.url, policies[1]: f"http://127.0.0.1:{args.port + 1}"}
         Fleet.wait_url(urls[policies[1]], second)
-        streams = [Stream("chat", args.chat_rate, words=(8, 24), max_tokens=16),
-                   Stream("document", args.doc_rate, words=(args.doc_words, args.doc_words + 100),
-                          max_tokens=16)]
+        chats = Stream("chat", args.chat_rate, words=(8, 24), max_tokens=args.chat_max_tokens)
         salts = {policy: "pq"[n] for n, policy in enumerate(policies)}  # as long, not equal
+        streams = {policy: [chats, document_stream(args, salts[policy])] for policy in policies}
         for policy in policies:  # the same warm-up: it fills the models
-            asyncio.run(open_loop(urls[policy], streams, args.warmup_seconds, 7,
+            asyncio.run(open_loop(urls[policy], streams[policy], args.warmup_seconds, 7,
                                   args.client_timeout, salt=salts[policy]))
         for n in range(args.rounds):
             row: dict = {}
             for policy in policies if n % 2 == 0 else policies[::-1]:
-                got, wall = asyncio.run(open_loop(urls[policy], streams, args.seconds, 1000 + n,
+                got, wall = asyncio.run(open_loop(urls[policy], streams[policy], args.seconds,
+                                                  1000 + n,
                                                   args.client_timeout, salt=salts[policy]))
                 results[policy] += got
                 merged = [Result(**{**r.__dict__, "group": "all"}) for r in got]
@@ -434,6 +445,22 @@ def run_placement(args: argparse.Namespace, log: Path) -> dict:
     out["ttft_p99_improvement_per_round"] = spread([r["ttft_p99_improvement"] for r in rounds])
     out["throughput_ratio"] = pred["completed_per_s"] / base["completed_per_s"]
     return out
+
+
+def document_stream(args: argparse.Namespace, salt: str) -> Stream:
+    """Gives the placement scenario's document requests: unique long prompts, or questions
+    about `--shared-documents` documents of the policy's own words (`salt`), document i
+    drawn with weight 1 / (i + 1) ** `--popularity-exponent`."""
+    if not args.shared_documents:
+        return Stream("document", args.doc_rate, words=(args.doc_words, args.doc_words + 100),
+                      max_tokens=args.doc_max_tokens)
+    rng = random.Random(99)
+    documents = tuple(prompt(rng, args.doc_words + rng.randrange(101), salt)
+                      for _ in range(args.shared_documents))
+    popularity = tuple(1 / (i + 1) ** args.popularity_exponent
+                       for i in range(args.shared_documents))
+    return Stream("document", args.doc_rate, words=(args.question_words, args.question_words + 10),
+                  max_tokens=args.doc_max_tokens, documents=documents, popularity=popularity)
 
 
 def prefix_hit_rate(url: str) -> float:
@@ -476,6 +503,15 @@ def main() -> None:
                              "priorities: the router on the last core")
     parser.add_argument("--doc-words", type=int, default=300,
                         help="placement: a document's words (+0..100)")
+    parser.add_argument("--shared-documents", type=int, default=0,
+                        help="placement: documents shared by the document requests (0: every "
+                             "document prompt unique)")
+    parser.add_argument("--popularity-exponent", type=float, default=1.0,
+                        help="placement, shared documents: Zipf exponent of their popularity")
+    parser.add_argument("--question-words", type=int, default=20,
+                        help="placement, shared documents: a question's words (+0..10)")
+    parser.add_argument("--chat-max-tokens", type=int, default=16)
+    parser.add_argument("--doc-max-tokens", type=int, default=16)
     parser.add_argument("--slo-ms", type=float, default=1000.0)
     parser.add_argument("--port", type=int, default=18461)
     parser.add_argument("--out", default=str(RESULTS / f"flow_control-CPU-{datetime.date.today()}"))
