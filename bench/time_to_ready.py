@@ -5,8 +5,11 @@ first empty (a node that never served: every kernel compiles, as the warm-up doe
 ready), then again with what the first run left there (a replica rescheduled on a node that
 served before, the operator's --compile-cache-dir). Reported per run: wall seconds from
 the process start to /ready answering 200, the engine's own kvpilot_engine_startup_seconds,
-the compile cache's size, and the start-up log's CUDA-graph and warm-up lines. Then one
-request on the warm server alone, first and again (TTFT of the first request after ready).
+the compile cache's size, and the start-up log's CUDA-graph and warm-up lines. Then, on
+each started server, lone requests one after another: the first after ready, then
+`WARM_REQUESTS` more, each prompt as long but its own (no prefix hit), whose median is the
+warm TTFT the first is compared with, and last the first prompt again (a prefix hit, for
+scale).
 
     python bench/time_to_ready.py --out DIR [--shape 0.6b]
     python bench/time_to_ready.py --out DIR --smoke   # tiny CPU run: checks the script
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,9 +51,18 @@ def first_ttft_ms(base: str, prompt: str) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-def start(path: str, flags: dict[str, Any], cache: Path, log: Path, prompt: str
+WARM_REQUESTS = 5
+
+
+def prompt_of(k: int, words: int) -> str:
+    """Gives the k-th prompt of `words` words: the same words as every other k, shifted, so
+    no two share their first block (no prefix hit between them)."""
+    return " ".join(f"t{(i + 37 * k) % 500}" for i in range(words))
+
+
+def start(path: str, flags: dict[str, Any], cache: Path, log: Path, words: int
           ) -> dict[str, Any]:
-    """Gives one server start's numbers (and, warm, two lone requests' TTFTs)."""
+    """Gives one server start's numbers and its lone requests' TTFTs."""
     args = EngineArgs(model=path, load_format="dummy", **flags).to_cli()
     command = [sys.executable, "-m", "kvpilot.cli", "serve", *args, "--port", "0",
                "--served-model-name", "served"]
@@ -63,7 +76,8 @@ def start(path: str, flags: dict[str, Any], cache: Path, log: Path, prompt: str
         ready = time.perf_counter() - began
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
         found = STARTUP.search(metrics)
-        ttfts = [first_ttft_ms(base, prompt) for _ in range(2)]
+        ttfts = [first_ttft_ms(base, prompt_of(k, words)) for k in range(WARM_REQUESTS + 1)]
+        hit = first_ttft_ms(base, prompt_of(0, words))
     finally:
         proc.terminate()
         proc.wait(120)
@@ -72,7 +86,9 @@ def start(path: str, flags: dict[str, Any], cache: Path, log: Path, prompt: str
     return {"seconds_to_ready": ready,
             "engine_startup_seconds": float(found.group(1)) if found else None,
             "cache_bytes_after": cache_bytes(cache), "first_ttft_ms": ttfts[0],
-            "again_ttft_ms": ttfts[1], "log": lines}
+            "warm_ttft_ms": ttfts[1:], "warm_ttft_ms_median": statistics.median(ttfts[1:]),
+            "first_over_warm": ttfts[0] / statistics.median(ttfts[1:]),
+            "prefix_hit_ttft_ms": hit, "log": lines}
 
 
 def main() -> None:
@@ -92,18 +108,20 @@ def main() -> None:
             config = {"0.6b": QWEN3_0_6B, "8b": LLAMA3_8B}[args.shape]
             flags = {"max_model_len": 4096, "max_num_batched_tokens": 512}
         path = str(model_dir(root, args.shape, config))
-        prompt = " ".join(f"t{i % 500}" for i in range(200 if args.smoke else 960))
         cache = root / "triton-cache"
         cache.mkdir()
-        runs = {name: start(path, flags, cache, root / f"{name}.log", prompt)
+        runs = {name: start(path, flags, cache, root / f"{name}.log",
+                            200 if args.smoke else 960)
                 for name in ("cold", "warm")}
     result = {"shape": args.shape, "flags": flags, **runs}
     (args.out / "time_to_ready.json").write_text(json.dumps(result, indent=1))
     for name, run in runs.items():
         print(f"{args.shape} {name} cache: ready in {run['seconds_to_ready']:.1f} s "
               f"(engine {run['engine_startup_seconds']}), cache {run['cache_bytes_after']} B, "
-              f"first request TTFT {run['first_ttft_ms']:.1f} ms, again "
-              f"{run['again_ttft_ms']:.1f} ms")
+              f"first request TTFT {run['first_ttft_ms']:.1f} ms, warm median "
+              f"{run['warm_ttft_ms_median']:.1f} ms (first / warm {run['first_over_warm']:.2f}; "
+              f"warm {[round(t, 1) for t in run['warm_ttft_ms']]}), first prompt again "
+              f"(prefix hit) {run['prefix_hit_ttft_ms']:.1f} ms")
         for line in run["log"]:
             print("   ", line)
 
