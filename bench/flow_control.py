@@ -414,8 +414,8 @@ def run_placement(args: argparse.Namespace, log: Path) -> dict:
             row: dict = {}
             for policy in policies if n % 2 == 0 else policies[::-1]:
                 got, wall = asyncio.run(open_loop(urls[policy], streams[policy], args.seconds,
-                                                  1000 + n,
-                                                  args.client_timeout, salt=salts[policy]))
+                                                  1000 + n, args.client_timeout,
+                                                  salt=salts[policy]))
                 results[policy] += got
                 merged = [Result(**{**r.__dict__, "group": "all"}) for r in got]
                 row[policy] = summary(merged, "all", wall, args.slo_ms / 1000)

@@ -29,8 +29,8 @@ echo "== LoRA engines ($(( $(date +%s) - start )) s in)"
 ONLY=lora-8b bash bench/issue44/structured_lora.sh
 kernel=kernels/kvpilot/kernels/lora_sgmv.py
 cp $kernel /tmp/lora_sgmv_committed.py
-sed -i 's/\*\*pdl_args(x))/PDL=False)/' $kernel
-echo "before (no PDL at LoRA's launches): $(grep -c 'PDL=False)' $kernel) launches changed"
+sed -i 's/^    pdl = pdl_args(x)$/    pdl = {"PDL": False}/' $kernel
+echo "before (no PDL at LoRA's launches): $(grep -c 'pdl = {"PDL": False}' $kernel) line changed"
 mkdir -p "$OUT/before"
 OUT="$OUT/before" ONLY=lora-8b bash bench/issue44/structured_lora.sh
 cp /tmp/lora_sgmv_committed.py $kernel

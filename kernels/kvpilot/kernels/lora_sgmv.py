@@ -243,14 +243,15 @@ def lora_sgmv_(out: torch.Tensor,  # [T, N], rows dense: the base layer's output
     assert tmp.shape == (tokens, rank) and tmp.dtype == torch.float32 and tmp.stride(1) == 1
     table = (grouped.order, grouped.block_slot, grouped.block_start, grouped.block_count)
     p0_end, p1_end, r_part = expand_parts(parts, n, rank, block_n)
+    pdl = pdl_args(x)
     _shrink_kernel[(num_blocks * split_k, triton.cdiv(rank, block_r))](
         x, a, tmp, *table, rank, k,
         x.stride(0), a.stride(0), a.stride(1), tmp.stride(0),
         BLOCK_M=grouped.block_m, BLOCK_N=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
-        **pdl_args(x))
+        **pdl)
     _expand_kernel[(num_blocks, triton.cdiv(n, block_n))](
         tmp, b, out, *table, n, p0_end, p1_end,
         tmp.stride(0), b.stride(0), b.stride(1), out.stride(0), R_PART=r_part,
         BLOCK_M=grouped.block_m, BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(min(r_part, 64))), **pdl_args(x))
+        BLOCK_R=max(16, triton.next_power_of_2(min(r_part, 64))), **pdl)
     return out
