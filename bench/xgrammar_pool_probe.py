@@ -8,13 +8,17 @@ its cpp/grammar_matcher.cc), so each step's mask fill starts that many OS thread
 - `floor`: one trivial row (a JSON grammar over a 1,000-token vocabulary: the row's own
   work is ~1 us) per `max_threads`, and for scale a Python thread's start and join. On a
   host where starting a thread is dear (a sandboxed kernel), this is the fill's floor.
-- `rows`: 64 matchers of `structured_gpu.SCHEMA` over its synthetic 152k vocabulary walking
-  random allowed tokens; each step's 64-row fill timed as the engine's batch call
-  (`batch_<n>`) and as `GrammarMatcher.fill_next_token_bitmask` per row, the rows split
-  over a persistent `ThreadPoolExecutor` of n threads (`pool_<n>`: it scales only if the
-  per-row call drops the GIL), and the 64 rows' `accept_token` one after another on this
-  thread (`accept_ms_p50_serial`; the engine called `batch_accept_token`, which also
-  starts a pool per call: its floor is `floor`'s). Medians over the walk's steps.
+- `rows`: 64 of the engine's matchers of `structured_gpu.SCHEMA` (`XgrammarMatchers`) over
+  its synthetic 152k vocabulary, each first advanced by a random number of random allowed
+  tokens, then walking random allowed tokens; each step's 64-row fill timed as xgrammar's
+  batch call (`batch_<n>`, the engine's fill before 2026-12-06), as the engine's
+  `XgrammarMatchers.fill` with n threads (`pool_<n>`: a pool made once, each thread taking
+  the next row; it scales only because a row's fill drops the GIL), one row after another
+  (`serial`, with the step's costliest row: the floor of any parallel fill), and the 64
+  rows' `accept_token` one after another (`accept_ms_p50_serial`), as xgrammar's batch
+  accept with the most threads (the engine's before, `accept_ms_p50_batch_<n>`) and as
+  `XgrammarMatchers.accept` (now: a batch accept on one thread, `accept_ms_p50_engine_<n>`).
+  Medians over the steps.
 
 Prints one JSON line.
 
@@ -32,7 +36,6 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xgrammar
@@ -68,47 +71,64 @@ def floor(threads: list[int]) -> dict:
 
 def rows(threads: list[int], steps: int, batch: int = 64, vocab_size: int = 151936) -> dict:
     from structured_gpu import SCHEMA, synthetic_tokenizer
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
+
+    from kvpilot.engine.structured.xgrammar_backend import XgrammarMatchers
 
     started = time.perf_counter()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(
-        json.dumps(synthetic_tokenizer(vocab_size))))
-    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                   stop_token_ids=[vocab_size - 3])
-    compiled = xgrammar.GrammarCompiler(info).compile_json_schema(
-        json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":"))
+    tokenizer_json = json.dumps(synthetic_tokenizer(vocab_size))
+    sides = {n: XgrammarMatchers(tokenizer_json, vocab_size, [vocab_size - 3], n)
+             for n in threads}
+    # the engine's matchers (its grammar text, its compiler), each row advanced by a random
+    # number of random allowed tokens first, so the rows sit at different places of their
+    # objects as a running batch's do
+    engine = sides[threads[-1]]
+    matchers = [engine.matcher(json.dumps(SCHEMA), []) for _ in range(batch)]
     setup_s = time.perf_counter() - started
     rng = random.Random(0)
-    matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(batch)]
     mask = xgrammar.allocate_token_bitmask(batch, vocab_size)
+
+    def allowed(i: int) -> list[int]:
+        bits = ((mask[i].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+        return bits[:vocab_size].nonzero().flatten().tolist()
+
+    for i, matcher in enumerate(matchers):
+        for _ in range(rng.randrange(60)):
+            matcher.fill_next_token_bitmask(mask, i)
+            matcher.accept_token(rng.choice(allowed(i)))
+            if matcher.is_terminated():
+                matcher.reset()
     ids = list(range(batch))
     fills: dict[str, Callable[[], object]] = {}
-    pools = []
     for n in threads:
         fills[f"batch_{n}"] = functools.partial(
             xgrammar.BatchGrammarMatcher(max_threads=n).batch_fill_next_token_bitmask,
             matchers, mask, ids)
-        pool = ThreadPoolExecutor(n)
-        pools.append(pool)
-        chunks = [ids[i::n] for i in range(n)]
-
-        def fill_rows(chunk: list[int]) -> None:
-            for i in chunk:
-                matchers[i].fill_next_token_bitmask(mask, i)
-
-        fills[f"pool_{n}"] = functools.partial(lambda p, c: list(p.map(fill_rows, c)), pool,
-                                               chunks)
+        fills[f"pool_{n}"] = functools.partial(sides[n].fill, matchers, mask, ids)
     times: dict[str, list[float]] = {name: [] for name in fills}
+    serial: list[float] = []
+    costliest: list[float] = []
     accepts: list[float] = []
+    accept_times: dict[str, list[float]] = {"batch": [], "engine": []}
+    batch_accept = xgrammar.BatchGrammarMatcher(max_threads=threads[-1]).batch_accept_token
     for _ in range(steps):
-        for name, fill in fills.items():
+        for name, fill in fills.items():  # a matcher refills the same state at full cost
             begun = time.perf_counter()
             fill()
             times[name].append(time.perf_counter() - begun)
-        bits = ((mask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1)
-        tokens = [rng.choice(bits[i, :vocab_size].nonzero().flatten().tolist())
-                  for i in range(batch)]
+        per_row = []
+        for i, matcher in enumerate(matchers):
+            begun = time.perf_counter()
+            matcher.fill_next_token_bitmask(mask, i)
+            per_row.append(time.perf_counter() - begun)
+        serial.append(sum(per_row))
+        costliest.append(max(per_row))
+        tokens = [rng.choice(allowed(i)) for i in range(batch)]
+        for name, accept in (("batch", batch_accept), ("engine", engine.accept)):
+            begun = time.perf_counter()
+            accept(matchers, tokens)
+            accept_times[name].append(time.perf_counter() - begun)
+            for matcher in matchers:
+                matcher.rollback(1)
         begun = time.perf_counter()
         for matcher, token in zip(matchers, tokens, strict=True):
             matcher.accept_token(token)
@@ -116,12 +136,18 @@ def rows(threads: list[int], steps: int, batch: int = 64, vocab_size: int = 1519
         for matcher in matchers:
             if matcher.is_terminated():
                 matcher.reset()
-    for pool in pools:
-        pool.shutdown()
+    for side in sides.values():
+        side.shutdown()
+
+    def p50(values: list[float]) -> float:
+        return round(statistics.median(values) * 1e3, 3)
+
     return {"setup_s": round(setup_s, 1), "steps": steps, "rows": batch,
-            "accept_ms_p50_serial": round(statistics.median(accepts) * 1e3, 3),
-            **{f"fill_ms_p50_{name}": round(statistics.median(ts) * 1e3, 3)
-               for name, ts in times.items()}}
+            "accept_ms_p50_serial": p50(accepts),
+            **{f"accept_ms_p50_{name}_{threads[-1]}": p50(ts) for name, ts in accept_times.items()},
+            "fill_ms_p50_serial": p50(serial),
+            "costliest_row_ms_p50": p50(costliest),
+            **{f"fill_ms_p50_{name}": p50(ts) for name, ts in times.items()}}
 
 
 def main() -> None:

@@ -100,3 +100,30 @@ def test_rollback_and_resume_keep_the_matchers_state(matchers: XgrammarMatchers)
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match=r"refuses resume_token_ids\[0\]"):
         matchers.matcher(json.dumps(BOUNDED), tokenizer.encode("x", add_special_tokens=False))
+
+
+def test_the_pooled_fill_writes_each_row_as_its_matcher_alone_would() -> None:
+    """`fill` spreads the rows over its threads (three here, the caller's among them), each
+    taking the next row left: every row must hold its own matcher's mask in its own row of
+    the batch, whichever thread filled it."""
+    tokenizer = load_tokenizer("tiny-llama")
+    vocab = tokenizer.vocab_size
+    pooled = XgrammarMatchers(tokenizer.to_json(), vocab, [2], threads=3)
+    prefixes = ['', '{"', '{"name":"', '{"name":"abc', '{"name":"abcdefgh', '{"name":"a"']
+    matchers = [pooled.matcher(json.dumps(BOUNDED), tokenizer.encode(p, add_special_tokens=False))
+                for p in prefixes * 4]
+    words = (vocab + 31) // 32
+    rows = [2 * i + 1 for i in range(len(matchers))]  # every other row, as the engine's may be
+    mask = torch.zeros(2 * len(matchers) + 1, words, dtype=torch.int32)
+    try:
+        pooled.fill(matchers, mask, rows)
+    finally:
+        pooled.shutdown()
+    alone = torch.zeros(1, words, dtype=torch.int32)
+    for matcher, row in zip(matchers, rows, strict=True):
+        matcher.fill_next_token_bitmask(alone, 0)
+        assert torch.equal(mask[row], alone[0]), row
+    untouched = [r for r in range(mask.shape[0]) if r not in rows]
+    assert not mask[untouched].any()
+    # the states differ, so a row written from another row's matcher would show
+    assert len({tuple(mask[row].tolist()) for row in rows}) == len(prefixes)

@@ -4,9 +4,13 @@ llguidance walks the token trie under its lexer for every mask: inside a JSON st
 with `maxLength` its slices do not apply and one row walks nearly the whole vocabulary
 (2-3 ms for 152k tokens, longer than a whole 0.6B decode step, decision 0139). xgrammar
 precomputes, per grammar position, which tokens are allowed whatever the stack below
-(its adaptive token-mask cache), so a row costs tens to hundreds of microseconds and
-the batch's rows spread over its threads (`BatchGrammarMatcher`, no GIL). vLLM's
-default backend is xgrammar for the same reason.
+(its adaptive token-mask cache), so a row costs tens to hundreds of microseconds. vLLM's
+default backend is xgrammar for the same reason. A step's rows are filled by a
+pool of threads made once (`XgrammarMatchers.fill`; a row's fill drops the GIL), each
+taking the next row left, and its tokens accepted on one thread: xgrammar's own
+`BatchGrammarMatcher` starts and joins a new pool of threads on every batch call, fill
+or accept, 15 thread starts each on a 16-CPU GPU host, where a start is dear (the lent
+hosts run a sandboxed kernel; 140-160 us for a call on 2 threads on the 2-core dev box).
 
 `auto` sends a request's `json` schema (and `json_object`) here and everything else to
 llguidance: regexes, choices and Lark grammars (a dialect xgrammar does not read), and
@@ -22,8 +26,11 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
 import xgrammar
 
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
@@ -86,7 +93,11 @@ class XgrammarMatchers:
         self._threads = threads
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._setup = threading.Lock()
-        self.batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        # one thread: a batch accept on more starts a pool of threads per call
+        self._accept = xgrammar.BatchGrammarMatcher(max_threads=1)
+        # the fill's helpers: the thread that calls `fill` works beside them
+        self._fill_pool = ThreadPoolExecutor(max(threads - 1, 1),
+                                             thread_name_prefix="kvpilot-xgrammar")
 
     def _compiler_of(self) -> xgrammar.GrammarCompiler:
         """Gives the vocabulary's compiler (~1 s for 150k tokens: once)."""
@@ -121,3 +132,33 @@ class XgrammarMatchers:
             if not matcher.accept_token(token):
                 raise ValueError(f"refuses resume_token_ids[{i}]={token}")
         return matcher
+
+    def fill(self, matchers: Sequence[xgrammar.GrammarMatcher], mask: torch.Tensor,
+             rows: Sequence[int]) -> None:
+        """Writes `matchers[i]`'s mask into row `rows[i]` of `mask` (int32, on the host) for
+        every i, as `BatchGrammarMatcher.batch_fill_next_token_bitmask` does: on the pool's
+        threads and this one, each taking the next row left (a row costs from microseconds
+        to half a millisecond, so a fixed share per thread would wait for the unlucky one);
+        re-raises what failed."""
+        left = iter(range(len(matchers)))  # shared: next() on it is atomic under the GIL
+
+        def work() -> None:
+            for i in left:
+                matchers[i].fill_next_token_bitmask(mask, rows[i])
+
+        helpers = [self._fill_pool.submit(work)
+                   for _ in range(min(self._threads, len(matchers)) - 1)]
+        work()
+        for helper in helpers:
+            helper.result()
+
+    def accept(self, matchers: Sequence[xgrammar.GrammarMatcher], tokens: Sequence[int]
+               ) -> list[bool]:
+        """Advances `matchers[i]` by `tokens[i]` for every i, one after another on this thread
+        (a few microseconds a row; spread over the pool, the rows queued for the GIL, 20x
+        slower on the dev box); gives whether each took its token."""
+        return self._accept.batch_accept_token(list(matchers), list(tokens))
+
+    def shutdown(self) -> None:
+        """Stops the fill's threads (after a fill in progress)."""
+        self._fill_pool.shutdown(wait=True)
