@@ -11,9 +11,9 @@ its cpp/grammar_matcher.cc), so each step's mask fill starts that many OS thread
 - `rows`: 64 of the engine's matchers of `structured_gpu.SCHEMA` (`XgrammarMatchers`) over
   its synthetic 152k vocabulary, each first advanced by a random number of random allowed
   tokens, then walking random allowed tokens; each step's 64-row fill timed as xgrammar's
-  batch call (`batch_<n>`, the engine's fill before 2026-12-06), as the engine's
-  `XgrammarMatchers.fill` with n threads (`pool_<n>`: a pool made once, each thread taking
-  the next row; it scales only because a row's fill drops the GIL), one row after another
+  batch call (`batch_<n>`, the engine's fill), as per-row fills on a pool of n threads
+  made once, each taking the next row (`pool_<n>`; it scales because a row's fill drops
+  the GIL, but inside the engine each row's return waits for the GIL), one row after another
   (`serial`, with the step's costliest row: the floor of any parallel fill), and the 64
   rows' `accept_token` one after another (`accept_ms_p50_serial`), as xgrammar's batch
   accept with the most threads (the engine's before, `accept_ms_p50_batch_<n>`) and as
@@ -36,6 +36,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xgrammar
@@ -76,12 +77,10 @@ def rows(threads: list[int], steps: int, batch: int = 64, vocab_size: int = 1519
 
     started = time.perf_counter()
     tokenizer_json = json.dumps(synthetic_tokenizer(vocab_size))
-    sides = {n: XgrammarMatchers(tokenizer_json, vocab_size, [vocab_size - 3], n)
-             for n in threads}
+    engine = XgrammarMatchers(tokenizer_json, vocab_size, [vocab_size - 3], threads[-1])
     # the engine's matchers (its grammar text, its compiler), each row advanced by a random
     # number of random allowed tokens first, so the rows sit at different places of their
     # objects as a running batch's do
-    engine = sides[threads[-1]]
     matchers = [engine.matcher(json.dumps(SCHEMA), []) for _ in range(batch)]
     setup_s = time.perf_counter() - started
     rng = random.Random(0)
@@ -98,12 +97,27 @@ def rows(threads: list[int], steps: int, batch: int = 64, vocab_size: int = 1519
             if matcher.is_terminated():
                 matcher.reset()
     ids = list(range(batch))
+
+    def pooled(pool: ThreadPoolExecutor, n: int) -> None:
+        left = iter(range(batch))  # shared: next() on it is atomic under the GIL
+
+        def work() -> None:
+            for i in left:
+                matchers[i].fill_next_token_bitmask(mask, i)
+
+        helpers = [pool.submit(work) for _ in range(n - 1)]
+        work()
+        for helper in helpers:
+            helper.result()
+
     fills: dict[str, Callable[[], object]] = {}
+    pools = []
     for n in threads:
         fills[f"batch_{n}"] = functools.partial(
             xgrammar.BatchGrammarMatcher(max_threads=n).batch_fill_next_token_bitmask,
             matchers, mask, ids)
-        fills[f"pool_{n}"] = functools.partial(sides[n].fill, matchers, mask, ids)
+        pools.append(ThreadPoolExecutor(max(n - 1, 1)))
+        fills[f"pool_{n}"] = functools.partial(pooled, pools[-1], n)
     times: dict[str, list[float]] = {name: [] for name in fills}
     serial: list[float] = []
     costliest: list[float] = []
@@ -136,8 +150,8 @@ def rows(threads: list[int], steps: int, batch: int = 64, vocab_size: int = 1519
         for matcher in matchers:
             if matcher.is_terminated():
                 matcher.reset()
-    for side in sides.values():
-        side.shutdown()
+    for pool in pools:
+        pool.shutdown()
 
     def p50(values: list[float]) -> float:
         return round(statistics.median(values) * 1e3, 3)

@@ -7,7 +7,9 @@
 # unconstrained requests with the fill as committed ("new"), as before ("before", made by
 # `call21_variants.py before`), with fixed shares per thread ("chunked"), and as committed
 # again (engines vary from process to process); then, on an H100, LoRA 8 adapters vs base
-# at the 8B shape (0.788 there before PDL). ~8 min.
+# at the 8B shape (0.788 there before PDL). ~8 min. Ran on commit db365ce, whose pool fill
+# was slower inside the engine and was reverted after this call (its accept on one thread
+# kept): run it from that commit (`git checkout db365ce`), which `call21_variants.py` edits.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source bench/device_env.sh

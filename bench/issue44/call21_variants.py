@@ -1,5 +1,6 @@
-"""Call 21's variants of the xgrammar fill, made by editing the checkout in place (the call
-copies the files back after): `before` (the engine's fill and accept before 2026-12-06,
+"""Call 21's variants of the xgrammar fill, made by editing a checkout of commit db365ce in
+place (the call copies the files back after; the pool fill they edit was reverted after
+the call): `before` (the engine's fill and accept before 2026-12-06,
 xgrammar's batch calls with the engine's thread count: a new pool of threads per call) and
 `chunked` (the pool made once, each thread filling a fixed share of the rows with one
 single-threaded batch call: one GIL round trip per thread and step instead of one per row).

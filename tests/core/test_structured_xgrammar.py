@@ -102,28 +102,20 @@ def test_rollback_and_resume_keep_the_matchers_state(matchers: XgrammarMatchers)
         matchers.matcher(json.dumps(BOUNDED), tokenizer.encode("x", add_special_tokens=False))
 
 
-def test_the_pooled_fill_writes_each_row_as_its_matcher_alone_would() -> None:
-    """`fill` spreads the rows over its threads (three here, the caller's among them), each
-    taking the next row left: every row must hold its own matcher's mask in its own row of
-    the batch, whichever thread filled it."""
+
+def test_accept_advances_each_matcher_by_its_own_token(matchers: XgrammarMatchers) -> None:
     tokenizer = load_tokenizer("tiny-llama")
-    vocab = tokenizer.vocab_size
-    pooled = XgrammarMatchers(tokenizer.to_json(), vocab, [2], threads=3)
-    prefixes = ['', '{"', '{"name":"', '{"name":"abc', '{"name":"abcdefgh', '{"name":"a"']
-    matchers = [pooled.matcher(json.dumps(BOUNDED), tokenizer.encode(p, add_special_tokens=False))
-                for p in prefixes * 4]
-    words = (vocab + 31) // 32
-    rows = [2 * i + 1 for i in range(len(matchers))]  # every other row, as the engine's may be
-    mask = torch.zeros(2 * len(matchers) + 1, words, dtype=torch.int32)
-    try:
-        pooled.fill(matchers, mask, rows)
-    finally:
-        pooled.shutdown()
-    alone = torch.zeros(1, words, dtype=torch.int32)
-    for matcher, row in zip(matchers, rows, strict=True):
-        matcher.fill_next_token_bitmask(alone, 0)
-        assert torch.equal(mask[row], alone[0]), row
-    untouched = [r for r in range(mask.shape[0]) if r not in rows]
-    assert not mask[untouched].any()
-    # the states differ, so a row written from another row's matcher would show
-    assert len({tuple(mask[row].tolist()) for row in rows}) == len(prefixes)
+    brace = tokenizer.encode("{", add_special_tokens=False)
+    letter = tokenizer.encode("x", add_special_tokens=False)
+    rows = [matchers.matcher(json.dumps(BOUNDED), []) for _ in range(3)]
+    # the second row is offered a token its grammar refuses ('x' cannot open an object)
+    took = matchers.accept(rows, [brace[0], letter[0], brace[0]])
+    assert took == [True, False, True]
+    words = (tokenizer.vocab_size + 31) // 32
+    masks = torch.zeros(3, words, dtype=torch.int32)
+    for row, matcher in enumerate(rows):
+        matcher.fill_next_token_bitmask(masks, row)
+    fresh = torch.zeros(1, words, dtype=torch.int32)
+    matchers.matcher(json.dumps(BOUNDED), []).fill_next_token_bitmask(fresh, 0)
+    assert torch.equal(masks[0], masks[2]) and not torch.equal(masks[0], fresh[0])
+    assert torch.equal(masks[1], fresh[0])  # the refused token left its row where it was

@@ -2,8 +2,8 @@
 
 A request's JSON schema gets an xgrammar matcher under `--structured-outputs-backend
 auto` (the default; `structured.xgrammar_backend` says which schemas, and why): its
-rows are filled on a pool of threads of its own (`XgrammarMatchers.fill`) before
-llguidance's, in the same background fill, and it advances on the same pool (`XgrammarMatchers.accept`). Everything else
+rows are filled on xgrammar's threads before llguidance's, in the same background
+fill, and it advances on one thread (`XgrammarMatchers.accept`). Everything else
 (regexes, choices, Lark grammars; every constraint under `guidance`) is matched by
 llguidance, as follows. A request with such a constraint gets an llguidance matcher: compiled in a
 background thread when the request is added (~1-2 ms for a JSON schema on a 152k
@@ -283,11 +283,11 @@ class GrammarMatchers:
               parts: list[tuple[list[llguidance.LLMatcher], int]],
               schemas: list[tuple[xgrammar.GrammarMatcher, int]], mask: torch.Tensor) -> None:
         """Writes the constrained rows of `mask` (on the background thread, without the GIL):
-        xgrammar's rows on its pool (`XgrammarMatchers.fill`), then llguidance's
-        (`_fill_guidance`)."""
+        xgrammar's rows on its threads, then llguidance's (`_fill_guidance`)."""
         if schemas:
             assert self._xgrammar is not None  # made with the schemas' matchers
-            self._xgrammar.fill([m for m, _ in schemas], mask, [row for _, row in schemas])
+            self._xgrammar.batch.batch_fill_next_token_bitmask(
+                [m for m, _ in schemas], mask, [row for _, row in schemas])
         if constrained or parts:
             self._fill_guidance(constrained, parts, mask)
 
@@ -438,8 +438,6 @@ class GrammarMatchers:
         finishes, and the threads are joined."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._fill_pool.shutdown(wait=True, cancel_futures=True)
-        if self._xgrammar is not None:
-            self._xgrammar.shutdown()
 
 
 class MaskFill:

@@ -5,12 +5,18 @@ with `maxLength` its slices do not apply and one row walks nearly the whole voca
 (2-3 ms for 152k tokens, longer than a whole 0.6B decode step, decision 0139). xgrammar
 precomputes, per grammar position, which tokens are allowed whatever the stack below
 (its adaptive token-mask cache), so a row costs tens to hundreds of microseconds. vLLM's
-default backend is xgrammar for the same reason. A step's rows are filled by a
-pool of threads made once (`XgrammarMatchers.fill`; a row's fill drops the GIL), each
-taking the next row left, and its tokens accepted on one thread: xgrammar's own
-`BatchGrammarMatcher` starts and joins a new pool of threads on every batch call, fill
-or accept, 15 thread starts each on a 16-CPU GPU host, where a start is dear (the lent
-hosts run a sandboxed kernel; 140-160 us for a call on 2 threads on the 2-core dev box).
+default backend is xgrammar for the same reason. A step's rows are filled by
+`BatchGrammarMatcher` on the engine's fill threads (no GIL while it runs), and its tokens
+accepted on one thread (`XgrammarMatchers.accept`).
+
+xgrammar's batch calls start and join a new pool of threads on every call: ~0.5 ms for 15
+threads on an H100 host (2026-12-06, `bench/results/issue44-xgrammar-pool-H100-2026-12-06`).
+For the accept (a few microseconds a row) that start cost more than the rows: one thread
+accepts 64 rows in 0.19 ms, 15 threads in 0.42. For the fill it does not: a pool of Python
+threads made once, each taking the next row, filled 64 rows as fast alone (2.4 vs 2.2 ms)
+and slower inside the engine (4.2-5.8 vs 2.6 ms a step): each row's return needs the GIL,
+which the engine's thread holds while it books and schedules; fixed shares per thread with
+one batch call each (one GIL round trip per thread) were in between (3.9 ms).
 
 `auto` sends a request's `json` schema (and `json_object`) here and everything else to
 llguidance: regexes, choices and Lark grammars (a dialect xgrammar does not read), and
@@ -27,10 +33,8 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 import xgrammar
 
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
@@ -93,11 +97,8 @@ class XgrammarMatchers:
         self._threads = threads
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._setup = threading.Lock()
-        # one thread: a batch accept on more starts a pool of threads per call
-        self._accept = xgrammar.BatchGrammarMatcher(max_threads=1)
-        # the fill's helpers: the thread that calls `fill` works beside them
-        self._fill_pool = ThreadPoolExecutor(max(threads - 1, 1),
-                                             thread_name_prefix="kvpilot-xgrammar")
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=threads)  # the mask fill
+        self._accept = xgrammar.BatchGrammarMatcher(max_threads=1)  # no thread starts
 
     def _compiler_of(self) -> xgrammar.GrammarCompiler:
         """Gives the vocabulary's compiler (~1 s for 150k tokens: once)."""
@@ -133,32 +134,9 @@ class XgrammarMatchers:
                 raise ValueError(f"refuses resume_token_ids[{i}]={token}")
         return matcher
 
-    def fill(self, matchers: Sequence[xgrammar.GrammarMatcher], mask: torch.Tensor,
-             rows: Sequence[int]) -> None:
-        """Writes `matchers[i]`'s mask into row `rows[i]` of `mask` (int32, on the host) for
-        every i, as `BatchGrammarMatcher.batch_fill_next_token_bitmask` does: on the pool's
-        threads and this one, each taking the next row left (a row costs from microseconds
-        to half a millisecond, so a fixed share per thread would wait for the unlucky one);
-        re-raises what failed."""
-        left = iter(range(len(matchers)))  # shared: next() on it is atomic under the GIL
-
-        def work() -> None:
-            for i in left:
-                matchers[i].fill_next_token_bitmask(mask, rows[i])
-
-        helpers = [self._fill_pool.submit(work)
-                   for _ in range(min(self._threads, len(matchers)) - 1)]
-        work()
-        for helper in helpers:
-            helper.result()
-
     def accept(self, matchers: Sequence[xgrammar.GrammarMatcher], tokens: Sequence[int]
                ) -> list[bool]:
         """Advances `matchers[i]` by `tokens[i]` for every i, one after another on this thread
-        (a few microseconds a row; spread over the pool, the rows queued for the GIL, 20x
-        slower on the dev box); gives whether each took its token."""
+        (a few microseconds a row: fewer than starting threads for them); gives whether each
+        took its token."""
         return self._accept.batch_accept_token(list(matchers), list(tokens))
-
-    def shutdown(self) -> None:
-        """Stops the fill's threads (after a fill in progress)."""
-        self._fill_pool.shutdown(wait=True)
