@@ -6,7 +6,9 @@
 # fused kernel ("new") and without ("before": FUSED_MAX_TOKENS = 0 by `sed`), 0.6B new,
 # before, new (the 0.6B base step varies from process to process), 8B new, before; then the
 # 0.6B json_schema vs length-matched unconstrained with the accept on one thread ("new") and
-# as before (xgrammar's batch accept on the fill's threads). ~9 min.
+# as before (xgrammar's batch accept on the fill's threads). ~9 min. Ran on commit dc7b0ed;
+# the fused kernel was slower and was reverted after this call (`git checkout dc7b0ed` to
+# rerun it).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source bench/device_env.sh

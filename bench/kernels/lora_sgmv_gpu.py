@@ -5,9 +5,7 @@ shape and expand variant, side by side in one process.
 
 Variants: `padded` (expand reads the whole stacked rank of a merged seam, zeros
 included: the kernel before `parts`), `parts` (each column block reads its own part's
-rank columns), each at expand BLOCK_N 64 and 128, the two kernels; `fused_bn<N>_bk<K>`, one
-kernel per seam (shrink and expand in each program) where `fuses` takes it (K up to
-FUSED_MAX_K: the 8B down_proj keeps the two), at BLOCK_N N and BLOCK_K K. Timed as one CUDA graph over every
+rank columns), each at expand BLOCK_N 64 and 128. Timed as one CUDA graph over every
 layer of the shape, each layer with its own weights (so none stays in L2), replayed
 7 times: us per layer (median), the bytes a layer must move (A and B of the 8 slots,
 x read, out read and written; padded counts the zeros it reads) and those bytes over the
@@ -30,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shapes import LLAMA3_8B, QWEN3_0_6B
 from w8a16_gemv_gpu import graph_time_us
 
-from kvpilot.kernels.lora_sgmv import FUSED_MAX_K, group_by_slot, lora_sgmv_
+from kvpilot.kernels.lora_sgmv import group_by_slot, lora_sgmv_
 
 SHAPES = {"0.6b": QWEN3_0_6B, "8b": LLAMA3_8B}
 TOKENS, SLOTS, RANK = 64, 8, 16
@@ -70,17 +68,13 @@ def run_shape(name: str) -> dict:
     out: dict = {"shape": name, "tokens": TOKENS, "adapters": SLOTS, "rank": RANK,
                  "layers": layers}
 
-    def lora_layer(i: int, use_parts: bool, block_n: int, fused: bool = False,
-                   block_k: int | None = None) -> None:
+    def lora_layer(i: int, use_parts: bool, block_n: int) -> None:
         grouped = group_by_slot(slots, SLOTS)
         workspace = torch.zeros(len(shapes), TOKENS, width, dtype=torch.float32, device=dev)
-        for j, (seam, (k, parts)) in enumerate(shapes.items()):
+        for j, (seam, (_, parts)) in enumerate(shapes.items()):
             x, a, b, o, _ = weights[i][seam]
-            # the fused kernel where `fuses` takes it (a long K keeps the two)
-            one = fused and k <= FUSED_MAX_K
-            lora_sgmv_(o, x, a, b, grouped, block_n=block_n, block_k=block_k if one else None,
-                       tmp=workspace[j, :, :a.shape[1]], parts=parts if use_parts else (),
-                       fused=one)
+            lora_sgmv_(o, x, a, b, grouped, block_n=block_n,
+                       tmp=workspace[j, :, :a.shape[1]], parts=parts if use_parts else ())
 
     def base_layer(i: int) -> None:
         for x, _, _, o, w in weights[i].values():
@@ -100,21 +94,14 @@ def run_shape(name: str) -> dict:
                 moved += a.numel() * 2 + b_read + x.numel() * 2 + 2 * o.numel() * 2
             out[f"{variant}_us_per_layer"] = round(us, 2)
             out[f"{variant}_tbps"] = round(moved / us / 1e6, 2)
-    for block_n, block_k in ((64, 128), (128, 64), (128, 128), (256, 128)):
-        us = graph_time_us(lambda i, bn=block_n, bk=block_k: lora_layer(i, True, bn, True, bk),
-                           calls=layers)
-        out[f"fused_bn{block_n}_bk{block_k}_us_per_layer"] = round(us, 2)
     # the same outputs either way (the zeros it skips add nothing)
     for seam, (_, parts) in shapes.items():
         x, a, b, _, _ = weights[0][seam]
         grouped = group_by_slot(slots, SLOTS)
         padded = lora_sgmv_(torch.zeros(TOKENS, b.shape[1], dtype=dtype, device=dev), x, a, b,
-                            grouped, fused=False)
-        split = lora_sgmv_(torch.zeros_like(padded), x, a, b, grouped, parts=parts,
-                           fused=False)
-        one = lora_sgmv_(torch.zeros_like(padded), x, a, b, grouped, parts=parts, fused=True)
+                            grouped)
+        split = lora_sgmv_(torch.zeros_like(padded), x, a, b, grouped, parts=parts)
         out[f"max_abs_diff_{seam}"] = float((padded.float() - split.float()).abs().max())
-        out[f"max_abs_diff_fused_{seam}"] = float((one.float() - split.float()).abs().max())
     return out
 
 

@@ -7,16 +7,7 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, ON_GPU, rel_err, tolerance
 
-from kvpilot.kernels.lora_sgmv import (
-    BLOCK_M,
-    FUSED_MAX_K,
-    FUSED_MAX_TOKENS,
-    fuses,
-    group_by_slot,
-    lora_ref,
-    lora_sgmv_,
-    max_blocks,
-)
+from kvpilot.kernels.lora_sgmv import BLOCK_M, group_by_slot, lora_ref, lora_sgmv_, max_blocks
 
 
 def _case(tokens: int, slots: list[int], num_slots: int, rank: int, k: int, n: int,
@@ -37,8 +28,7 @@ def _case(tokens: int, slots: list[int], num_slots: int, rank: int, k: int, n: i
     ([0, 1, 1, 0], 2, 16, 200, 24),  # K not a multiple of BLOCK_K * SPLIT_K
     ([-1] * 6, 2, 16, 32, 32),  # no adapter at all: out unchanged
 ])
-# default (these few tokens: one fused kernel), two kernels unsplit, two with K split in 3
-@pytest.mark.parametrize("split_k", [None, 1, 3])
+@pytest.mark.parametrize("split_k", [None, 1, 3])  # default (split on few tokens), none, 3
 def test_lora_sgmv_matches_reference(slots, num_slots, rank, k, n, dtype, split_k):
     x, a, b, base, idx = _case(len(slots), slots, num_slots, rank, k, n, dtype, len(slots) + k)
     out = lora_sgmv_(base.clone(), x, a, b, group_by_slot(idx, num_slots), block_k=16,
@@ -158,8 +148,7 @@ def test_lora_sgmv_large_bf16_batch_on_gpu(tokens: int, k: int):
     ((48, 48), True),  # gate|up
     ((40, 24), False),  # part 0 ends inside a column block: the whole rank is read
 ])
-@pytest.mark.parametrize("fused", [False, True])  # the two kernels, or shrink and expand in one
-def test_expand_reads_only_a_merged_parts_rank_columns(parts, reads_parts_only, fused):
+def test_expand_reads_only_a_merged_parts_rank_columns(parts, reads_parts_only):
     """B of a merged projection holds part p's adapter in its rank columns p*R/P..; the
     rest is zero in the engine. Filled with noise here, it is left out of the product when
     the parts line up with the column blocks, and read (so it shows) when they do not."""
@@ -174,24 +163,6 @@ def test_expand_reads_only_a_merged_parts_rank_columns(parts, reads_parts_only, 
         first += rows
     noisy = stacked + (stacked == 0) * 5.0  # noise wherever a part has no adapter
     out = lora_sgmv_(base.clone(), x, a, noisy, group_by_slot(idx, 3), block_n=16,
-                     block_k=16, parts=parts, fused=fused)
+                     block_k=16, parts=parts)
     ref = base.float() + lora_ref(x.float(), a.float(), stacked.float(), idx)
     assert (rel_err(out, ref) < tolerance(torch.float32)) == reads_parts_only
-
-
-def test_one_kernel_runs_decode_sized_batches_over_short_ks_only():
-    assert fuses(64, 1024, 16)  # a small model's decode step
-    assert not fuses(FUSED_MAX_TOKENS + 1, 1024, 16)  # a prefill chunk: two kernels, split K
-    assert not fuses(64, FUSED_MAX_K + 1, 16)  # a long K: split over programs instead
-    assert not fuses(64, 1024, 128)  # a part's rank over one tile
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_both_paths_give_the_same_delta_for_a_decode_batch(fused):
-    """64 decode tokens over 8 adapters (and base tokens), the engine's decode shape in
-    small: the fused kernel (the default here) and the two agree with the reference."""
-    slots = [(t % 9) - 1 for t in range(64)]  # 8 adapters and the base, interleaved
-    x, a, b, base, idx = _case(64, slots, 8, 16, 96, 80, torch.float32, 11)
-    out = lora_sgmv_(base.clone(), x, a, b, group_by_slot(idx, 8), block_k=32, fused=fused)
-    ref = base.float() + lora_ref(x.float(), a.float(), b.float(), idx)
-    assert rel_err(out, ref) < tolerance(torch.float32)

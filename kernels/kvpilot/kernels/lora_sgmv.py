@@ -35,18 +35,9 @@ rounding in rank space). Over 32 token blocks (512 tokens): no split, plain stor
 running many seams per forward passes `tmp`, a slice of one workspace it zeroed once (one
 memset per forward, not per seam).
 
-A decode-sized batch (at most FUSED_MAX_TOKENS tokens) over a K of at most FUSED_MAX_K runs
-one kernel instead (`fuses`): each (block, column block) program walks K for its block's
-tokens times its part's rank rows of A, keeps that [16, R_PART] product in registers and
-multiplies it by its column block's rows of B. Every column block redoes its block's
-shrink (K * R_PART per token, and x and A read from L2 again), which is cheap next to a
-kernel's launch and drain at these sizes: a 0.6B decode step ran eight LoRA kernels a layer,
-~3.4 us each on an H100 with nothing to wait for, and now runs four. No float32 workspace,
-no atomics: the delta is the same from run to run.
-
-The kernels launch with PDL where the GPU has it (`kvpilot.kernels.pdl`, as the decode
+Both kernels launch with PDL where the GPU has it (`kvpilot.kernels.pdl`, as the decode
 step's other Triton kernels): each program waits for the kernel before it first thing, so a
-launch overlaps only the previous grid's drain.
+launch overlaps only the previous grid's drain. A decode step runs eight of them per layer.
 """
 
 from __future__ import annotations
@@ -63,13 +54,6 @@ from kvpilot.kernels.pdl import pdl_args, wait_for_previous
 BLOCK_M = 16  # tokens per block (and per program)
 EXPAND_BLOCK_N = 64  # expand's output columns per program
 _SPLIT_PROGRAMS = 64  # shrink's programs per rank block for a batch's worth of blocks
-# the one-kernel path (`fuses`): a decode-sized batch (at most this many tokens) over a K
-# short enough to walk in each program, whose part's rank fits one tile
-FUSED_MAX_TOKENS = 128
-FUSED_MAX_K = 4096
-FUSED_MAX_RANK = 64
-FUSED_BLOCK_N = 128  # its output columns per program
-FUSED_BLOCK_K = 128  # its K step
 
 
 def lora_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -197,47 +181,6 @@ def _expand_kernel(tmp_ptr, b_ptr, out_ptr, order_ptr, block_slot_ptr, block_sta
     tl.store(ptrs, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@jit
-def _fused_kernel(x_ptr, a_ptr, b_ptr, out_ptr, order_ptr, block_slot_ptr, block_start_ptr,
-                  block_count_ptr, K, N, P0_END, P1_END, stride_xt, stride_as, stride_ar,
-                  stride_bs, stride_bn, stride_ot, R_PART: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                  PDL: tl.constexpr):
-    # shrink and expand in one program: its block's tokens times its part's rank rows of A
-    # (in registers, float32), then times its column block's rows of B, added into out
-    wait_for_previous(PDL)
-    block, pid_n = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(block_slot_ptr + block)
-    if slot < 0:
-        return
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < tl.load(block_count_ptr + block)
-    rows = tl.load(order_ptr + tl.load(block_start_ptr + block) + offs_m, mask=m_ok, other=0)
-    first = pid_n * BLOCK_N
-    offs_n = first + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    r_base = tl.where(first >= P1_END, 2 * R_PART, tl.where(first >= P0_END, R_PART, 0))
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < R_PART
-    cols = r_base + offs_r
-    offs_k = tl.arange(0, BLOCK_K)
-    t = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xt + (k0 + offs_k)[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ar + (k0 + offs_k)[None, :],
-                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        t += tl.dot(x, tl.trans(a.to(x.dtype)))
-    b = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + cols[None, :],
-                mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-    acc = tl.dot(t, tl.trans(b.to(tl.float32)))
-    mask = m_ok[:, None] & n_ok[None, :]
-    ptrs = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
-    prev = tl.load(ptrs, mask=mask, other=0.0)
-    tl.store(ptrs, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def expand_parts(parts: tuple[int, ...], n: int, rank: int, block_n: int
                  ) -> tuple[int, int, int]:
     """Gives expand's (P0_END, P1_END, R_PART): where parts 0 and 1 end among the output
@@ -268,21 +211,14 @@ def split_k_for(tokens: int, k: int, block_k: int = 64) -> int:
     return min(triton.cdiv(k, block_k), _SPLIT_PROGRAMS // triton.cdiv(tokens, BLOCK_M))
 
 
-def fuses(tokens: int, k: int, r_part: int) -> bool:
-    """Whether `lora_sgmv_` runs one kernel (by default) for a batch of `tokens` over K `k`
-    whose column blocks read `r_part` rank columns each: a decode-sized batch, a K each
-    program can walk, a part's rank in one tile."""
-    return tokens <= FUSED_MAX_TOKENS and k <= FUSED_MAX_K and r_part <= FUSED_MAX_RANK
-
-
 def lora_sgmv_(out: torch.Tensor,  # [T, N], rows dense: the base layer's output, added to
                x: torch.Tensor,  # [T, K], rows dense
                a: torch.Tensor,  # [S, R, K]
                b: torch.Tensor,  # [S, N, R]
                grouped: SlotGroups,  # group_by_slot's
-               block_n: int | None = None, block_k: int | None = None,
+               block_n: int = EXPAND_BLOCK_N, block_k: int = 64,
                split_k: int | None = None, tmp: torch.Tensor | None = None,
-               parts: tuple[int, ...] = (), fused: bool | None = None) -> torch.Tensor:
+               parts: tuple[int, ...] = ()) -> torch.Tensor:
     """Adds the LoRA delta of every token's slot to `out` in place; gives `out`. `grouped`
     is `group_by_slot(slots, S)`, computed once per step for every layer; its block_m is
     the kernels' BLOCK_M. `split_k`: the programs that share one block's K (default
@@ -290,9 +226,7 @@ def lora_sgmv_(out: torch.Tensor,  # [T, N], rows dense: the base layer's output
     output, else one is made. `parts`: a merged projection's output rows per part (at most
     3, summing to N), whose B is nonzero only in part p's R/len(parts) rank columns from
     p*R/len(parts) (`lora.layers` stacks them so): expand then reads only those (see
-    `expand_parts`). `fused`: one kernel, each program walking K for its block's shrink
-    before its expand (default: `fuses`, unless `split_k` is given), else the two; `block_n` and `block_k` default to
-    the chosen path's (`FUSED_BLOCK_N` and `FUSED_BLOCK_K`, else `EXPAND_BLOCK_N` and 64)."""
+    `expand_parts`)."""
     tokens, k = x.shape
     rank = a.shape[1]
     n = b.shape[1]
@@ -300,22 +234,6 @@ def lora_sgmv_(out: torch.Tensor,  # [T, N], rows dense: the base layer's output
     assert a.is_contiguous() and b.is_contiguous(), "the slot stacks must be contiguous"
     assert grouped.order.shape[0] == tokens, "grouped is for another batch"
     num_blocks = grouped.block_slot.shape[0]
-    table = (grouped.order, grouped.block_slot, grouped.block_start, grouped.block_count)
-    pdl = pdl_args(x)
-    if fused is None:  # a given split_k asks for the two kernels
-        fused = split_k is None and fuses(tokens, k,
-                                          expand_parts(parts, n, rank, block_n or FUSED_BLOCK_N)[2])
-    if fused:
-        block_n = block_n or FUSED_BLOCK_N
-        p0_end, p1_end, r_part = expand_parts(parts, n, rank, block_n)
-        _fused_kernel[(num_blocks, triton.cdiv(n, block_n))](
-            x, a, b, out, *table, k, n, p0_end, p1_end,
-            x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
-            R_PART=r_part, BLOCK_M=grouped.block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k or FUSED_BLOCK_K,
-            BLOCK_R=max(16, triton.next_power_of_2(r_part)), **pdl)
-        return out
-    block_n, block_k = block_n or EXPAND_BLOCK_N, block_k or 64
     block_r = max(16, triton.next_power_of_2(min(rank, 64)))
     if split_k is None:
         split_k = split_k_for(tokens, k, block_k)
@@ -323,7 +241,9 @@ def lora_sgmv_(out: torch.Tensor,  # [T, N], rows dense: the base layer's output
         tmp = (torch.zeros if split_k > 1 else torch.empty)(tokens, rank, dtype=torch.float32,
                                                             device=x.device)
     assert tmp.shape == (tokens, rank) and tmp.dtype == torch.float32 and tmp.stride(1) == 1
+    table = (grouped.order, grouped.block_slot, grouped.block_start, grouped.block_count)
     p0_end, p1_end, r_part = expand_parts(parts, n, rank, block_n)
+    pdl = pdl_args(x)
     _shrink_kernel[(num_blocks * split_k, triton.cdiv(rank, block_r))](
         x, a, tmp, *table, rank, k,
         x.stride(0), a.stride(0), a.stride(1), tmp.stride(0),
