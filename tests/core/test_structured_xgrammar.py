@@ -11,8 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from kvpilot.engine.contracts.sampling_params import SamplingParams
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
 from kvpilot.engine.contracts.tokenizer import load_tokenizer
+from kvpilot.engine.core.request import Request
+from kvpilot.engine.structured.matchers import NOTHING_ALLOWED, GrammarMatchers
 from kvpilot.engine.structured.xgrammar_backend import (
     XgrammarMatchers,
     unsupported_keyword,
@@ -119,3 +122,34 @@ def test_accept_advances_each_matcher_by_its_own_token(matchers: XgrammarMatcher
     matchers.matcher(json.dumps(BOUNDED), []).fill_next_token_bitmask(fresh, 0)
     assert torch.equal(masks[0], masks[2]) and not torch.equal(masks[0], fresh[0])
     assert torch.equal(masks[1], fresh[0])  # the refused token left its row where it was
+
+
+def _words_tokenizer_json(words: int) -> str:
+    """A word-level tokenizer of t0..t{words-1} and an end token: no token spells `{`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(words)} | {"</s>": words}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # pyright: ignore[reportAttributeAccessIssue]
+    return tokenizer.to_str()
+
+
+def test_a_grammar_the_vocabulary_cannot_spell_fails_its_request_saying_so() -> None:
+    """A JSON schema over a vocabulary without `{`: the mask allows nothing, the sampler's
+    token is refused, and the request's error says why rather than naming the token."""
+    words = 40
+    grammars = GrammarMatchers(_words_tokenizer_json(words), words + 1, [words],
+                               torch.device("cpu"))
+    schema = StructuredOutputsParams(json=json.dumps(BOUNDED))
+    request = Request("r", None, [5], SamplingParams(max_tokens=4, structured_outputs=schema),
+                      0.0)
+    grammars.add(request)
+    seq = request.seqs[0]
+    fill = grammars.start_bitmask([seq])
+    assert fill is not None and not fill.wait()[0].any()  # nothing allowed
+    grammars.accept(seq, 0)
+    grammars.shutdown()
+    assert request.error is not None and NOTHING_ALLOWED in request.error
+    spelled = load_tokenizer("tiny-llama")
+    xg = XgrammarMatchers(spelled.to_json(), spelled.vocab_size, [2], threads=1)
+    assert not xg.allows_nothing(xg.matcher(json.dumps(BOUNDED), []))

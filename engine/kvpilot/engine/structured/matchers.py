@@ -57,6 +57,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _MAX_FILL_THREADS = 32  # llguidance's own cap
+# why a request whose grammar no token of the vocabulary can continue failed (its mask row
+# was empty, so the sampler's token was refused)
+NOTHING_ALLOWED = ("allows no token of this model's vocabulary here: the grammar needs text "
+                   "the tokenizer cannot spell")
 Matcher = llguidance.LLMatcher | xgrammar.GrammarMatcher
 
 
@@ -399,11 +403,12 @@ class GrammarMatchers:
         if schemas:
             assert self._xgrammar is not None  # made with the schemas' matchers
             took = self._xgrammar.accept([m for _, m, _ in schemas], [t for _, _, t in schemas])
-            for (request, _, token), ok in zip(schemas, took, strict=True):
+            for (request, matcher, token), ok in zip(schemas, took, strict=True):
                 if not ok:
-                    log.warning("request %s: grammar matcher refused token %d",
-                                request.request_id, token)
-                    request.grammar = _fail(request, f"refused token {token}")
+                    why = (NOTHING_ALLOWED if self._xgrammar.allows_nothing(matcher)
+                           else f"refused token {token}")
+                    log.warning("request %s: grammar matcher %s", request.request_id, why)
+                    request.grammar = _fail(request, why)
         if not queues:
             return
         if len(queues) == 1:  # one matcher (a synchronous step's row): no executor round

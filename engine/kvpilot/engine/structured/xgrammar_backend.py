@@ -140,3 +140,11 @@ class XgrammarMatchers:
         (a few microseconds a row: fewer than starting threads for them); gives whether each
         took its token."""
         return self._accept.batch_accept_token(list(matchers), list(tokens))
+
+    def allows_nothing(self, matcher: xgrammar.GrammarMatcher) -> bool:
+        """Gives whether no token of the vocabulary can continue `matcher` (a grammar that
+        needs text this tokenizer cannot spell): the explanation for a refused token, so
+        called only then."""
+        mask = xgrammar.allocate_token_bitmask(1, self._vocab_size)
+        matcher.fill_next_token_bitmask(mask, 0)
+        return not bool(mask.any())
