@@ -9,14 +9,7 @@
 # default (CPUs - 1) and length-matched unconstrained requests (call 18's question, not run:
 # does the fill lose to the engine's other threads on 15?); a server at budget 2048 checked
 # for "first use after ready" (the warm-up's mixed step, not yet seen on a GPU). ~7 min.
-set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source bench/device_env.sh
-source bench/issue44/optional_wheels.sh
-start=$(date +%s)
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import os, torch, triton; print("torch", torch.__version__, "triton",
-triton.__version__, "cpus", len(os.sched_getaffinity(0)))'; } | tee "$OUT/machine.txt"
+source bench/issue44/call_start.sh
 mkdir -p "$OUT/tests"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lora_sgmv.py \
   tests/lora/test_lora_gpu.py tests/core/test_structured_gpu.py \

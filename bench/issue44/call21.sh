@@ -10,14 +10,7 @@
 # at the 8B shape (0.788 there before PDL). ~8 min. Ran on commit db365ce, whose pool fill
 # was slower inside the engine and was reverted after this call (its accept on one thread
 # kept): run it from that commit (`git checkout db365ce`), which `call21_variants.py` edits.
-set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source bench/device_env.sh
-source bench/issue44/optional_wheels.sh
-start=$(date +%s)
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import os, torch, triton; print("torch", torch.__version__, "triton",
-triton.__version__, "cpus", len(os.sched_getaffinity(0)))'; } | tee "$OUT/machine.txt"
+source bench/issue44/call_start.sh
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/core/test_structured_gpu.py \
   tests/core/test_structured_xgrammar.py 2>&1 | tail -4 | tee "$OUT/gpu-tests.log"
 echo "== probe ($(( $(date +%s) - start )) s in)"

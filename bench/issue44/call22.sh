@@ -9,14 +9,7 @@
 # as before (xgrammar's batch accept on the fill's threads). ~9 min. Ran on commit dc7b0ed;
 # the fused kernel was slower and was reverted after this call (`git checkout dc7b0ed` to
 # rerun it).
-set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source bench/device_env.sh
-source bench/issue44/optional_wheels.sh
-start=$(date +%s)
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import os, torch, triton; print("torch", torch.__version__, "triton",
-triton.__version__, "cpus", len(os.sched_getaffinity(0)))'; } | tee "$OUT/machine.txt"
+source bench/issue44/call_start.sh
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lora_sgmv.py \
   tests/lora/test_lora_gpu.py 2>&1 | tail -3 | tee "$OUT/gpu-tests.log"
 echo "== kernel bench ($(( $(date +%s) - start )) s in)"
