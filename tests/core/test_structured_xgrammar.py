@@ -152,4 +152,7 @@ def test_a_grammar_the_vocabulary_cannot_spell_fails_its_request_saying_so() -> 
     assert request.error is not None and NOTHING_ALLOWED in request.error
     spelled = load_tokenizer("tiny-llama")
     xg = XgrammarMatchers(spelled.to_json(), spelled.vocab_size, [2], threads=1)
-    assert not xg.allows_nothing(xg.matcher(json.dumps(BOUNDED), []))
+    matcher = xg.matcher(json.dumps(BOUNDED), [])
+    assert not xg.allows_nothing(matcher)
+    assert matcher.accept_string('{"name":"a"}') and matcher.accept_token(2)  # then EOS
+    assert matcher.is_terminated() and not xg.allows_nothing(matcher)  # done, not stuck

@@ -144,7 +144,9 @@ class XgrammarMatchers:
     def allows_nothing(self, matcher: xgrammar.GrammarMatcher) -> bool:
         """Gives whether no token of the vocabulary can continue `matcher` (a grammar that
         needs text this tokenizer cannot spell): the explanation for a refused token, so
-        called only then."""
+        called only then. A terminated matcher (it took EOS) refuses for that reason: False."""
+        if matcher.is_terminated():
+            return False
         mask = xgrammar.allocate_token_bitmask(1, self._vocab_size)
         matcher.fill_next_token_bitmask(mask, 0)
         return not bool(mask.any())
