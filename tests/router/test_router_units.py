@@ -6,12 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi import FastAPI, Request
 from router_fake_engine import serving
 
 from kvpilot.engine.contracts.block_hash import hash_prompt_blocks
-from kvpilot.engine.contracts.router_args import RouterArgs, parse_instances
+from kvpilot.engine.contracts.router_args import SERVED_BY_HEADER, RouterArgs, parse_instances
 from kvpilot.engine.router.discovery import EndpointSliceDiscovery, endpoints_from_slices
 from kvpilot.engine.router.fleet import parse_load
 from kvpilot.engine.router.health import Health
@@ -279,3 +280,37 @@ print(seen["access_log"], seen["frozen"] > 0, seen["young"])
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True).stdout.split()
     assert out == [str(access_log), "True", str(GC_YOUNG_OBJECTS)]
+
+
+async def test_a_fault_inside_the_http_stack_is_retried_on_another_instance():
+    """A send that fails inside the HTTP stack with neither an HTTP nor an OS error (anyio's
+    AttributeError on a socket its peer closed as it connected, seen in the chaos test) is a
+    failed try: the request goes to the next instance instead of becoming a 500."""
+    from kvpilot.engine.router.discovery import StaticDiscovery
+    from kvpilot.engine.router.fleet import Fleet
+    from kvpilot.engine.router.metrics import RouterMetrics
+    from kvpilot.engine.router.prefix_index import PrefixIndex
+    from kvpilot.engine.router.proxy import Forwarder, NoInstance
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "a" and request.url.path == "/v1/completions":
+            raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+        return httpx.Response(200, headers={"content-type": "application/json"},
+                              stream=httpx.ByteStream(b'{"choices": [{"text": "ok"}]}'))
+
+    fleet = Fleet(StaticDiscovery("http://a:1,http://b:2"), PrefixIndex(1000), eject_after=3,
+                  eject_seconds=1)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        await fleet.refresh(client)
+        forwarder = Forwarder(fleet, client, RouterMetrics(), max_retries=2,
+                              request_timeout=10.0)
+
+        async def pick(exclude: set[str]):
+            for url in ("http://a:1", "http://b:2"):  # a first
+                if url not in exclude:
+                    return fleet.instances[url]
+            raise NoInstance("none left")
+
+        response = await forwarder.send(pick, "/v1/completions", {"prompt": "hi"}, {})
+    assert response.status_code == 200
+    assert response.headers[SERVED_BY_HEADER] == "http://b:2"

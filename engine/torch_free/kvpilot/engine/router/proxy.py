@@ -125,7 +125,13 @@ class Forwarder:
         request = self.client.build_request(
             "POST", instance.url + path, content=encode_body(body),
             headers={"content-type": "application/json", **headers})
-        response = await self.client.send(request, stream=True)
+        try:
+            response = await self.client.send(request, stream=True)
+        except (httpx.HTTPError, OSError):
+            raise
+        except Exception as exc:  # the transport's own fault, not an answer: try another
+            # (anyio raised AttributeError on a socket its peer closed as it connected)
+            raise TransportFault(repr(exc)) from exc
         self.fleet.heard(instance)
         if response.status_code in RETRY_STATUSES:
             text = (await response.aread()).decode(errors="replace")[:300]
@@ -227,7 +233,8 @@ class Forwarder:
             try:
                 # nothing has reached the client yet: a stalled instance's attempt moves on
                 result = await self._attempt(instance, path, body, headers, tries.deadline)
-            except (httpx.HTTPError, RetryableStatus, TimeoutError, OSError, Stalled) as exc:
+            except (httpx.HTTPError, RetryableStatus, TransportFault, TimeoutError, OSError,
+                    Stalled) as exc:
                 busy = isinstance(exc, RetryableStatus) and exc.status == 429
                 outcome = "busy" if busy else "stalled" if isinstance(exc, Stalled) else "error"
                 self._end(instance, outcome, refused=isinstance(exc, httpx.ConnectError))
@@ -406,6 +413,11 @@ class Forwarder:
         self.metrics.migrations.labels(why.reason, "failed").inc()
         log.warning("stream not resumed: %s; %s", why.message, because)
         return error_event(why.status, f"{why.message} (not resumed: {because})")
+
+
+class TransportFault(Exception):
+    """Sending to an instance failed inside the HTTP stack with an error that is neither an
+    HTTP nor an OS error (a library's race on a closing socket): retried as a failed send."""
 
 
 class RetryableStatus(Exception):
