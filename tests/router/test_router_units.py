@@ -283,14 +283,15 @@ print(seen["access_log"], seen["frozen"] > 0, seen["young"])
 
 
 async def test_a_fault_inside_the_http_stack_is_retried_on_another_instance():
-    """A send that fails inside the HTTP stack with neither an HTTP nor an OS error (anyio's
-    AttributeError on a socket its peer closed as it connected, seen in the chaos test) is a
-    failed try: the request goes to the next instance instead of becoming a 500."""
+    """Through the router's transport (`GuardedTransport`), a send that fails inside the HTTP
+    stack with neither an HTTP nor an OS error (anyio's AttributeError on a socket its peer
+    closed as it connected, seen in the chaos test) is a failed try: the request goes to the
+    next instance instead of becoming a 500."""
     from kvpilot.engine.router.discovery import StaticDiscovery
     from kvpilot.engine.router.fleet import Fleet
     from kvpilot.engine.router.metrics import RouterMetrics
     from kvpilot.engine.router.prefix_index import PrefixIndex
-    from kvpilot.engine.router.proxy import Forwarder, NoInstance
+    from kvpilot.engine.router.proxy import Forwarder, GuardedTransport, NoInstance
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "a" and request.url.path == "/v1/completions":
@@ -300,7 +301,8 @@ async def test_a_fault_inside_the_http_stack_is_retried_on_another_instance():
 
     fleet = Fleet(StaticDiscovery("http://a:1,http://b:2"), PrefixIndex(1000), eject_after=3,
                   eject_seconds=1)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+    async with httpx.AsyncClient(transport=GuardedTransport(httpx.MockTransport(handler))
+                                 ) as client:
         await fleet.refresh(client)
         forwarder = Forwarder(fleet, client, RouterMetrics(), max_retries=2,
                               request_timeout=10.0)

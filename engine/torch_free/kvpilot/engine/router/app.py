@@ -52,7 +52,7 @@ from kvpilot.engine.router.metrics import RouterMetrics
 from kvpilot.engine.router.policy import Weights, choose, hit_blocks
 from kvpilot.engine.router.prefix_index import PrefixIndex
 from kvpilot.engine.router.prompt import PromptHasher
-from kvpilot.engine.router.proxy import Forwarder, NoInstance, sse_error
+from kvpilot.engine.router.proxy import Forwarder, GuardedTransport, NoInstance, sse_error
 from kvpilot.engine.router.response_store import ResponseStore
 from kvpilot.engine.router.responses_routes import add_responses_routes
 from kvpilot.engine.router.scheduling import Scheduling
@@ -85,8 +85,9 @@ class Router:
                                 write=args.idle_timeout, pool=args.connect_timeout)
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
         # every request to an engine carries the router's API key (the fleet shares one)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=limits,
-                                        headers=auth.user_headers())
+        self.client = httpx.AsyncClient(
+            timeout=timeout, headers=auth.user_headers(),
+            transport=GuardedTransport(httpx.AsyncHTTPTransport(limits=limits)))
         self.forwarder = Forwarder(self.fleet, self.client, self.metrics,
                                    max_retries=args.max_retries,
                                    request_timeout=args.request_timeout,

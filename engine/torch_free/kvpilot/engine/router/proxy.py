@@ -125,13 +125,7 @@ class Forwarder:
         request = self.client.build_request(
             "POST", instance.url + path, content=encode_body(body),
             headers={"content-type": "application/json", **headers})
-        try:
-            response = await self.client.send(request, stream=True)
-        except (httpx.HTTPError, OSError):
-            raise
-        except Exception as exc:  # the transport's own fault, not an answer: try another
-            # (anyio raised AttributeError on a socket its peer closed as it connected)
-            raise TransportFault(repr(exc)) from exc
+        response = await self.client.send(request, stream=True)
         self.fleet.heard(instance)
         if response.status_code in RETRY_STATUSES:
             text = (await response.aread()).decode(errors="replace")[:300]
@@ -233,8 +227,7 @@ class Forwarder:
             try:
                 # nothing has reached the client yet: a stalled instance's attempt moves on
                 result = await self._attempt(instance, path, body, headers, tries.deadline)
-            except (httpx.HTTPError, RetryableStatus, TransportFault, TimeoutError, OSError,
-                    Stalled) as exc:
+            except (httpx.HTTPError, RetryableStatus, TimeoutError, OSError, Stalled) as exc:
                 busy = isinstance(exc, RetryableStatus) and exc.status == 429
                 outcome = "busy" if busy else "stalled" if isinstance(exc, Stalled) else "error"
                 self._end(instance, outcome, refused=isinstance(exc, httpx.ConnectError))
@@ -415,9 +408,27 @@ class Forwarder:
         return error_event(why.status, f"{why.message} (not resumed: {because})")
 
 
-class TransportFault(Exception):
-    """Sending to an instance failed inside the HTTP stack with an error that is neither an
-    HTTP nor an OS error (a library's race on a closing socket): retried as a failed send."""
+class GuardedTransport(httpx.AsyncBaseTransport):
+    """The router's transport to its engines: a fault inside the HTTP stack that is neither
+    an HTTP nor an OS error (anyio raised AttributeError on a socket its peer closed as it
+    connected: the chaos test saw it as a 500 and a lost request) becomes
+    httpx.TransportError, which every caller already takes for a failed send (retried on
+    another instance, a failed probe)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self._inner.handle_async_request(request)
+        except (httpx.HTTPError, OSError):
+            raise
+        except Exception as exc:
+            raise httpx.TransportError(f"fault in the HTTP stack: {exc!r}",
+                                       request=request) from exc
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 class RetryableStatus(Exception):
