@@ -287,11 +287,10 @@ class GrammarMatchers:
               parts: list[tuple[list[llguidance.LLMatcher], int]],
               schemas: list[tuple[xgrammar.GrammarMatcher, int]], mask: torch.Tensor) -> None:
         """Writes the constrained rows of `mask` (on the background thread, without the GIL):
-        xgrammar's rows on its threads, then llguidance's (`_fill_guidance`)."""
+        xgrammar's rows (`XgrammarMatchers.fill`), then llguidance's (`_fill_guidance`)."""
         if schemas:
             assert self._xgrammar is not None  # made with the schemas' matchers
-            self._xgrammar.batch.batch_fill_next_token_bitmask(
-                [m for m, _ in schemas], mask, [row for _, row in schemas])
+            self._xgrammar.fill([m for m, _ in schemas], mask, [row for _, row in schemas])
         if constrained or parts:
             self._fill_guidance(constrained, parts, mask)
 

@@ -6,8 +6,8 @@ with `maxLength` its slices do not apply and one row walks nearly the whole voca
 precomputes, per grammar position, which tokens are allowed whatever the stack below
 (its adaptive token-mask cache), so a row costs tens to hundreds of microseconds. vLLM's
 default backend is xgrammar for the same reason. A step's rows are filled by
-`BatchGrammarMatcher` on the engine's fill threads (no GIL while it runs), and its tokens
-accepted on one thread (`XgrammarMatchers.accept`).
+`BatchGrammarMatcher` on the engine's fill threads (`XgrammarMatchers.fill`, no GIL while
+it runs), and its tokens accepted on one thread (`XgrammarMatchers.accept`).
 
 xgrammar's batch calls start and join a new pool of threads on every call: ~0.5 ms for 15
 threads on an H100 host (2026-12-06, `bench/results/issue44-xgrammar-pool-H100-2026-12-06`).
@@ -35,6 +35,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import xgrammar
 
 from kvpilot.engine.contracts.structured_outputs import StructuredOutputsParams
@@ -97,7 +98,7 @@ class XgrammarMatchers:
         self._threads = threads
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._setup = threading.Lock()
-        self.batch = xgrammar.BatchGrammarMatcher(max_threads=threads)  # the mask fill
+        self._fill = xgrammar.BatchGrammarMatcher(max_threads=threads)
         self._accept = xgrammar.BatchGrammarMatcher(max_threads=1)  # no thread starts
 
     def _compiler_of(self) -> xgrammar.GrammarCompiler:
@@ -133,6 +134,12 @@ class XgrammarMatchers:
             if not matcher.accept_token(token):
                 raise ValueError(f"refuses resume_token_ids[{i}]={token}")
         return matcher
+
+    def fill(self, matchers: Sequence[xgrammar.GrammarMatcher], mask: torch.Tensor,
+             rows: Sequence[int]) -> None:
+        """Writes `matchers[i]`'s mask into row `rows[i]` of `mask` (int32, on the host) for
+        every i, on the fill's threads (without the GIL)."""
+        self._fill.batch_fill_next_token_bitmask(list(matchers), mask, list(rows))
 
     def accept(self, matchers: Sequence[xgrammar.GrammarMatcher], tokens: Sequence[int]
                ) -> list[bool]:
